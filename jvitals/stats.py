@@ -1,0 +1,435 @@
+"""One-pass tensor summaries and their mesh-correct reduction.
+
+A :class:`Summary` holds what every jvitals statistic is derived from:
+
+    count     = #valid elements                       (mask True; padding excluded)
+    sum       = sum over valid finite x               (float32)
+    sumsq     = sum over valid finite x^2             (float32)
+    abs_max   = max over valid |x|                    (NaN if any valid x is non-finite
+                                                       or if count == 0)
+    nonfinite = #valid elements that are NaN or +-Inf
+
+from which ``mean = sum / count``, ``rms = sqrt(sumsq / count)`` and
+``std = sqrt(max(sumsq / count - mean^2, 0))`` follow. Every derived statistic is
+NaN when ``nonfinite > 0`` (METRICS.md §1: non-finite values are never hidden) or
+when ``count == 0`` (an empty input is not an error).
+
+Summaries merge associatively (``Summary.empty()`` is the identity), which is what
+makes the reduction across a device mesh exact: counts and sums are ``psum``-ed,
+maxima ``pmax``-ed, and the mean over shards holding different numbers of valid
+tokens is ``psum(sum) / psum(count)``, never ``pmean(local_mean)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+from jax.sharding import PartitionSpec
+
+__all__ = [
+    "Summary",
+    "summarize",
+    "reduce",
+    "bound_axes",
+    "varying_axes",
+    "sharded_axes",
+    "psum_over",
+    "pmax_over",
+]
+
+_F32 = jnp.float32
+
+
+def _nan_rule(value: jax.Array, count: jax.Array, nonfinite: jax.Array) -> jax.Array:
+    """NaN where the input held a non-finite value or nothing at all."""
+    return jnp.where((nonfinite > 0) | (count <= 0), jnp.nan, value).astype(_F32)
+
+
+@struct.dataclass
+class Summary:
+    """Sufficient statistics of a tensor, in float32 (see the module docstring).
+
+    Attributes:
+      count: number of valid elements.
+      sum: sum of the valid finite elements.
+      sumsq: sum of squares of the valid finite elements.
+      abs_max: ``max |x|`` over valid elements; NaN if any is non-finite or if
+        there are none.
+      nonfinite: number of valid elements that are NaN or infinite.
+
+    All fields have the same shape: ``()`` for a whole-tensor summary, ``(L,)``
+    for ``summarize(x, axis=...)``.
+    """
+
+    count: jax.Array
+    sum: jax.Array
+    sumsq: jax.Array
+    abs_max: jax.Array
+    nonfinite: jax.Array
+
+    @classmethod
+    def empty(cls, shape: Sequence[int] = ()) -> "Summary":
+        """The identity of :meth:`merge`: nothing counted, NaN statistics."""
+        z = jnp.zeros(shape, _F32)
+        return cls(count=z, sum=z, sumsq=z, abs_max=jnp.full(shape, jnp.nan, _F32), nonfinite=z)
+
+    def merge(self, other: "Summary") -> "Summary":
+        """Summary of the union of both inputs (associative; ``empty()`` is neutral)."""
+        count = self.count + other.count
+        nonfinite = self.nonfinite + other.nonfinite
+        amax = jnp.fmax(_finite_or_minus_inf(self.abs_max), _finite_or_minus_inf(other.abs_max))
+        return Summary(
+            count=count,
+            sum=self.sum + other.sum,
+            sumsq=self.sumsq + other.sumsq,
+            abs_max=_nan_rule(amax, count, nonfinite),
+            nonfinite=nonfinite,
+        )
+
+    def total(self) -> "Summary":
+        """Merge every entry of a per-layer summary (shape ``(L,)``) into one."""
+        count = jnp.sum(self.count)
+        nonfinite = jnp.sum(self.nonfinite)
+        amax = jnp.max(_finite_or_minus_inf(self.abs_max), initial=-jnp.inf)
+        return Summary(
+            count=count,
+            sum=jnp.sum(self.sum),
+            sumsq=jnp.sum(self.sumsq),
+            abs_max=_nan_rule(amax, count, nonfinite),
+            nonfinite=nonfinite,
+        )
+
+    @property
+    def mean(self) -> jax.Array:
+        """``sum / count`` (NaN if empty or non-finite)."""
+        return _nan_rule(self.sum / jnp.maximum(self.count, 1.0), self.count, self.nonfinite)
+
+    @property
+    def rms(self) -> jax.Array:
+        """``sqrt(sumsq / count)``; includes the mean, unlike :attr:`std`."""
+        return _nan_rule(jnp.sqrt(self.sumsq / jnp.maximum(self.count, 1.0)), self.count, self.nonfinite)
+
+    @property
+    def norm(self) -> jax.Array:
+        """L2 norm ``sqrt(sumsq)`` (NaN if non-finite; 0 for an empty input)."""
+        return jnp.where(self.nonfinite > 0, jnp.nan, jnp.sqrt(self.sumsq)).astype(_F32)
+
+    @property
+    def std(self) -> jax.Array:
+        """Population standard deviation ``sqrt(max(E[x^2] - E[x]^2, 0))``.
+
+        One-pass formula: it loses precision when ``|mean| >> std``.
+        """
+        n = jnp.maximum(self.count, 1.0)
+        mean = self.sum / n
+        var = jnp.maximum(self.sumsq / n - mean * mean, 0.0)
+        return _nan_rule(jnp.sqrt(var), self.count, self.nonfinite)
+
+
+def _finite_or_minus_inf(x: jax.Array) -> jax.Array:
+    return jnp.where(jnp.isnan(x), -jnp.inf, x)
+
+
+def _align_mask(mask: jax.Array, shape: tuple[int, ...], axis: int | None) -> jax.Array:
+    """Broadcast ``mask`` against an array of ``shape``.
+
+    A mask of the same rank broadcasts by NumPy rules. A mask of lower rank is
+    aligned with the *leading* axes of ``x`` (a ``[B, T]`` token mask against
+    ``[B, T, D]`` activations); when ``axis`` is kept, it is first tried against
+    the shape without that axis (a ``[B, T]`` mask against scan-stacked
+    ``[L, B, T, D]`` values).
+    """
+    mshape = tuple(mask.shape)
+
+    def fits(target: tuple[int, ...]) -> bool:
+        return len(mshape) <= len(target) and all(m in (1, t) for m, t in zip(mshape, target))
+
+    if len(mshape) == len(shape):
+        if all(m in (1, s) for m, s in zip(mshape, shape)):
+            return jnp.broadcast_to(mask, shape)
+    elif len(mshape) < len(shape):
+        if axis is not None:
+            without = shape[:axis] + shape[axis + 1:]
+            if fits(without):
+                m = mask.reshape(mshape + (1,) * (len(without) - len(mshape)))
+                return jnp.broadcast_to(jnp.expand_dims(m, axis), shape)
+        if fits(shape):
+            return jnp.broadcast_to(mask.reshape(mshape + (1,) * (len(shape) - len(mshape))), shape)
+    hint = f" (or, with axis={axis}, those of the shape without that axis)" if axis is not None else ""
+    raise ValueError(
+        f"mask of shape {mshape} does not broadcast against x of shape {shape}: a mask "
+        f"must match x's leading axes{hint}, e.g. a [B, T] token mask for [B, T, D] "
+        f"activations. Pass mask with shape {shape[:len(mshape)] if len(mshape) <= len(shape) else shape[:2]}."
+    )
+
+
+def summarize(x: jax.Array, mask: jax.Array | None = None, *, axis: int | None = None) -> Summary:
+    """Summarise ``x`` in one fused pass, in float32.
+
+    ``count = sum(mask)``, ``sum = sum(where(mask & finite, x, 0))``,
+    ``sumsq = sum(where(mask & finite, x, 0)^2)``, ``abs_max = max(mask * |x|)``,
+    ``nonfinite = sum(mask & ~isfinite(x))``. ``x`` is cast to float32 before any
+    arithmetic, so bf16/fp16 inputs give the figures of their float32 upcast.
+
+    Args:
+      x: any array (any float or integer dtype).
+      mask: optional boolean array, True = valid; broadcast against ``x`` (same
+        rank: NumPy rules; lower rank: aligned with ``x``'s leading axes, after
+        removing ``axis`` if that fits). Masked elements count nowhere.
+      axis: keep this axis (e.g. the leading layer axis of ``nn.scan``-stacked
+        values): the result has fields of shape ``(x.shape[axis],)``.
+
+    Returns:
+      A :class:`Summary` (fields of shape ``()``, or ``(x.shape[axis],)``).
+
+    Raises:
+      ValueError: if ``mask`` does not broadcast against ``x`` or ``axis`` is out
+        of range.
+
+    Example:
+      >>> s = summarize(jnp.array([[3.0, 4.0], [1e9, 0.0]]), mask=jnp.array([True, False]))
+      >>> round(float(s.rms), 4), int(s.count)
+      (3.5355, 2)
+    """
+    x = jnp.asarray(x)
+    shape = tuple(x.shape)
+    if axis is not None:
+        if not -len(shape) <= axis < len(shape) or len(shape) == 0:
+            raise ValueError(f"axis={axis} is out of range for x of shape {shape}")
+        axis = axis % len(shape)
+        red: tuple[int, ...] | None = tuple(i for i in range(len(shape)) if i != axis)
+    else:
+        red = None
+    xf = x.astype(_F32)
+    finite = jnp.isfinite(xf)
+    if mask is None:
+        valid = jnp.ones(shape, bool)
+    else:
+        valid = _align_mask(jnp.asarray(mask, bool), shape, axis)
+    good = valid & finite
+    xz = jnp.where(good, xf, 0.0)
+    count = jnp.sum(valid, axis=red, dtype=_F32)
+    nonfinite = jnp.sum(valid & ~finite, axis=red, dtype=_F32)
+    amax = jnp.max(jnp.abs(xz), axis=red, initial=0.0)
+    return Summary(
+        count=count,
+        sum=jnp.sum(xz, axis=red),
+        sumsq=jnp.sum(xz * xz, axis=red),
+        abs_max=_nan_rule(amax, count, nonfinite),
+        nonfinite=nonfinite,
+    )
+
+
+# ----------------------------------------------------------------------------------
+# Mesh axes.
+
+
+def _manual_varying(x: Any) -> frozenset[str] | None:
+    """The manual mesh axes ``x`` varies along, or None if JAX does not say.
+
+    jax >= 0.10 records it as ``jax.typeof(x).manual_axis_type.varying``; some
+    earlier releases as ``jax.typeof(x).vma``. Both are tried, so a rename fails
+    soft (to "unknown") rather than hard.
+    """
+    try:
+        aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+    except Exception:  # pragma: no cover - very old JAX
+        return None
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None and hasattr(mat, "varying"):
+        return frozenset(mat.varying)
+    vma = getattr(aval, "vma", None)
+    if vma is not None:
+        return frozenset(vma)
+    return None
+
+
+def bound_axes() -> tuple[str, ...]:
+    """Names of the manual mesh axes bound here (inside ``shard_map``/``pmap``)."""
+    try:
+        mesh = jax.sharding.get_abstract_mesh()
+    except Exception:  # pragma: no cover
+        return ()
+    names = getattr(mesh, "manual_axes", None)
+    if names is None:
+        names = getattr(mesh, "axis_names", ())
+    return tuple(names or ())
+
+
+def _check_axes(axes: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(axes, str):
+        axes = (axes,)
+    axes = tuple(axes)
+    bound = bound_axes()
+    for a in axes:
+        if a in bound:
+            continue
+        try:  # vmap/pmap names that the abstract mesh does not list
+            lax.axis_size(a)
+        except NameError:
+            raise ValueError(
+                f"mesh axis {a!r} is not bound here; bound axes: {list(bound)}. "
+                "Call this inside jax.shard_map (or pmap) over a mesh with that axis, "
+                "or pass axes=() under plain jit, where arrays are global."
+            ) from None
+    return axes
+
+
+def _tracks_varying(axis: str) -> bool:
+    """Whether JAX tracks varying axes here (shard_map with check_vma=True)."""
+    v = _manual_varying(lax.axis_index(axis))
+    return v is not None and axis in v
+
+
+def varying_axes(x: jax.Array, axes: Sequence[str]) -> tuple[str, ...]:
+    """Axes of ``axes`` along which ``x`` varies, as JAX's type system records it.
+
+    Where JAX does not track it (``shard_map(check_vma=False)``, ``pmap``), every
+    axis of ``axes`` is assumed to vary (pmap semantics: pass ``specs`` to say
+    otherwise).
+    """
+    if not axes:
+        return ()
+    v = _manual_varying(x)
+    if v is None or not _tracks_varying(axes[0]):
+        return tuple(axes)
+    return tuple(a for a in axes if a in v)
+
+
+def sharded_axes(spec: PartitionSpec | None, axes: Sequence[str]) -> tuple[str, ...]:
+    """Axes of ``axes`` that ``spec`` shards along (a ``None`` spec: replicated)."""
+    if spec is None:
+        return ()
+    named: set[str] = set()
+    for entry in spec:
+        if entry is None:
+            continue
+        if isinstance(entry, (tuple, list)):
+            named.update(entry)
+        else:
+            named.add(entry)
+    return tuple(a for a in axes if a in named)
+
+
+def _reduce_axes(leaves: Sequence[jax.Array], axes: tuple[str, ...], spec: Any) -> tuple[str, ...]:
+    """The axes a value (given as its arrays) must be reduced over.
+
+    Without a spec: the axes any of ``leaves`` varies along (a count built from
+    a constant mask is invariant even though the data it counts varies). With a
+    spec: the axes it shards along, less those along which JAX knows every leaf
+    is invariant (identical on every shard there: psum would multiply it).
+    """
+    if not axes:
+        return ()
+    tracked = _tracks_varying(axes[0])
+    varying: set[str] = set()
+    for leaf in leaves:
+        v = _manual_varying(leaf)
+        if v is None:
+            tracked = False
+            break
+        varying |= v
+    if spec is _NO_SPEC:
+        return tuple(a for a in axes if a in varying) if tracked else axes
+    wanted = sharded_axes(spec, axes)
+    return tuple(a for a in wanted if a in varying) if tracked else wanted
+
+
+def _make_varying(x: jax.Array, red: tuple[str, ...]) -> jax.Array:
+    """Mark ``x`` as varying along ``red`` so one collective can cover all of them."""
+    v = _manual_varying(x)
+    if v is None or not _tracks_varying(red[0]):
+        return x
+    missing = tuple(a for a in red if a not in v)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+_NO_SPEC = object()
+
+
+def psum_over(x: jax.Array, axes: Sequence[str], spec: Any = _NO_SPEC) -> jax.Array:
+    """``psum`` of ``x`` over the axes of ``axes`` it is sharded (or varies) along."""
+    red = _reduce_axes([x], tuple(axes), spec)
+    return lax.psum(_make_varying(x, red), red) if red else x
+
+
+def pmax_over(x: jax.Array, axes: Sequence[str], spec: Any = _NO_SPEC) -> jax.Array:
+    """``pmax`` of ``x`` over the axes of ``axes`` it is sharded (or varies) along."""
+    red = _reduce_axes([x], tuple(axes), spec)
+    return lax.pmax(_make_varying(x, red), red) if red else x
+
+
+def _reduce_summary(s: Summary, axes: tuple[str, ...], spec: Any) -> Summary:
+    red = _reduce_axes([s.count, s.sum, s.sumsq, s.abs_max, s.nonfinite], axes, spec)
+    if not red:
+        return s
+
+    def psum(x: jax.Array) -> jax.Array:
+        return lax.psum(_make_varying(x, red), red)
+
+    count = psum(s.count)
+    nonfinite = psum(s.nonfinite)
+    # pmax drops NaN on some backends and keeps it on others: reduce finite
+    # maxima only and rebuild NaN from the psum-ed counts.
+    amax = lax.pmax(_make_varying(_finite_or_minus_inf(s.abs_max), red), red)
+    return Summary(
+        count=count,
+        sum=psum(s.sum),
+        sumsq=psum(s.sumsq),
+        abs_max=_nan_rule(amax, count, nonfinite),
+        nonfinite=nonfinite,
+    )
+
+
+def _is_summary(x: Any) -> bool:
+    return isinstance(x, Summary)
+
+
+def reduce(tree: Any, axes: Sequence[str] | str = (), *, specs: Any = None) -> Any:
+    """Reduce every :class:`Summary` in ``tree`` over the named mesh axes.
+
+    Counts and sums are ``psum``-ed, maxima ``pmax``-ed, so derived means are
+    ``psum(sum) / psum(count)``: exact with shards of unequal valid counts.
+
+    Each leaf is reduced only over the axes it is *sharded* along: with
+    ``specs`` (a pytree of ``PartitionSpec`` with the structure of ``tree``, or a
+    prefix of it, where a Summary may take one spec), the axes its spec names;
+    without, the axes JAX's type system says the value varies along inside
+    ``shard_map``. A replicated leaf is therefore never counted twice. Non-Summary
+    leaves are left as they are. With ``axes=()`` (plain ``jit`` over global
+    arrays) nothing is reduced and no collective is emitted.
+
+    Args:
+      tree: a pytree whose ``Summary`` nodes are reduced.
+      axes: mesh axis names bound by the enclosing ``shard_map``/``pmap``.
+      specs: optional pytree of ``PartitionSpec`` (``None`` = replicated).
+
+    Returns:
+      ``tree`` with each Summary replaced by its reduction.
+
+    Raises:
+      ValueError: if an axis name is not bound, or ``specs`` does not match.
+    """
+    axes = _check_axes(axes)
+    if not axes:
+        return tree
+    if specs is None:
+        return jax.tree.map(lambda s: _reduce_summary(s, axes, _NO_SPEC) if _is_summary(s) else s,
+                            tree, is_leaf=_is_summary)
+
+    def per_spec(spec: Any, sub: Any) -> Any:
+        return jax.tree.map(lambda s: _reduce_summary(s, axes, spec) if _is_summary(s) else s,
+                            sub, is_leaf=_is_summary)
+
+    try:
+        return jax.tree.map(per_spec, specs, tree,
+                            is_leaf=lambda x: x is None or isinstance(x, PartitionSpec))
+    except ValueError as e:
+        raise ValueError(
+            f"specs must be a pytree of PartitionSpec with the structure of tree (or a "
+            f"prefix of it); they do not match: {e}") from None

@@ -1,0 +1,55 @@
+"""Test set-up: eight host CPU devices, set before JAX is imported anywhere."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+@pytest.fixture(scope="session")
+def devices():
+    devs = jax.devices()
+    assert len(devs) == 8, f"expected 8 forced CPU devices, got {len(devs)}"
+    return devs
+
+
+class CompileCounter:
+    """Counts XLA backend compiles (not cache hits) while active."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+
+def _unregister_private(callback):
+    from jax._src import monitoring
+
+    monitoring.unregister_event_duration_listener(callback)
+
+
+@pytest.fixture
+def count_compiles():
+    """``with count_compiles() as c: ...; assert c.count == 0``."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def ctx():
+        counter = CompileCounter()
+        jax.monitoring.register_event_duration_secs_listener(counter)
+        try:
+            yield counter
+        finally:
+            getattr(jax.monitoring, "unregister_event_duration_listener", _unregister_private)(counter)
+
+    return ctx

@@ -1,0 +1,214 @@
+"""summarize / Summary on one device, checked against NumPy."""
+
+import warnings
+
+import hypothesis.extra.numpy as hnp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jvitals as vitals
+
+
+def np_stats(x, mask=None):
+    """The reference: NumPy in float64 over the valid elements."""
+    x = np.asarray(x, np.float64)
+    valid = np.ones(x.shape, bool) if mask is None else np.broadcast_to(mask, x.shape)
+    v = x[valid]
+    n = v.size
+    if n == 0:
+        return dict(count=0, mean=np.nan, rms=np.nan, std=np.nan, abs_max=np.nan, nonfinite=0)
+    nonfinite = int(np.sum(~np.isfinite(v)))
+    if nonfinite:
+        return dict(count=n, mean=np.nan, rms=np.nan, std=np.nan, abs_max=np.nan, nonfinite=nonfinite)
+    return dict(count=n, mean=v.mean(), rms=np.sqrt(np.mean(v * v)), std=v.std(),
+                abs_max=np.abs(v).max(), nonfinite=0)
+
+
+def check(s, ref, rtol=1e-6, atol=0.0):
+    assert float(s.count) == ref["count"]
+    assert float(s.nonfinite) == ref["nonfinite"]
+    for k in ("mean", "rms", "abs_max"):
+        np.testing.assert_allclose(float(getattr(s, k)), ref[k], rtol=rtol, atol=atol, equal_nan=True, err_msg=k)
+    # std by the one-pass formula loses precision when |mean| >> std.
+    np.testing.assert_allclose(float(s.std), ref["std"], rtol=1e-4, atol=1e-5 * max(1.0, abs(ref["mean"])),
+                               equal_nan=True, err_msg="std")
+
+
+def test_matches_numpy_with_mask_and_huge_padding():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 16, 8)).astype(np.float32)
+    mask = rng.random((4, 16)) > 0.3
+    x[~mask] = 1e30  # a leak of padding would show
+    check(vitals.summarize(x, mask), np_stats(x, mask[..., None]))
+
+
+def test_rms_is_not_std():
+    x = jnp.full((10,), 3.0)
+    s = vitals.summarize(x)
+    assert float(s.rms) == pytest.approx(3.0)
+    assert float(s.std) == pytest.approx(0.0, abs=1e-6)
+    assert float(s.mean) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nonfinite_makes_statistics_nan_and_is_counted(bad):
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    x[1, 2] = bad
+    x[2, 3] = bad
+    s = vitals.summarize(x)
+    assert float(s.nonfinite) == 2
+    assert float(s.count) == 12
+    for k in ("mean", "rms", "std", "abs_max"):
+        assert np.isnan(float(getattr(s, k))), k
+
+
+def test_nonfinite_in_padding_is_ignored():
+    x = np.ones((2, 3), np.float32)
+    x[1, :] = np.nan
+    s = vitals.summarize(x, mask=np.array([True, False]))
+    assert float(s.nonfinite) == 0
+    assert float(s.rms) == 1.0
+
+
+def test_empty_mask_gives_nan_without_warning():
+    x = jnp.ones((4, 5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = vitals.summarize(x, mask=jnp.zeros((4,), bool))
+        vals = [float(getattr(s, k)) for k in ("mean", "rms", "std", "abs_max")]
+    assert float(s.count) == 0
+    assert all(np.isnan(v) for v in vals)
+    assert float(s.norm) == 0.0
+
+
+def test_empty_and_merge_identity():
+    rng = np.random.default_rng(1)
+    s = vitals.summarize(rng.normal(size=(5, 7)).astype(np.float32))
+    e = vitals.Summary.empty()
+    for merged in (s.merge(e), e.merge(s)):
+        for k in ("count", "sum", "sumsq", "abs_max", "nonfinite"):
+            assert float(getattr(merged, k)) == float(getattr(s, k)), k
+    assert np.isnan(float(e.rms)) and float(e.count) == 0
+
+
+def test_merge_is_associative_and_equals_concatenation():
+    rng = np.random.default_rng(2)
+    parts = [rng.normal(size=(n,)).astype(np.float32) * (i + 1) for i, n in enumerate((3, 0, 11, 6))]
+    ss = [vitals.summarize(p) for p in parts]
+    left = ss[0].merge(ss[1]).merge(ss[2]).merge(ss[3])
+    right = ss[0].merge(ss[1].merge(ss[2].merge(ss[3])))
+    whole = np.concatenate(parts)
+    for m in (left, right):
+        check(m, np_stats(whole))
+    for k in ("count", "sum", "sumsq", "abs_max", "nonfinite"):
+        np.testing.assert_allclose(np.asarray(getattr(left, k)), np.asarray(getattr(right, k)), rtol=1e-6)
+
+
+def test_merge_keeps_nonfinite():
+    a = vitals.summarize(jnp.array([1.0, jnp.nan]))
+    b = vitals.summarize(jnp.array([5.0]))
+    m = b.merge(a)
+    assert float(m.nonfinite) == 1 and np.isnan(float(m.abs_max)) and np.isnan(float(m.rms))
+
+
+def test_axis_gives_per_layer_summaries():
+    rng = np.random.default_rng(3)
+    L, B, T, D = 3, 2, 5, 4
+    x = rng.normal(size=(L, B, T, D)).astype(np.float32) * np.arange(1, L + 1)[:, None, None, None]
+    mask = rng.random((B, T)) > 0.4
+    s = vitals.summarize(x, mask, axis=0)  # [B, T] mask against [L, B, T, D]
+    assert s.rms.shape == (L,)
+    for i in range(L):
+        ref = np_stats(x[i], mask[..., None])
+        np.testing.assert_allclose(float(s.rms[i]), ref["rms"], rtol=1e-6)
+        np.testing.assert_allclose(float(s.abs_max[i]), ref["abs_max"], rtol=1e-6)
+        assert float(s.count[i]) == ref["count"]
+    check(s.total(), np_stats(x, np.broadcast_to(mask[None, ..., None], x.shape)))
+
+
+def test_axis_in_the_middle_and_negative():
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    s = vitals.summarize(x, axis=-2)
+    np.testing.assert_allclose(np.asarray(s.sum), x.sum(axis=(0, 2)))
+    s1 = vitals.summarize(x, axis=1)
+    np.testing.assert_allclose(np.asarray(s1.sumsq), (x.astype(np.float64) ** 2).sum(axis=(0, 2)), rtol=1e-6)
+
+
+def test_bf16_equals_its_float32_upcast():
+    rng = np.random.default_rng(4)
+    x32 = rng.normal(size=(8, 32, 64)).astype(np.float32) * 50
+    xb = jnp.asarray(x32, jnp.bfloat16)
+    up = np.asarray(xb.astype(jnp.float32))
+    sb, su = vitals.summarize(xb), vitals.summarize(up)
+    for k in ("count", "sum", "sumsq", "abs_max", "nonfinite"):
+        assert getattr(sb, k).dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(getattr(sb, k)), np.asarray(getattr(su, k)), rtol=1e-6)
+    check(sb, np_stats(up))
+
+
+def test_integer_input():
+    s = vitals.summarize(jnp.arange(5, dtype=jnp.int32))
+    check(s, np_stats(np.arange(5)))
+
+
+def test_mask_of_wrong_shape_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"mask of shape \(4, 3\) does not broadcast against x of shape \(4, 16, 8\)"):
+        vitals.summarize(jnp.ones((4, 16, 8)), mask=jnp.ones((4, 3), bool))
+
+
+def test_axis_out_of_range_is_a_clear_error():
+    with pytest.raises(ValueError, match="axis=3 is out of range"):
+        vitals.summarize(jnp.ones((2, 3)), axis=3)
+
+
+def test_no_recompile_on_second_call(count_compiles):
+    f = jax.jit(lambda x, m: vitals.summarize(x, m).rms)
+    x = jax.device_put(jnp.ones((4, 8)))
+    x2 = jax.device_put(jnp.full((4, 8), 2.0, jnp.float32))
+    m = jax.device_put(jnp.ones((4,), bool))
+    f(x, m).block_until_ready()
+    with count_compiles() as c:
+        out = f(x2, m)
+        out.block_until_ready()
+    assert c.count == 0
+    assert float(out) == 2.0
+
+
+finite_floats = st.floats(-1e4, 1e4, allow_nan=False, width=32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_property_matches_numpy(data):
+    shape = data.draw(hnp.array_shapes(min_dims=1, max_dims=3, min_side=1, max_side=6))
+    x = data.draw(hnp.arrays(np.float32, shape, elements=finite_floats))
+    mrank = data.draw(st.integers(0, len(shape)))
+    mask = None if mrank == 0 else data.draw(hnp.arrays(bool, shape[:mrank]))
+    s = vitals.summarize(x, mask)
+    m = None if mask is None else mask.reshape(mask.shape + (1,) * (len(shape) - mrank))
+    ref = np_stats(x, m)
+    assert float(s.count) == ref["count"]
+    for k in ("mean", "rms", "abs_max"):
+        np.testing.assert_allclose(float(getattr(s, k)), ref[k], rtol=1e-5, atol=1e-3, equal_nan=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_property_merge_of_split_equals_whole(data):
+    n = data.draw(st.integers(0, 40))
+    x = data.draw(hnp.arrays(np.float32, (n,), elements=st.one_of(finite_floats, st.just(np.nan))))
+    mask = data.draw(hnp.arrays(bool, (n,)))
+    cut = data.draw(st.integers(0, n))
+    a = vitals.summarize(x[:cut], mask[:cut])
+    b = vitals.summarize(x[cut:], mask[cut:])
+    whole = vitals.summarize(x, mask)
+    m = a.merge(b)
+    for k in ("count", "nonfinite"):
+        assert float(getattr(m, k)) == float(getattr(whole, k))
+    for k in ("sum", "sumsq", "abs_max"):
+        np.testing.assert_allclose(float(getattr(m, k)), float(getattr(whole, k)), rtol=1e-5, atol=1e-2, equal_nan=True)
+    np.testing.assert_allclose(float(m.rms), np_stats(x, mask)["rms"], rtol=1e-5, atol=1e-3, equal_nan=True)
