@@ -1,0 +1,137 @@
+"""Writing a step's metrics, verdict and events to any clu ``MetricWriter``.
+
+What is written, all in one call per step so that clu's rule "a name is written
+at most once per step" holds:
+
+- ``write_scalars``: every finite-or-not scalar metric under its METRICS.md name,
+  plus ``vitals/level`` (0 GREEN, 1 YELLOW, 2 ORANGE, 3 RED) when a verdict is
+  given, and the verdict's scores (``monitor/*``).
+- ``write_histograms``: each per-layer family (``{base}/layer_{i}`` for two or
+  more layers) as ``{base}/by_layer``, and any non-scalar array metric.
+- ``write_texts``: ``vitals/alerts`` (readable markdown) and
+  ``vitals/alerts_json`` (a JSON list of the open and just-closed alerts, each
+  with its ``id``, so a reader can deduplicate) when there are any, and
+  ``vitals/events_json`` for events such as a rollback or a save.
+
+The writer is any object with clu's writer methods (``write_scalars``,
+``write_texts``, ``write_histograms``); jvitals never owns its lifecycle.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any, Iterable, Mapping, Protocol
+
+import jax
+import numpy as np
+
+__all__ = ["MetricWriterLike", "write", "alerts_markdown"]
+
+_LAYER = re.compile(r"^(?P<base>.+)/layer_(?P<i>\d+)$")
+
+
+class MetricWriterLike(Protocol):
+    """The part of ``clu.metric_writers.MetricWriter`` that jvitals uses."""
+
+    def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None: ...
+
+    def write_texts(self, step: int, texts: Mapping[str, str]) -> None: ...
+
+    def write_histograms(self, step: int, arrays: Mapping[str, Any],
+                         num_buckets: Mapping[str, int] | None = None) -> None: ...
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, (np.generic,)):
+        return x.item()
+    if hasattr(x, "to_dict"):
+        return x.to_dict()
+    return str(x)
+
+
+def _finite_or_none(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def _alert_dict(alert: Any) -> dict[str, Any]:
+    d = alert.to_dict() if hasattr(alert, "to_dict") else dict(vars(alert))
+    level = getattr(alert, "level", d.get("level"))
+    d["level"] = getattr(level, "name", str(level))
+    if "localization" in d:
+        d["localization"] = [loc.get("line", str(loc)) if isinstance(loc, dict) else str(loc)
+                             for loc in d["localization"]]
+    return {k: _finite_or_none(v) for k, v in d.items()}
+
+
+def alerts_markdown(alerts: Iterable[Any]) -> str:
+    """Alerts as a markdown list: level, step, metric, message, then the localization."""
+    lines = []
+    for a in alerts:
+        d = _alert_dict(a)
+        lines.append(f"- **{d['level']}** step {d.get('step')} `{d.get('metric')}` ({d.get('rule')}): "
+                     f"{d.get('message', '')}")
+        lines += [f"  - {loc}" for loc in d.get("localization") or []]
+    return "\n".join(lines)
+
+
+def write(writer: MetricWriterLike, step: int, metrics: Mapping[str, Any], verdict: Any = None, *,
+          events: Iterable[Mapping[str, Any]] = (), histograms: bool = True) -> None:
+    """Write one step's metrics, verdict and events through a clu writer.
+
+    Args:
+      writer: a clu ``MetricWriter`` (or anything with its ``write_*`` methods).
+      step: the training step.
+      metrics: a flat ``{name: value}`` dict; device arrays are fetched here (one
+        ``jax.device_get``), scalars are written as scalars, arrays as histograms.
+      verdict: a :class:`jvitals.Verdict` (optional).
+      events: dicts such as ``{"event": "rollback", "step": 420, "to_step": 300}``.
+      histograms: also write per-layer families as ``{base}/by_layer`` histograms.
+
+    Raises:
+      TypeError: if a metric value is not numeric (names the metric).
+    """
+    step = int(step)
+    host = jax.device_get(dict(metrics))
+    scalars: dict[str, float] = {}
+    arrays: dict[str, np.ndarray] = {}
+    layers: dict[str, dict[int, float]] = {}
+    for name, value in host.items():
+        arr = np.asarray(value)
+        if arr.dtype.kind not in "biuf":
+            raise TypeError(f"metric {name!r} must be numeric, got {type(value).__name__} {value!r}")
+        if arr.ndim == 0:
+            scalars[name] = float(arr)
+            m = _LAYER.match(name)
+            if m:
+                layers.setdefault(m["base"], {})[int(m["i"])] = float(arr)
+        else:
+            arrays[name] = arr.astype(np.float64)
+    texts: dict[str, str] = {}
+    if verdict is not None:
+        scalars["vitals/level"] = float(int(verdict.level))
+        for k, v in (getattr(verdict, "scores", None) or {}).items():
+            scalars[k] = float(v)
+        shown = list(getattr(verdict, "alerts", [])) + list(getattr(verdict, "closed_alerts", []))
+        if shown:
+            texts["vitals/alerts"] = alerts_markdown(shown)
+            texts["vitals/alerts_json"] = json.dumps([_alert_dict(a) for a in shown], default=_json_default)
+    events = [dict(e) for e in events]
+    if events:
+        texts["vitals/events_json"] = json.dumps(events, default=_json_default)
+    if histograms:
+        for base, per in layers.items():
+            if len(per) >= 2:
+                arrays[f"{base}/by_layer"] = np.array([per[i] for i in sorted(per)], np.float64)
+    if scalars:
+        writer.write_scalars(step, scalars)
+    if arrays:
+        finite = {k: v[np.isfinite(v)] for k, v in arrays.items()}
+        finite = {k: v for k, v in finite.items() if v.size}
+        if finite:
+            writer.write_histograms(step, finite)
+    if texts:
+        writer.write_texts(step, texts)
