@@ -1,19 +1,73 @@
 """jvitals: a JAX/Flax training run's vital signs, measured in the step, acted on by the host.
 
-See METRICS.md for every metric, DESIGN.md for the architecture.
+Device side (pure, traceable under ``jit``/``shard_map``/``pmap``): :func:`summarize`,
+:func:`reduce`, the ``*_metrics`` functions, the probes and the optax recorder
+:func:`record`. Host side: :class:`Monitor` (verdicts), :class:`Rollback`
+(orbax checkpoints, pause, roll back), :func:`write` (clu writers), :class:`StepTimer`.
+See ``docs/METRICS.md`` for every metric.
 """
 
+from jvitals.activations import activation_metrics, bos_value_grad_metrics, mtp_metrics
+from jvitals.gradients import global_norm, global_norm_metrics, gradient_metrics, update_metrics
 from jvitals.host import StepTimer, device_memory_metrics
+from jvitals.moe import MoEWindowState, moe_metrics, moe_window_init, moe_window_update
+from jvitals.monitor import Alert, Level, Localization, Monitor, Policy, Spike, Verdict
+from jvitals.optimizer import optimizer_metrics
+from jvitals.probes import (
+    LogitsSummary,
+    attn_logits_probe,
+    logits_probe,
+    perturb_values,
+    sow_summary,
+    summarize_logits,
+)
+from jvitals.record import RecordState, record, recorded, recorded_steps
+from jvitals.roles import LeafRole, QKVSplit, Roles, RolesExplanation, assign_roles, explain_roles
 from jvitals.stats import Summary, reduce, summarize
 from jvitals.writers import write
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Alert",
+    "LeafRole",
+    "Level",
+    "Localization",
+    "LogitsSummary",
+    "MoEWindowState",
+    "Monitor",
+    "Policy",
+    "QKVSplit",
+    "RecordState",
+    "Roles",
+    "RolesExplanation",
+    "Spike",
     "StepTimer",
     "Summary",
+    "Verdict",
+    "activation_metrics",
+    "assign_roles",
+    "attn_logits_probe",
+    "bos_value_grad_metrics",
     "device_memory_metrics",
+    "explain_roles",
+    "global_norm",
+    "global_norm_metrics",
+    "gradient_metrics",
+    "logits_probe",
+    "moe_metrics",
+    "moe_window_init",
+    "moe_window_update",
+    "mtp_metrics",
+    "optimizer_metrics",
+    "perturb_values",
+    "record",
+    "recorded",
+    "recorded_steps",
     "reduce",
+    "sow_summary",
     "summarize",
+    "summarize_logits",
+    "update_metrics",
     "write",
 ]

@@ -1,0 +1,792 @@
+"""Per-metric state machines of the host-side monitor.
+
+Each tracker is a small bounded-memory object with ``to_dict``/``from_dict``
+(JSON-safe, lossless) so that a resumed monitor continues bit-for-bit:
+
+- :class:`FixedBaseline`: mean over the first ``baseline_steps`` after
+  warm-up (METRICS.md §5).
+- :class:`RollingBaseline`: OLMo-core style mean + k * std over a rolling
+  window of steps.
+- :class:`EmaBaseline`: ZClip style EMA mean / variance with a z-score gate.
+- :class:`ScoreWindow`: fraction of checks flagged over the last N steps, in
+  fixed buckets.
+- :class:`SpikeTracker`: trend / band, spike anatomy, periodicity.
+- :class:`GapSeries`: train/val gap history for the growth-rate rule.
+- :class:`LayerHistory`: NumPy ring buffer of per-layer metrics with their
+  own baselines, and the departure ranking used for localization.
+
+Times: ``s`` is the caller's step; ``t`` is the monitor's model clock
+(``s`` minus the steps abandoned by rollbacks, see ``Monitor.note_rollback``).
+Warm-up and baseline windows, the gap windows and the per-layer history use
+``t``; trends, spikes and scores use ``s``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from jvitals._monitor_types import (
+    Localization,
+    Spike,
+    dec_float,
+    dec_floats,
+    enc_float,
+    enc_floats,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jvitals.monitor import Policy
+
+_NAN = math.nan
+
+
+# --------------------------------------------------------------------------
+# Baselines.
+# --------------------------------------------------------------------------
+
+
+class FixedBaseline:
+    """Mean over the first ``baseline_steps`` steps after warm-up.
+
+    ``baseline = mean(x_t for warmup <= t < warmup + baseline_steps)``; if
+    fewer than ``baseline_min_samples`` finite samples fell in that window
+    (sparse cadence), the first ``baseline_min_samples`` samples after
+    warm-up are used. Ready once the window has passed and enough samples
+    were seen.
+    """
+
+    __slots__ = ("total", "count", "mean")
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.count = 0
+        self.mean = _NAN
+
+    @property
+    def ready(self) -> bool:
+        return self.mean == self.mean
+
+    def step(self, t: int, s: int, v: float, p: "Policy") -> tuple[float | None, bool]:
+        """Returns ``(baseline or None, gate)`` for ``v``, then learns from it."""
+        del s
+        if self.mean == self.mean:
+            return self.mean, True
+        if t >= p.warmup_steps:
+            end = p.warmup_steps + p.baseline_steps
+            if t < end or self.count < p.baseline_min_samples:
+                self.total += v
+                self.count += 1
+            if self.count >= p.baseline_min_samples and t >= end - 1:
+                self.mean = self.total / self.count
+        return None, False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "fixed", "total": enc_float(self.total), "count": self.count,
+                "mean": enc_float(self.mean)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "FixedBaseline":
+        b = cls()
+        b.total, b.count, b.mean = dec_float(d["total"]), int(d["count"]), dec_float(d["mean"])
+        return b
+
+
+class RollingBaseline:
+    """OLMo-core style: mean and std over a rolling window of steps.
+
+    ``gate = x > mean + rolling_k * std`` over the samples of the last
+    ``rolling_window`` steps (at least ``adaptive_min_samples`` samples are
+    kept, so a sparse cadence still has a usable window). Samples enter the
+    window clipped to ``mean + rolling_k * std`` so an anomaly does not
+    become its own baseline at once.
+    """
+
+    __slots__ = ("steps", "vals")
+
+    def __init__(self) -> None:
+        self.steps: collections.deque[int] = collections.deque()
+        self.vals: collections.deque[float] = collections.deque()
+
+    def step(self, t: int, s: int, v: float, p: "Policy") -> tuple[float | None, bool]:
+        if t < p.warmup_steps:
+            return None, False
+        n = len(self.vals)
+        ref, gate = None, False
+        if n >= p.adaptive_min_samples:
+            mean = math.fsum(self.vals) / n
+            std = math.sqrt(math.fsum((x - mean) ** 2 for x in self.vals) / n)
+            ref, gate = mean, v > mean + p.rolling_k * std
+            v = min(v, mean + p.rolling_k * std)
+        self.steps.append(s)
+        self.vals.append(v)
+        while len(self.vals) > p.adaptive_min_samples and self.steps[0] <= s - p.rolling_window:
+            self.steps.popleft()
+            self.vals.popleft()
+        return ref, gate
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "rolling", "steps": list(self.steps), "vals": enc_floats(self.vals)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RollingBaseline":
+        b = cls()
+        b.steps.extend(int(x) for x in d["steps"])
+        b.vals.extend(dec_floats(d["vals"]))
+        return b
+
+
+class EmaBaseline:
+    """ZClip style: EMA of the mean and variance, z-score gate.
+
+    After ``adaptive_min_samples`` samples (their plain mean and variance
+    start the EMA)::
+
+        gate  = x > mu + ema_z * sigma
+        x'    = min(x, mu + ema_z * sigma)          # clipped, as ZClip
+        a     = max(ema_alpha ** dt, 1 - 1 / adaptive_min_samples)
+        mu    = a * mu + (1 - a) * x'
+        var   = a * var + (1 - a) * (x' - mu) ** 2
+
+    with ``dt`` the steps since the previous sample (``ema_alpha`` is per
+    step; the floor keeps a sparse cadence from forgetting everything).
+    """
+
+    __slots__ = ("init", "mean", "var", "last_step")
+
+    def __init__(self) -> None:
+        self.init: list[float] = []
+        self.mean = _NAN
+        self.var = _NAN
+        self.last_step = 0
+
+    def step(self, t: int, s: int, v: float, p: "Policy") -> tuple[float | None, bool]:
+        if t < p.warmup_steps:
+            return None, False
+        if self.mean != self.mean:
+            self.init.append(v)
+            self.last_step = s
+            if len(self.init) >= p.adaptive_min_samples:
+                n = len(self.init)
+                self.mean = math.fsum(self.init) / n
+                self.var = math.fsum((x - self.mean) ** 2 for x in self.init) / n
+                self.init = []
+            return None, False
+        std = math.sqrt(self.var)
+        ref, gate = self.mean, v > self.mean + p.ema_z * std
+        x = min(v, self.mean + p.ema_z * std)
+        a = max(p.ema_alpha ** max(s - self.last_step, 1), 1.0 - 1.0 / p.adaptive_min_samples)
+        self.mean = a * self.mean + (1.0 - a) * x
+        self.var = a * self.var + (1.0 - a) * (x - self.mean) ** 2
+        self.last_step = s
+        return ref, gate
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "ema", "init": enc_floats(self.init), "mean": enc_float(self.mean),
+                "var": enc_float(self.var), "last_step": self.last_step}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EmaBaseline":
+        b = cls()
+        b.init = dec_floats(d["init"])
+        b.mean, b.var, b.last_step = dec_float(d["mean"]), dec_float(d["var"]), int(d["last_step"])
+        return b
+
+
+BASELINES = {"fixed": FixedBaseline, "rolling": RollingBaseline, "ema": EmaBaseline}
+
+
+def baseline_from_dict(d: dict[str, Any]):
+    return BASELINES[d["kind"]].from_dict(d)
+
+
+# --------------------------------------------------------------------------
+# Spike score window.
+# --------------------------------------------------------------------------
+
+
+class ScoreWindow:
+    """Fraction of flagged checks over the last ``window`` steps.
+
+    The window is cut into ``buckets`` fixed buckets of
+    ``ceil(window / buckets)`` steps, so memory and per-check cost are O(1):
+    ``score = sum(flagged) / sum(checks)`` over the buckets of the window.
+    """
+
+    __slots__ = ("width", "ids", "obs", "flags", "tot_obs", "tot_flags", "cur")
+
+    def __init__(self, window: int, buckets: int = 100) -> None:
+        self.width = max(1, -(-window // buckets))
+        self.ids = [None] * buckets
+        self.obs = [0] * buckets
+        self.flags = [0] * buckets
+        self.tot_obs = 0
+        self.tot_flags = 0
+        self.cur: int | None = None
+
+    def add(self, s: int, flag: bool) -> None:
+        nb = len(self.ids)
+        b = s // self.width
+        if b != self.cur:
+            if self.cur is None or b - self.cur >= nb or b < self.cur:
+                lo = b - nb + 1
+            else:
+                lo = self.cur + 1
+            for bid in range(max(lo, b - nb + 1), b + 1):
+                i = bid % nb
+                if self.ids[i] is not None:
+                    self.tot_obs -= self.obs[i]
+                    self.tot_flags -= self.flags[i]
+                self.ids[i], self.obs[i], self.flags[i] = bid, 0, 0
+            self.cur = b
+        i = b % nb
+        self.obs[i] += 1
+        self.tot_obs += 1
+        if flag:
+            self.flags[i] += 1
+            self.tot_flags += 1
+
+    @property
+    def score(self) -> float:
+        return self.tot_flags / self.tot_obs if self.tot_obs else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"width": self.width, "ids": self.ids, "obs": self.obs, "flags": self.flags,
+                "tot_obs": self.tot_obs, "tot_flags": self.tot_flags, "cur": self.cur}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ScoreWindow":
+        w = cls(1, len(d["ids"]))
+        w.width = int(d["width"])
+        w.ids, w.obs, w.flags = list(d["ids"]), list(d["obs"]), list(d["flags"])
+        w.tot_obs, w.tot_flags, w.cur = int(d["tot_obs"]), int(d["tot_flags"]), d["cur"]
+        return w
+
+
+# --------------------------------------------------------------------------
+# Spikes.
+# --------------------------------------------------------------------------
+
+
+def _margin(trend: float, scale: float, z: float, ratio: float) -> float:
+    return max(z * scale, (ratio - 1.0) * abs(trend))
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
+
+
+class SpikeTracker:
+    """Trend, band, spike anatomy and periodicity of one metric.
+
+    Trend and scale (between spikes, ``dt`` = steps since the last sample)::
+
+        r      = x - trend
+        trend  = a * trend + (1 - a) * x,        a = 0.5 ** (dt / trend_halflife)
+        var    = b * var + (1 - b) * r ** 2,      b = 0.5 ** (dt / scale_halflife)
+        scale  = sqrt(var / w),  w = b * w + (1 - b)   (bias-corrected EMA)
+
+    Onset (after warm-up and ``spike_min_samples`` samples)::
+
+        x > trend + max(spike_z * scale, (spike_min_ratio - 1) * |trend|)
+
+    The trend is frozen while a spike is open. The spike closes *recovered*
+    at the first sample within the recovery band (see :class:`Spike`), or
+    *unrecovered* (pathological) ``pathological_steps`` after the onset; an
+    unrecovered spike leaves an *elevated* reference (its pre-spike trend)
+    that stays until the metric is back within that band or
+    ``spike_forget_steps`` have passed since the onset; the trend is re-based
+    to the settled level so new spikes are measured from there.
+    """
+
+    def __init__(self, metric: str, p: "Policy") -> None:
+        self.metric = metric
+        self.last_step: int | None = None
+        self.trend = _NAN
+        self.var = 0.0
+        self.wsum = 0.0
+        self.n_active = 0
+        self.open: dict[str, Any] | None = None
+        self.elevated: dict[str, Any] | None = None
+        self.pending: list[dict[str, Any]] = []
+        self.onsets: collections.deque[int] = collections.deque(maxlen=8)
+        self.periodic: dict[str, Any] | None = None
+        self.recent: collections.deque[tuple[int, float]] = collections.deque()
+        self.score = ScoreWindow(p.score_window)
+        self.last_value = _NAN
+
+    @property
+    def scale(self) -> float:
+        return math.sqrt(self.var / self.wsum) if self.wsum > 0 else 0.0
+
+    def _learn(self, s: int, v: float, p: "Policy") -> None:
+        if self.trend != self.trend:
+            self.trend = v
+            return
+        dt = max(s - self.last_step, 1) if self.last_step is not None else 1
+        a = 0.5 ** (dt / p.trend_halflife)
+        b = 0.5 ** (dt / p.scale_halflife)
+        r = v - self.trend
+        self.var = b * self.var + (1.0 - b) * r * r
+        self.wsum = b * self.wsum + (1.0 - b)
+        self.trend = a * self.trend + (1.0 - a) * v
+
+    def observe(self, s: int, v: float, warm: bool, p: "Policy") -> list[Spike]:
+        """Feeds one finite sample; returns the spikes completed at this sample."""
+        done: list[Spike] = []
+        self.last_value = v
+        recent = self.recent
+        recent.append((s, v))
+        while recent[0][0] <= s - p.post_window and len(recent) > 1:
+            recent.popleft()
+        if self.pending:
+            keep = []
+            for q in self.pending:
+                end = q["recovery_step"] + p.post_window
+                if s <= end:
+                    q["post_sum"] += v
+                    q["post_n"] += 1
+                if s >= end:
+                    done.append(self._finish(q, s, p))
+                else:
+                    keep.append(q)
+            self.pending = keep
+
+        flag = False
+        o = self.open
+        if o is not None:
+            pre, sc = o["pre_trend"], o["pre_scale"]
+            if v > o["peak"]:
+                o["peak"], o["peak_step"] = v, s
+            if v > pre + _margin(pre, sc, p.spike_z, p.spike_min_ratio):
+                o["last_above"] = s
+                flag = True
+            if v <= pre + _margin(pre, sc, p.spike_recover_z, p.spike_recover_ratio):
+                self.open = None
+                q = dict(o, recovery_step=s, post_sum=v, post_n=1)
+                if p.post_window <= 0:
+                    done.append(self._finish(q, s, p))
+                else:
+                    self.pending.append(q)
+                self._learn(s, v, p)
+            elif s - o["onset"] >= p.pathological_steps:
+                self.open = None
+                settle = math.fsum(x for _, x in recent) / len(recent)
+                done.append(self._spike(o, None, settle, s, "pathological"))
+                self.elevated = {"pre_trend": pre, "pre_scale": sc, "onset": o["onset"], "since": s}
+                self.trend = settle
+        else:
+            trend = self.trend
+            if (not warm and self.n_active >= p.spike_min_samples and trend == trend
+                    and v > trend + _margin(trend, self.scale, p.spike_z, p.spike_min_ratio)):
+                self.open = {"onset": s, "peak": v, "peak_step": s, "pre_trend": trend,
+                             "pre_scale": self.scale, "last_above": s}
+                flag = True
+                self.onsets.append(s)
+                self._check_periodic(p)
+            else:
+                self._learn(s, v, p)
+            if not warm:
+                self.n_active += 1
+        e = self.elevated
+        if e is not None and self.open is None:
+            if (v <= e["pre_trend"] + _margin(e["pre_trend"], e["pre_scale"], p.spike_recover_z,
+                                              p.spike_recover_ratio)
+                    or s - e["onset"] > p.spike_forget_steps):
+                self.elevated = None
+        per = self.periodic
+        if per is not None and s - per["last_onset"] > (1.0 + 2.0 * p.periodic_tolerance) * per["last_interval"]:
+            self.periodic = None
+        self.last_step = s
+        self.score.add(s, flag)
+        return done
+
+    def _spike(self, o: dict[str, Any], recovery_step: int | None, post: float, end: int,
+               kind: str, rolled_back: bool = False) -> Spike:
+        pre = o["pre_trend"]
+        return Spike(
+            metric=self.metric,
+            onset_step=o["onset"],
+            peak_step=o["peak_step"],
+            peak=o["peak"],
+            pre_trend=pre,
+            height=o["peak"] / pre if pre > 0 else _NAN,
+            width=o["last_above"] - o["onset"] + 1,
+            recovery_steps=None if recovery_step is None else recovery_step - o["onset"],
+            recovered=recovery_step is not None,
+            post_level=post,
+            post_ratio=post / pre if pre > 0 else _NAN,
+            kind=kind,
+            end_step=end,
+            rolled_back=rolled_back,
+        )
+
+    def _finish(self, q: dict[str, Any], s: int, p: "Policy") -> Spike:
+        rec = q["recovery_step"] - q["onset"]
+        kind = ("physiological" if rec <= p.physiological_steps
+                else "slow" if rec <= p.pathological_steps else "pathological")
+        return self._spike(q, q["recovery_step"], q["post_sum"] / q["post_n"], s, kind)
+
+    def _check_periodic(self, p: "Policy") -> None:
+        ons = list(self.onsets)
+        iv = [b - a for a, b in zip(ons, ons[1:])]
+        need = p.periodic_min_spikes - 1
+        if len(iv) < need or iv[-1] < p.periodic_min_interval:
+            self.periodic = None
+            return
+        # Longest run of recent intervals whose neighbours differ by <= tolerance.
+        m = 1
+        while m < len(iv):
+            a, b = iv[-m - 1], iv[-m]
+            if a < p.periodic_min_interval or abs(b - a) > p.periodic_tolerance * max(a, b):
+                break
+            m += 1
+        if m < need:
+            self.periodic = None
+            return
+        run = iv[-m:]
+        shrinking = (m >= p.periodic_escalate_min_spikes - 1
+                     and all(b < a for a, b in zip(run, run[1:]))
+                     and run[-1] <= p.periodic_shrink * run[0])
+        self.periodic = {"period": _median(run), "last_interval": run[-1], "count": m + 1,
+                         "shrinking": shrinking, "last_onset": ons[-1], "first_onset": ons[-m - 1],
+                         "intervals": run}
+
+    def rollback(self, s: int, p: "Policy") -> list[Spike]:
+        """Closes what a rollback abandons; returns the spikes it completes."""
+        done = [self._finish(q, s, p) for q in self.pending]
+        self.pending = []
+        if self.open is not None:
+            o = self.open
+            post = math.fsum(x for _, x in self.recent) / len(self.recent)
+            done.append(self._spike(o, None, post, s, "pathological", rolled_back=True))
+            self.open = None
+        self.elevated = None
+        self.periodic = None
+        return done
+
+    def to_dict(self) -> dict[str, Any]:
+        def enc_map(m):
+            if m is None:
+                return None
+            return {k: (enc_float(v) if isinstance(v, float) else v) for k, v in m.items()}
+
+        return {
+            "metric": self.metric,
+            "last_step": self.last_step,
+            "trend": enc_float(self.trend),
+            "var": enc_float(self.var),
+            "wsum": enc_float(self.wsum),
+            "n_active": self.n_active,
+            "open": enc_map(self.open),
+            "elevated": enc_map(self.elevated),
+            "pending": [enc_map(q) for q in self.pending],
+            "onsets": list(self.onsets),
+            "periodic": enc_map(self.periodic),
+            "recent_steps": [x for x, _ in self.recent],
+            "recent_vals": enc_floats(v for _, v in self.recent),
+            "score": self.score.to_dict(),
+            "last_value": enc_float(self.last_value),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], p: "Policy") -> "SpikeTracker":
+        float_keys = {"peak", "pre_trend", "pre_scale", "post_sum", "period", "last_interval"}
+
+        def dec_map(m):
+            if m is None:
+                return None
+            return {k: (dec_float(v) if k in float_keys else v) for k, v in m.items()}
+
+        t = cls(d["metric"], p)
+        t.last_step = d["last_step"]
+        t.trend, t.var, t.wsum = dec_float(d["trend"]), dec_float(d["var"]), dec_float(d["wsum"])
+        t.n_active = int(d["n_active"])
+        t.open = dec_map(d["open"])
+        t.elevated = dec_map(d["elevated"])
+        t.pending = [dec_map(q) for q in d["pending"]]
+        t.onsets.extend(int(x) for x in d["onsets"])
+        t.periodic = dec_map(d["periodic"])
+        t.recent.extend(zip((int(x) for x in d["recent_steps"]), dec_floats(d["recent_vals"])))
+        t.score = ScoreWindow.from_dict(d["score"])
+        t.last_value = dec_float(d["last_value"])
+        return t
+
+
+# --------------------------------------------------------------------------
+# Train/val gap.
+# --------------------------------------------------------------------------
+
+
+class GapSeries:
+    """(t, gap) samples covering the last ``2 * val_gap_window`` steps.
+
+    Keeps one sample at or before ``t - 2W`` so both window ends can be
+    linearly interpolated: ``g(x)`` between the samples around ``x``.
+    """
+
+    def __init__(self) -> None:
+        self.ts: list[int] = []
+        self.gs: list[float] = []
+        self.head = 0
+
+    def add(self, t: int, g: float, span: int) -> None:
+        self.ts.append(t)
+        self.gs.append(g)
+        while self.head + 1 < len(self.ts) and self.ts[self.head + 1] <= t - span:
+            self.head += 1
+        if self.head > 64 and self.head * 2 > len(self.ts):
+            del self.ts[: self.head]
+            del self.gs[: self.head]
+            self.head = 0
+
+    def covers(self, x: int) -> bool:
+        return self.head < len(self.ts) and self.ts[self.head] <= x
+
+    def at(self, x: int) -> float:
+        i = bisect.bisect_right(self.ts, x, self.head) - 1
+        if i + 1 >= len(self.ts) or self.ts[i] == x:
+            return self.gs[i]
+        t0, t1 = self.ts[i], self.ts[i + 1]
+        return self.gs[i] + (self.gs[i + 1] - self.gs[i]) * (x - t0) / (t1 - t0)
+
+    def drop_after(self, t: int) -> None:
+        keep = [i for i in range(self.head, len(self.ts)) if self.ts[i] <= t]
+        self.ts = [self.ts[i] for i in keep]
+        self.gs = [self.gs[i] for i in keep]
+        self.head = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ts": self.ts[self.head:], "gs": enc_floats(self.gs[self.head:])}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GapSeries":
+        g = cls()
+        g.ts = [int(x) for x in d["ts"]]
+        g.gs = dec_floats(d["gs"])
+        return g
+
+
+# --------------------------------------------------------------------------
+# Per-layer history for localization.
+# --------------------------------------------------------------------------
+
+
+def _fmt(name: str, x: float) -> str:
+    if not math.isfinite(x):
+        return str(x)
+    if "share" in name or "fraction" in name:
+        pct = 100.0 * x
+        if abs(pct) >= 10:
+            return f"{pct:.0f}%"
+        return f"{pct:.1f}".rstrip("0").rstrip(".") + "%"
+    return f"{x:.4g}"
+
+
+class LayerHistory:
+    """Fixed-size NumPy history of per-layer metrics and their own baselines.
+
+    One row per ``stride`` steps of model time (later samples within a stride
+    are merged into the row), ``rows`` rows in a ring, one column per metric
+    (at most ``max_columns``). Missing values are NaN; non-finite values are
+    stored as ``+inf``. Each column has a :class:`FixedBaseline`-style mean
+    and std over its baseline window, accumulated with vectorized sums.
+    """
+
+    def __init__(self, rows: int, stride: int) -> None:
+        self.names: list[str] = []
+        self.index: dict[str, int] = {}
+        self.stride = max(1, stride)
+        cap = 16
+        self.data = np.full((rows, cap), np.nan)
+        self.steps = np.zeros(rows, np.int64)
+        self.ts = np.zeros(rows, np.int64)
+        self.pos = 0
+        self.n = 0
+        self.total = np.zeros(cap)
+        self.totsq = np.zeros(cap)
+        self.count = np.zeros(cap, np.int64)
+        self.mean = np.full(cap, np.nan)
+        self.sd = np.full(cap, np.nan)
+        self.pending = 0
+
+    def column(self, name: str, max_columns: int) -> int:
+        """Column of ``name``, created if new (``-1`` once full)."""
+        c = self.index.get(name)
+        if c is not None:
+            return c
+        if len(self.names) >= max_columns:
+            return -1
+        c = len(self.names)
+        if c >= self.data.shape[1]:
+            cap = 2 * self.data.shape[1]
+            data = np.full((self.data.shape[0], cap), np.nan)
+            data[:, :c] = self.data
+            self.data = data
+            for attr, fill in (("total", 0.0), ("totsq", 0.0), ("count", 0), ("mean", np.nan),
+                               ("sd", np.nan)):
+                old = getattr(self, attr)
+                new = np.full(cap, fill, dtype=old.dtype)
+                new[:c] = old
+                setattr(self, attr, new)
+        self.names.append(name)
+        self.index[name] = c
+        self.pending += 1
+        return c
+
+    def observe(self, s: int, t: int, cols: np.ndarray, vals: np.ndarray, p: "Policy") -> None:
+        """Records one sample of the columns ``cols`` (values ``vals``)."""
+        finite = np.isfinite(vals)
+        if self.pending and t >= p.warmup_steps:
+            sel = finite & np.isnan(self.mean[cols])
+            if sel.any():
+                c_all = cols[sel]
+                c, x = c_all, vals[sel]
+                end = p.warmup_steps + p.baseline_steps
+                if t >= end:
+                    keep = self.count[c] < p.baseline_min_samples
+                    c, x = c[keep], x[keep]
+                self.total[c] += x
+                self.totsq[c] += x * x
+                self.count[c] += 1
+                if t >= end - 1:
+                    ready = c_all[self.count[c_all] >= p.baseline_min_samples]
+                    if ready.size:
+                        k = self.count[ready]
+                        m = self.total[ready] / k
+                        self.mean[ready] = m
+                        self.sd[ready] = np.sqrt(np.maximum(self.totsq[ready] / k - m * m, 0.0))
+                        self.pending -= ready.size
+        if not finite.all():
+            vals = np.where(finite, vals, np.inf)
+        if self.n and 0 <= t - int(self.ts[self.pos - 1]) < self.stride:
+            self.data[self.pos - 1, cols] = vals
+            return
+        row = self.data[self.pos]
+        row.fill(np.nan)
+        row[cols] = vals
+        self.steps[self.pos] = s
+        self.ts[self.pos] = t
+        self.pos = (self.pos + 1) % self.data.shape[0]
+        self.n = min(self.n + 1, self.data.shape[0])
+
+    def _chrono(self) -> np.ndarray:
+        r = self.data.shape[0]
+        return (np.arange(self.pos - self.n, self.pos) % r)
+
+    def drop_after(self, t: int) -> None:
+        """Forgets rows of model time > ``t`` (an abandoned trajectory)."""
+        order = self._chrono()
+        keep = order[self.ts[order] <= t]
+        data, steps, ts = self.data[keep].copy(), self.steps[keep].copy(), self.ts[keep].copy()
+        self.data.fill(np.nan)
+        k = len(keep)
+        self.data[:k], self.steps[:k], self.ts[:k] = data, steps, ts
+        self.n = k
+        self.pos = k % self.data.shape[0]
+
+    def rank(self, onset: int, event: str, exclude: str, p: "Policy") -> list[Localization]:
+        """Ranks columns by departure step (earliest first), then by size.
+
+        A column counts when its latest value ``v`` is out of its band,
+        ``|v - b| > max(localize_z * sd, localize_min_ratio * |b|)``; its
+        departure step is the first sample after the last one on the
+        baseline (signed deviation ``(x - b) * sign(v - b) <= band / 2``).
+        """
+        ncol = len(self.names)
+        if not self.n or not ncol:
+            return []
+        order = self._chrono()
+        h = self.data[order, :ncol]
+        valid = ~np.isnan(h)
+        b, sd = self.mean[:ncol], self.sd[:ncol]
+        has = valid.any(axis=0) & ~np.isnan(b)
+        n = h.shape[0]
+        last = n - 1 - np.argmax(valid[::-1], axis=0)
+        v = h[last, np.arange(ncol)]
+        with np.errstate(invalid="ignore"):
+            dev = v - b
+            band = np.maximum(p.localize_z * sd, p.localize_min_ratio * np.abs(b))
+            out = has & (np.abs(dev) > band)
+        cand = np.flatnonzero(out)
+        if not cand.size:
+            return []
+        hc = h[:, cand]
+        vc = valid[:, cand]
+        sign = np.sign(dev[cand])
+        with np.errstate(invalid="ignore"):
+            same = (hc - b[cand]) * sign > 0.5 * band[cand]
+        rows = np.arange(n)[:, None]
+        other = vc & ~same & (rows <= last[cand])
+        idx = np.where(other, rows, -1).max(axis=0)
+        after = vc & (rows > idx)
+        dep = self.steps[order][np.argmax(after, axis=0)]
+        entries = []
+        for j, c in enumerate(cand):
+            name = self.names[c]
+            if name == exclude:
+                continue
+            bj, vj = float(b[c]), float(v[c])
+            size = abs(vj - bj) / band[c] if band[c] > 0 else math.inf
+            entries.append((int(dep[j]), -size, name, bj, vj))
+        entries.sort()
+        res = []
+        for dep_s, _, name, bj, vj in entries[: p.localize_top]:
+            lead = onset - dep_s
+            when = (f"{lead} steps before" if lead > 0 else f"{-lead} steps after" if lead < 0
+                    else "at the step")
+            if math.isfinite(vj):
+                verb = "rose" if vj > bj else "fell"
+                line = (f"{name} {verb} from {_fmt(name, bj)} to {_fmt(name, vj)} starting at "
+                        f"step {dep_s}, {when} {event}")
+            else:
+                line = (f"{name} went non-finite (baseline {_fmt(name, bj)}) starting at step "
+                        f"{dep_s}, {when} {event}")
+            ratio = vj / bj if bj != 0 else math.inf
+            res.append(Localization(name, dep_s, bj, vj, ratio, lead, line))
+        return res
+
+    def to_dict(self) -> dict[str, Any]:
+        order = self._chrono()
+        ncol = len(self.names)
+        return {
+            "names": list(self.names),
+            "stride": self.stride,
+            "rows": self.data.shape[0],
+            "steps": self.steps[order].tolist(),
+            "ts": self.ts[order].tolist(),
+            "data": [enc_floats(r) for r in self.data[order, :ncol].tolist()],
+            "total": enc_floats(self.total[:ncol].tolist()),
+            "totsq": enc_floats(self.totsq[:ncol].tolist()),
+            "count": self.count[:ncol].tolist(),
+            "mean": enc_floats(self.mean[:ncol].tolist()),
+            "sd": enc_floats(self.sd[:ncol].tolist()),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], rows: int, stride: int) -> "LayerHistory":
+        h = cls(rows, stride)
+        for name in d["names"]:
+            h.column(name, len(d["names"]))
+        ncol = len(h.names)
+        h.total[:ncol] = dec_floats(d["total"])
+        h.totsq[:ncol] = dec_floats(d["totsq"])
+        h.count[:ncol] = d["count"]
+        h.mean[:ncol] = dec_floats(d["mean"])
+        h.sd[:ncol] = dec_floats(d["sd"])
+        h.pending = int(np.isnan(h.mean[:ncol]).sum())
+        data = [dec_floats(r) for r in d["data"]][-rows:]
+        k = len(data)
+        if k:
+            h.data[:k, :ncol] = np.asarray(data, dtype=np.float64).reshape(k, ncol)
+        h.steps[:k] = d["steps"][len(d["steps"]) - k:]
+        h.ts[:k] = d["ts"][len(d["ts"]) - k:]
+        h.n = k
+        h.pos = k % rows
+        return h

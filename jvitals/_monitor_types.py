@@ -1,0 +1,426 @@
+"""Value types of the host-side monitor: levels, alerts, spikes, verdicts.
+
+Plain dataclasses with a lossless JSON form (``to_dict`` / ``from_dict``):
+non-finite floats are written as the strings ``"nan"``, ``"inf"`` and
+``"-inf"`` so that ``json.dumps(..., allow_nan=False)`` accepts them and a
+round trip gives back the same bits.
+
+The symptom -> cause -> prescription table of METRICS.md §6 lives here as
+immutable data (:data:`PRESCRIPTIONS`), keyed by the monitor's rule ids
+(:data:`RULE_PRESCRIPTION`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import types
+from typing import Any, Mapping
+
+__all__ = [
+    "Alert",
+    "Level",
+    "Localization",
+    "Prescription",
+    "PRESCRIPTIONS",
+    "RULE_PRESCRIPTION",
+    "Spike",
+    "Verdict",
+]
+
+
+# --------------------------------------------------------------------------
+# JSON helpers (non-finite floats survive as strings).
+# --------------------------------------------------------------------------
+
+
+def enc_float(x: float) -> float | str:
+    """Encodes a float for JSON: finite floats as is, others as a string."""
+    x = float(x)
+    if math.isfinite(x):
+        return x
+    if math.isnan(x):
+        return "nan"
+    return "inf" if x > 0 else "-inf"
+
+
+def dec_float(x: Any) -> float:
+    """Decodes :func:`enc_float`'s output (``None`` reads as NaN)."""
+    if x is None:
+        return math.nan
+    return float(x)
+
+
+def enc_floats(xs) -> list[float | str]:
+    return [enc_float(x) for x in xs]
+
+
+def dec_floats(xs) -> list[float]:
+    return [dec_float(x) for x in xs]
+
+
+# --------------------------------------------------------------------------
+# Levels and the §6 table.
+# --------------------------------------------------------------------------
+
+
+class Level(enum.IntEnum):
+    """Alert tiers of METRICS.md §5; ordered, so ``max()`` and ``>=`` work.
+
+    GREEN: nothing to report. YELLOW: warn, take no action. ORANGE: save a
+    checkpoint and pause. RED: roll back to the latest healthy checkpoint.
+    """
+
+    GREEN = 0
+    YELLOW = 1
+    ORANGE = 2
+    RED = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Prescription:
+    """One row of METRICS.md §6: symptom -> likely cause -> prescription."""
+
+    symptom: str
+    cause: str
+    prescription: str
+
+
+PRESCRIPTIONS: Mapping[str, Prescription] = types.MappingProxyType({
+    "grad_norm_climb": Prescription(
+        "grad norm climbing while loss still falls",
+        "shallow layers' LR too high; embedding/LM-head LR mismatched with "
+        "the trunk",
+        "layer-wise LR decay (lr_i = lr_base * decay ** (N - 1 - i), decay "
+        "0.85-0.95, start at 0.95); embedding and LM head at 0.5x trunk LR"),
+    "loss_spike_unrecovered": Prescription(
+        "loss spike that does not recover",
+        "LR beyond the stable region",
+        "roll back; LR down 20-50%"),
+    "nan_loss": Prescription(
+        "NaN loss",
+        "overflow; fp16 loss scale",
+        "check loss scale; prefer bf16; check activation extremes (> 1e4)"),
+    "val_up_train_down": Prescription(
+        "val loss up, train loss down",
+        "early overfitting, or the val set changed",
+        "early stop, dropout/weight decay; verify the val set's version"),
+    "param_norm_jump": Prescription(
+        "param norm jump",
+        "oversized update",
+        "check clipping; check that gradient accumulation does not bypass "
+        "the clip"),
+    "outputs_poor": Prescription(
+        "every vital fine, outputs poor",
+        "objective/data mix/eval mismatch",
+        "revisit data mix and evaluation"),
+    "low_throughput": Prescription(
+        "low throughput",
+        "input pipeline, throttling, interconnect",
+        "profile; more loader workers; check interconnect"),
+    # Not in the §6 table; from the source guide (003, §4.4).
+    "periodic_spikes": Prescription(
+        "periodic spikes (>= 3 at near-regular intervals)",
+        "a data source refreshed on a schedule that injects off-distribution "
+        "samples, or learning-rate restarts (non-smooth schedule points)",
+        "check which data sources refresh on that period; lengthen the "
+        "warm-up of each restart"),
+    # §5 red tier.
+    "divergence": Prescription(
+        "divergence that does not recover for N consecutive checks",
+        "LR beyond the stable region (or a numerical overflow that persists)",
+        "restore the latest healthy checkpoint (params and optimizer state), "
+        "cut the learning rate by 10% (20-50% if it recurs), keep the data "
+        "position"),
+    "generic": Prescription(
+        "a metric left its baseline",
+        "see the localization for the earliest departing metric",
+        "inspect the metric and the metrics that left their baselines first"),
+})
+"""METRICS.md §6 (plus the §4.4 periodic-spike and §5 red entries) as data."""
+
+RULE_PRESCRIPTION: Mapping[str, str] = types.MappingProxyType({
+    "grad_norm": "grad_norm_climb",
+    "param_norm": "param_norm_jump",
+    "ratio": "generic",
+    "nonfinite": "nan_loss",
+    "loss_scale": "nan_loss",
+    "loss_spike": "loss_spike_unrecovered",
+    "periodic_spike": "periodic_spikes",
+    "val_gap": "val_up_train_down",
+    "throughput": "low_throughput",
+    "divergence": "divergence",
+    "rollback": "divergence",
+})
+"""Rule id -> key of :data:`PRESCRIPTIONS`."""
+
+
+# --------------------------------------------------------------------------
+# Dataclasses.
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Localization:
+    """One ranked entry of an alert's localization.
+
+    Attributes:
+        metric: the per-layer metric, e.g. ``"grad/share/layer_1"``.
+        departure_step: first step of the metric's current excursion from its
+            own baseline (the step after it was last on the baseline's side).
+        baseline: the metric's own baseline (mean over its baseline window).
+        value: its latest value when the alert was localized.
+        ratio: ``value / baseline`` (``inf`` when the baseline is 0).
+        lead_steps: ``alert.onset_step - departure_step``; positive = it left
+            its baseline before the anomaly.
+        line: a readable sentence, e.g. ``"grad/share/layer_1 rose from 8% to
+            19% starting at step 6500, 1500 steps before grad/global_norm crossed
+            2x"``.
+    """
+
+    metric: str
+    departure_step: int
+    baseline: float
+    value: float
+    ratio: float
+    lead_steps: int
+    line: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "metric": self.metric,
+            "departure_step": self.departure_step,
+            "baseline": enc_float(self.baseline),
+            "value": enc_float(self.value),
+            "ratio": enc_float(self.ratio),
+            "lead_steps": self.lead_steps,
+            "line": self.line,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Localization":
+        return cls(
+            metric=d["metric"],
+            departure_step=int(d["departure_step"]),
+            baseline=dec_float(d["baseline"]),
+            value=dec_float(d["value"]),
+            ratio=dec_float(d["ratio"]),
+            lead_steps=int(d["lead_steps"]),
+            line=d["line"],
+        )
+
+
+@dataclasses.dataclass
+class Alert:
+    """One anomaly: a condition on a metric, opened once and updated in place.
+
+    An ongoing condition is one ``Alert`` object (same ``id``) whose ``step``,
+    ``value``, ``level`` etc. are updated at every check that sees the metric;
+    when the condition clears, ``closed_step`` is set and the alert moves to
+    ``Monitor.history``.
+
+    Attributes:
+        id: unique per monitor, in opening order (kept across ``state_dict``).
+        rule: short rule id: ``'grad_norm'``, ``'param_norm'``, ``'ratio'``
+            (a user-configured ratio rule), ``'nonfinite'``, ``'loss_spike'``,
+            ``'periodic_spike'``, ``'val_gap'``, ``'throughput'``,
+            ``'loss_scale'``, ``'divergence'``, ``'rollback'``.
+        metric: the metric the rule watches (for ``'divergence'``: the metric
+            of the earliest contributing alert).
+        level: current level.
+        step: step of the last update of this alert.
+        value: the metric's value at ``step`` (for ``'periodic_spike'``: the
+            period in steps).
+        baseline: the reference the value is compared with (NaN if none).
+        ratio: ``value / baseline`` (NaN if not meaningful).
+        onset_step: step at which the condition began (for spikes: the spike's
+            onset, not the step the alert opened).
+        opened_step: step at which this alert opened.
+        message: headline + likely cause + prescription (+ the lead line of the
+            localization).
+        cause: likely cause (METRICS.md §6).
+        prescription: what to do (METRICS.md §6).
+        localization: ranked :class:`Localization` entries (earliest departure
+            first), computed when the alert opens or escalates.
+        peak_level: highest level reached.
+        closed_step: step at which it closed; ``None`` while open.
+        details: rule-specific numbers (e.g. ``period``, ``consecutive_checks``).
+        clearing_since: first step of the current run of checks at which the
+            condition no longer held; the alert closes once that run lasts
+            ``Policy.clear_steps`` steps (``None`` while the condition holds).
+    """
+
+    id: int
+    rule: str
+    metric: str
+    level: Level
+    step: int
+    value: float
+    baseline: float
+    ratio: float
+    onset_step: int
+    opened_step: int
+    message: str
+    cause: str
+    prescription: str
+    localization: list[Localization]
+    peak_level: Level
+    closed_step: int | None = None
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+    clearing_since: int | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self.closed_step is None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form (non-finite floats as strings)."""
+        return {
+            "id": self.id,
+            "rule": self.rule,
+            "metric": self.metric,
+            "level": int(self.level),
+            "step": self.step,
+            "value": enc_float(self.value),
+            "baseline": enc_float(self.baseline),
+            "ratio": enc_float(self.ratio),
+            "onset_step": self.onset_step,
+            "opened_step": self.opened_step,
+            "message": self.message,
+            "cause": self.cause,
+            "prescription": self.prescription,
+            "localization": [x.to_dict() for x in self.localization],
+            "peak_level": int(self.peak_level),
+            "closed_step": self.closed_step,
+            "details": {
+                k: (enc_float(v) if isinstance(v, float) else v)
+                for k, v in self.details.items()
+            },
+            "clearing_since": self.clearing_since,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Alert":
+        """Inverse of :meth:`to_dict`."""
+        details = {}
+        for k, v in d["details"].items():
+            if isinstance(v, str) and v in ("nan", "inf", "-inf"):
+                v = float(v)
+            details[k] = v
+        return cls(
+            id=int(d["id"]),
+            rule=d["rule"],
+            metric=d["metric"],
+            level=Level(d["level"]),
+            step=int(d["step"]),
+            value=dec_float(d["value"]),
+            baseline=dec_float(d["baseline"]),
+            ratio=dec_float(d["ratio"]),
+            onset_step=int(d["onset_step"]),
+            opened_step=int(d["opened_step"]),
+            message=d["message"],
+            cause=d["cause"],
+            prescription=d["prescription"],
+            localization=[Localization.from_dict(x) for x in d["localization"]],
+            peak_level=Level(d["peak_level"]),
+            closed_step=None if d["closed_step"] is None else int(d["closed_step"]),
+            details=details,
+            clearing_since=d.get("clearing_since"),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Spike:
+    """Anatomy of one completed spike of ``loss`` or ``grad/global_norm``.
+
+    The band: a spike starts when ``x > trend + max(spike_z * scale,
+    (spike_min_ratio - 1) * |trend|)`` (the onset band), with ``trend`` an
+    exponential moving average of the metric (half-life ``trend_halflife``
+    steps) and ``scale`` the EMA standard deviation of its residual; both are
+    frozen at the onset (``pre_trend``). It has recovered when ``x <=
+    pre_trend + max(spike_recover_z * scale, (spike_recover_ratio - 1) *
+    |pre_trend|)`` (the recovery band).
+
+    Attributes:
+        metric: ``"loss"`` or ``"grad/global_norm"`` (any of
+            ``Policy.spike_metrics``).
+        onset_step: first step above the onset band.
+        peak_step: step of the peak.
+        peak: peak value.
+        pre_trend: trend at the onset.
+        height: ``peak / pre_trend``.
+        width: steps above the onset band: ``last_step_above - onset_step + 1``.
+        recovery_steps: ``recovery_step - onset_step`` (back within the recovery
+            band); ``None`` if it did not recover.
+        recovered: whether it came back within the recovery band.
+        post_level: mean of the metric over ``post_window`` steps after the
+            recovery (recovered spikes), or over the last ``post_window`` steps
+            before it was declared pathological (unrecovered ones).
+        post_ratio: ``post_level / pre_trend`` (> 1: settled higher).
+        kind: ``'physiological'`` (recovered within ``physiological_steps``),
+            ``'slow'`` (recovered within ``pathological_steps``) or
+            ``'pathological'`` (not recovered after ``pathological_steps``).
+        end_step: step at which the record was completed.
+        rolled_back: the spike was still open when a rollback was noted.
+    """
+
+    metric: str
+    onset_step: int
+    peak_step: int
+    peak: float
+    pre_trend: float
+    height: float
+    width: int
+    recovery_steps: int | None
+    recovered: bool
+    post_level: float
+    post_ratio: float
+    kind: str
+    end_step: int
+    rolled_back: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for k in ("peak", "pre_trend", "height", "post_level", "post_ratio"):
+            d[k] = enc_float(d[k])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Spike":
+        d = dict(d)
+        for k in ("peak", "pre_trend", "height", "post_level", "post_ratio"):
+            d[k] = dec_float(d[k])
+        return cls(**d)
+
+
+@dataclasses.dataclass
+class Verdict:
+    """What :meth:`Monitor.update` returns for one step.
+
+    Attributes:
+        step: the step checked.
+        level: ``max`` of the open alerts' levels (GREEN when none).
+        alerts: open alerts after this check, most severe first (the monitor's
+            live objects: they keep updating at later steps; take
+            ``dataclasses.replace(a)`` to freeze one).
+        new_alerts: the alerts opened at this check.
+        closed_alerts: the alerts closed at this check.
+        scores: floats to log: ``monitor/level``, ``monitor/open_alerts`` and,
+            per spike metric, the OLMo-style spike score (fraction of checks over
+            the last ``score_window`` steps that were above the spike band), e.g.
+            ``monitor/loss_spike_score``, ``monitor/grad_norm_spike_score``.
+    """
+
+    step: int
+    level: Level
+    alerts: list[Alert]
+    new_alerts: list[Alert]
+    closed_alerts: list[Alert]
+    scores: dict[str, float]
+
+    @property
+    def onset_step(self) -> int | None:
+        """Earliest ``onset_step`` among the alerts at the verdict's level."""
+        onsets = [a.onset_step for a in self.alerts if a.level == self.level]
+        return min(onsets) if onsets else None
