@@ -1,0 +1,624 @@
+"""Activation vitals: every ``act/*`` and ``diag/*`` metric of METRICS.md §2-§4.
+
+Computed inside the compiled step from what a Flax model sowed under the
+METRICS.md §7 names -- raw tensors or the compact probes of :mod:`jvitals.probes`.
+
+Sow conventions accepted by :func:`activation_metrics`
+------------------------------------------------------
+- **Containers**: Linen's ``{'intermediates': {...}}`` (what ``apply(...,
+  mutable=['intermediates'])`` returns) or its inner dict; a Flax NNX ``State``
+  (what ``nnx.capture(fn, nnx.Intermediate)`` returns) or ``nnx.to_pure_dict`` of
+  it; any nesting of mappings. Only the *leaf key* (the sow NAME) matters, not
+  the module path above it.
+- **Values**: a Linen tuple of sows (one element per ``sow`` call), a list, or a
+  single value; each element is a raw array or a probe struct
+  (:class:`~jvitals.stats.Summary`, :class:`~jvitals.probes.LogitsSummary`).
+- **Layers** (instances) are ordered by module path with numbers compared as
+  numbers (``layers_2`` before ``layers_10``; JAX sorts dict keys as strings),
+  then by sow order within a tuple, then along a scan-stacked axis.
+- **Scan-stacked or not** (``nn.scan`` stacks a layer's sows into one ``(L, ...)``
+  element). With token shape ``S = [B, T]`` (from ``mask``, else ``labels``, else
+  the raw or probed ``logits``): a raw value whose shape starts with ``S`` is one
+  layer; one whose shape is ``(L, *S, ...)`` holds L layers (``attn_logits``:
+  ``[B, ..., T, T]`` is one layer, ``[L, B, ..., T, T]`` is L). If both readings
+  fit (``B == T``), and when no token shape is known, rank decides:
+  ``hidden_states`` of rank ``len(S) + 2`` (4) and ``attn_logits`` of rank 5 are
+  stacked; anything else is one layer. A probe ``Summary`` with scalar fields is
+  one layer; with ``(L,)`` fields, L layers.
+- **Masks**: raw token-shaped values are masked with ``mask``; ``attn_logits``
+  with ``causal & mask[b, q] & mask[b, k]`` (entries masked in the model, e.g. to
+  -inf, are excluded either way). Probe summaries were masked in the model: pass
+  the same mask to both. A value of another name that is not token-shaped (not
+  ``[B, T, ...]``) is summarised whole, unmasked.
+- ``expert_counts`` is read by the MoE metrics, not here.
+
+Metric names
+------------
+Per-instance values are ``{metric}/layer_{i}`` where ``{metric}`` is the
+aggregated name without its instance suffix (``.avg``/``.mean``); ``abs.max`` is
+the statistic and stays (``act/hidden_states_rms/layer_0``,
+``act/hidden_states_abs.max/layer_0``). Non-finite counts sit beside them as
+``act/{base}.nonfinite`` (sum over layers) and ``act/{base}.nonfinite/layer_{i}``.
+
+======================================  ========================================================
+``logits``                              ``act/output_layer_logits_rms.avg``, ``_abs.max``,
+                                        ``_top2_diff.avg``, ``_top2_equal_ratio``,
+                                        ``act/output_layer_logsumexp.mean`` / ``.max``,
+                                        ``act/output_layer_logits.nonfinite``
+``hidden_states``                       ``act/hidden_states_rms.avg``, ``act/hidden_states_abs.max``
+``attn_out_before_proj``                ``act/attn_out_before_proj_rms.avg``
+``gate_scores``                         ``act/gate_scores_rms.avg``
+``attn_logits``                         ``act/attn_logits_abs.max``
+``mtp_logits`` (+ ``logits``)           ``act/mtp_{k}_lm_head_top1_agreement``, k = 1..K
+``labels`` given                        ``act/lm_head_top1_accuracy``, ``act/mtp_{k}_top1_accuracy``
+any other NAME ``x``                    ``act/{x}_rms``, ``_abs.max``, ``_mean``, ``_std``, ``act/{x}.nonfinite``
+                                        (over all its instances; ``/layer_{i}`` when more than one)
+======================================  ========================================================
+
+Distribution: under ``jit`` over ``NamedSharding`` arrays pass ``axes=()``; the
+figures are global. Inside ``shard_map`` pass the token-sharding axes (e.g.
+``('data',)``): each statistic is psum/pmax-ed over the axes its values vary along
+(``specs`` overrides that per NAME). MTP alignment and the attention causal mask
+need whole sequences on each shard: shard the batch axis, not the sequence.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jvitals.probes import LogitsSummary, attention_valid_mask, summarize_logits, vary_along
+from jvitals.stats import Summary, _check_axes, reduce, sharded_axes, summarize, varying_axes
+
+__all__ = ["activation_metrics", "bos_value_grad_metrics", "mtp_metrics"]
+
+_F32 = jnp.float32
+
+# sow NAME -> (metric base, ((statistic, aggregate suffix), ...))
+_LAYER_FAMILIES: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {
+    "hidden_states": ("act/hidden_states", (("rms", ".avg"), ("abs.max", ""))),
+    "attn_out_before_proj": ("act/attn_out_before_proj", (("rms", ".avg"),)),
+    "gate_scores": ("act/gate_scores", (("rms", ".avg"),)),
+    "attn_logits": ("act/attn_logits", (("abs.max", ""),)),
+}
+_LOGITS, _MTP = "logits", "mtp_logits"
+_NOT_HERE = frozenset({"expert_counts"})  # read by the MoE metrics
+
+_Entry = tuple[str, Any]  # (module path, one sown value)
+
+
+# ----------------------------------------------------------------------------------
+# Reading the sown tree.
+
+
+def _natural(s: str) -> list:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s)]
+
+
+def _plain(tree: Any) -> Any:
+    """NNX ``State`` -> pure dict; anything else unchanged."""
+    try:
+        from flax import nnx
+    except Exception:  # pragma: no cover
+        return tree
+    if isinstance(tree, nnx.State):
+        return nnx.to_pure_dict(tree)
+    return tree
+
+
+def _unwrap(v: Any) -> Any:
+    """An NNX ``Variable`` leaf -> its value."""
+    try:
+        from flax import nnx
+    except Exception:  # pragma: no cover
+        return v
+    if isinstance(v, nnx.Variable):
+        return v.get_value() if hasattr(v, "get_value") else v.value
+    return v
+
+
+def _collect(tree: Any, collection: str, who: str) -> dict[str, list[_Entry]]:
+    """Group every sown value by its leaf NAME, in model order (see module docstring)."""
+    tree = _plain(tree)
+    if not isinstance(tree, Mapping):
+        raise TypeError(
+            f"{who}: expected the sown '{collection}' dict (Linen: the '{collection}' entry "
+            f"of apply(..., mutable=['{collection}']); NNX: the State nnx.capture returns), "
+            f"got {type(tree).__name__}.")
+    if collection in tree and isinstance(_plain(tree[collection]), Mapping):
+        tree = _plain(tree[collection])
+    found: dict[str, list[tuple[list, int, str, Any]]] = {}
+
+    def walk(node: Mapping, path: tuple[str, ...]) -> None:
+        for key, value in node.items():
+            value = _plain(_unwrap(value))
+            p = path + (str(key),)
+            if isinstance(value, Mapping):
+                walk(value, p)
+                continue
+            items = value if type(value) in (tuple, list) else (value,)
+            for j, item in enumerate(items):
+                found.setdefault(str(key), []).append(
+                    ([_natural(c) for c in p], j, "/".join(p), _unwrap(item)))
+
+    walk(tree, ())
+    return {name: [(path, v) for _, _, path, v in sorted(items, key=lambda e: (e[0], e[1]))]
+            for name, items in found.items()}
+
+
+def _axes(axes: Sequence[str] | str) -> tuple[str, ...]:
+    """Normalise ``axes`` and check each is bound (clear error outside ``shard_map``)."""
+    return _check_axes(axes)
+
+
+def _red_axes(name: str, arrays: Iterable[Any], axes: tuple[str, ...],
+              specs: Mapping[str, PartitionSpec | None] | None) -> tuple[str, ...]:
+    """Mesh axes the statistics of ``name`` are reduced over."""
+    if not axes:
+        return ()
+    if specs is not None and name in specs:
+        return sharded_axes(specs[name], axes)
+    out: set[str] = set()
+    for a in jax.tree.leaves(list(arrays)):
+        out.update(varying_axes(a, axes))
+    return tuple(a for a in axes if a in out)
+
+
+def _reduce(tree: Any, red: tuple[str, ...]) -> Any:
+    return reduce(vary_along(tree, red), red) if red else tree
+
+
+def _cat(summaries: list[Summary]) -> Summary:
+    return jax.tree.map(lambda *a: jnp.concatenate([jnp.reshape(x, (-1,)) for x in a]), *summaries)
+
+
+# ----------------------------------------------------------------------------------
+# Token shape and layer layout.
+
+
+class _Tokens:
+    """The ``[B, T]`` token shape every token-shaped value is checked against."""
+
+    def __init__(self, shape: tuple[int, ...] | None, source: str):
+        self.shape = shape
+        self.source = source
+
+    def describe(self) -> str:
+        return f"{self.source} has shape {self.shape}"
+
+
+def _token_shape(mask: Any, labels: Any, entries: Mapping[str, list[_Entry]]) -> _Tokens:
+    if mask is not None:
+        return _Tokens(tuple(mask.shape), "mask")
+    if labels is not None:
+        return _Tokens(tuple(labels.shape), "labels")
+    for path, v in entries.get(_LOGITS, []):
+        if isinstance(v, LogitsSummary):
+            return _Tokens(tuple(v.argmax.shape), f"the probed logits' argmax at '{path}'")
+        if hasattr(v, "shape") and len(v.shape) >= 2:
+            return _Tokens(tuple(v.shape[:-1]), f"the logits [B, T, V] at '{path}'")
+    return _Tokens(None, "no mask")
+
+
+def _stacked(name: str, shape: tuple[int, ...], tok: _Tokens, path: str, strict: bool) -> bool | None:
+    """True: ``(L, *S, ...)``; False: ``(*S, ...)``; None: not token-shaped (generic only)."""
+    rank = len(shape)
+    if tok.shape is None:
+        return rank >= {"hidden_states": 4, "attn_logits": 5}.get(name, 10**9)
+    s = tok.shape
+    n = len(s)
+    if name == "attn_logits":
+        b, t = (s[0], s[-1]) if n == 2 else (None, None)
+        tail = rank >= 3 and shape[-2:] == (t, t)
+        one = tail and shape[0] == b
+        many = tail and rank >= 4 and shape[1] == b
+        what = f"[B, ..., T, T] = ({b}, ..., {t}, {t})"
+    else:
+        one = shape[:n] == s
+        many = rank > n and shape[1:n + 1] == s
+        what = f"[B, T, ...] = ({', '.join(map(str, s))}, ...)"
+    if one and many:
+        return rank >= {"hidden_states": n + 2, "attn_logits": 5}.get(name, 10**9)
+    if one or many:
+        return many
+    if not strict:
+        return None
+    raise ValueError(
+        f"activation_metrics: {tok.describe()} but the sown '{name}' value at '{path}' has "
+        f"shape {shape}; expected {what} (or with a leading layer axis when nn.scan-stacked). "
+        f"Pass a [B, T] mask (True = valid) matching the model's tokens.")
+
+
+def _layer_summaries(name: str, entries: list[_Entry], tok: _Tokens, mask: Any,
+                     strict: bool) -> Summary:
+    """One ``Summary`` per instance, concatenated: fields of shape ``(n_instances,)``."""
+    out = []
+    for path, v in entries:
+        if isinstance(v, Summary):
+            if jnp.ndim(v.count) > 1:
+                raise ValueError(f"activation_metrics: the Summary sown as '{name}' at '{path}' has "
+                                 f"fields of shape {jnp.shape(v.count)}; expected () per layer or "
+                                 f"(L,) when nn.scan-stacked.")
+            out.append(v)
+            continue
+        if isinstance(v, LogitsSummary):
+            raise ValueError(f"activation_metrics: a LogitsSummary was sown as '{name}' at '{path}'; "
+                             f"logits probes belong under 'logits' or 'mtp_logits'.")
+        x = jnp.asarray(v)
+        stacked = _stacked(name, tuple(x.shape), tok, path, strict)
+        axis = 0 if stacked else None
+        if name == "attn_logits":
+            lead = 1 if stacked else 0
+            t_q, t_k = x.shape[-2], x.shape[-1]
+            m = mask if (mask is not None and x.shape[-2:] == (mask.shape[-1],) * 2) else None
+            valid = attention_valid_mask(m, t_q, t_k, x.ndim - lead)
+            if stacked:
+                valid = valid[None]
+            out.append(summarize(x, valid, axis=axis))
+        elif stacked is None or mask is None:
+            out.append(summarize(x, axis=axis))
+        else:
+            out.append(summarize(x, mask, axis=axis))
+    return _cat(out)
+
+
+def _emit_layers(out: dict, base: str, stats: Sequence[tuple[str, str]], s: Summary,
+                 per_layer: bool = True) -> None:
+    values = {"rms": s.rms, "abs.max": s.abs_max, "mean": s.mean, "std": s.std}
+    for stat, suffix in stats:
+        v = values[stat]
+        agg = jnp.max(v) if stat == "abs.max" else jnp.mean(v)
+        out[f"{base}_{stat}{suffix}"] = agg
+        if per_layer:
+            for i in range(v.shape[0]):
+                out[f"{base}_{stat}/layer_{i}"] = v[i]
+    out[f"{base}.nonfinite"] = jnp.sum(s.nonfinite)
+    if per_layer:
+        for i in range(s.nonfinite.shape[0]):
+            out[f"{base}.nonfinite/layer_{i}"] = s.nonfinite[i]
+
+
+# ----------------------------------------------------------------------------------
+# Logits, MTP and accuracies.
+
+
+def _logits_summary(path: str, v: Any, tok: _Tokens, mask: Any, name: str) -> LogitsSummary:
+    if isinstance(v, LogitsSummary):
+        return v
+    if isinstance(v, Summary):
+        raise ValueError(f"activation_metrics: a plain Summary was sown as '{name}' at '{path}'; "
+                         f"the logits metrics need jvitals.probes.logits_probe (a LogitsSummary) "
+                         f"or the raw [B, T, V] logits.")
+    x = jnp.asarray(v)
+    if tok.shape is not None and tuple(x.shape[:-1]) != tok.shape:
+        raise ValueError(
+            f"activation_metrics: {tok.describe()} but the sown '{name}' value at '{path}' has "
+            f"shape {tuple(x.shape)}; expected [B, T, V] = ({', '.join(map(str, tok.shape))}, V). "
+            f"Pass a [B, T] mask (True = valid) matching the model's tokens.")
+    return summarize_logits(x, mask)
+
+
+def _argmaxes(name: str, entries: list[_Entry], tok: _Tokens) -> list[jax.Array]:
+    """Per-position argmax ``[B, T]`` of each instance (stacked ``(K, B, T[, V])`` split)."""
+    out = []
+    for path, v in entries:
+        if isinstance(v, LogitsSummary):
+            a = v.argmax
+            many = tok.shape is not None and a.ndim == len(tok.shape) + 1
+            out.extend(list(a) if many else [a])
+            continue
+        if isinstance(v, Summary):
+            raise ValueError(f"activation_metrics: a plain Summary was sown as '{name}' at '{path}'; "
+                             f"MTP agreement needs jvitals.probes.logits_probe or the raw logits.")
+        x = jnp.asarray(v)
+        a = jnp.argmax(x, axis=-1).astype(jnp.int32)
+        if tok.shape is not None and tuple(a.shape) not in (tok.shape,) and tuple(a.shape[1:]) == tok.shape:
+            out.extend(list(a))
+        elif tok.shape is not None and tuple(a.shape) != tok.shape:
+            raise ValueError(
+                f"activation_metrics: {tok.describe()} but the sown '{name}' value at '{path}' has "
+                f"shape {tuple(x.shape)}; expected [B, T, V] = ({', '.join(map(str, tok.shape))}, V).")
+        else:
+            out.append(a)
+    return out
+
+
+def _indicator_mean(hit: jax.Array, valid: jax.Array, red: tuple[str, ...]) -> jax.Array:
+    return _reduce(summarize(hit.astype(_F32), valid), red).mean
+
+
+def mtp_metrics(main_argmax: jax.Array, mtp_argmax: Sequence[jax.Array], *,
+                labels: jax.Array | None = None, mask: jax.Array | None = None,
+                axes: Sequence[str] | str = ()) -> dict[str, jax.Array]:
+    """MTP agreement and top-1 accuracies (METRICS.md §4), from argmaxes.
+
+    The main head at position ``t`` predicts token ``t+1``; MTP depth ``k``
+    (1-based) at ``t`` predicts token ``t+k+1``. Both predict the same token when
+    the main head is read at ``t+k``::
+
+      agreement_k = mean_{t : valid[t] & valid[t+k]} [argmax(main[t+k]) == argmax(mtp_k[t])]
+      acc_main    = mean_{t : valid[t]}              [argmax(main[t]) == labels[t]]
+      acc_k       = mean_{t : valid[t] & valid[t+k]} [argmax(mtp_k[t]) == labels[t+k]]
+
+    Counts are ``psum``-ed over ``axes`` before dividing (shard the batch only).
+
+    Args:
+      main_argmax: ``[B, T]`` int argmax of the main logits.
+      mtp_argmax: per depth k = 1..K, ``[B, T]`` int argmax of the MTP logits.
+      labels: optional ``[B, T]`` next-token ids (``labels[t]`` = token ``t+1``).
+      mask: optional ``[B, T]`` bool, True = valid.
+      axes: mesh axes the batch is sharded along (inside ``shard_map``).
+
+    Returns:
+      ``act/mtp_{k}_lm_head_top1_agreement``; with labels also
+      ``act/lm_head_top1_accuracy`` and ``act/mtp_{k}_top1_accuracy``.
+    """
+    axes = _axes(axes)
+    main = jnp.asarray(main_argmax)
+    b, t = main.shape
+    valid = jnp.ones((b, t), bool) if mask is None else jnp.asarray(mask, bool)
+    red = _red_axes("mtp_logits", [main, valid, *mtp_argmax] + ([labels] if labels is not None else []),
+                    axes, None)
+    out: dict[str, jax.Array] = {}
+    if labels is not None:
+        out["act/lm_head_top1_accuracy"] = _indicator_mean(main == labels, valid, red)
+    for k, mk in enumerate(mtp_argmax, start=1):
+        if k >= t:
+            both = jnp.zeros((b, 0), bool)
+            agree = acc = both
+        else:
+            both = valid[:, :-k] & valid[:, k:]
+            agree = main[:, k:] == mk[:, :-k]
+            acc = mk[:, :-k] == labels[:, k:] if labels is not None else None
+        out[f"act/mtp_{k}_lm_head_top1_agreement"] = _indicator_mean(agree, both, red)
+        if labels is not None:
+            out[f"act/mtp_{k}_top1_accuracy"] = _indicator_mean(acc, both, red)
+    return out
+
+
+# ----------------------------------------------------------------------------------
+# Entry points.
+
+
+def activation_metrics(
+    intermediates: Any,
+    *,
+    mask: jax.Array | None = None,
+    labels: jax.Array | None = None,
+    axes: Sequence[str] | str = (),
+    specs: Mapping[str, PartitionSpec | None] | None = None,
+    names: Sequence[str] | None = None,
+    accuracy: bool | None = None,
+) -> dict[str, jax.Array]:
+    """Every ``act/*`` metric of METRICS.md from a model's sown intermediates.
+
+    Formulas (each statistic over all valid elements of the global batch, in
+    float32; per-layer first, then aggregated over layers):
+
+    - ``act/output_layer_logits_rms.avg = sqrt(sum_valid sum_v x^2 / (n_valid V))``,
+      ``_abs.max = max_valid |x|``, ``_top2_diff.avg = mean_valid (top1 - top2)``,
+      ``_top2_equal_ratio = mean_valid [top1 == top2]``;
+      ``act/output_layer_logsumexp.mean`` / ``.max`` of ``logsumexp_v x`` over valid
+      positions.
+    - ``act/hidden_states_rms.avg = mean_l rms_l``, ``act/hidden_states_abs.max =
+      max_l max|h_l|``; likewise ``attn_out_before_proj_rms.avg``,
+      ``gate_scores_rms.avg``, ``attn_logits_abs.max`` (valid = causal & padding).
+    - MTP agreement and accuracies: see :func:`mtp_metrics`.
+    - any other NAME ``x``: ``act/{x}_rms``, ``_abs.max``, ``_mean``, ``_std`` over all
+      its instances together.
+
+    A non-finite value makes its statistics NaN; ``act/{base}.nonfinite`` counts
+    them (per layer too). See the module docstring for the accepted sow
+    conventions and the per-layer naming (``{metric}/layer_{i}``).
+
+    Args:
+      intermediates: the sown collection (Linen dict, with or without the
+        ``'intermediates'`` key; NNX ``State``).
+      mask: ``[B, T]`` bool, True = valid token (default: all valid).
+      labels: ``[B, T]`` next-token ids, for the top-1 accuracies.
+      axes: inside ``shard_map``, the mesh axes the tokens are sharded along;
+        ``()`` under plain ``jit`` (global arrays).
+      specs: optional ``{NAME: PartitionSpec}``: reduce that NAME's statistics over
+        the axes of ``axes`` the spec names, instead of the axes its values vary
+        along (needed where JAX does not track it, e.g. ``check_vma=False``, for
+        values replicated over a token axis).
+      names: only these sow NAMEs (each must be present); default: all.
+      accuracy: compute the top-1 accuracies (``True`` requires ``labels``);
+        default: when ``labels`` is given.
+
+    Returns:
+      A flat ``{name: float32 scalar}`` dict.
+
+    Raises:
+      ValueError: a mask / labels / value shape mismatch, a requested NAME absent,
+        ``accuracy=True`` without labels, several ``logits`` sows, MTP logits
+        without the main logits.
+
+    Example:
+      >>> logits, sown = model.apply({"params": p}, tokens, mask=mask, mutable=["intermediates"])
+      >>> m = activation_metrics(sown, mask=mask, labels=labels)
+      >>> m["act/hidden_states_rms.avg"], m["act/hidden_states_rms/layer_0"]
+    """
+    axes = _axes(axes)
+    entries = _collect(intermediates, "intermediates", "activation_metrics")
+    if names is not None:
+        missing = [n for n in names if n not in entries]
+        if missing:
+            have = sorted(entries)
+            raise ValueError(
+                f"activation_metrics: requested sow name(s) {missing} absent; the intermediates "
+                f"hold {have}. Sow them in the model (self.sow('intermediates', NAME, value)) or "
+                f"drop them from names=.")
+        entries = {n: entries[n] for n in names}
+    if mask is not None:
+        mask = jnp.asarray(mask, bool)
+    if labels is not None:
+        labels = jnp.asarray(labels)
+        if mask is not None and tuple(labels.shape) != tuple(mask.shape):
+            raise ValueError(f"activation_metrics: labels have shape {tuple(labels.shape)} but the "
+                             f"mask has shape {tuple(mask.shape)}; both must be [B, T].")
+    if accuracy and labels is None:
+        raise ValueError("activation_metrics: accuracy=True needs labels=[B, T] next-token ids "
+                         "(labels[t] = token t+1), got labels=None.")
+    want_acc = labels is not None if accuracy is None else bool(accuracy)
+    tok = _token_shape(mask, labels, entries)
+    out: dict[str, jax.Array] = {}
+
+    for name, (base, stats) in _LAYER_FAMILIES.items():
+        if name in entries:
+            s = _layer_summaries(name, entries[name], tok, mask, strict=True)
+            s = _reduce(s, _red_axes(name, [[v for _, v in entries[name]], mask], axes, specs))
+            _emit_layers(out, base, stats, s)
+
+    if _LOGITS in entries:
+        if len(entries[_LOGITS]) != 1:
+            paths = [p for p, _ in entries[_LOGITS]]
+            raise ValueError(
+                f"activation_metrics: found {len(paths)} sown 'logits' values (at {paths}); the "
+                f"output-layer logits must be sown once per call. Sow MTP logits as 'mtp_logits'.")
+        path, v = entries[_LOGITS][0]
+        ls = _logits_summary(path, v, tok, mask, _LOGITS)
+        ls = ls.reduce(_red_axes(_LOGITS, [v, mask], axes, specs))
+        out["act/output_layer_logits_rms.avg"] = ls.logits.rms
+        out["act/output_layer_logits_abs.max"] = ls.logits.abs_max
+        out["act/output_layer_logits_top2_diff.avg"] = ls.top2_diff.mean
+        out["act/output_layer_logits_top2_equal_ratio"] = ls.top2_tie.mean
+        out["act/output_layer_logsumexp.mean"] = ls.lse.mean
+        out["act/output_layer_logsumexp.max"] = ls.lse_max
+        out["act/output_layer_logits.nonfinite"] = ls.logits.nonfinite
+
+    has_mtp = _MTP in entries
+    if has_mtp or want_acc:
+        if _LOGITS not in entries:
+            why = "MTP agreement" if has_mtp else "top-1 accuracy"
+            raise ValueError(f"activation_metrics: {why} needs the main output logits sown as "
+                             f"'logits'; the intermediates hold {sorted(entries)}.")
+        main = _argmaxes(_LOGITS, entries[_LOGITS], tok)[0]
+        if labels is not None and tuple(labels.shape) != tuple(main.shape):
+            raise ValueError(f"activation_metrics: labels have shape {tuple(labels.shape)} but the "
+                             f"logits are [B, T, V] with [B, T] = {tuple(main.shape)}.")
+        mtp = _argmaxes(_MTP, entries[_MTP], tok) if has_mtp else []
+        out.update(mtp_metrics(main, mtp, labels=labels if want_acc else None, mask=mask, axes=axes))
+
+    for name, items in entries.items():
+        if name in _LAYER_FAMILIES or name in (_LOGITS, _MTP) or name in _NOT_HERE:
+            continue
+        s = _layer_summaries(name, items, tok, mask, strict=False)
+        s = _reduce(s, _red_axes(name, [[v for _, v in items], mask], axes, specs))
+        _emit_generic(out, f"act/{name}", s)
+    return out
+
+
+def _emit_generic(out: dict, base: str, s: Summary) -> None:
+    tot = s.total()
+    out[f"{base}_rms"] = tot.rms
+    out[f"{base}_abs.max"] = tot.abs_max
+    out[f"{base}_mean"] = tot.mean
+    out[f"{base}_std"] = tot.std
+    out[f"{base}.nonfinite"] = tot.nonfinite
+    n = s.count.shape[0]
+    if n > 1:
+        for i in range(n):
+            out[f"{base}_rms/layer_{i}"] = s.rms[i]
+            out[f"{base}_abs.max/layer_{i}"] = s.abs_max[i]
+            out[f"{base}_mean/layer_{i}"] = s.mean[i]
+            out[f"{base}_std/layer_{i}"] = s.std[i]
+            out[f"{base}.nonfinite/layer_{i}"] = s.nonfinite[i]
+
+
+def bos_value_grad_metrics(
+    perturbation_grads: Any,
+    tokens: jax.Array | None = None,
+    *,
+    bos_id: int | None = None,
+    mask: jax.Array | None = None,
+    axes: Sequence[str] | str = (),
+    name: str = "bos_value",
+    specs: Mapping[str, PartitionSpec | None] | None = None,
+) -> dict[str, jax.Array]:
+    """BOS attention-value gradient vitals (METRICS.md §2, ``diag/bos_value_grad_*``).
+
+    ``g = dLoss/dv`` for the attention values ``v`` (``Module.perturb`` gradients,
+    see :func:`jvitals.probes.perturb_values`). BOS positions are where
+    ``tokens == bos_id`` (given both), else position 0; non-BOS are the other
+    valid positions. Per layer ``l``::
+
+      diag/bos_value_grad_rms/layer_l     = rms(g_l[valid & bos])
+      diag/bos_value_grad_abs.max/layer_l = max |g_l[valid & bos]|
+      diag/bos_value_grad_ratio/layer_l   = rms(g_l[valid & bos]) / rms(g_l[valid & ~bos])
+
+    and the unsuffixed aggregates take all layers' elements together
+    (``diag/bos_value_grad_rms = rms`` over every layer's BOS gradients, the ratio
+    of the pooled RMSs). ``diag/bos_value_grad.nonfinite`` counts non-finite
+    gradient elements at valid positions.
+
+    Args:
+      perturbation_grads: the gradient w.r.t. the ``'perturbations'`` collection
+        (with or without that key); leaves named ``name``, ``[B, T, ...]`` per layer
+        or ``[L, B, T, ...]`` scan-stacked.
+      tokens: ``[B, T]`` token ids (for ``bos_id`` matching and the token shape).
+      bos_id: BOS token id; without it (or without tokens) BOS is position 0.
+      mask: ``[B, T]`` bool, True = valid.
+      axes: inside ``shard_map``, the mesh axes the batch is sharded along.
+      name: the perturbation name.
+      specs: optional ``{name: PartitionSpec}`` (see :func:`activation_metrics`).
+
+    Returns:
+      Flat dict of float32 scalars.
+
+    Raises:
+      ValueError: if neither tokens nor mask is given, no ``name`` leaf exists, or
+        the shapes do not match.
+    """
+    axes = _axes(axes)
+    entries = _collect(perturbation_grads, "perturbations", "bos_value_grad_metrics")
+    if name not in entries:
+        raise ValueError(
+            f"bos_value_grad_metrics: no perturbation named '{name}' in the gradients; found "
+            f"{sorted(entries)}. Put jvitals.probes.perturb_values(self, v, '{name}') on the "
+            f"attention values and differentiate w.r.t. the 'perturbations' collection.")
+    if tokens is None and mask is None:
+        raise ValueError("bos_value_grad_metrics: pass tokens=[B, T] or mask=[B, T] so that the "
+                         "[B, T] token axes of the gradients can be located.")
+    shape = tuple((tokens if tokens is not None else mask).shape)
+    if tokens is not None and mask is not None and tuple(mask.shape) != shape:
+        raise ValueError(f"bos_value_grad_metrics: mask has shape {tuple(mask.shape)} but tokens "
+                         f"have shape {shape}; both must be [B, T].")
+    valid = jnp.ones(shape, bool) if mask is None else jnp.asarray(mask, bool)
+    if tokens is not None and bos_id is not None:
+        is_bos = jnp.asarray(tokens) == bos_id
+    else:
+        is_bos = jnp.broadcast_to(jnp.arange(shape[-1]) == 0, shape)
+    tok = _Tokens(shape, "tokens" if tokens is not None else "mask")
+    bos_s, rest_s = [], []
+    for path, v in entries[name]:
+        g = jnp.asarray(v)
+        stacked = _stacked(name, tuple(g.shape), tok, path, strict=False)
+        if stacked is None:
+            raise ValueError(
+                f"bos_value_grad_metrics: {tok.describe()} but the '{name}' gradient at '{path}' "
+                f"has shape {tuple(g.shape)}; expected [B, T, ...] = ({', '.join(map(str, shape))}, "
+                f"...) or [L, B, T, ...] when nn.scan-stacked.")
+        axis = 0 if stacked else None
+        bos_s.append(summarize(g, valid & is_bos, axis=axis))
+        rest_s.append(summarize(g, valid & ~is_bos, axis=axis))
+    red = _red_axes(name, [[v for _, v in entries[name]], valid, is_bos], axes, specs)
+    bos, rest = _reduce((_cat(bos_s), _cat(rest_s)), red)
+    out: dict[str, jax.Array] = {}
+    base = "diag/bos_value_grad"
+    tb, tr = bos.total(), rest.total()
+    out[f"{base}_rms"] = tb.rms
+    out[f"{base}_abs.max"] = tb.abs_max
+    out[f"{base}_ratio"] = tb.rms / tr.rms
+    out[f"{base}.nonfinite"] = tb.nonfinite + tr.nonfinite
+    ratio = bos.rms / rest.rms
+    for i in range(bos.count.shape[0]):
+        out[f"{base}_rms/layer_{i}"] = bos.rms[i]
+        out[f"{base}_abs.max/layer_{i}"] = bos.abs_max[i]
+        out[f"{base}_ratio/layer_{i}"] = ratio[i]
+        out[f"{base}.nonfinite/layer_{i}"] = bos.nonfinite[i] + rest.nonfinite[i]
+    return out

@@ -1,0 +1,330 @@
+"""Model-side probes: sow compact summaries instead of whole tensors.
+
+A plain ``self.sow('intermediates', 'logits', logits)`` keeps a ``[B, T, V]`` tensor
+alive until the metrics are computed (and ships it out of ``jit`` if the
+intermediates are returned). The probes compute, inside the model, the few
+numbers a metric needs and sow those under the same METRICS.md §7 NAME, so
+:func:`jvitals.activations.activation_metrics` reads either form:
+
+=====================  ===================================================  ==========================
+probe                  sows                                                 size
+=====================  ===================================================  ==========================
+:func:`sow_summary`    a :class:`~jvitals.stats.Summary` of ``x``           5 scalars
+:func:`logits_probe`   a :class:`LogitsSummary` (logits, top-2, LSE, argmax) ~20 scalars + ``[B, T]`` int32
+:func:`attn_logits_probe` a ``Summary`` of the valid pre-softmax scores     5 scalars
+:func:`perturb_values` nothing sown: a zero perturbation (``Module.perturb``) gradient ``[B, T, ...]``
+=====================  ===================================================  ==========================
+
+The argmax kept by :class:`LogitsSummary` (``[B, T]`` int32, ``V`` times smaller than
+the logits) is what MTP agreement (METRICS.md §4) and top-1 accuracies need:
+they compare argmaxes at *shifted* positions, which no per-step scalar can do.
+
+Every probe works on ``lax.stop_gradient`` of its input: it never changes the
+model's gradients. Under ``nn.scan`` the sown structs gain a leading layer axis
+on every field, which ``activation_metrics`` reads as one instance per layer.
+Summaries are mask-aware at sow time: pass the model's token mask.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+
+from jvitals.stats import Summary, pmax_over, reduce, summarize, varying_axes
+
+__all__ = [
+    "LogitsSummary",
+    "attn_logits_probe",
+    "attention_valid_mask",
+    "logits_probe",
+    "perturb_values",
+    "sow_summary",
+    "summarize_logits",
+    "vary_along",
+]
+
+_F32 = jnp.float32
+
+
+@struct.dataclass
+class LogitsSummary:
+    """What the output-layer metrics need from ``[..., V]`` logits, without the logits.
+
+    All statistics are over the *valid* positions (mask True), in float32; every
+    field but ``argmax`` is a sum, count or maximum, so per-shard values combine
+    exactly (``psum``/``pmax``, see :meth:`reduce`).
+
+    Attributes:
+      logits: ``Summary`` of the logits over valid positions x vocab
+        (``rms = sqrt(sum logits^2 / (n_valid * V))``, ``abs_max``).
+      top2_diff: ``Summary`` over valid positions of ``top1 - top2`` (the two
+        largest values as ``lax.top_k(logits, 2)`` gives them: a tie gives 0).
+        Its ``count`` is the number of valid positions.
+      top2_tie: ``Summary`` over valid positions of the indicator
+        ``top1 == top2`` (NaN where the logits are not finite); ``mean`` is the
+        tie ratio.
+      lse: ``Summary`` over valid positions of ``logsumexp(logits)``.
+      lse_max: signed ``max`` of ``logsumexp`` over valid positions (NaN if any is
+        non-finite or there is none).
+      argmax: ``argmax(logits, -1)`` as int32, shape ``logits.shape[:-1]``
+        (``[B, T]``); masked positions hold their argmax too (the consumer masks).
+    """
+
+    logits: Summary
+    top2_diff: Summary
+    top2_tie: Summary
+    lse: Summary
+    lse_max: jax.Array
+    argmax: jax.Array
+
+    def reduce(self, axes: tuple[str, ...]) -> "LogitsSummary":
+        """``psum``/``pmax`` every statistic over ``axes`` (``argmax`` stays local).
+
+        Use inside ``shard_map`` with the axes the *tokens* are sharded along: every
+        statistic is reduced over all of them (see :func:`vary_along`).
+        """
+        if not axes:
+            return self
+        fields = vary_along((self.logits, self.top2_diff, self.top2_tie, self.lse, self.lse_max), axes)
+        summaries = reduce(fields[:4], axes)
+        lse = summaries[3]
+        amax = pmax_over(jnp.where(jnp.isnan(fields[4]), -jnp.inf, fields[4]), axes)
+        lse_max = jnp.where((lse.nonfinite > 0) | (lse.count <= 0), jnp.nan, amax).astype(_F32)
+        return LogitsSummary(*summaries, lse_max=lse_max, argmax=self.argmax)
+
+
+def vary_along(tree: Any, axes: tuple[str, ...]) -> Any:
+    """Mark every array leaf of ``tree`` as varying along ``axes`` (inside ``shard_map``).
+
+    A statistic of sharded tokens must be summed over the token axes even when
+    one of its fields happens to be identical on every shard (a count computed
+    without a mask is the local token count, the same everywhere): ``psum`` then
+    multiplies it by the axis size, which is the right global count.
+    ``jvitals.stats.reduce`` reduces each field over the axes JAX says it varies
+    along, so the fields are cast to varying first (``lax.pcast(..., to='varying')``).
+    Where JAX does not track varying axes this is the identity.
+    """
+    if not axes:
+        return tree
+
+    def cast(x: Any) -> Any:
+        if not isinstance(x, jax.Array) and not hasattr(x, "aval"):
+            return x
+        have = varying_axes(x, axes)
+        missing = tuple(a for a in axes if a not in have)
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+_CHUNK_ELEMENTS = 1 << 22  # logits elements per chunk (16 MiB of float32)
+
+
+def _row_stats(x: jax.Array) -> tuple[jax.Array, ...]:
+    """Per-row (last axis) reductions of ``[R, V]`` float32 logits; each ``[R]``."""
+    top1 = jnp.max(x, axis=-1)
+    t = top1[:, None]
+    n_top = jnp.sum((x == t).astype(_F32), axis=-1)
+    below = jnp.max(jnp.where(x < t, x, -jnp.inf), axis=-1)
+    return (
+        top1,
+        n_top,
+        below,
+        jax.nn.logsumexp(x, axis=-1),
+        jnp.sum(x, axis=-1),
+        jnp.sum(x * x, axis=-1),
+        jnp.max(jnp.abs(x), axis=-1),
+        jnp.sum((~jnp.isfinite(x)).astype(_F32), axis=-1),
+        jnp.argmax(x, axis=-1).astype(jnp.int32),
+    )
+
+
+def _chunk_rows(rows: int, v: int, chunk_elements: int | None) -> int:
+    """Largest divisor of ``rows`` with ``chunk * v <= chunk_elements`` (>= 1)."""
+    if not chunk_elements or rows * v <= chunk_elements:
+        return rows
+    target = max(1, chunk_elements // max(v, 1))
+    return max(d for d in range(1, min(rows, target) + 1) if rows % d == 0)
+
+
+def summarize_logits(logits: jax.Array, mask: jax.Array | None = None, *,
+                     chunk_elements: int | None = _CHUNK_ELEMENTS) -> LogitsSummary:
+    """Reduce ``[..., V]`` logits to a :class:`LogitsSummary` (float32).
+
+    Per position: ``top1 = max_v x``; a tie when ``top1`` occurs at least twice
+    (then ``top2 = top1``), else ``top2 = max{x_v : x_v < top1}`` -- the values
+    ``lax.top_k(x, 2)`` returns, without its cost on CPU;
+    ``lse = logsumexp_v x``. Masked positions count nowhere (a masked position
+    holding inf/NaN or huge values changes nothing).
+
+    The per-position reductions run over chunks of positions (``lax.map``) of at
+    most ``chunk_elements`` logits, so the temporaries a backend materialises
+    (XLA:CPU does, for several reductions of one tensor) stay small.
+
+    Args:
+      logits: ``[..., V]`` array of any float dtype (cast to float32 first).
+      mask: optional boolean ``logits.shape[:-1]`` (``[B, T]``), True = valid.
+      chunk_elements: logits per chunk; None = one pass over everything.
+
+    Returns:
+      A :class:`LogitsSummary`.
+
+    Raises:
+      ValueError: if ``mask`` does not have the shape ``logits.shape[:-1]``.
+    """
+    x = lax.stop_gradient(jnp.asarray(logits))
+    pos_shape = tuple(x.shape[:-1])
+    v = x.shape[-1]
+    if mask is None:
+        valid = jnp.ones(pos_shape, bool)
+    else:
+        valid = jnp.asarray(mask, bool)
+        if tuple(valid.shape) != pos_shape:
+            raise ValueError(
+                f"logits of shape {tuple(x.shape)} are [..., V] = ({', '.join(map(str, pos_shape))}, "
+                f"{v}): the mask must have their leading shape {pos_shape}, got "
+                f"{tuple(valid.shape)}.")
+    rows = int(np.prod(pos_shape, dtype=np.int64))
+    chunk = _chunk_rows(rows, v, chunk_elements)
+    x2 = x.reshape(rows, v)
+    if chunk < rows:
+        stats = lax.map(lambda c: _row_stats(c.astype(_F32)), x2.reshape(rows // chunk, chunk, v))
+    else:
+        stats = _row_stats(x2.astype(_F32))
+    top1, n_top, below, lse, r_sum, r_sumsq, r_amax, r_bad, argmax = (
+        s.reshape(pos_shape) for s in stats)
+    tie = n_top >= 2
+    diff = top1 - jnp.where(tie, top1, below)
+    tie_f = jnp.where(jnp.isfinite(diff), tie.astype(_F32), jnp.nan)
+    # The logits' Summary from per-row pieces: a row with a non-finite value makes
+    # every statistic NaN through ``nonfinite``; its sums are left out.
+    ok = valid & (r_bad == 0)
+    count = jnp.sum(valid, dtype=_F32) * v
+    nonfinite = jnp.sum(jnp.where(valid, r_bad, 0.0))
+    amax = jnp.max(jnp.where(ok, r_amax, 0.0), initial=0.0)
+    logit_s = Summary(
+        count=count,
+        sum=jnp.sum(jnp.where(ok, r_sum, 0.0)),
+        sumsq=jnp.sum(jnp.where(ok, r_sumsq, 0.0)),
+        abs_max=jnp.where((nonfinite > 0) | (count <= 0), jnp.nan, amax).astype(_F32),
+        nonfinite=nonfinite,
+    )
+    lse_s = summarize(lse, valid)
+    lse_max = jnp.max(jnp.where(valid, lse, -jnp.inf), initial=-jnp.inf)
+    lse_max = jnp.where((lse_s.nonfinite > 0) | (lse_s.count <= 0), jnp.nan, lse_max).astype(_F32)
+    return LogitsSummary(
+        logits=logit_s,
+        top2_diff=summarize(diff, valid),
+        top2_tie=summarize(tie_f, valid),
+        lse=lse_s,
+        lse_max=lse_max,
+        argmax=argmax,
+    )
+
+
+def sow_summary(module: Any, name: str, x: jax.Array, mask: jax.Array | None = None) -> bool:
+    """Sow ``summarize(x, mask)`` under ``name`` in the ``'intermediates'`` collection.
+
+    Five float32 scalars instead of ``x``. ``activation_metrics`` treats the sown
+    ``Summary`` exactly as it would the raw ``x`` with that ``mask``.
+
+    Args:
+      module: the Linen module doing the sowing (``self``).
+      name: the METRICS.md §7 NAME (``'hidden_states'``, ``'gate_scores'``, ...).
+      x: activations, leading axes ``[B, T]``.
+      mask: optional ``[B, T]`` token mask (True = valid).
+
+    Returns:
+      Whatever ``Module.sow`` returns (False when 'intermediates' is not mutable).
+    """
+    return module.sow("intermediates", name, summarize(lax.stop_gradient(x), mask))
+
+
+def logits_probe(module: Any, logits: jax.Array, mask: jax.Array | None = None,
+                 name: str = "logits") -> bool:
+    """Sow a :class:`LogitsSummary` of ``logits`` under ``name`` (never the logits).
+
+    Use ``name='mtp_logits'`` for each MTP depth (in order k = 1..K).
+
+    Args:
+      module: the Linen module doing the sowing (``self``).
+      logits: ``[B, T, V]`` logits.
+      mask: optional ``[B, T]`` token mask.
+      name: sow name (``'logits'`` or ``'mtp_logits'``).
+
+    Returns:
+      Whatever ``Module.sow`` returns.
+    """
+    return module.sow("intermediates", name, summarize_logits(logits, mask))
+
+
+def attention_valid_mask(mask: jax.Array | None, tq: int, tk: int, ndim: int,
+                         causal: bool = True) -> jax.Array:
+    """Boolean mask of valid ``(query, key)`` entries for ``[B, ..., Tq, Tk]`` scores.
+
+    ``valid[b, ..., q, k] = (k <= q + (Tk - Tq)) & mask[b, q] & mask[b, k]`` (causal
+    term only when ``causal``; the offset aligns the last query with the last key).
+    Shape ``[B or 1, 1, ..., Tq, Tk]`` with ``ndim`` axes, ready to broadcast.
+
+    Args:
+      mask: ``[B, T]`` token mask (``T == Tq == Tk``) or None.
+      tq, tk: query and key lengths.
+      ndim: rank of the scores.
+      causal: apply the causal (lower-triangular) term.
+    """
+    mid = (1,) * (ndim - 3)
+    valid = jnp.ones((1,) + mid + (tq, tk), bool)
+    if causal:
+        valid = valid & jnp.tril(jnp.ones((tq, tk), bool), k=tk - tq).reshape((1,) + mid + (tq, tk))
+    if mask is not None:
+        mask = jnp.asarray(mask, bool)
+        b = mask.shape[0]
+        valid = valid & mask.reshape((b,) + mid + (tq, 1)) & mask.reshape((b,) + mid + (1, tk))
+    return valid
+
+
+def attn_logits_probe(module: Any, scores: jax.Array, mask: jax.Array | None = None,
+                      name: str = "attn_logits", *, causal: bool = True) -> bool:
+    """Sow a ``Summary`` of the pre-softmax attention scores over valid entries.
+
+    Valid entries: causal (``k <= q``) and both the query and the key are real
+    tokens. ``abs_max`` of the sown summary is the max attention logit of the
+    layer (the QK-clip / attention-logit-growth signal,
+    ``act/attn_logits_abs.max``).
+
+    Args:
+      module: the Linen module doing the sowing (``self``).
+      scores: ``[B, ..., Tq, Tk]`` pre-softmax scores (heads in the middle axes),
+        before or after masking: masked entries are excluded here either way.
+      mask: ``[B, T]`` token mask, or a boolean mask broadcastable to ``scores``
+        (same rank), used as is (``causal`` then ignored), or None.
+      name: sow name.
+      causal: include the causal term (token masks only).
+
+    Returns:
+      Whatever ``Module.sow`` returns.
+    """
+    scores = lax.stop_gradient(scores)
+    if mask is not None and jnp.ndim(mask) == scores.ndim:
+        valid = jnp.asarray(mask, bool)
+    else:
+        valid = attention_valid_mask(mask, scores.shape[-2], scores.shape[-1], scores.ndim, causal)
+    return module.sow("intermediates", name, summarize(scores, valid))
+
+
+def perturb_values(module: Any, v: jax.Array, name: str = "bos_value") -> jax.Array:
+    """``module.perturb(name, v)``: a zero perturbation whose gradient is ``dLoss/dv``.
+
+    Put it on the attention value vectors (``[B, T, heads, head_dim]``) and take
+    ``jax.grad`` of the loss with respect to the ``'perturbations'`` collection
+    (initialised by ``Module.init``, zeros of ``v``'s shape; stacked under
+    ``nn.scan`` with ``variable_axes={'perturbations': 0}``). Without that collection
+    in ``apply`` it is the identity. Feed the gradients to
+    :func:`jvitals.activations.bos_value_grad_metrics`.
+    """
+    return module.perturb(name, v)

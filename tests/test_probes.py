@@ -1,0 +1,129 @@
+"""Probes: compact sown summaries equal the raw-tensor path."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jvitals import probes
+from jvitals.activations import activation_metrics
+from jvitals.stats import summarize
+
+
+class _Probed(nn.Module):
+    """Sows every probe and the raw tensor it summarises (under another name)."""
+
+    @nn.compact
+    def __call__(self, x, logits, scores, mask):
+        probes.sow_summary(self, "hidden_states", x, mask)
+        self.sow("raw", "hidden_states", x)
+        probes.logits_probe(self, logits, mask)
+        self.sow("raw", "logits", logits)
+        probes.attn_logits_probe(self, scores, mask)
+        self.sow("raw", "attn_logits", scores)
+        return x
+
+
+def _data(seed=0, b=4, t=6, v=16):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(b, t, 8)).astype(np.float32)
+    logits = rng.integers(0, 5, size=(b, t, v)).astype(np.float32)  # ties on purpose
+    scores = rng.normal(size=(b, 2, t, t)).astype(np.float32) * 3
+    mask = np.ones((b, t), bool)
+    mask[1, 4:] = False
+    mask[3, 2:] = False
+    x[~mask] = 1e30
+    logits[~mask] = 1e30
+    return jnp.asarray(x), jnp.asarray(logits), jnp.asarray(scores), jnp.asarray(mask)
+
+
+def test_probes_equal_raw_tensors():
+    x, logits, scores, mask = _data()
+    _, sown = _Probed().apply({}, x, logits, scores, mask, mutable=["intermediates", "raw"])
+    metrics = jax.jit(lambda t, m: activation_metrics(t, mask=m))
+    probe = metrics(sown["intermediates"], mask)
+    raw = metrics(sown["raw"], mask)
+    assert set(probe) == set(raw)
+    for k in raw:
+        np.testing.assert_allclose(probe[k], raw[k], rtol=1e-6, err_msg=k)
+    assert 0 < float(raw["act/output_layer_logits_top2_equal_ratio"]) < 1
+    assert float(raw["act/hidden_states_abs.max"]) < 1e6
+
+
+def test_sow_summary_is_summarize():
+    x, _, _, mask = _data()
+    _, sown = _Probed().apply({}, *_data(), mutable=["intermediates", "raw"])
+    (s,) = sown["intermediates"]["hidden_states"]
+    ref = summarize(x, mask)
+    for f in ("count", "sum", "sumsq", "abs_max", "nonfinite"):
+        np.testing.assert_allclose(getattr(s, f), getattr(ref, f), rtol=1e-6, err_msg=f)
+
+
+def test_logits_summary_against_numpy():
+    _, logits, _, mask = _data(3)
+    ls = probes.summarize_logits(logits, mask)
+    x = np.asarray(logits, np.float64)[np.asarray(mask)]
+    srt = np.sort(x, -1)
+    lse = srt[:, -1] + np.log(np.exp(x - srt[:, -1:]).sum(-1))
+    np.testing.assert_allclose(ls.logits.rms, np.sqrt(np.mean(x ** 2)), rtol=1e-6)
+    np.testing.assert_allclose(ls.top2_diff.mean, np.mean(srt[:, -1] - srt[:, -2]), rtol=1e-6)
+    np.testing.assert_allclose(ls.top2_tie.mean, np.mean(srt[:, -1] == srt[:, -2]), rtol=1e-6)
+    np.testing.assert_allclose(ls.lse.mean, lse.mean(), rtol=1e-6)
+    np.testing.assert_allclose(ls.lse_max, lse.max(), rtol=1e-6)
+    assert ls.argmax.shape == mask.shape and ls.argmax.dtype == jnp.int32
+    chunked = probes.summarize_logits(logits, mask, chunk_elements=3 * 16)  # 8 chunks of 3 rows
+    for a, b in zip(jax.tree.leaves(chunked), jax.tree.leaves(ls)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"mask must have their leading shape \(4, 6\), got \(4, 5\)"):
+        probes.summarize_logits(logits, mask[:, :5])
+
+
+def test_logits_summary_nonfinite_is_nan():
+    logits = jnp.zeros((1, 3, 4)).at[0, 1, 2].set(jnp.nan)
+    ls = probes.summarize_logits(logits)
+    assert int(ls.logits.nonfinite) == 1
+    for v in (ls.logits.rms, ls.top2_diff.mean, ls.top2_tie.mean, ls.lse.mean, ls.lse_max):
+        assert np.isnan(v)
+    # ... unless the position is masked out.
+    ls = probes.summarize_logits(logits, jnp.array([[True, False, True]]))
+    assert float(ls.top2_tie.mean) == 1.0 and np.isfinite(ls.lse_max)
+
+
+def test_attn_logits_probe_masks_causal_and_padding():
+    _, _, scores, mask = _data(5)
+    valid = np.tril(np.ones((6, 6), bool))[None, None] & np.asarray(mask)[:, None, :, None] \
+        & np.asarray(mask)[:, None, None, :]
+    poisoned = jnp.where(valid, scores, 1e30)
+    _, sown = _Probed().apply({}, *_data(5)[:2], poisoned, mask, mutable=["intermediates", "raw"])
+    (s,) = sown["intermediates"]["attn_logits"]
+    ref = np.abs(np.asarray(scores)[np.broadcast_to(valid, scores.shape)]).max()
+    np.testing.assert_allclose(s.abs_max, ref, rtol=1e-6)
+    assert float(s.count) == valid.sum() * 2
+
+
+def test_perturb_values_gradient_is_value_gradient():
+    class Att(nn.Module):
+        @nn.compact
+        def __call__(self, v):
+            v = probes.perturb_values(self, v)
+            return jnp.sum(jnp.sin(v) * jnp.arange(v.shape[-1])[None, None, :])
+
+    v = jnp.linspace(-1, 1, 24).reshape(2, 3, 4)
+    variables = Att().init(jax.random.key(0), v)
+    assert variables["perturbations"]["bos_value"].shape == v.shape
+    g = jax.grad(lambda pert: Att().apply({"perturbations": pert}, v))(variables["perturbations"])
+    np.testing.assert_allclose(g["bos_value"], jnp.cos(v) * jnp.arange(4)[None, None, :], rtol=1e-6)
+    assert float(Att().apply({}, v)) == float(Att().apply(variables, v))  # identity without grads
+
+
+def test_logits_summary_reduce_inside_shard_map_without_mask():
+    """A count that is the same on every shard (no mask) is still summed over shards."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    logits = jax.random.normal(jax.random.key(1), (8, 5, 16))
+    f = jax.jit(jax.shard_map(lambda x: probes.summarize_logits(x).reduce(("data",)).logits.count,
+                              mesh=mesh, in_specs=P("data"), out_specs=P()))
+    assert float(f(jax.device_put(logits, NamedSharding(mesh, P("data"))))) == 8 * 5 * 16
