@@ -1,0 +1,484 @@
+"""Gradient, parameter and update vitals from pytrees (METRICS.md §2-§3).
+
+Every figure comes from one :func:`~jvitals.stats.summarize` pass per leaf (a
+scan-stacked leaf is summarised with ``axis=`` its layer axis, giving every layer's
+summary in the same pass; a fused QKV kernel is summarised as its Q, K and V
+parts). Each leaf's summaries are reduced over the mesh axes *that leaf* is
+sharded along (its ``PartitionSpec`` in ``specs``, or, without ``specs``, the axes
+JAX's type system says it varies along inside ``shard_map``), so an expert weight
+sharded over ``expert`` gives the figures of the whole tensor while a replicated
+gradient is never counted twice. Leaves with the same reduction axes are packed
+into one collective. Then summaries are merged per role, per layer and globally:
+
+    global_norm        = sqrt(sum over leaves of sum g^2)
+    norm/layer_i       = sqrt(sum over layer i's elements of g^2)
+    share/layer_i      = ||g_i||^2 / ||g||^2
+    {role}_rms         = sqrt(sum_role g^2 / n_role)       (all layers of the role)
+    {role}_abs.max     = max_role |g|
+    nonfinite_count    = #(g is NaN or Inf)
+
+A non-finite element makes every figure it enters NaN (never hidden) and is
+counted in ``nonfinite_count`` (per layer too, to find the first bad layer).
+
+Families and their cost, for a recorder running them at different cadences:
+
+* :func:`global_norm_metrics`: global norm and non-finite count only (every step).
+* :func:`update_metrics`: ``update/global_norm`` and ``update/param_ratio``.
+* :func:`gradient_metrics`: everything, per role and per layer (heavier cadence).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Hashable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from jvitals.roles import LeafRole, Roles, assign_roles
+from jvitals.stats import Summary, bound_axes, reduce, sharded_axes, summarize, varying_axes
+
+__all__ = [
+    "global_norm",
+    "global_norm_metrics",
+    "gradient_metrics",
+    "update_metrics",
+]
+
+_F32 = jnp.float32
+
+
+# ----------------------------------------------------------------------------------
+# Mesh plumbing shared with moe.py / optimizer.py.
+
+
+def check_axes(axes: Sequence[str] | str) -> tuple[str, ...]:
+    """Normalise ``axes`` and check each is bound (inside ``shard_map``/``pmap``)."""
+    if isinstance(axes, str):
+        axes = (axes,)
+    axes = tuple(axes)
+    if not axes:
+        return axes
+    bound = bound_axes()
+    for a in axes:
+        if a in bound:
+            continue
+        try:
+            lax.axis_size(a)
+        except NameError:
+            raise ValueError(
+                f"mesh axis {a!r} is not bound here; bound axes: {list(bound)}. Call this inside "
+                f"jax.shard_map (or pmap) over a mesh with that axis, or pass axes=() under plain jit, "
+                f"where arrays are global.") from None
+    return axes
+
+
+class _Box:
+    """Holds a spec as an opaque leaf while broadcasting a specs prefix."""
+
+    __slots__ = ("spec",)
+
+    def __init__(self, spec: Any):
+        self.spec = spec
+
+
+def flat_specs(tree: Any, specs: Any, what: str = "tree") -> list[Any] | None:
+    """``specs`` (a pytree prefix of ``tree`` with ``PartitionSpec``/None leaves)
+    broadcast to one spec per leaf of ``tree``, in flatten order (None if no specs)."""
+    if specs is None:
+        return None
+
+    def is_spec(s: Any) -> bool:
+        return s is None or isinstance(s, PartitionSpec)
+
+    try:
+        full = jax.tree.map(lambda sp, sub: jax.tree.map(lambda _: _Box(sp), sub), specs, tree, is_leaf=is_spec)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"specs must be a pytree of PartitionSpec (None = replicated) with the structure of the "
+            f"{what} (or a prefix of it); they do not match: {e}") from None
+    return [b.spec for b in jax.tree.leaves(full, is_leaf=lambda b: isinstance(b, _Box))]
+
+
+def reduction_axes(x: jax.Array, axes: tuple[str, ...], spec: Any, has_specs: bool) -> tuple[str, ...]:
+    """The axes of ``axes`` a leaf's summary must be reduced over.
+
+    With specs: those its spec shards it along (minus any it is, by type, invariant
+    along); without: those it varies along (all of ``axes`` where JAX does not
+    track it, as under ``pmap``).
+    """
+    if not axes:
+        return ()
+    if not has_specs:
+        return varying_axes(x, axes)
+    wanted = sharded_axes(spec, axes)
+    return varying_axes(x, wanted) if wanted else ()
+
+
+class Accumulator:
+    """Keyed summaries grouped by reduction axes; one packed collective per group."""
+
+    def __init__(self) -> None:
+        self.groups: dict[tuple[str, ...], dict[Hashable, Summary]] = {}
+
+    def add(self, red: tuple[str, ...], key: Hashable, s: Summary) -> None:
+        g = self.groups.setdefault(tuple(red), {})
+        g[key] = g[key].merge(s) if key in g else s
+
+    def result(self) -> dict[Hashable, Summary]:
+        out: dict[Hashable, Summary] = {}
+        for red, g in self.groups.items():
+            if red:
+                g = _reduce_packed(g, red)
+            for k, s in g.items():
+                out[k] = out[k].merge(s) if k in out else s
+        return out
+
+
+def _reduce_packed(g: Mapping[Hashable, Summary], red: tuple[str, ...]) -> dict[Hashable, Summary]:
+    keys = list(g)
+    shapes = [tuple(g[k].count.shape) for k in keys]
+    sizes = [int(np.prod(s)) for s in shapes]
+    fields = ("count", "sum", "sumsq", "abs_max", "nonfinite")
+    packed = Summary(**{f: jnp.concatenate([jnp.ravel(getattr(g[k], f)) for k in keys]) for f in fields})
+    packed = reduce(packed, red, specs=PartitionSpec(red))
+    out = {}
+    start = 0
+    for k, shape, n in zip(keys, shapes, sizes):
+        out[k] = Summary(**{f: getattr(packed, f)[start:start + n].reshape(shape) for f in fields})
+        start += n
+    return out
+
+
+def _take(s: Summary, j: int) -> Summary:
+    return jax.tree.map(lambda f: f[j], s)
+
+
+def _float_leaves(tree: Any) -> list[tuple[Any, Any]]:
+    return jax.tree_util.tree_flatten_with_path(tree)[0]
+
+
+def _skip(x: Any) -> bool:
+    return not hasattr(x, "dtype") or x.dtype == jax.dtypes.float0
+
+
+# ----------------------------------------------------------------------------------
+# Fused QKV.
+
+
+def _spec_axes_at(spec: Any, dim: int, ndim: int, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """Mesh axes (of ``axes``) that ``spec`` shards dimension ``dim`` along, in order."""
+    if spec is None or dim >= len(spec):
+        return ()
+    entry = spec[dim]
+    if entry is None:
+        return ()
+    entry = tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+    return tuple(a for a in entry if a in axes)
+
+
+def _global_shape(shape: tuple[int, ...], spec: Any, axes: tuple[str, ...]) -> tuple[int, ...]:
+    return tuple(d * math.prod(lax.axis_size(m) for m in _spec_axes_at(spec, i, len(shape), axes))
+                 for i, d in enumerate(shape))
+
+
+def _layer_shape(gshape: tuple[int, ...], lr: LeafRole) -> tuple[int, ...]:
+    if lr.stack_axis is None:
+        return gshape
+    return gshape[: lr.stack_axis] + gshape[lr.stack_axis + 1:]
+
+
+def _attn_module(path: str) -> str:
+    parts = path.split("/")
+    if parts[-1] in ("kernel", "weight", "w"):
+        parts = parts[:-1]
+    return "/".join(parts[:-1])
+
+
+def _o_sizes(infos: Sequence[LeafRole], gshapes: Sequence[tuple[int, ...]]) -> dict[str, int]:
+    """Per-layer element count of each attention module's output projection."""
+    out: dict[str, int] = {}
+    for lr, gs in zip(infos, gshapes):
+        if lr.role == "o":
+            out.setdefault(_attn_module(lr.path), math.prod(_layer_shape(gs, lr)))
+    return out
+
+
+def _qkv_pieces(x: jax.Array, lr: LeafRole, roles: Roles, spec: Any, axes: tuple[str, ...],
+                o_numel: int | None = None) -> list[tuple[str, Summary]]:
+    """Q, K and V summaries of a fused QKV kernel (per layer if stacked)."""
+    shape = tuple(x.shape)  # local (per-shard) inside shard_map
+    gshape = _global_shape(shape, spec, axes)
+    stacked = lr.stack_axis is not None
+    layer_shape = _layer_shape(gshape, lr)
+    a = roles.qkv_split.resolve_axis(layer_shape)
+    dim = a + 1 if stacked and a >= lr.stack_axis else a
+    local_n = shape[dim]
+    mesh = _spec_axes_at(spec, dim, len(shape), axes)
+    n = gshape[dim]
+    q_size = None
+    if o_numel is not None:
+        d_in = math.prod(layer_shape) // n
+        if d_in > 0 and o_numel % d_in == 0:
+            q_size = o_numel // d_in
+    nq, nk, nv = roles.qkv_split.sizes(n, lr.path, f"axis {a} of its per-layer shape {layer_shape}", q_size)
+    bounds = ((0, nq), (nq, nq + nk), (nq + nk, n))
+    ax = lr.stack_axis
+    out = []
+    if not mesh:
+        for name, (lo, hi) in zip(("Wq", "Wk", "Wv"), bounds):
+            out.append((name, summarize(lax.slice_in_dim(x, lo, hi, axis=dim), axis=ax)))
+        return out
+    # Sharded along the split axis: each shard holds a block of global columns.
+    idx = jnp.zeros((), jnp.int32)
+    for m in mesh:
+        idx = idx * lax.axis_size(m) + lax.axis_index(m)
+    col = idx * local_n + jnp.arange(local_n, dtype=jnp.int32)
+    bshape = [1] * len(shape)
+    bshape[dim] = local_n
+    for name, (lo, hi) in zip(("Wq", "Wk", "Wv"), bounds):
+        mask = ((col >= lo) & (col < hi)).reshape(bshape)
+        out.append((name, summarize(x, mask, axis=ax)))
+    return out
+
+
+# ----------------------------------------------------------------------------------
+# The pass over a tree.
+
+
+class _TreeStats:
+    """Reduced summaries of one tree: global, per layer, per role, per role and layer."""
+
+    def __init__(self, tree: Any, *, roles: Roles | None, specs: Any, axes: Sequence[str] | str,
+                 by_layer: bool, by_role: bool, what: str):
+        axes = check_axes(axes)
+        roles = Roles() if roles is None else roles
+        leaves = _float_leaves(tree)
+        infos = assign_roles(tree, roles) if (by_layer or by_role) else None
+        sp = flat_specs(tree, specs, what)
+        acc = Accumulator()
+        self.stack_first: dict[str, int] = {}
+        o_sizes: dict[str, int] = {}
+        if by_role and any(lr.role == "qkv" for lr in infos):
+            gshapes = [_global_shape(tuple(getattr(x, "shape", ())), sp[i] if sp is not None else None, axes)
+                       for i, (_, x) in enumerate(leaves)]
+            o_sizes = _o_sizes(infos, gshapes)
+        for i, (_, x) in enumerate(leaves):
+            if _skip(x):
+                continue
+            spec = sp[i] if sp is not None else None
+            red = reduction_axes(x, axes, spec, sp is not None)
+            if infos is None:
+                acc.add(red, "all", summarize(x))
+                continue
+            lr = infos[i]
+            if by_role and lr.role == "qkv":
+                pieces = _qkv_pieces(x, lr, roles, spec, axes, o_sizes.get(_attn_module(lr.path)))
+            else:
+                pieces = [(lr.name if by_role else None, summarize(x, axis=lr.stack_axis))]
+            merged = pieces[0][1]
+            for _, s in pieces[1:]:
+                merged = merged.merge(s)
+            stacked = lr.stack is not None
+            if stacked:
+                self.stack_first[lr.stack] = lr.first_layer
+            acc.add(red, "all", merged.total() if stacked else merged)
+            if by_layer:
+                if stacked:
+                    acc.add(red, ("stack", lr.stack), merged)
+                elif lr.layer is not None:
+                    acc.add(red, ("layer", lr.layer), merged)
+            if by_role:
+                for name, s in pieces:
+                    if name is None:
+                        continue
+                    acc.add(red, ("role", name), s.total() if stacked else s)
+                    if by_layer and stacked:
+                        acc.add(red, ("role_stack", name, lr.stack), s)
+                    elif by_layer and lr.layer is not None:
+                        acc.add(red, ("role_layer", name, lr.layer), s)
+        res = acc.result()
+        self.all: Summary = res.get("all", Summary.empty())
+        self.layers: dict[int, Summary] = {}
+        self.roles: dict[str, Summary] = {}
+        self.role_layers: dict[str, dict[int, Summary]] = {}
+        for key, s in res.items():
+            if key == "all":
+                continue
+            kind = key[0]
+            if kind == "layer":
+                _put(self.layers, key[1], s)
+            elif kind == "stack":
+                first = self.stack_first[key[1]]
+                for j in range(s.count.shape[0]):
+                    _put(self.layers, first + j, _take(s, j))
+            elif kind == "role":
+                self.roles[key[1]] = s
+            elif kind == "role_layer":
+                _put(self.role_layers.setdefault(key[1], {}), key[2], s)
+            elif kind == "role_stack":
+                first = self.stack_first[key[2]]
+                d = self.role_layers.setdefault(key[1], {})
+                for j in range(s.count.shape[0]):
+                    _put(d, first + j, _take(s, j))
+
+
+def _put(d: dict, k: Any, s: Summary) -> None:
+    d[k] = d[k].merge(s) if k in d else s
+
+
+def _nonfinite(s: Summary) -> jax.Array:
+    return s.nonfinite.astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------------
+# Public functions.
+
+
+def global_norm(tree: Any, *, specs: Any = None, axes: Sequence[str] | str = ()) -> jax.Array:
+    """L2 norm of every element of ``tree``, ``sqrt(sum_leaves sum x^2)``, in float32.
+
+    Equal to ``optax.global_norm`` on global arrays; NaN if any element is non-finite.
+    Inside ``shard_map`` each leaf's sum of squares is psum-ed over the axes of
+    ``axes`` it is sharded along (``specs``) or varies along.
+    """
+    return _TreeStats(tree, roles=None, specs=specs, axes=axes, by_layer=False, by_role=False,
+                      what="tree").all.norm
+
+
+def global_norm_metrics(tree: Any, *, specs: Any = None, axes: Sequence[str] | str = (),
+                        prefix: str = "grad", suffix: str = "") -> dict[str, jax.Array]:
+    """The cheap every-step family: global norm and non-finite count.
+
+    ``{prefix}/global_norm{suffix} = sqrt(sum g^2)`` (NaN if any non-finite),
+    ``{prefix}/nonfinite_count{suffix} = #non-finite elements``.
+
+    Args:
+      tree: gradients (or any pytree of arrays).
+      specs: optional pytree of ``PartitionSpec`` (a prefix of ``tree``; None =
+        replicated) saying which mesh axes each leaf is sharded along.
+      axes: mesh axes bound by the enclosing ``shard_map``; ``()`` under ``jit``.
+      prefix, suffix: name parts; the recorder's post-clip family uses
+        ``suffix='_post_clip'`` for ``grad/global_norm_post_clip``.
+
+    Returns:
+      ``{name: float32 scalar}`` (the count is int32).
+
+    Example:
+      >>> global_norm_metrics({"w": jnp.array([3.0, 4.0])})["grad/global_norm"]
+      Array(5., dtype=float32)
+    """
+    s = _TreeStats(tree, roles=None, specs=specs, axes=axes, by_layer=False, by_role=False, what="tree").all
+    return {f"{prefix}/global_norm{suffix}": s.norm, f"{prefix}/nonfinite_count{suffix}": _nonfinite(s)}
+
+
+def update_metrics(updates: Any, params: Any = None, *, specs: Any = None, axes: Sequence[str] | str = (),
+                   prefix: str = "update") -> dict[str, jax.Array]:
+    """Norm of the final update and its size relative to the parameters.
+
+    ``update/global_norm = ||u||``, ``update/param_ratio = ||u|| / ||p||``,
+    ``update/nonfinite_count``.
+
+    Args:
+      updates: the optimizer's output updates (what ``optax.apply_updates`` adds).
+      params: the parameters the updates apply to (None: no ratio).
+      specs: ``PartitionSpec`` pytree (prefix) shared by updates and params.
+      axes: bound mesh axes (``shard_map``); ``()`` under ``jit``.
+      prefix: name prefix.
+
+    Returns:
+      ``{name: scalar}``.
+    """
+    u = _TreeStats(updates, roles=None, specs=specs, axes=axes, by_layer=False, by_role=False,
+                   what="updates").all
+    out = {f"{prefix}/global_norm": u.norm, f"{prefix}/nonfinite_count": _nonfinite(u)}
+    if params is not None:
+        p = _TreeStats(params, roles=None, specs=specs, axes=axes, by_layer=False, by_role=False,
+                       what="params").all
+        out[f"{prefix}/param_ratio"] = (u.norm / p.norm).astype(_F32)
+    return out
+
+
+def gradient_metrics(grads: Any, *, params: Any = None, roles: Roles | None = None, specs: Any = None,
+                     axes: Sequence[str] | str = (), prefix: str = "grad", param_prefix: str = "param",
+                     per_layer: bool = True, per_role: bool = True) -> dict[str, jax.Array]:
+    """Every ``grad/*`` and ``param/*`` vital of METRICS.md §2-§3, in one pass per leaf.
+
+    Emitted (``p = prefix``; ``{base}`` is the role's metric name, see
+    :data:`~jvitals.roles.ROLE_METRIC_NAMES`: ``word_embeddings``, ``output_layer``,
+    ``Wq``/``Wk``/``Wv``/``Wo`` (a fused QKV kernel split first), ``mla_Q_down``,
+    ``mla_Q_up``, ``mla_KV_down``, ``mla_KV_up``, ``attn_gate``, ``W_gate``,
+    ``W_up``, ``W_down``, ``router``, ``expert_bias``, each norm's module name...):
+
+    * ``{p}/global_norm = sqrt(sum g^2)``, ``{p}/nonfinite_count``;
+    * per layer ``i`` (``per_layer``): ``{p}/norm/layer_{i} = ||g_i||``,
+      ``{p}/share/layer_{i} = ||g_i||^2 / ||g||^2``, ``{p}/nonfinite_count/layer_{i}``;
+    * per role (``per_role``): ``{p}/{base}_abs.max = max |g|``,
+      ``{p}/{base}_rms = sqrt(mean g^2)`` over all its elements (all layers),
+      ``{p}/{base}.nonfinite``; and per layer ``{p}/{base}_rms/layer_{i}``,
+      ``{p}/{base}_abs.max/layer_{i}``;
+    * with ``params``: ``{param_prefix}/global_norm``, ``{param_prefix}/norm/layer_{i}``.
+
+    Leaves no role matches still count in the global and per-layer figures.
+
+    Args:
+      grads: gradient pytree (after loss-scale unscaling; pre- or post-clip as the
+        caller decides; name the family with ``prefix``).
+      params: optional parameter pytree (same structure) for ``param/*``.
+      roles: :class:`~jvitals.roles.Roles` (default patterns if None).
+      specs: optional pytree of ``PartitionSpec`` (a prefix of ``grads``; None =
+        replicated): the mesh axes each leaf is sharded along. Without it, inside
+        ``shard_map``, the axes each leaf varies along (JAX's type system).
+      axes: mesh axes bound by the enclosing ``shard_map``; ``()`` under ``jit``
+        with global (``NamedSharding``) arrays.
+      prefix, param_prefix: name prefixes.
+      per_layer, per_role: emit the per-layer / per-role families.
+
+    Returns:
+      ``{name: scalar jax.Array}`` (float32; counts int32).
+
+    Raises:
+      ValueError: a required role is unmatched, a fused QKV kernel does not split,
+        ``specs`` does not match, or an axis is not bound.
+
+    Example:
+      >>> m = gradient_metrics(grads, params=params)          # doctest: +SKIP
+      >>> m["grad/global_norm"], m["grad/Wq_abs.max"], m["grad/share/layer_0"]  # doctest: +SKIP
+    """
+    roles = Roles() if roles is None else roles
+    t = _TreeStats(grads, roles=roles, specs=specs, axes=axes, by_layer=per_layer, by_role=per_role,
+                   what="grads")
+    p = prefix
+    out: dict[str, jax.Array] = {
+        f"{p}/global_norm": t.all.norm,
+        f"{p}/nonfinite_count": _nonfinite(t.all),
+    }
+    if per_layer:
+        total_sq = jnp.where(t.all.nonfinite > 0, jnp.nan, t.all.sumsq)
+        for i in sorted(t.layers):
+            s = t.layers[i]
+            out[f"{p}/norm/layer_{i}"] = s.norm
+            sq = jnp.where(s.nonfinite > 0, jnp.nan, s.sumsq)
+            out[f"{p}/share/layer_{i}"] = (sq / total_sq).astype(_F32)
+            out[f"{p}/nonfinite_count/layer_{i}"] = _nonfinite(s)
+    if per_role:
+        for name in sorted(t.roles):
+            s = t.roles[name]
+            out[f"{p}/{name}_abs.max"] = s.abs_max
+            out[f"{p}/{name}_rms"] = s.rms
+            out[f"{p}/{name}.nonfinite"] = _nonfinite(s)
+            for i in sorted(t.role_layers.get(name, {})):
+                si = t.role_layers[name][i]
+                out[f"{p}/{name}_rms/layer_{i}"] = si.rms
+                out[f"{p}/{name}_abs.max/layer_{i}"] = si.abs_max
+    if params is not None:
+        tp = _TreeStats(params, roles=roles, specs=specs, axes=axes, by_layer=per_layer, by_role=False,
+                        what="params")
+        out[f"{param_prefix}/global_norm"] = tp.all.norm
+        if per_layer:
+            for i in sorted(tp.layers):
+                out[f"{param_prefix}/norm/layer_{i}"] = tp.layers[i].norm
+    return out

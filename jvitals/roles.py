@@ -1,0 +1,633 @@
+"""Parameter roles: which leaf of a parameter tree is the embedding, Wq, a norm scale...
+
+jvitals' gradient and parameter metrics are reported per *role* (METRICS.md §2:
+``grad/Wq_abs.max``, ``grad/W_gate_rms``, ``grad/{norm}_rms``...) and per *layer*
+(``grad/norm/layer_{i}``). :class:`Roles` maps a leaf's path (``keystr(path,
+simple=True, separator='/')``, e.g. ``params/layers_3/attn/qkv/kernel``) to both:
+
+* **role**: the first ``(role, regex)`` of :attr:`Roles.patterns` whose regex
+  ``re.search``-es the path (case-insensitive). The defaults recognise the jvitals
+  reference model, the Flax examples (``Embed_0``, ``MultiHeadDotProductAttention_0``,
+  ``MlpBlock_0/Dense_0``), MaxText (``token_embedder``, ``self_attention/query``,
+  ``mlp/wi_0``, ``logits_dense``, ``decoder_norm``), HuggingFace-Flax GPT-2
+  (``wte``, ``c_attn``, ``c_proj``, ``c_fc``, ``ln_1``, ``ln_f``), Llama/Mistral
+  (``embed_tokens``, ``q_proj``..., ``gate_proj``, ``input_layernorm``, ``norm``,
+  ``lm_head``), Mixtral (``block_sparse_moe/gate``, ``experts/0/w1``) and DeepSeek
+  (``q_a_proj``, ``kv_a_proj_with_mqa``, ``mlp/gate``, ``e_score_correction_bias``).
+  See :data:`DEFAULT_PATTERNS` for the table.
+* **layer**: for Python-list layers, the first :attr:`Roles.layer_patterns` regex
+  whose group 1 captures the index (``layers_3``, ``layers/3``, ``h/3``,
+  ``layer_3``, ``block_3``, ``encoderdecoderblock_3``...); for ``nn.scan``-stacked
+  layers, a :attr:`Roles.stacks` rule ``(regex, axis)`` marks the stacked subtree
+  (``params/layers/...`` at axis 0, MaxText's ``decoder/layers/...`` at its default
+  ``param_scan_axis=1``) and layer ``i`` is index ``i`` along that axis.
+
+Two roles are special: ``qkv`` (a fused QKV kernel, split into Q, K and V by
+:class:`QKVSplit` before any statistic is taken) and ``norm`` (a LayerNorm/RMSNorm
+scale, reported under its own module name: ``grad/input_layernorm_rms``).
+
+Leaves no pattern matches keep their layer and still count in every norm; only
+per-role figures skip them. :func:`explain_roles` shows what matched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import sys
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence, TextIO
+
+import jax
+
+__all__ = [
+    "DEFAULT_LAYER_PATTERNS",
+    "DEFAULT_PATTERNS",
+    "DEFAULT_STACKS",
+    "LeafRole",
+    "QKVSplit",
+    "ROLE_METRIC_NAMES",
+    "Roles",
+    "RolesExplanation",
+    "assign_roles",
+    "explain_roles",
+    "path_str",
+]
+
+# ----------------------------------------------------------------------------------
+# Default patterns.
+
+# A weight leaf: the module name is followed by its kernel (Linen ``kernel``,
+# HF/NNX ``weight``, Gemma ``w``) or is the leaf itself (the reference model's
+# ``moe/experts/gate_proj``). Biases are deliberately not matched.
+_W = r"(?:/(?:kernel|weight|w))?$"
+# Ancestor contexts.
+_ATT = r"(?:^|/)[^/]*(?:attn|attention)[^/]*(?:/[^/]+)*?"
+_MLP = r"(?:^|/)[^/]*(?:mlp|ffn|feed_?forward|moe|experts?|dense_?block|mlpblock)[^/]*(?:/[^/]+)*?"
+_MOE = r"(?:^|/)[^/]*(?:moe|router|mlp|feed_?forward|ffn)[^/]*"
+
+
+def _any(*names: str) -> str:
+    return r"(?:^|/)(?:" + "|".join(names) + r")" + _W
+
+
+DEFAULT_PATTERNS: tuple[tuple[str, str], ...] = (
+    # Embeddings and output layer.
+    ("position_embedding", r"(?:^|/)(?:wpe|position_embeddings?|pos_?embed\w*|posembed\w*|"
+                           r"position_embedder|embed_positions)(?:/(?:embedding|weight|kernel|pos_embedding))?$"),
+    ("embedding", r"(?:^|/)(?:embed|wte|embed_tokens|token_embedder|tok_embeddings|word_embeddings|"
+                  r"shared|shared_embedding|embedder|embeddings|embedding|Embed_\d+|token_embedding|tok_emb)"
+                  r"/(?:embedding|weight|kernel|input_embedding)$"),
+    ("lm_head", _any(r"lm_head", r"logits_dense", r"logitdense", r"output_layer", r"unembed\w*",
+                     r"embed_out", r"output_projection", r"logits_proj")),
+    ("lm_head", r"^(?:params/)?(?:model/|transformer/|decoder/)?(?:output|head)" + _W),
+    # Multi-token prediction projections.
+    ("mtp_proj", r"(?:^|/)mtp_?\d+/(?:[^/]+/)*?(?:proj|eh_proj)" + _W),
+    # Attention: fused QKV, MLA low-rank projections, Q/K/V/O, output gate.
+    ("qkv", _any(r"qkv", r"c_attn", r"query_key_value", r"wqkv", r"qkv_proj", r"in_proj",
+                 r"w_pack", r"to_qkv", r"fused_qkv", r"qkv_einsum")),
+    ("q_down", _any(r"q_down", r"q_a_proj", r"wq_a", r"q_down_proj", r"q_a")),
+    ("q_up", _any(r"q_up", r"q_b_proj", r"wq_b", r"q_up_proj", r"q_b")),
+    ("kv_down", _any(r"kv_down", r"kv_a_proj_with_mqa", r"kv_a_proj", r"wkv_a", r"kv_down_proj", r"kv_a")),
+    ("kv_up", _any(r"kv_up", r"kv_b_proj", r"wkv_b", r"kv_up_proj", r"kv_b")),
+    ("q", _any(r"q_proj", r"query", r"wq", r"q", r"to_q", r"query_proj", r"q_einsum")),
+    ("k", _any(r"k_proj", r"key", r"wk", r"k", r"to_k", r"key_proj")),
+    ("v", _any(r"v_proj", r"value", r"wv", r"v", r"to_v", r"value_proj")),
+    ("o", _any(r"o_proj", r"out_proj", r"attn_vec_einsum", r"output_proj")),
+    ("o", _ATT + r"/(?:out|o|wo|c_proj|proj|dense|output|to_out)" + _W),
+    ("attn_gate", _ATT + r"/(?:gate|g_proj|gate_proj|output_gate|gate_score)" + _W),
+    # MoE router and expert-selection bias.
+    ("expert_bias", r"(?:^|/)(?:expert_bias|e_score_correction_bias|score_correction_bias|"
+                    r"router_bias|routed_bias|expert_score_bias)$"),
+    ("expert_bias", r"(?:^|/)[^/]*moe[^/]*/(?:gate|router)/bias$"),
+    ("router", _any(r"router", r"moe_gate", r"gate_network", r"switch_gate", r"router_gate", r"wg")),
+    ("router", _MOE + r"/gate" + _W),
+    # MLP (dense, shared experts and routed experts alike).
+    ("gate", _any(r"gate_proj", r"wi_0", r"w1", r"fc_gate", r"gate_linear", r"w_gate")),
+    ("up", _any(r"up_proj", r"wi_1", r"w3", r"c_fc", r"wi", r"fc1", r"fc_in", r"dense_h_to_4h",
+                r"up", r"w_up", r"linear_in")),
+    ("down", _any(r"down_proj", r"w2", r"fc2", r"fc_out", r"dense_4h_to_h", r"down", r"w_down", r"linear_out")),
+    ("down", _MLP + r"/(?:wo|c_proj|out|proj|output)" + _W),
+    ("up", r"(?:^|/)[^/]*mlp[^/]*/Dense_0" + _W),
+    ("down", r"(?:^|/)[^/]*mlp[^/]*/Dense_1" + _W),
+    # Norm scales (Linen ``scale``; ``weight``/``gamma`` under a *norm*/ln* module).
+    ("norm", r"(?:^|/)(?P<name>[^/]+)/scale$"),
+    ("norm", r"(?:^|/)(?P<name>[^/]*norm[^/]*|ln_?[^/]*)/(?:weight|gamma)$"),
+)
+"""``(role, regex)`` pairs, tried in order; the first whose regex ``re.search``-es
+the leaf path (case-insensitive) gives the role. A ``name`` group names a norm."""
+
+DEFAULT_LAYER_PATTERNS: tuple[str, ...] = (
+    # layers/3, h/3, blocks/3 (Python lists, HF FrozenDicts, NNX lists)
+    r"(?:^|/)(?:layers|layer|h|blocks|block|decoder_layers|encoder_layers|transformer_blocks|"
+    r"resblocks|res_blocks)/(\d+)(?:/|$)",
+    # layers_3, layer_3, block_3, Block_3, encoderdecoderblock_3, DecoderLayer_3
+    r"(?:^|/)(?![^/]*(?:mlp|ffn|norm|attn|attention|moe|scan|expert))[a-z0-9_]*?(?:layers?|blocks?)_?(\d+)(?:/|$)",
+    r"(?:^|/)h_(\d+)(?:/|$)",
+)
+"""Regexes whose group 1 is a Python-list layer's index; the first that matches wins."""
+
+_NOT_INDEX = r"(?!/\d+(?:/|$))"
+DEFAULT_STACKS: tuple[tuple[str, int], ...] = (
+    # MaxText scans with param_scan_axis=1 by default.
+    (r"^(?:params/)?decoder/(?:layers|dense_layers|moe_layers)(?=/)" + _NOT_INDEX, 1),
+    # nn.scan(Block, variable_axes={'params': 0}, name='layers') and alike.
+    (r"(?:^|/)(?:layers|blocks|scan_?\w*|\w*_layers|ScanBlock\w*|ScanLayer\w*|stacked\w*)(?=/)" + _NOT_INDEX, 0),
+)
+"""``(regex, axis)``: a path matching ``regex`` lies in the ``nn.scan``-stacked
+subtree ending where the match ends, with the layer axis at ``axis``."""
+
+ROLE_METRIC_NAMES: Mapping[str, str] = {
+    "embedding": "word_embeddings",
+    "position_embedding": "position_embeddings",
+    "lm_head": "output_layer",
+    "q": "Wq",
+    "k": "Wk",
+    "v": "Wv",
+    "o": "Wo",
+    "q_down": "mla_Q_down",
+    "q_up": "mla_Q_up",
+    "kv_down": "mla_KV_down",
+    "kv_up": "mla_KV_up",
+    "attn_gate": "attn_gate",
+    "gate": "W_gate",
+    "up": "W_up",
+    "down": "W_down",
+    "router": "router",
+    "expert_bias": "expert_bias",
+    "mtp_proj": "mtp_proj",
+}
+"""Role -> the metric base name (``grad/{base}_rms``). Roles not listed (user
+roles) use their own name; ``norm`` uses the norm's module name; ``qkv`` reports
+under ``Wq``/``Wk``/``Wv`` after the split."""
+
+# Words each role is usually spelled with, to rank "nearest paths" in errors.
+_HINTS: Mapping[str, tuple[str, ...]] = {
+    "embedding": ("embed", "embedding", "wte", "embed_tokens", "token_embedder"),
+    "lm_head": ("lm_head", "logits_dense", "output", "unembed"),
+    "q": ("q_proj", "query", "wq"), "k": ("k_proj", "key", "wk"), "v": ("v_proj", "value", "wv"),
+    "o": ("o_proj", "out", "wo", "c_proj"), "qkv": ("qkv", "c_attn", "query_key_value"),
+    "q_down": ("q_down", "q_a_proj"), "q_up": ("q_up", "q_b_proj"),
+    "kv_down": ("kv_down", "kv_a_proj"), "kv_up": ("kv_up", "kv_b_proj"),
+    "gate": ("gate_proj", "wi_0", "w1"), "up": ("up_proj", "wi_1", "w3", "c_fc"),
+    "down": ("down_proj", "wo", "w2", "c_proj"), "router": ("router", "gate"),
+    "expert_bias": ("expert_bias", "e_score_correction_bias"), "norm": ("norm", "layernorm", "scale"),
+}
+
+
+# ----------------------------------------------------------------------------------
+# Configuration.
+
+
+@dataclasses.dataclass(frozen=True)
+class QKVSplit:
+    """How a fused QKV kernel splits into Q, K and V.
+
+    The split axis holds ``(num_heads + 2 * num_kv_heads) * head_dim`` entries laid
+    out ``[Q heads | K heads | V heads]``; Q gets ``num_heads`` of every
+    ``num_heads + 2 * num_kv_heads`` parts, K and V ``num_kv_heads`` each
+    (grouped-query attention). Without head counts the axis splits into equal
+    thirds (multi-head attention, GPT-2's ``c_attn``).
+
+    Attributes:
+      axis: the split axis of one layer's kernel (``-1``: output columns). For a
+        scan-stacked kernel it is converted to the stacked array's axis. None
+        (default) picks it from the shape: an axis of size 3 when no head counts
+        are given (``[D, 3, H, Dh]``), else the larger axis of a 2-D kernel (the
+        fused one: ``[D, 3D]`` Linen, ``[3D, D]`` HF-Flax GPT-2's ``Conv1D``; the
+        last on a tie), else the last axis.
+      num_heads: query heads ``H`` (None: equal thirds).
+      num_kv_heads: key/value heads ``KVH`` (None: equal to ``num_heads``).
+    """
+
+    axis: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+
+    def resolve_axis(self, shape: Sequence[int]) -> int:
+        """The split axis (non-negative) for one layer's kernel of ``shape``."""
+        nd = len(shape)
+        if nd == 0:
+            raise ValueError("fused QKV split: a scalar cannot be split into Q, K, V")
+        if self.axis is not None:
+            if not -nd <= self.axis < nd:
+                raise ValueError(f"fused QKV split: axis={self.axis} is out of range for a kernel of shape "
+                                 f"{tuple(shape)} (one layer's shape); set QKVSplit(axis=...)")
+            return self.axis % nd
+        if self.num_heads is None and nd > 2 and 3 in tuple(shape)[:-1]:
+            return tuple(shape).index(3)
+        if nd == 2 and shape[0] > shape[1]:
+            return 0
+        return nd - 1
+
+    def sizes(self, n: int, path: str = "qkv", axis_desc: str | None = None,
+              q_size: int | None = None) -> tuple[int, int, int]:
+        """``(q, k, v)`` sizes along the split axis for an axis of ``n`` entries.
+
+        Without head counts, ``q_size`` (the Q width, inferred by
+        :func:`~jvitals.gradients.gradient_metrics` from the attention's output
+        projection: ``H * Dh = numel(Wo) / D``) gives a grouped-query split
+        ``(q, (n - q) / 2, (n - q) / 2)``; without it the axis splits in thirds.
+
+        Raises:
+          ValueError: if ``n`` is not divisible into the configured parts.
+        """
+        h = self.num_heads
+        kvh = self.num_kv_heads if self.num_kv_heads is not None else h
+        where = axis_desc or f"axis {self.axis}"
+        if h is None and q_size is not None and 0 < q_size < n and (n - q_size) % 2 == 0:
+            return q_size, (n - q_size) // 2, (n - q_size) // 2
+        if h is None:
+            if n % 3:
+                raise ValueError(
+                    f"fused QKV split: kernel {path!r} has {n} entries on {where}, not divisible "
+                    f"into equal Q, K, V thirds. For grouped-query attention pass the head counts, "
+                    f"e.g. Roles(qkv_split=QKVSplit(num_heads=H, num_kv_heads=KVH, axis=AXIS)), "
+                    f"or the right axis.")
+            return n // 3, n // 3, n // 3
+        parts = h + 2 * kvh
+        if h <= 0 or kvh <= 0 or n % parts:
+            raise ValueError(
+                f"fused QKV split: kernel {path!r} has {n} entries on {where}, not divisible into "
+                f"(H + 2*KVH) = ({h} + 2*{kvh}) = {parts} heads. Expected a multiple of {parts} "
+                f"([Q heads | K heads | V heads] of equal head_dim); check QKVSplit(num_heads=..., "
+                f"num_kv_heads=..., axis=...).")
+        d = n // parts
+        return h * d, kvh * d, kvh * d
+
+
+@dataclasses.dataclass(frozen=True)
+class Roles:
+    """Maps parameter paths to roles and layers (see the module docstring).
+
+    Attributes:
+      patterns: ``(role, regex)`` pairs, first match wins (:data:`DEFAULT_PATTERNS`).
+      layer_patterns: regexes capturing a Python-list layer's index in group 1.
+      stacks: ``(regex, axis)`` rules for ``nn.scan``-stacked subtrees.
+      stacked_axis: if set, overrides the axis of every stack rule (MaxText:
+        ``param_scan_axis``; the reference model: 0).
+      qkv_split: how fused QKV kernels split.
+      required: roles that must match at least one leaf (``ValueError`` if not).
+        ``q``/``k``/``v`` are satisfied by a fused ``qkv``.
+      norm_prefixes: ``(regex, prefix)``: a norm whose path matches ``regex`` is
+        named ``prefix + name`` (MTP blocks' norms become ``mtp_input_layernorm``,
+        kept apart from the trunk's ``input_layernorm``).
+
+    Example:
+      >>> roles = Roles().extend(q=r"(^|/)my_query/kernel$").replace(stacked_axis=1)
+      >>> roles = Roles(qkv_split=QKVSplit(num_heads=8, num_kv_heads=2), required=("q", "o"))
+    """
+
+    patterns: tuple[tuple[str, str], ...] = DEFAULT_PATTERNS
+    layer_patterns: tuple[str, ...] = DEFAULT_LAYER_PATTERNS
+    stacks: tuple[tuple[str, int], ...] = DEFAULT_STACKS
+    stacked_axis: int | None = None
+    qkv_split: QKVSplit = QKVSplit()
+    required: tuple[str, ...] = ()
+    norm_prefixes: tuple[tuple[str, str], ...] = ((r"(?:^|/)mtp_?\d+/", "mtp_"),)
+
+    def __post_init__(self) -> None:
+        for role, rx in self.patterns:
+            _compile(rx, f"pattern for role {role!r}")
+        for rx in self.layer_patterns:
+            c = _compile(rx, "layer pattern")
+            if c.groups < 1:
+                raise ValueError(f"layer pattern {rx!r} must capture the layer index in group 1")
+        for rx, axis in self.stacks:
+            _compile(rx, "stack pattern")
+            if not isinstance(axis, int):
+                raise ValueError(f"stack rule ({rx!r}, {axis!r}): axis must be an int")
+        if isinstance(self.required, str):
+            object.__setattr__(self, "required", (self.required,))
+
+    # -- building variants ------------------------------------------------------
+
+    def replace(self, **changes: Any) -> "Roles":
+        """A copy with fields replaced (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)
+
+    def extend(self, **role_patterns: str | Sequence[str]) -> "Roles":
+        """Add patterns for roles, tried before every existing pattern.
+
+        Args:
+          **role_patterns: ``role=regex`` or ``role=(regex, ...)``; new role names
+            are allowed (reported as ``grad/{role}_rms``).
+        """
+        new = tuple((r, p) for r, ps in role_patterns.items() for p in _as_tuple(ps))
+        return self.replace(patterns=new + self.patterns)
+
+    def override(self, **role_patterns: str | Sequence[str]) -> "Roles":
+        """Replace every pattern of the named roles by the given ones (tried first)."""
+        kept = tuple((r, p) for r, p in self.patterns if r not in role_patterns)
+        new = tuple((r, p) for r, ps in role_patterns.items() for p in _as_tuple(ps))
+        return self.replace(patterns=new + kept)
+
+    def without(self, *roles: str) -> "Roles":
+        """Drop every pattern of the named roles."""
+        return self.replace(patterns=tuple((r, p) for r, p in self.patterns if r not in roles))
+
+    def with_stack(self, pattern: str, axis: int = 0) -> "Roles":
+        """Add a stacked-subtree rule (tried before the defaults)."""
+        return self.replace(stacks=((pattern, axis),) + self.stacks)
+
+    # -- matching -----------------------------------------------------------------
+
+    def role_of(self, path: str) -> tuple[str | None, str | None]:
+        """``(role, metric base name)`` of a path, or ``(None, None)``."""
+        for role, rx in self.patterns:
+            m = _compile(rx, role).search(path)
+            if m is None:
+                continue
+            if role == "norm":
+                name = m.groupdict().get("name") or _parent(path)
+                for prx, prefix in self.norm_prefixes:
+                    if _compile(prx, "norm prefix").search(path):
+                        name = prefix + name
+                        break
+                return role, name
+            return role, ROLE_METRIC_NAMES.get(role, role)
+        return None, None
+
+    def layer_of(self, path: str) -> int | None:
+        """Index of the Python-list layer ``path`` lies in, or None."""
+        for rx in self.layer_patterns:
+            m = _compile(rx, "layer pattern").search(path)
+            if m is not None:
+                return int(m.group(1))
+        return None
+
+    def stack_of(self, path: str) -> tuple[str, int] | None:
+        """``(stack prefix, axis)`` if ``path`` lies in a scan-stacked subtree."""
+        for rx, axis in self.stacks:
+            m = _compile(rx, "stack pattern").search(path)
+            if m is not None:
+                return path[: m.end()], (self.stacked_axis if self.stacked_axis is not None else axis)
+        return None
+
+
+class LeafRole(NamedTuple):
+    """What :func:`assign_roles` decided for one leaf.
+
+    Attributes:
+      path: ``keystr(path, simple=True, separator='/')``.
+      shape: the leaf's shape.
+      role: the role, or None (unmatched; still counted in norms).
+      name: the metric base name (``Wq``, ``input_layernorm``...), or None.
+      layer: the layer of a Python-list leaf, or None.
+      stack: the stacked subtree's prefix for a scan-stacked leaf, or None.
+      stack_axis: the layer axis of a stacked leaf, or None.
+      first_layer: the model layer index of entry 0 along ``stack_axis``.
+      num_layers: the leaf's size along ``stack_axis``.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    role: str | None
+    name: str | None
+    layer: int | None
+    stack: str | None = None
+    stack_axis: int | None = None
+    first_layer: int | None = None
+    num_layers: int | None = None
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Model layer indices this leaf holds (empty for non-layer leaves)."""
+        if self.stack is not None:
+            return tuple(range(self.first_layer, self.first_layer + self.num_layers))
+        return () if self.layer is None else (self.layer,)
+
+
+# ----------------------------------------------------------------------------------
+# Resolution.
+
+
+def path_str(path: Sequence[Any]) -> str:
+    """``keystr(path, simple=True, separator='/')``: ``params/layers_0/attn/qkv/kernel``."""
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+
+
+def _is_param_leaf(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def assign_roles(tree: Any, roles: Roles | None = None) -> tuple[LeafRole, ...]:
+    """Role and layer of every leaf of ``tree``, in ``jax.tree`` flatten order.
+
+    Works on arrays, ``jax.ShapeDtypeStruct``\\ s or tracers (only shapes are read),
+    so it runs at trace time at no device cost.
+
+    Layers: a Python-list leaf takes the index its path names; a scan-stacked
+    subtree contributes ``size along stack axis`` layers. Several stacked subtrees
+    (MaxText's ``dense_layers`` then ``moe_layers``) are numbered one after the
+    other in the order of their prefixes. If a stacked subtree's leaves disagree on
+    their size along the rule's axis, the first axis on which they all agree is used
+    (``explain_roles`` shows it); if there is none, that is an error.
+
+    Args:
+      tree: a parameter (or gradient, update) pytree.
+      roles: the :class:`Roles` (default patterns if None).
+
+    Returns:
+      A tuple of :class:`LeafRole`, one per array leaf.
+
+    Raises:
+      ValueError: if a required role matches nothing (listing the nearest paths), or
+        a stacked subtree has no consistent layer axis.
+    """
+    roles = Roles() if roles is None else roles
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    raw = []
+    for p, x in leaves:
+        path = path_str(p)
+        shape = tuple(getattr(x, "shape", ()))
+        role, name = roles.role_of(path)
+        stack = roles.stack_of(path)
+        raw.append((path, shape, role, name, stack))
+
+    # Stacked subtrees: find each one's layer axis and size.
+    groups: dict[str, list[tuple[str, tuple[int, ...], int]]] = {}
+    for path, shape, _, _, stack in raw:
+        if stack is not None:
+            groups.setdefault(stack[0], []).append((path, shape, stack[1]))
+    group_axis: dict[str, tuple[int, int]] = {}
+    for prefix, members in groups.items():
+        want = members[0][2]
+        group_axis[prefix] = _stack_axis(prefix, members, want)
+    offsets: dict[str, int] = {}
+    start = 0
+    for prefix in sorted(groups):
+        offsets[prefix] = start
+        start += group_axis[prefix][1]
+
+    out = []
+    for path, shape, role, name, stack in raw:
+        if stack is not None:
+            axis, n = group_axis[stack[0]]
+            out.append(LeafRole(path, shape, role, name, None, stack[0], axis, offsets[stack[0]], n))
+        else:
+            out.append(LeafRole(path, shape, role, name, roles.layer_of(path)))
+    out = tuple(out)
+    _check_required(out, roles)
+    return out
+
+
+def _stack_axis(prefix: str, members: list, want: int) -> tuple[int, int]:
+    def sizes(axis: int) -> set[int] | None:
+        got = set()
+        for _, shape, _ in members:
+            if len(shape) == 0 or not -len(shape) <= axis < len(shape):
+                return None
+            got.add(shape[axis])
+        return got
+
+    if want < 0:
+        raise ValueError(f"stack rule for {prefix!r}: the layer axis must be >= 0, got {want}")
+    s = sizes(want)
+    if s is not None and len(s) == 1:
+        return want, s.pop()
+    for axis in range(max(len(m[1]) for m in members)):
+        s = sizes(axis)
+        if s is not None and len(s) == 1:
+            return axis, s.pop()
+    shapes = ", ".join(f"{p}: {sh}" for p, sh, _ in members[:6])
+    raise ValueError(
+        f"stacked subtree {prefix!r}: its leaves do not share a layer axis (expected the same size "
+        f"along axis {want} for every leaf; got {shapes}). If it is not nn.scan-stacked, drop the "
+        f"rule with Roles(stacks=...); if the layer axis is elsewhere, pass Roles(stacked_axis=AXIS).")
+
+
+def _check_required(leaves: Sequence[LeafRole], roles: Roles) -> None:
+    found = {lr.role for lr in leaves}
+    if "qkv" in found:
+        found |= {"q", "k", "v"}
+    for role in roles.required:
+        if role in found:
+            continue
+        tried = [rx for r, rx in roles.patterns if r == role]
+        near = _nearest([lr.path for lr in leaves if lr.role is None] or [lr.path for lr in leaves], role)
+        raise ValueError(
+            f"required role {role!r} matched no parameter. Patterns tried: {tried or '(none)'}. "
+            f"Nearest paths: {near}. Add a pattern for it, e.g. "
+            f"roles.extend({role}=r'(^|/)your_module/kernel$'), or drop it from required.")
+
+
+def _nearest(paths: Sequence[str], role: str, k: int = 5) -> list[str]:
+    words = _HINTS.get(role, (role,))
+
+    def score(path: str) -> float:
+        parts = path.lower().split("/")
+        return max(difflib.SequenceMatcher(None, w, p).ratio() for w in words for p in parts)
+
+    return sorted(paths, key=lambda p: -score(p))[:k]
+
+
+# ----------------------------------------------------------------------------------
+# Explanation.
+
+
+@dataclasses.dataclass(frozen=True)
+class RolesExplanation:
+    """The result of :func:`explain_roles`; ``str()`` gives a readable table.
+
+    Attributes:
+      leaves: every leaf's :class:`LeafRole`.
+      unmatched: paths no role pattern matched (they still count in norms).
+      stacks: ``{prefix: (axis, num_layers, first_layer)}`` of stacked subtrees.
+    """
+
+    leaves: tuple[LeafRole, ...]
+    unmatched: tuple[str, ...]
+    stacks: Mapping[str, tuple[int, int, int]]
+
+    def by_role(self) -> dict[str, list[str]]:
+        """``{role: [paths]}`` of the matched leaves."""
+        out: dict[str, list[str]] = {}
+        for lr in self.leaves:
+            if lr.role is not None:
+                out.setdefault(lr.role, []).append(lr.path)
+        return out
+
+    def __str__(self) -> str:
+        rows = []
+        for lr in self.leaves:
+            if lr.stack is not None:
+                layer = f"{lr.first_layer}..{lr.first_layer + lr.num_layers - 1} (stacked axis {lr.stack_axis})"
+            else:
+                layer = "-" if lr.layer is None else str(lr.layer)
+            role = "-" if lr.role is None else (lr.role if lr.name in (None, lr.role) else f"{lr.role} ({lr.name})")
+            rows.append((lr.path, str(lr.shape), role, layer))
+        w = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(("path", "shape", "role", "layer"))]
+        fmt = "  ".join("{:<%d}" % n for n in w)
+        lines = [fmt.format("path", "shape", "role", "layer"), fmt.format(*("-" * n for n in w))]
+        lines += [fmt.format(*r) for r in rows]
+        if self.stacks:
+            lines.append("")
+            for prefix, (axis, n, first) in self.stacks.items():
+                lines.append(f"stacked: {prefix!r}: {n} layers along axis {axis} (layers {first}..{first + n - 1})")
+        lines.append("")
+        if self.unmatched:
+            lines.append(f"unmatched ({len(self.unmatched)}; counted in global and per-layer norms only):")
+            lines += [f"  {p}" for p in self.unmatched]
+        else:
+            lines.append("unmatched: none")
+        return "\n".join(lines)
+
+
+def explain_roles(params: Any, roles: Roles | None = None, *, file: TextIO | None = sys.stdout) -> RolesExplanation:
+    """Show which role and layer every parameter got, and which matched nothing.
+
+    Args:
+      params: a parameter pytree (arrays or ``ShapeDtypeStruct``\\ s).
+      roles: the :class:`Roles` (defaults if None).
+      file: where to print the table (None: do not print).
+
+    Returns:
+      A :class:`RolesExplanation`.
+
+    Raises:
+      ValueError: as :func:`assign_roles`.
+
+    Example:
+      >>> explain_roles(params)   # doctest: +SKIP
+      path                               shape       role        layer
+      params/layers_0/attn/qkv/kernel    (64, 192)   qkv         0
+      ...
+    """
+    leaves = assign_roles(params, roles)
+    stacks = {}
+    for lr in leaves:
+        if lr.stack is not None:
+            stacks[lr.stack] = (lr.stack_axis, lr.num_layers, lr.first_layer)
+    out = RolesExplanation(leaves, tuple(lr.path for lr in leaves if lr.role is None), stacks)
+    if file is not None:
+        print(out, file=file)
+    return out
+
+
+# ----------------------------------------------------------------------------------
+
+
+_CACHE: dict[tuple[str, str], re.Pattern] = {}
+
+
+def _compile(rx: str, what: str) -> re.Pattern:
+    # A cache of compiled immutable regexes (not a registry of behaviour).
+    key = (rx, what)
+    c = _CACHE.get(key)
+    if c is None:
+        try:
+            c = re.compile(rx, re.IGNORECASE)
+        except re.error as e:
+            raise ValueError(f"{what}: {rx!r} is not a valid regular expression: {e}") from None
+        _CACHE[key] = c
+    return c
+
+
+def _parent(path: str) -> str:
+    parts = path.split("/")
+    return parts[-2] if len(parts) >= 2 else parts[-1]
+
+
+def _as_tuple(x: str | Iterable[str]) -> tuple[str, ...]:
+    return (x,) if isinstance(x, str) else tuple(x)

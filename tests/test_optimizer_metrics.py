@@ -1,0 +1,139 @@
+"""optimizer_metrics: Adam nu anywhere in the chain, the log-histogram median, loss scale, skips."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training.dynamic_scale import DynamicScale
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jvitals.optimizer import NU_BINS, histogram_quantile, log_histogram, optimizer_metrics
+
+# |log10(estimate) - log10(exact)| bound of the 2^-7-relative bins (midpoint rule).
+BIN_DECADES = np.log10(1 + 2.0 ** -7)
+
+
+def params_tree():
+    rng = np.random.default_rng(0)
+    return {"embed": {"embedding": jnp.asarray(rng.normal(size=(16, 8)), jnp.float32)},
+            "layers": {"mlp": {"up_proj": {"kernel": jnp.asarray(rng.normal(size=(2, 8, 12)), jnp.float32)}},
+                       "moe": {"experts": {"gate_proj": jnp.asarray(rng.normal(size=(2, 4, 8, 6)), jnp.float32)}}}}
+
+
+def grads_like(params, seed):
+    rng = np.random.default_rng(seed)
+    # gradients spanning many orders of magnitude, so nu does too
+    return jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape) * 10.0 ** rng.uniform(-6, 1, size=p.shape),
+                                              jnp.float32), params)
+
+
+def np_nu_stats(nus):
+    x = np.concatenate([np.abs(np.asarray(n, np.float64)).ravel() for n in jax.tree.leaves(nus)])
+    return x.max(), np.median(x), np.log10(x.max()) - np.log10(np.median(x))
+
+
+def run(tx, params, steps=3):
+    state = tx.init(params)
+    upd = jax.jit(tx.update)
+    for s in range(steps):
+        _, state = upd(grads_like(params, s), state, params)
+    return state
+
+
+CHAINS = {
+    "adam": lambda: optax.adam(1e-3),
+    "adamw_chain_clip": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=3e-4),
+    "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-3), 3),
+    "multisteps_all": lambda: optax.MultiSteps(
+        optax.apply_if_finite(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), 3), 1),
+}
+
+
+@pytest.mark.parametrize("name", list(CHAINS))
+def test_adam_nu_anywhere_in_the_chain(name):
+    params = params_tree()
+    state = run(CHAINS[name](), params)
+    nus = [n.nu for n in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+           if isinstance(n, optax.ScaleByAdamState)]
+    assert len(nus) == 1
+    mx, med, spread = np_nu_stats(nus)
+    got = jax.jit(optimizer_metrics)(state)
+    np.testing.assert_allclose(got["opt/adam_nu_abs.max"], mx, rtol=1e-6)
+    assert abs(np.log10(got["opt/adam_nu_median"]) - np.log10(med)) <= BIN_DECADES
+    assert abs(got["opt/adam_nu_log10_spread"] - spread) <= BIN_DECADES
+    assert spread > 3  # the test spans orders of magnitude
+    if "inject" in name:
+        assert "opt/learning_rate" in got
+    if name in ("apply_if_finite", "multisteps_all"):
+        assert int(got["opt/skipped_steps"]) == 0
+
+
+_median = jax.jit(lambda x: histogram_quantile(log_histogram(x)))
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 1000, 1001])
+def test_histogram_median_within_bin_of_numpy(n):
+    rng = np.random.default_rng(n)
+    x = (10.0 ** rng.uniform(-30, 30, size=n)).astype(np.float32)
+    med = float(_median(jnp.asarray(x)))
+    assert abs(np.log10(med) - np.log10(np.median(x.astype(np.float64)))) <= BIN_DECADES
+    h = jax.jit(log_histogram)(jnp.asarray(np.array([1.0, np.nan, np.inf, -2.0], np.float32)))
+    assert h.shape == (NU_BINS,) and int(h.sum()) == 2  # non-finite not counted; |x| used
+
+
+def test_mostly_zero_nu_gives_infinite_spread_and_nan_propagates():
+    st = optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu={"a": jnp.zeros(5)},
+                                nu={"a": jnp.array([0, 0, 0, 1e-3, 1e-1], jnp.float32)})
+    om = jax.jit(optimizer_metrics)
+    got = om(st)
+    assert got["opt/adam_nu_median"] == 0 and np.isinf(got["opt/adam_nu_log10_spread"])
+    st = st._replace(nu={"a": jnp.array([1.0, jnp.nan, 2.0])})
+    got = om(st)
+    assert np.isnan(got["opt/adam_nu_abs.max"]) and np.isnan(got["opt/adam_nu_log10_spread"])
+
+
+def test_skipped_steps_from_apply_if_finite():
+    params = params_tree()
+    # (Not under MultiSteps here: its accumulator keeps a NaN micro-gradient into the next step.)
+    tx = optax.apply_if_finite(optax.adam(1e-3), 5)
+    state = tx.init(params)
+    upd = jax.jit(tx.update)
+    for s in range(4):
+        g = grads_like(params, s)
+        if s in (1, 2):
+            g = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), g)
+        _, state = upd(g, state, params)
+    got = jax.jit(optimizer_metrics)(state)
+    assert int(got["opt/skipped_steps"]) == 2 and int(got["opt/consecutive_nonfinite"]) == 0
+    assert np.isfinite(got["opt/adam_nu_abs.max"])  # skipped updates left nu clean
+
+
+def test_loss_scale_from_state_or_argument():
+    ds = DynamicScale(scale=jnp.float32(2.0 ** 15))
+    state = (optax.adam(1e-3).init({"w": jnp.ones(3)}), ds)
+    got = optimizer_metrics(state)
+    assert got["opt/loss_scale"] == 2.0 ** 15
+    got = optimizer_metrics(optax.sgd(0.1).init({"w": jnp.ones(3)}), loss_scale=jnp.float32(128.0))
+    assert got == {"opt/loss_scale": 128.0}
+    assert "opt/loss_scale" not in optimizer_metrics(optax.adam(1e-3).init({"w": jnp.ones(3)}))
+    got = optimizer_metrics({"inner": optax.sgd(0.1).init({}), "loss_scale": jnp.float32(4.0)})
+    assert got["opt/loss_scale"] == 4.0
+
+
+def test_shard_map_nu_sharded_over_expert_equals_one_device():
+    mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    params = params_tree()
+    state = run(optax.adam(1e-3), params)
+    specs = {"embed": {"embedding": P()}, "layers": {"mlp": {"up_proj": {"kernel": P()}},
+                                                      "moe": {"experts": {"gate_proj": P(None, "expert")}}}}
+    adam_specs = (optax.ScaleByAdamState(count=P(), mu=specs, nu=specs), optax.EmptyState())
+    one = jax.jit(optimizer_metrics)(state)
+    put = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, adam_specs,
+                       is_leaf=lambda x: isinstance(x, P))
+    f = jax.shard_map(lambda s: optimizer_metrics(s, specs=specs, axes=("data", "expert")),
+                      mesh=mesh, in_specs=(adam_specs,), out_specs=P())
+    sharded = jax.jit(f)(put)
+    for k in one:
+        np.testing.assert_allclose(sharded[k], one[k], rtol=1e-6, err_msg=k)
