@@ -1,0 +1,269 @@
+"""The optax recorder: gradient vitals of every step, inside the compiled update.
+
+::
+
+    tx = optax.chain(vitals.record(), optax.clip_by_global_norm(1.0), optax.adamw(lr))
+    tx = optax.chain(vitals.record(optax.clip_by_global_norm(1.0)), optax.adamw(lr))
+    tx = vitals.record(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr)))
+    ...
+    metrics = vitals.recorded(opt_state)     # {'grad/global_norm': ..., ...}
+
+The recorder passes updates through unchanged (or through ``inner``, whose
+outputs and state are exactly those of ``inner`` alone) and keeps the latest
+metrics in its state, a flat ``{name: float32 scalar}`` dict, so
+``optax.tree.get(opt_state, 'grad/global_norm')`` works too.
+
+Families and their cadence (``every``, in optimizer updates):
+
+- ``"global"`` (default every update): ``grad/global_norm`` (pre-clip: the
+  updates the recorder receives), ``grad/nonfinite_count``,
+  ``param/global_norm`` (with ``params``); with ``inner`` also
+  ``grad/global_norm_post_clip``, ``grad/clip_ratio`` (post / pre) and
+  ``grad/clipped`` (1.0 when the clip fired) — or, when ``inner`` is a whole
+  optimizer, ``update/global_norm`` and ``update/param_ratio``
+  (``||update|| / ||params||``).
+- ``"layers"`` (default every 50 updates): every per-role and per-layer figure of
+  :func:`jvitals.gradient_metrics` — ``grad/Wq_abs.max`` ..., ``grad/norm/layer_i``,
+  ``grad/share/layer_i``, ``param/norm/layer_i``.
+
+On a step where a family is not due, its figures keep their previous values and
+cost nothing: the choice is a ``lax.switch`` on the step counter, so only the
+branch taken runs. ``RecordState.last_step`` records, per family, the update at
+which its figures were last computed (-1: never).
+
+Placement:
+
+- With ``optax.MultiSteps(opt, k)``, put the recorder *inside* ``opt``: it then
+  sees the mean of the ``k`` micro-gradients, at the boundary where the update
+  is applied (outside, it would record every micro-batch).
+- With ``optax.apply_if_finite``, put the recorder *outside* it (first in the
+  chain, or wrapping it): ``apply_if_finite`` discards its inner state on a
+  non-finite step, and with it the recorded NaN.
+- With ``optax.inject_hyperparams``, anywhere: :func:`recorded` searches the
+  whole optimizer state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jvitals import gradients as _gradients
+from jvitals import stats as _stats
+from jvitals.roles import Roles
+
+__all__ = ["RecordState", "record", "recorded", "recorded_steps", "DEFAULT_EVERY"]
+
+DEFAULT_EVERY: Mapping[str, int] = {"global": 1, "layers": 50}
+_FAMILIES = ("global", "layers")
+
+
+class RecordState(NamedTuple):
+    """State of :func:`record`.
+
+    Attributes:
+      count: number of updates seen (int32).
+      metrics: the latest figures, ``{name: float32 scalar}``.
+      last_step: ``{family: int32}``, the update count at which each family was
+        last computed (-1 if never).
+      inner_state: the wrapped transform's state (``optax.EmptyState()`` if none).
+    """
+
+    count: jax.Array
+    metrics: dict[str, jax.Array]
+    last_step: dict[str, jax.Array]
+    inner_state: Any
+
+
+def _check_every(every: Mapping[str, int] | None) -> dict[str, int]:
+    out = dict(DEFAULT_EVERY)
+    for k, v in (every or {}).items():
+        if k not in _FAMILIES:
+            raise ValueError(f"record(every=...): unknown family {k!r}; families are {list(_FAMILIES)}")
+        if int(v) < 1:
+            raise ValueError(f"record(every={{{k!r}: {v}}}): a cadence must be >= 1 update")
+        out[k] = int(v)
+    return out
+
+
+def _has_state(tree: Any) -> bool:
+    return bool(jax.tree.leaves(tree))
+
+
+def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | None = None,
+           every: Mapping[str, int] | None = None, specs: Any = None, axes: Sequence[str] = (),
+           post: Literal["auto", "clip", "update"] = "auto") -> optax.GradientTransformationExtraArgs:
+    """Record gradient vitals in the optimizer state (see the module docstring).
+
+    Args:
+      inner: an optional transform to wrap (a clip, or the whole optimizer). Its
+        outputs and state are passed through untouched.
+      roles: parameter roles for the per-role/per-layer family (default
+        ``Roles()``, which recognises common Flax naming).
+      every: cadence per family, e.g. ``{"global": 1, "layers": 500}``.
+      specs: ``PartitionSpec`` pytree of the gradients/params (inside
+        ``shard_map``, where JAX cannot tell what is sharded).
+      axes: mesh axes bound by an enclosing ``shard_map``; ``()`` under ``jit``.
+      post: what ``inner``'s outputs are: ``"clip"`` (clipped gradients:
+        ``grad/global_norm_post_clip``, ``grad/clip_ratio``, ``grad/clipped``) or
+        ``"update"`` (final updates: ``update/global_norm``,
+        ``update/param_ratio``). ``"auto"``: ``"update"`` if ``inner`` keeps any
+        state (an optimizer), else ``"clip"``. Plain SGD keeps no state: pass
+        ``post="update"``.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      :class:`RecordState` (wrapping ``inner``'s).
+    """
+    cadence = _check_every(every)
+    roles = roles if roles is not None else Roles()
+    axes = tuple(axes)
+    inner = optax.with_extra_args_support(inner) if inner is not None else None
+
+    def init_fn(params: Any) -> RecordState:
+        inner_state = inner.init(params) if inner is not None else optax.EmptyState()
+        kind = _post_kind(post, inner, inner_state)
+        # The names only: global view (no mesh axes are bound at init).
+        shapes = jax.eval_shape(lambda p: _all_metrics(p, p, p, kind, (), None), params)
+        metrics = {k: jnp.full((), jnp.nan, jnp.float32) for k in shapes}
+        last = {f: jnp.full((), -1, jnp.int32) for f in _FAMILIES}
+        return RecordState(jnp.zeros([], jnp.int32), metrics, last, inner_state)
+
+    def _post(pre: jax.Array, out: Any, kind: str | None, param_norm: jax.Array | None,
+              axes: tuple[str, ...], specs: Any) -> dict[str, jax.Array]:
+        if kind is None:
+            return {}
+        post_norm = _gradients.global_norm(out, specs=specs, axes=axes)
+        if kind == "clip":
+            return {"grad/global_norm_post_clip": post_norm,
+                    "grad/clip_ratio": post_norm / pre,
+                    "grad/clipped": (post_norm < pre * (1 - 1e-6)).astype(jnp.float32)}
+        m = {"update/global_norm": post_norm}
+        if param_norm is not None:
+            m["update/param_ratio"] = post_norm / param_norm
+        return m
+
+    def _global(grads: Any, params: Any, out: Any, kind: str | None) -> dict[str, jax.Array]:
+        m = _gradients.global_norm_metrics(grads, specs=specs, axes=axes)
+        pnorm = None
+        if params is not None:
+            pnorm = m["param/global_norm"] = _gradients.global_norm(params, specs=specs, axes=axes)
+        m.update(_post(m["grad/global_norm"], out, kind, pnorm, axes, specs))
+        return m
+
+    def _all_metrics(grads: Any, params: Any, out: Any, kind: str | None,
+                     axes: tuple[str, ...] = axes, specs: Any = specs) -> dict[str, jax.Array]:
+        m = _gradients.gradient_metrics(grads, params=params, roles=roles, specs=specs, axes=axes)
+        m.update(_post(m["grad/global_norm"], out, kind, m.get("param/global_norm"), axes, specs))
+        return m
+
+    def update_fn(updates: Any, state: RecordState, params: Any = None, **extra: Any):
+        if inner is not None:
+            out, inner_state = inner.update(updates, state.inner_state, params, **extra)
+        else:
+            out, inner_state = updates, state.inner_state
+        kind = _post_kind(post, inner, inner_state)
+        count = state.count
+        due = {f: (count % cadence[f]) == 0 for f in _FAMILIES}
+        prev = state.metrics
+
+        def keep(_: Any) -> dict[str, jax.Array]:
+            return dict(prev)
+
+        def light(_: Any) -> dict[str, jax.Array]:
+            m = _replicated(_global(updates, params, out, kind), axes)
+            return {k: m[k].astype(jnp.float32) if k in m else prev[k] for k in prev}
+
+        def heavy(_: Any) -> dict[str, jax.Array]:
+            m = _replicated(_all_metrics(updates, params, out, kind), axes)
+            return {k: m[k].astype(jnp.float32) if k in m else prev[k] for k in prev}
+
+        index = jnp.where(due["layers"], 2, jnp.where(due["global"], 1, 0))
+        metrics = lax.switch(index, (keep, light, heavy), None)
+        last = {f: jnp.where(due[f] | (due["layers"] & (f == "global")), count, state.last_step[f])
+                for f in _FAMILIES}
+        new_state = RecordState(count + 1, metrics, last, inner_state)
+        return out, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _replicated(m: dict[str, jax.Array], axes: tuple[str, ...]) -> dict[str, jax.Array]:
+    """Make figures that JAX types as varying (but that are equal on every shard) replicated.
+
+    Inside ``shard_map``, a figure of a leaf that is replicated by its spec can
+    still be typed as varying (an optimizer's outputs inherit the type of a norm
+    over sharded leaves). The state must hold replicated values, so such figures
+    are averaged over those axes: one ``psum`` of a stacked vector, exact for
+    equal values up to rounding, and NaN stays NaN (``pmax`` would drop it on
+    some backends).
+    """
+    if not axes:
+        return m
+    keys = [k for k, v in m.items() if _stats.varying_axes(v, axes) and _stats._manual_varying(v)]
+    if not keys:
+        return m
+    red = tuple(a for a in axes if any(a in _stats._manual_varying(m[k]) for k in keys))
+    vec = jnp.stack([_stats._make_varying(m[k].astype(jnp.float32), red) for k in keys])
+    size = 1
+    for a in red:
+        size *= lax.axis_size(a)
+    vec = lax.psum(vec, red) / size
+    return {**m, **{k: vec[i] for i, k in enumerate(keys)}}
+
+
+def _post_kind(post: str, inner: Any, inner_state: Any) -> str | None:
+    if inner is None:
+        return None
+    if post == "auto":
+        return "update" if _has_state(inner_state) else "clip"
+    if post not in ("clip", "update"):
+        raise ValueError(f"record(post={post!r}): expected 'auto', 'clip' or 'update'")
+    return post
+
+
+def _states(opt_state: Any) -> list[RecordState]:
+    """Every RecordState in ``opt_state``, outer before inner (a recorder may wrap one)."""
+    found: list[RecordState] = []
+    is_rec = lambda x: isinstance(x, RecordState)  # noqa: E731
+    for x in jax.tree.leaves(opt_state, is_leaf=is_rec):
+        if is_rec(x):
+            found.append(x)
+            found.extend(_states(x.inner_state))
+    return found
+
+
+def recorded(opt_state: Any) -> dict[str, jax.Array]:
+    """The latest metrics of every recorder anywhere in ``opt_state``, as one flat dict.
+
+    Args:
+      opt_state: an optimizer state holding one or more :class:`RecordState`
+        (inside ``chain``, ``MultiSteps``, ``inject_hyperparams``,
+        ``apply_if_finite``, or nested recorders).
+
+    Returns:
+      ``{name: float32 scalar}``; ``{}`` if there is no recorder.
+
+    Raises:
+      ValueError: if two recorders record the same name (e.g. two
+        ``record(clip)``), which would make the figure ambiguous.
+    """
+    out: dict[str, jax.Array] = {}
+    for st in _states(opt_state):
+        clash = sorted(set(out) & set(st.metrics))
+        if clash:
+            raise ValueError(
+                f"recorded(): two recorders in the optimizer state both record {clash[:4]}; "
+                "keep one recorder per position (one first in the chain, or one wrapping the clip)")
+        out.update(st.metrics)
+    return out
+
+
+def recorded_steps(opt_state: Any) -> dict[str, jax.Array]:
+    """``{family: update count when last computed}`` of the first recorder in ``opt_state``."""
+    states = _states(opt_state)
+    return dict(states[0].last_step) if states else {}

@@ -1,0 +1,310 @@
+"""The optax recorder, checked against optax.global_norm, NumPy and the bare transforms."""
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jvitals as vitals
+from jvitals.reference_model import ModelConfig, init_params
+
+record_module = importlib.import_module("jvitals.record")
+
+
+def tree(seed=0, scale=1.0):
+    """A small Llama-like tree with two layers (roles: Wq, W_up, norms, embedding)."""
+    rng = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(rng.normal(size=s).astype(np.float32) * scale)  # noqa: E731
+    return {
+        "embed_tokens": {"embedding": f(16, 8)},
+        "layers_0": {"self_attn": {"q_proj": {"kernel": f(8, 8)}}, "mlp": {"up_proj": {"kernel": f(8, 12)}},
+                     "input_layernorm": {"scale": f(8)}},
+        "layers_1": {"self_attn": {"q_proj": {"kernel": f(8, 8) * 3}}, "mlp": {"up_proj": {"kernel": f(8, 12)}},
+                     "input_layernorm": {"scale": f(8)}},
+        "lm_head": {"kernel": f(8, 16)},
+    }
+
+
+def np_norm(t):
+    return float(np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(t))))
+
+
+def test_first_in_chain_records_pre_clip_and_params():
+    params, grads = tree(0), tree(1, scale=5.0)
+    tx = optax.chain(vitals.record(every={"layers": 1}), optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    state = tx.init(params)
+    _, state = jax.jit(tx.update)(grads, state, params)
+    m = vitals.recorded(state)
+    np.testing.assert_allclose(float(m["grad/global_norm"]), float(optax.tree.norm(grads)), rtol=1e-6)
+    np.testing.assert_allclose(float(m["grad/global_norm"]), np_norm(grads), rtol=1e-6)
+    np.testing.assert_allclose(float(m["param/global_norm"]), np_norm(params), rtol=1e-6)
+    assert float(m["grad/nonfinite_count"]) == 0
+    # per-role and per-layer figures, from NumPy
+    np.testing.assert_allclose(float(m["grad/Wq_abs.max"]),
+                               max(np.abs(grads[f"layers_{i}"]["self_attn"]["q_proj"]["kernel"]).max() for i in (0, 1)),
+                               rtol=1e-6)
+    n0 = np_norm(grads["layers_0"])
+    np.testing.assert_allclose(float(m["grad/norm/layer_0"]), n0, rtol=1e-6)
+    np.testing.assert_allclose(float(m["grad/share/layer_0"]), n0 ** 2 / np_norm(grads) ** 2, rtol=1e-5)
+    np.testing.assert_allclose(float(m["param/norm/layer_1"]), np_norm(params["layers_1"]), rtol=1e-6)
+    assert "grad/global_norm_post_clip" not in m  # nothing wrapped: nothing post
+
+
+def test_wrapped_clip_records_pre_and_post_and_is_bit_identical():
+    params, grads = tree(0), tree(2, scale=5.0)
+    clip = optax.clip_by_global_norm(1.0)
+    wrapped = vitals.record(clip)
+    out_bare, state_bare = jax.jit(clip.update)(grads, clip.init(params), params)
+    state = wrapped.init(params)
+    out, state = jax.jit(wrapped.update)(grads, state, params)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(out_bare)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert jax.tree.structure(state.inner_state) == jax.tree.structure(state_bare)
+    m = vitals.recorded(state)
+    pre, post = float(optax.tree.norm(grads)), float(optax.tree.norm(out_bare))
+    np.testing.assert_allclose(float(m["grad/global_norm"]), pre, rtol=1e-6)
+    np.testing.assert_allclose(float(m["grad/global_norm_post_clip"]), post, rtol=1e-6)
+    np.testing.assert_allclose(float(m["grad/clip_ratio"]), post / pre, rtol=1e-6)
+    assert float(m["grad/clipped"]) == 1.0
+    # below the threshold the clip does not fire
+    small = jax.tree.map(lambda g: g * 1e-3, grads)
+    _, state = jax.jit(wrapped.update)(small, state, params)
+    m = vitals.recorded(state)
+    assert float(m["grad/clipped"]) == 0.0
+    np.testing.assert_allclose(float(m["grad/clip_ratio"]), 1.0, rtol=1e-6)
+
+
+def test_optax_tree_get_reads_the_recorder():
+    params = tree(0)
+    tx = optax.chain(vitals.record(optax.clip_by_global_norm(1.0)), optax.adamw(1e-3))
+    state = tx.init(params)
+    _, state = tx.update(tree(3), state, params)
+    np.testing.assert_allclose(float(optax.tree.get(state, "grad/global_norm")),
+                               float(optax.tree.norm(tree(3))), rtol=1e-6)
+
+
+def test_wrapping_the_whole_optimizer_records_the_update():
+    params, grads = tree(0), tree(4)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+    tx = vitals.record(opt)
+    state = tx.init(params)
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    ref_updates, _ = opt.update(grads, opt.init(params), params)
+    m = vitals.recorded(state)
+    np.testing.assert_allclose(float(m["update/global_norm"]), float(optax.tree.norm(ref_updates)), rtol=1e-6)
+    np.testing.assert_allclose(float(m["update/param_ratio"]), np_norm(ref_updates) / np_norm(params), rtol=1e-5)
+    assert "grad/global_norm_post_clip" not in m
+
+
+def test_post_kind_can_be_forced_for_stateless_sgd():
+    params, grads = tree(0), tree(5)
+    tx = vitals.record(optax.sgd(0.1), post="update")
+    _, state = tx.update(grads, tx.init(params), params)
+    np.testing.assert_allclose(float(vitals.recorded(state)["update/global_norm"]),
+                               0.1 * float(optax.tree.norm(grads)), rtol=1e-6)
+    with pytest.raises(ValueError, match="post='sideways'"):
+        bad = vitals.record(optax.sgd(0.1), post="sideways")
+        bad.update(grads, bad.init(params), params)
+
+
+def test_nonfinite_gradients_are_recorded_not_raised():
+    params, grads = tree(0), tree(6)
+    grads["layers_1"]["mlp"]["up_proj"]["kernel"] = grads["layers_1"]["mlp"]["up_proj"]["kernel"].at[0, :3].set(jnp.nan)
+    tx = optax.chain(vitals.record(optax.clip_by_global_norm(1.0), every={"layers": 1}), optax.adamw(1e-3))
+    _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    m = vitals.recorded(state)
+    assert np.isnan(float(m["grad/global_norm"]))
+    assert float(m["grad/nonfinite_count"]) == 3
+    assert float(m["grad/nonfinite_count/layer_1"]) == 3 and float(m["grad/nonfinite_count/layer_0"]) == 0
+    assert np.isnan(float(m["grad/W_up_rms"]))
+
+
+def test_apply_if_finite_placement_keeps_the_nan_visible():
+    params, grads = tree(0), tree(7)
+    bad = jax.tree.map(lambda g: g.at[..., 0].set(jnp.inf), grads)
+    tx = vitals.record(optax.apply_if_finite(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), 3))
+    state = tx.init(params)
+    updates, state = tx.update(bad, state, params)
+    m = vitals.recorded(state)
+    assert np.isnan(float(m["grad/global_norm"])) and float(m["grad/nonfinite_count"]) > 0
+    assert all(float(jnp.abs(u).max()) == 0 for u in jax.tree.leaves(updates))  # the step was skipped
+    assert int(vitals.optimizer_metrics(state)["opt/skipped_steps"]) == 1
+
+
+def test_inject_hyperparams_nesting_is_found():
+    params, grads = tree(0), tree(8)
+    tx = optax.inject_hyperparams(
+        lambda learning_rate: optax.chain(vitals.record(optax.clip_by_global_norm(1.0)), optax.adam(learning_rate))
+    )(learning_rate=1e-3)
+    _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    np.testing.assert_allclose(float(vitals.recorded(state)["grad/global_norm"]), np_norm(grads), rtol=1e-6)
+
+
+def test_multisteps_inside_records_the_accumulated_gradient_at_the_boundary():
+    params = tree(0)
+    micro = [tree(10 + i) for i in range(3)]
+    inner = optax.chain(vitals.record(optax.clip_by_global_norm(100.0)), optax.sgd(0.1))
+    tx = optax.MultiSteps(inner, every_k_schedule=3)
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    norms = []
+    for g in micro:
+        _, state = step(g, state, params)
+        norms.append(float(vitals.recorded(state)["grad/global_norm"]))
+    mean_grad = jax.tree.map(lambda *g: sum(g) / 3, *micro)
+    assert np.isnan(norms[0]) and np.isnan(norms[1])  # nothing applied yet: nothing recorded
+    np.testing.assert_allclose(norms[2], np_norm(mean_grad), rtol=1e-5)
+    assert int(vitals.recorded_steps(state)["global"]) == 0
+
+
+def test_multisteps_outside_records_every_micro_batch():
+    params = tree(0)
+    tx = optax.chain(vitals.record(), optax.MultiSteps(optax.sgd(0.1), every_k_schedule=3))
+    state = tx.init(params)
+    for i in range(2):
+        g = tree(20 + i)
+        _, state = tx.update(g, state, params)
+        np.testing.assert_allclose(float(vitals.recorded(state)["grad/global_norm"]), np_norm(g), rtol=1e-6)
+
+
+def test_cadence_values_and_last_steps():
+    params = tree(0)
+    tx = vitals.record(optax.clip_by_global_norm(1.0), every={"global": 2, "layers": 3})
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    seen = []
+    for i in range(7):
+        g = tree(30 + i)
+        _, state = step(g, state, params)
+        m, last = vitals.recorded(state), vitals.recorded_steps(state)
+        seen.append((i, float(m["grad/global_norm"]), float(m["grad/norm/layer_0"]),
+                     int(last["global"]), int(last["layers"])))
+    grads = [tree(30 + i) for i in range(7)]
+    for i, gnorm, l0, last_global, last_layers in seen:
+        lg = max(j for j in range(i + 1) if j % 2 == 0 or j % 3 == 0)  # layers steps refresh globals too
+        ll = max(j for j in range(i + 1) if j % 3 == 0)
+        assert (last_global, last_layers) == (lg, ll), i
+        np.testing.assert_allclose(gnorm, np_norm(grads[lg]), rtol=1e-6)
+        np.testing.assert_allclose(l0, np_norm(grads[ll]["layers_0"]), rtol=1e-6)
+
+
+def test_off_cadence_steps_do_not_compute_the_heavy_family(monkeypatch):
+    """A test-only build: a host callback counts how often the per-layer family runs."""
+    calls = []
+    original = record_module._gradients.gradient_metrics
+
+    def counting(*args, **kwargs):
+        jax.debug.callback(lambda: calls.append(1))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(record_module._gradients, "gradient_metrics", counting)
+    params = tree(0)
+    tx = vitals.record(every={"layers": 4})
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    for i in range(9):
+        _, state = step(tree(40 + i), state, params)
+    jax.effects_barrier()
+    assert len(calls) == 3  # steps 0, 4, 8
+    hlo = step.lower(tree(0), state, params).compile().as_text()
+    assert "conditional" in hlo
+
+
+def test_second_step_does_not_recompile(count_compiles):
+    params = tree(0)
+    tx = optax.chain(vitals.record(optax.clip_by_global_norm(1.0)), optax.adamw(1e-3))
+    step = jax.jit(lambda g, s, p: tx.update(g, s, p))
+    state = jax.device_put(tx.init(params))
+    g1, g2 = jax.device_put(tree(50)), jax.device_put(tree(51))
+    params = jax.device_put(params)
+    _, state = step(g1, state, params)
+    with count_compiles() as c:
+        _, state = step(g2, state, params)
+        jax.block_until_ready(state)
+    assert c.count == 0
+
+
+def test_sharded_equals_unsharded():
+    mesh = jax.make_mesh((4, 2), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    rng = np.random.default_rng(60)
+    params = {"layers_0": {"moe": {"experts": {"up_proj": jnp.asarray(rng.normal(size=(4, 8, 6)), jnp.float32)},
+                                   "router": {"kernel": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32)}}},
+              "lm_head": {"kernel": jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)}}
+    grads = jax.tree.map(lambda p: p * 2.5 + 0.1, params)
+    specs = {"layers_0": {"moe": {"experts": {"up_proj": P("expert")}, "router": {"kernel": P()}}},
+             "lm_head": {"kernel": P()}}
+    # optax's clip is not mesh-aware: inside shard_map it would clip each expert
+    # shard by its local norm. A threshold that does not fire keeps both views equal.
+    clip = optax.clip_by_global_norm(1e3)
+
+    one = vitals.record(clip, every={"layers": 1})
+    _, s1 = one.update(grads, one.init(params), params)
+    ref = vitals.recorded(s1)
+
+    # specs: the clip's outputs vary (by type) along `expert` through its norm, so
+    # only the specs can say that the replicated leaves are still replicated.
+    sharded = vitals.record(clip, every={"layers": 1}, axes=("data", "expert"), specs=specs)
+    put = lambda t: jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), t, specs)  # noqa: E731
+    state_specs = jax.tree.map(lambda _: P(), sharded.init(params))
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, state_specs, specs), out_specs=state_specs)
+    def step(g, s, p):
+        return sharded.update(g, s, p)[1]
+
+    s2 = step(put(grads), sharded.init(params), put(params))
+    got = vitals.recorded(s2)
+    for k in ("grad/global_norm", "grad/global_norm_post_clip", "param/global_norm", "grad/norm/layer_0"):
+        np.testing.assert_allclose(float(got[k]), float(ref[k]), rtol=1e-6, err_msg=k)
+    np.testing.assert_allclose(float(got["grad/global_norm"]), np_norm(grads), rtol=1e-6)
+
+    # GSPMD: jit over NamedSharding arrays, axes=()
+    g3 = jax.jit(lambda g, s, p: one.update(g, s, p)[1])(put(grads), one.init(params), put(params))
+    np.testing.assert_allclose(float(vitals.recorded(g3)["grad/global_norm"]), np_norm(grads), rtol=1e-6)
+
+
+def test_reference_model_tree_and_orbax_round_trip(tmp_path):
+    cfg = ModelConfig(moe=True, attention="mla", attn_gate=True, n_mtp=1, scan_layers=True)
+    params = init_params(cfg, jax.random.key(0))
+    grads = jax.tree.map(lambda p: p * 0.5, params)
+    tx = optax.chain(vitals.record(optax.clip_by_global_norm(1.0), every={"layers": 1}), optax.adamw(1e-3))
+    _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    m = vitals.recorded(state)
+    np.testing.assert_allclose(float(m["grad/global_norm"]), np_norm(grads), rtol=1e-6)
+    for i in range(cfg.n_layers):
+        layer = jax.tree.map(lambda a: a[i], params["layers"])
+        np.testing.assert_allclose(float(m[f"param/norm/layer_{i}"]), np_norm(layer), rtol=1e-5)
+    assert "grad/mla_Q_down_abs.max" in m and "grad/mla_KV_up_abs.max" in m
+
+    with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+        mngr.save(7, args=ocp.args.StandardSave(state))
+        mngr.wait_until_finished()
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        restored = mngr.restore(7, args=ocp.args.StandardRestore(abstract))
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    back = vitals.recorded(restored)
+    assert set(back) == set(m)
+    for k in m:
+        np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(m[k]))
+
+
+def test_bad_cadence_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown family 'activations'"):
+        vitals.record(every={"activations": 10})
+    with pytest.raises(ValueError, match="a cadence must be >= 1"):
+        vitals.record(every={"layers": 0})
+
+
+def test_two_recorders_with_the_same_names_are_an_error():
+    params = tree(0)
+    tx = optax.chain(vitals.record(optax.clip_by_global_norm(1.0)), vitals.record(optax.clip_by_global_norm(1.0)))
+    state = tx.init(params)
+    with pytest.raises(ValueError, match="two recorders"):
+        vitals.recorded(state)
