@@ -22,6 +22,16 @@ from jvitals.probes import (
     summarize_logits,
 )
 from jvitals.record import RecordState, record, recorded, recorded_steps
+from jvitals.lr_scale import get_lr_scale, set_lr_scale, with_lr_scale
+from jvitals.rollback import (
+    Action,
+    CheckpointSaveError,
+    Response,
+    Rollback,
+    RollbackError,
+    RollbackLimitError,
+    TrainingPaused,
+)
 from jvitals.roles import LeafRole, QKVSplit, Roles, RolesExplanation, assign_roles, explain_roles
 from jvitals.stats import Summary, reduce, summarize
 from jvitals.writers import write
@@ -29,7 +39,9 @@ from jvitals.writers import write
 __version__ = "0.1.0"
 
 __all__ = [
+    "Action",
     "Alert",
+    "CheckpointSaveError",
     "LeafRole",
     "Level",
     "Localization",
@@ -39,11 +51,16 @@ __all__ = [
     "Policy",
     "QKVSplit",
     "RecordState",
+    "Response",
     "Roles",
     "RolesExplanation",
+    "Rollback",
+    "RollbackError",
+    "RollbackLimitError",
     "Spike",
     "StepTimer",
     "Summary",
+    "TrainingPaused",
     "Verdict",
     "activation_metrics",
     "assign_roles",
@@ -51,6 +68,7 @@ __all__ = [
     "bos_value_grad_metrics",
     "device_memory_metrics",
     "explain_roles",
+    "get_lr_scale",
     "global_norm",
     "global_norm_metrics",
     "gradient_metrics",
@@ -65,9 +83,11 @@ __all__ = [
     "recorded",
     "recorded_steps",
     "reduce",
+    "set_lr_scale",
     "sow_summary",
     "summarize",
     "summarize_logits",
     "update_metrics",
+    "with_lr_scale",
     "write",
 ]
