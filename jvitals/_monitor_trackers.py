@@ -287,10 +287,15 @@ class SpikeTracker:
 
     Trend and scale (between spikes, ``dt`` = steps since the last sample)::
 
-        r      = x - trend
+        d      = x - x_prev                       (the previous learned sample)
         trend  = a * trend + (1 - a) * x,        a = 0.5 ** (dt / trend_halflife)
-        var    = b * var + (1 - b) * r ** 2,      b = 0.5 ** (dt / scale_halflife)
+        var    = b * var + (1 - b) * d ** 2 / 2,  b = 0.5 ** (dt / scale_halflife)
         scale  = sqrt(var / w),  w = b * w + (1 - b)   (bias-corrected EMA)
+
+    The scale comes from first differences (``E[d^2] = 2 sigma^2`` for noise of
+    std ``sigma``), not from residuals to the trend: a lagging trend on a
+    falling loss would read the fall itself as noise and hide spikes. It is
+    learned after warm-up only, like every baseline.
 
     Onset (after warm-up and ``spike_min_samples`` samples)::
 
@@ -309,6 +314,7 @@ class SpikeTracker:
         self.metric = metric
         self.last_step: int | None = None
         self.trend = _NAN
+        self.prev_learned = _NAN
         self.var = 0.0
         self.wsum = 0.0
         self.n_active = 0
@@ -325,16 +331,18 @@ class SpikeTracker:
     def scale(self) -> float:
         return math.sqrt(self.var / self.wsum) if self.wsum > 0 else 0.0
 
-    def _learn(self, s: int, v: float, p: "Policy") -> None:
+    def _learn(self, s: int, v: float, p: "Policy", warm: bool = False) -> None:
         if self.trend != self.trend:
-            self.trend = v
+            self.trend = self.prev_learned = v
             return
         dt = max(s - self.last_step, 1) if self.last_step is not None else 1
         a = 0.5 ** (dt / p.trend_halflife)
-        b = 0.5 ** (dt / p.scale_halflife)
-        r = v - self.trend
-        self.var = b * self.var + (1.0 - b) * r * r
-        self.wsum = b * self.wsum + (1.0 - b)
+        prev, self.prev_learned = self.prev_learned, v
+        if not warm and prev == prev:  # the noise scale is a baseline: learned after warm-up
+            b = 0.5 ** (dt / p.scale_halflife)
+            d = v - prev
+            self.var = b * self.var + (1.0 - b) * 0.5 * d * d
+            self.wsum = b * self.wsum + (1.0 - b)
         self.trend = a * self.trend + (1.0 - a) * v
 
     def observe(self, s: int, v: float, warm: bool, p: "Policy") -> list[Spike]:
@@ -391,7 +399,7 @@ class SpikeTracker:
                 self.onsets.append(s)
                 self._check_periodic(p)
             else:
-                self._learn(s, v, p)
+                self._learn(s, v, p, warm)
             if not warm:
                 self.n_active += 1
         e = self.elevated
@@ -481,6 +489,7 @@ class SpikeTracker:
             "metric": self.metric,
             "last_step": self.last_step,
             "trend": enc_float(self.trend),
+            "prev_learned": enc_float(self.prev_learned),
             "var": enc_float(self.var),
             "wsum": enc_float(self.wsum),
             "n_active": self.n_active,
@@ -507,6 +516,7 @@ class SpikeTracker:
         t = cls(d["metric"], p)
         t.last_step = d["last_step"]
         t.trend, t.var, t.wsum = dec_float(d["trend"]), dec_float(d["var"]), dec_float(d["wsum"])
+        t.prev_learned = dec_float(d.get("prev_learned", "nan"))
         t.n_active = int(d["n_active"])
         t.open = dec_map(d["open"])
         t.elevated = dec_map(d["elevated"])

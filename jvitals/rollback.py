@@ -35,7 +35,10 @@ Decisions (each is tested):
   restored state, with the lower LR scale and the *current* data position, is
   saved as step ``S`` (the red step, kind ``"rollback"``). A crash right after a
   rollback therefore resumes rolled back, with the data position kept.
-- **Rollback target**: the newest checkpoint with ``step < onset - onset_margin``
+- **Rollback target**: the newest checkpoint with ``step < onset - onset_margin``,
+  and older than the previous check when the onset is one of the guard's checks
+  and the host checks every ``k > 1`` steps (an onset seen at a check may come
+  from any update since the previous check, that check's own update included)
   (``onset`` = ``verdict.onset_step``, or the red step when the verdict has none;
   ``onset_margin=1`` by default: the checkpoint of step ``s`` holds the update of
   step ``s``, first visible in the metrics of step ``s + 1``, so the checkpoint of
@@ -100,6 +103,7 @@ Example (the loop of USER-LOOP.md)::
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import datetime
 import enum
@@ -456,6 +460,7 @@ class Rollback:
         self._resumed = False
         self._warned_no_resume = False
         self._unsaved_step: int | None = None   # the async save not yet known to have landed
+        self._checks: collections.deque[int] = collections.deque(maxlen=4096)  # steps of act()
 
         self.directory = epath.Path(directory)
         try:
@@ -585,6 +590,7 @@ class Rollback:
         step = int(step)
         _check_position(position)
         level, onset = self._decide(step, verdict)
+        self._checks.append(step)
         self._check_lr_scale(state)
         if not self._resumed and self._found_at_open is not None and not self._warned_no_resume:
             self._warned_no_resume = True
@@ -707,6 +713,24 @@ class Rollback:
     # Red.
     # ------------------------------------------------------------------
 
+    def _cutoff(self, onset: int) -> int:
+        """A rollback target's step must be below this.
+
+        The checkpoint of step ``s`` holds the update of step ``s``, first seen in
+        the metrics of the next *check*. When the onset is itself one of this
+        guard's checks and the host checks every ``k > 1`` steps, the anomaly may
+        come from any update since the previous check (that check's own update
+        included), so the target must be older than the previous check. Otherwise
+        (the monitor is fed more often than the guard acts, or no earlier check is
+        known): ``onset - onset_margin``.
+        """
+        cutoff = onset - self.onset_margin
+        if onset in self._checks:
+            before = [c for c in self._checks if c < onset]
+            if before:
+                cutoff = min(cutoff, max(before))
+        return cutoff
+
     def _rollback(self, step: int, state: Any, verdict: Any, position: Any, onset: int,
                   alerts: list[Alert]) -> Response:
         verdict_alerts = list(getattr(verdict, "alerts", []) or [])
@@ -731,9 +755,10 @@ class Rollback:
                                               or r.restored_from == prev["to_step"]):
                     r.quarantined = reason
         found = None
+        cutoff = self._cutoff(onset)
         for allow_suspect in (False, True):
             candidates = [r for r in self._usable(allow_suspect)
-                          if r.step < onset - self.onset_margin and r.level in self.healthy_levels]
+                          if r.step < cutoff and r.level in self.healthy_levels]
             for rec in sorted(candidates, key=lambda r: -r.step):
                 got = self._try_restore(rec.step, state, finite=self.check_finite)
                 if got is not None:
@@ -748,7 +773,7 @@ class Rollback:
             self._write_quarantine()
             raise RollbackError(
                 f"Rollback: red at step {step} (onset {onset}) but no healthy checkpoint before "
-                f"step {onset - self.onset_margin} in {str(self.directory)!r}; expected one saved at a level in "
+                f"step {cutoff} in {str(self.directory)!r}; expected one saved at a level in "
                 f"{sorted(_level_name(x) for x in self.healthy_levels)} that restores. On disk: "
                 f"{listing}. Alerts: {_alert_lines(verdict_alerts)}. Save earlier (a smaller "
                 "save_every, or a larger keep_last) or restart from an older run.")

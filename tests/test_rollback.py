@@ -598,3 +598,13 @@ def test_end_to_end_fault_rolls_back_and_recovers(tmp_path, fault, fault_step, e
     end = np.mean([losses[s] for s in range(n - 10, n)])
     assert np.isfinite(end) and end < pre
     assert all(np.isfinite(losses[s]) and losses[s] < 1.5 * pre for s in range(red_step + 5, n))
+
+
+def test_onset_at_a_sparse_check_skips_the_checkpoint_of_the_previous_check(tmp_path):
+    """Checks every 5 steps: an onset seen at check 25 may come from the update of
+    step 20, which checkpoint 20 holds, so the target is 10, not 20."""
+    guard = Rollback(tmp_path, save_every=10, keep_last=10)
+    drive(guard, [0, 5, 10, 15, 20])
+    r = guard.act(25, make_state(25), verdict(25, Level.RED, onset=25), 26)
+    assert r.target_step == 10 and value_of(r.state) == 10.0
+    guard.close()
