@@ -72,7 +72,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jvitals.probes import LogitsSummary, attention_valid_mask, summarize_logits, vary_along
-from jvitals.stats import Summary, _check_axes, reduce, sharded_axes, summarize, varying_axes
+from jvitals.stats import Summary, check_axes, reduce, sharded_axes, summarize, varying_axes
 
 __all__ = ["activation_metrics", "bos_value_grad_metrics", "mtp_metrics"]
 
@@ -152,7 +152,7 @@ def _collect(tree: Any, collection: str, who: str) -> dict[str, list[_Entry]]:
 
 def _axes(axes: Sequence[str] | str) -> tuple[str, ...]:
     """Normalise ``axes`` and check each is bound (clear error outside ``shard_map``)."""
-    return _check_axes(axes)
+    return check_axes(axes)
 
 
 def _red_axes(name: str, arrays: Iterable[Any], axes: tuple[str, ...],

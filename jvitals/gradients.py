@@ -39,7 +39,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jvitals.roles import LeafRole, Roles, assign_roles
-from jvitals.stats import Summary, bound_axes, reduce, sharded_axes, summarize, varying_axes
+from jvitals.stats import Summary, check_axes, reduce, sharded_axes, summarize, varying_axes
 
 __all__ = [
     "global_norm",
@@ -53,27 +53,6 @@ _F32 = jnp.float32
 
 # ----------------------------------------------------------------------------------
 # Mesh plumbing shared with moe.py / optimizer.py.
-
-
-def check_axes(axes: Sequence[str] | str) -> tuple[str, ...]:
-    """Normalise ``axes`` and check each is bound (inside ``shard_map``/``pmap``)."""
-    if isinstance(axes, str):
-        axes = (axes,)
-    axes = tuple(axes)
-    if not axes:
-        return axes
-    bound = bound_axes()
-    for a in axes:
-        if a in bound:
-            continue
-        try:
-            lax.axis_size(a)
-        except NameError:
-            raise ValueError(
-                f"mesh axis {a!r} is not bound here; bound axes: {list(bound)}. Call this inside "
-                f"jax.shard_map (or pmap) over a mesh with that axis, or pass axes=() under plain jit, "
-                f"where arrays are global.") from None
-    return axes
 
 
 class _Box:

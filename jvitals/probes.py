@@ -35,7 +35,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from jvitals.stats import Summary, pmax_over, reduce, summarize, varying_axes
+from jvitals.stats import Summary, make_varying, pmax_over, reduce, summarize
 
 __all__ = [
     "LogitsSummary",
@@ -115,9 +115,7 @@ def vary_along(tree: Any, axes: tuple[str, ...]) -> Any:
     def cast(x: Any) -> Any:
         if not isinstance(x, jax.Array) and not hasattr(x, "aval"):
             return x
-        have = varying_axes(x, axes)
-        missing = tuple(a for a in axes if a not in have)
-        return lax.pcast(x, missing, to="varying") if missing else x
+        return make_varying(x, axes)
 
     return jax.tree.map(cast, tree)
 

@@ -208,7 +208,7 @@ def _replicated(m: dict[str, jax.Array], axes: tuple[str, ...]) -> dict[str, jax
     if not keys:
         return m
     red = tuple(a for a in axes if any(a in _stats._manual_varying(m[k]) for k in keys))
-    vec = jnp.stack([_stats._make_varying(m[k].astype(jnp.float32), red) for k in keys])
+    vec = jnp.stack([_stats.make_varying(m[k].astype(jnp.float32), red) for k in keys])
     size = 1
     for a in red:
         size *= lax.axis_size(a)

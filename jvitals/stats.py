@@ -26,7 +26,6 @@ from typing import Any, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 from jax import lax
 from jax.sharding import PartitionSpec
@@ -36,6 +35,8 @@ __all__ = [
     "summarize",
     "reduce",
     "bound_axes",
+    "check_axes",
+    "make_varying",
     "varying_axes",
     "sharded_axes",
     "psum_over",
@@ -261,7 +262,12 @@ def bound_axes() -> tuple[str, ...]:
     return tuple(names or ())
 
 
-def _check_axes(axes: Iterable[str]) -> tuple[str, ...]:
+def check_axes(axes: Iterable[str] | str) -> tuple[str, ...]:
+    """Normalise ``axes`` to a tuple and check that each name is bound here.
+
+    Raises:
+      ValueError: naming the unbound axis and the bound ones.
+    """
     if isinstance(axes, str):
         axes = (axes,)
     axes = tuple(axes)
@@ -340,7 +346,7 @@ def _reduce_axes(leaves: Sequence[jax.Array], axes: tuple[str, ...], spec: Any) 
     return tuple(a for a in wanted if a in varying) if tracked else wanted
 
 
-def _make_varying(x: jax.Array, red: tuple[str, ...]) -> jax.Array:
+def make_varying(x: jax.Array, red: tuple[str, ...]) -> jax.Array:
     """Mark ``x`` as varying along ``red`` so one collective can cover all of them."""
     v = _manual_varying(x)
     if v is None or not _tracks_varying(red[0]):
@@ -355,13 +361,13 @@ _NO_SPEC = object()
 def psum_over(x: jax.Array, axes: Sequence[str], spec: Any = _NO_SPEC) -> jax.Array:
     """``psum`` of ``x`` over the axes of ``axes`` it is sharded (or varies) along."""
     red = _reduce_axes([x], tuple(axes), spec)
-    return lax.psum(_make_varying(x, red), red) if red else x
+    return lax.psum(make_varying(x, red), red) if red else x
 
 
 def pmax_over(x: jax.Array, axes: Sequence[str], spec: Any = _NO_SPEC) -> jax.Array:
     """``pmax`` of ``x`` over the axes of ``axes`` it is sharded (or varies) along."""
     red = _reduce_axes([x], tuple(axes), spec)
-    return lax.pmax(_make_varying(x, red), red) if red else x
+    return lax.pmax(make_varying(x, red), red) if red else x
 
 
 def _reduce_summary(s: Summary, axes: tuple[str, ...], spec: Any) -> Summary:
@@ -370,13 +376,13 @@ def _reduce_summary(s: Summary, axes: tuple[str, ...], spec: Any) -> Summary:
         return s
 
     def psum(x: jax.Array) -> jax.Array:
-        return lax.psum(_make_varying(x, red), red)
+        return lax.psum(make_varying(x, red), red)
 
     count = psum(s.count)
     nonfinite = psum(s.nonfinite)
     # pmax drops NaN on some backends and keeps it on others: reduce finite
     # maxima only and rebuild NaN from the psum-ed counts.
-    amax = lax.pmax(_make_varying(_finite_or_minus_inf(s.abs_max), red), red)
+    amax = lax.pmax(make_varying(_finite_or_minus_inf(s.abs_max), red), red)
     return Summary(
         count=count,
         sum=psum(s.sum),
@@ -415,7 +421,7 @@ def reduce(tree: Any, axes: Sequence[str] | str = (), *, specs: Any = None) -> A
     Raises:
       ValueError: if an axis name is not bound, or ``specs`` does not match.
     """
-    axes = _check_axes(axes)
+    axes = check_axes(axes)
     if not axes:
         return tree
     if specs is None:
