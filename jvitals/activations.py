@@ -72,7 +72,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jvitals.probes import LogitsSummary, attention_valid_mask, summarize_logits, vary_along
-from jvitals.stats import Summary, check_axes, reduce, sharded_axes, summarize, varying_axes
+from jvitals.stats import Summary, check_axes, reduce, sharded_axes, summarize, summarize_max, varying_axes
 
 __all__ = ["activation_metrics", "bos_value_grad_metrics", "mtp_metrics"]
 
@@ -258,7 +258,7 @@ def _layer_summaries(name: str, entries: list[_Entry], tok: _Tokens, mask: Any,
             valid = attention_valid_mask(m, t_q, t_k, x.ndim - lead)
             if stacked:
                 valid = valid[None]
-            out.append(summarize(x, valid, axis=axis))
+            out.append(summarize_max(x, valid, axis=axis))  # only its max is reported
         elif stacked is None or mask is None:
             out.append(summarize(x, axis=axis))
         else:

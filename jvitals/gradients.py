@@ -39,7 +39,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jvitals.roles import LeafRole, Roles, assign_roles
-from jvitals.stats import Summary, check_axes, reduce, sharded_axes, summarize, varying_axes
+from jvitals.stats import Summary, check_axes, reduce, sharded_axes, summarize, summarize_sumsq, varying_axes
 
 __all__ = [
     "global_norm",
@@ -250,8 +250,8 @@ class _TreeStats:
                 continue
             spec = sp[i] if sp is not None else None
             red = reduction_axes(x, axes, spec, sp is not None)
-            if infos is None:
-                acc.add(red, "all", summarize(x))
+            if infos is None:  # the global norm only: one reduction per leaf
+                acc.add(red, "all", summarize_sumsq(x))
                 continue
             lr = infos[i]
             if by_role and lr.role == "qkv":

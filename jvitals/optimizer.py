@@ -66,12 +66,35 @@ def _is_loss_scale_obj(x: Any) -> bool:
     return type(x).__name__ in ("DynamicScale", "DynamicLossScale", "StaticLossScale")
 
 
+_HIST_CHUNK = 1 << 20  # elements binned at a time: bounds the scatter's index buffer
+
+
 def log_histogram(x: jax.Array) -> jax.Array:
-    """Counts of ``|x|`` per float32 top-16-bit bin (``NU_BINS`` int32); non-finite skipped."""
+    """Counts of ``|x|`` per float32 top-16-bit bin (``NU_BINS`` int32); non-finite skipped.
+
+    ``bin(v) = bits(|v|) >> 16``. Large leaves are binned ``_HIST_CHUNK``
+    elements at a time (a ``lax.scan``), so the scatter never holds more than one
+    chunk of indices; non-finite values are binned at 0 and subtracted there.
+    """
     xf = jnp.abs(jnp.asarray(x).astype(_F32)).ravel()
-    finite = jnp.isfinite(xf)
-    bits = lax.bitcast_convert_type(jnp.where(finite, xf, 0.0), jnp.uint32) >> 16
-    return jnp.zeros([NU_BINS], jnp.int32).at[bits.astype(jnp.int32)].add(finite.astype(jnp.int32))
+    n = xf.shape[0]
+    chunk = min(n, _HIST_CHUNK)
+    pad = (-n) % chunk if chunk else 0
+    if pad:
+        xf = jnp.concatenate([xf, jnp.full([pad], jnp.nan, _F32)])
+
+    def add(hist: jax.Array, part: jax.Array) -> tuple[jax.Array, None]:
+        finite = jnp.isfinite(part)
+        bits = lax.bitcast_convert_type(jnp.where(finite, part, 0.0), jnp.uint32) >> 16
+        hist = hist.at[bits.astype(jnp.int32)].add(1)
+        return hist.at[0].add(-jnp.sum(~finite, dtype=jnp.int32)), None
+
+    hist = jnp.zeros([NU_BINS], jnp.int32)
+    if chunk == 0:
+        return hist
+    if xf.shape[0] == chunk:
+        return add(hist, xf)[0]
+    return lax.scan(add, hist, xf.reshape(-1, chunk))[0]
 
 
 def _bin_value(b: jax.Array) -> jax.Array:

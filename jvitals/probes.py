@@ -35,7 +35,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from jvitals.stats import Summary, make_varying, pmax_over, reduce, summarize
+from jvitals.stats import Summary, make_varying, pmax_over, reduce, summarize, summarize_max
 
 __all__ = [
     "LogitsSummary",
@@ -120,7 +120,7 @@ def vary_along(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(cast, tree)
 
 
-_CHUNK_ELEMENTS = 1 << 22  # logits elements per chunk (16 MiB of float32)
+_CHUNK_ELEMENTS = 1 << 20  # logits elements per chunk (4 MiB of float32)
 
 
 def _row_stats(x: jax.Array) -> tuple[jax.Array, ...]:
@@ -288,7 +288,11 @@ def attention_valid_mask(mask: jax.Array | None, tq: int, tk: int, ndim: int,
 
 def attn_logits_probe(module: Any, scores: jax.Array, mask: jax.Array | None = None,
                       name: str = "attn_logits", *, causal: bool = True) -> bool:
-    """Sow a ``Summary`` of the pre-softmax attention scores over valid entries.
+    """Sow the maximum |pre-softmax attention score| over valid entries (a ``Summary``).
+
+    Only ``count``, ``abs_max`` and ``nonfinite`` are measured
+    (:func:`~jvitals.stats.summarize_max`: one reduction over ``[B, H, T, T]``
+    per layer); the summary's mean/rms are NaN by construction.
 
     Valid entries: causal (``k <= q``) and both the query and the key are real
     tokens. ``abs_max`` of the sown summary is the max attention logit of the
@@ -312,7 +316,7 @@ def attn_logits_probe(module: Any, scores: jax.Array, mask: jax.Array | None = N
         valid = jnp.asarray(mask, bool)
     else:
         valid = attention_valid_mask(mask, scores.shape[-2], scores.shape[-1], scores.ndim, causal)
-    return module.sow("intermediates", name, summarize(scores, valid))
+    return module.sow("intermediates", name, summarize_max(scores, valid))
 
 
 def perturb_values(module: Any, v: jax.Array, name: str = "bos_value") -> jax.Array:

@@ -27,8 +27,12 @@ Families and their cadence (``every``, in optimizer updates):
   ``grad/share/layer_i``, ``param/norm/layer_i``.
 
 On a step where a family is not due, its figures keep their previous values and
-cost nothing: the choice is a ``lax.switch`` on the step counter, so only the
-branch taken runs. ``RecordState.last_step`` records, per family, the update at
+cost nothing: the choice is a ``lax.cond``/``lax.switch`` on the step counter, so
+only the branch taken runs, and each update makes one pass over the gradients
+(the per-layer pass also gives the global figures). The post-clip/update norm is
+one more pass over the wrapped transform's outputs, made outside any conditional
+(a conditional would force XLA to materialise those outputs) and kept only when
+the pre-clip figures are fresh. ``RecordState.last_step`` records, per family, the update at
 which its figures were last computed (-1: never).
 
 Placement:
@@ -127,38 +131,21 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
     def init_fn(params: Any) -> RecordState:
         inner_state = inner.init(params) if inner is not None else optax.EmptyState()
         kind = _post_kind(post, inner, inner_state)
-        # The names only: global view (no mesh axes are bound at init).
-        shapes = jax.eval_shape(lambda p: _all_metrics(p, p, p, kind, (), None), params)
-        metrics = {k: jnp.full((), jnp.nan, jnp.float32) for k in shapes}
+
+        def names(p: Any) -> dict[str, jax.Array]:  # global view: no mesh axes are bound at init
+            m = _gradients.gradient_metrics(p, params=p, roles=roles)
+            m.update(_post_metrics(m["grad/global_norm"], m["grad/global_norm"],
+                                   m.get("param/global_norm"), kind))
+            return m
+
+        metrics = {k: jnp.full((), jnp.nan, jnp.float32) for k in jax.eval_shape(names, params)}
         last = {f: jnp.full((), -1, jnp.int32) for f in _FAMILIES}
         return RecordState(jnp.zeros([], jnp.int32), metrics, last, inner_state)
 
-    def _post(pre: jax.Array, out: Any, kind: str | None, param_norm: jax.Array | None,
-              axes: tuple[str, ...], specs: Any) -> dict[str, jax.Array]:
-        if kind is None:
-            return {}
-        post_norm = _gradients.global_norm(out, specs=specs, axes=axes)
-        if kind == "clip":
-            return {"grad/global_norm_post_clip": post_norm,
-                    "grad/clip_ratio": post_norm / pre,
-                    "grad/clipped": (post_norm < pre * (1 - 1e-6)).astype(jnp.float32)}
-        m = {"update/global_norm": post_norm}
-        if param_norm is not None:
-            m["update/param_ratio"] = post_norm / param_norm
-        return m
-
-    def _global(grads: Any, params: Any, out: Any, kind: str | None) -> dict[str, jax.Array]:
+    def _global(grads: Any, params: Any) -> dict[str, jax.Array]:
         m = _gradients.global_norm_metrics(grads, specs=specs, axes=axes)
-        pnorm = None
         if params is not None:
-            pnorm = m["param/global_norm"] = _gradients.global_norm(params, specs=specs, axes=axes)
-        m.update(_post(m["grad/global_norm"], out, kind, pnorm, axes, specs))
-        return m
-
-    def _all_metrics(grads: Any, params: Any, out: Any, kind: str | None,
-                     axes: tuple[str, ...] = axes, specs: Any = specs) -> dict[str, jax.Array]:
-        m = _gradients.gradient_metrics(grads, params=params, roles=roles, specs=specs, axes=axes)
-        m.update(_post(m["grad/global_norm"], out, kind, m.get("param/global_norm"), axes, specs))
+            m["param/global_norm"] = _gradients.global_norm(params, specs=specs, axes=axes)
         return m
 
     def update_fn(updates: Any, state: RecordState, params: Any = None, **extra: Any):
@@ -171,25 +158,66 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
         due = {f: (count % cadence[f]) == 0 for f in _FAMILIES}
         prev = state.metrics
 
+        def fill(m: dict[str, jax.Array]) -> dict[str, jax.Array]:
+            m = _replicated(m, axes)
+            return {k: m[k].astype(jnp.float32) if k in m else prev[k] for k in prev}
+
         def keep(_: Any) -> dict[str, jax.Array]:
             return dict(prev)
 
         def light(_: Any) -> dict[str, jax.Array]:
-            m = _replicated(_global(updates, params, out, kind), axes)
-            return {k: m[k].astype(jnp.float32) if k in m else prev[k] for k in prev}
+            return fill(_global(updates, params))
 
         def heavy(_: Any) -> dict[str, jax.Array]:
-            m = _replicated(_all_metrics(updates, params, out, kind), axes)
-            return {k: m[k].astype(jnp.float32) if k in m else prev[k] for k in prev}
+            return fill(_gradients.gradient_metrics(updates, params=params, roles=roles, specs=specs,
+                                                    axes=axes))
 
-        index = jnp.where(due["layers"], 2, jnp.where(due["global"], 1, 0))
-        metrics = lax.switch(index, (keep, light, heavy), None)
-        last = {f: jnp.where(due[f] | (due["layers"] & (f == "global")), count, state.last_step[f])
-                for f in _FAMILIES}
+        # Only the gradients and params enter a conditional (never the inner
+        # transform's outputs, which XLA would then have to materialise), and
+        # each update makes exactly one pass over them.
+        if cadence["layers"] == 1:
+            metrics = heavy(None)
+        elif cadence["global"] == 1:
+            metrics = lax.cond(due["layers"], heavy, light, None)
+        else:
+            index = jnp.where(due["layers"], 2, jnp.where(due["global"], 1, 0))
+            metrics = lax.switch(index, (keep, light, heavy), None)
+        fresh = due["global"] | due["layers"]
+        if kind is not None:
+            # One norm of the outputs, outside any conditional, kept only when
+            # the pre-clip figures it is compared with are fresh.
+            post_norm = _replicated({"n": _gradients.global_norm(out, specs=specs, axes=axes)}, axes)["n"]
+            pm = _post_metrics(metrics["grad/global_norm"], post_norm.astype(jnp.float32),
+                               metrics.get("param/global_norm"), kind)
+            metrics = {**metrics, **{k: jnp.where(fresh, v.astype(jnp.float32), prev[k])
+                                     for k, v in pm.items() if k in prev}}
+        last = {"global": jnp.where(fresh, count, state.last_step["global"]),
+                "layers": jnp.where(due["layers"], count, state.last_step["layers"])}
         new_state = RecordState(count + 1, metrics, last, inner_state)
         return out, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _post_metrics(pre: jax.Array, post_norm: jax.Array, param_norm: jax.Array | None,
+                  kind: str | None) -> dict[str, jax.Array]:
+    """The figures comparing the inner transform's outputs with its inputs.
+
+    ``kind == "clip"``: ``grad/global_norm_post_clip = ||out||``,
+    ``grad/clip_ratio = ||out|| / ||g||``, ``grad/clipped = ||out|| < ||g||``;
+    ``kind == "update"``: ``update/global_norm = ||out||``,
+    ``update/param_ratio = ||out|| / ||params||``.
+    """
+    if kind is None:
+        return {}
+    if kind == "clip":
+        return {"grad/global_norm_post_clip": post_norm,
+                "grad/clip_ratio": post_norm / pre,
+                "grad/clipped": (post_norm < pre * (1 - 1e-6)).astype(jnp.float32)}
+    m = {"update/global_norm": post_norm}
+    if param_norm is not None:
+        m["update/param_ratio"] = post_norm / param_norm
+    return m
 
 
 def _replicated(m: dict[str, jax.Array], axes: tuple[str, ...]) -> dict[str, jax.Array]:

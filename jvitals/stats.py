@@ -26,6 +26,7 @@ from typing import Any, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax import lax
 from jax.sharding import PartitionSpec
@@ -33,6 +34,8 @@ from jax.sharding import PartitionSpec
 __all__ = [
     "Summary",
     "summarize",
+    "summarize_max",
+    "summarize_sumsq",
     "reduce",
     "bound_axes",
     "check_axes",
@@ -169,6 +172,16 @@ def _align_mask(mask: jax.Array, shape: tuple[int, ...], axis: int | None) -> ja
     )
 
 
+def _reduced_axes(shape: tuple[int, ...], axis: int | None) -> tuple[tuple[int, ...] | None, int | None]:
+    """The axes to reduce (None: all) and the normalised kept ``axis``."""
+    if axis is None:
+        return None, None
+    if not -len(shape) <= axis < len(shape) or len(shape) == 0:
+        raise ValueError(f"axis={axis} is out of range for x of shape {shape}")
+    axis = axis % len(shape)
+    return tuple(i for i in range(len(shape)) if i != axis), axis
+
+
 def summarize(x: jax.Array, mask: jax.Array | None = None, *, axis: int | None = None) -> Summary:
     """Summarise ``x`` in one fused pass, in float32.
 
@@ -199,13 +212,7 @@ def summarize(x: jax.Array, mask: jax.Array | None = None, *, axis: int | None =
     """
     x = jnp.asarray(x)
     shape = tuple(x.shape)
-    if axis is not None:
-        if not -len(shape) <= axis < len(shape) or len(shape) == 0:
-            raise ValueError(f"axis={axis} is out of range for x of shape {shape}")
-        axis = axis % len(shape)
-        red: tuple[int, ...] | None = tuple(i for i in range(len(shape)) if i != axis)
-    else:
-        red = None
+    red, axis = _reduced_axes(shape, axis)
     xf = x.astype(_F32)
     finite = jnp.isfinite(xf)
     if mask is None:
@@ -224,6 +231,95 @@ def summarize(x: jax.Array, mask: jax.Array | None = None, *, axis: int | None =
         abs_max=_nan_rule(amax, count, nonfinite),
         nonfinite=nonfinite,
     )
+
+
+def summarize_sumsq(x: jax.Array) -> Summary:
+    """A :class:`Summary` that measures only ``count``, ``sumsq`` and ``nonfinite``.
+
+    For L2 norms over whole trees (the every-step global gradient/parameter/update
+    norms): one reduction, ``sum(x^2)`` in float32, instead of
+    :func:`summarize`'s five; a non-finite element makes it non-finite, and only
+    then are the non-finite elements counted (a ``lax.cond``). ``sum`` and
+    ``abs_max`` are NaN — not measured. ``norm`` is right; so is ``rms``.
+
+    Args:
+      x: any array.
+
+    Returns:
+      A :class:`Summary` whose ``sum``/``abs_max`` are NaN.
+    """
+    xf = jnp.asarray(x).astype(_F32)
+    sumsq = jnp.sum(xf * xf)
+
+    def count_bad(_: Any) -> jax.Array:
+        return jnp.sum(~jnp.isfinite(xf), dtype=_F32)
+
+    # `sumsq * 0` (not a constant) keeps the branch's type varying where sumsq is.
+    nonfinite = lax.cond(jnp.isfinite(sumsq), lambda _: sumsq * 0.0, count_bad, None)
+    nan = jnp.full((), jnp.nan, _F32)
+    return Summary(count=jnp.full((), float(xf.size), _F32), sum=nan,
+                   sumsq=jnp.where(nonfinite > 0, 0.0, sumsq), abs_max=nan, nonfinite=nonfinite)
+
+
+def _broadcast_count(mask: jax.Array, shape: tuple[int, ...], red: tuple[int, ...] | None,
+                     axis: int | None) -> jax.Array | None:
+    """``sum(broadcast_to(mask, shape))`` over ``red`` without reading the broadcast.
+
+    A same-rank mask with size-1 axes (``[B, 1, T, T]`` against ``[B, H, T, T]``
+    scores) is summed at its own size and multiplied by the broadcast factor.
+    None if ``mask`` does not broadcast that way (the caller sums the full mask).
+    """
+    if any(m not in (1, s) for m, s in zip(mask.shape, shape)):
+        return None
+    dims = tuple(range(len(shape))) if red is None else red
+    factor = float(np.prod([shape[d] for d in dims if mask.shape[d] == 1 and shape[d] > 1]))
+    count = jnp.sum(mask, axis=dims, dtype=_F32) * factor
+    if axis is not None and mask.shape[axis] == 1:
+        count = jnp.broadcast_to(count, (shape[axis],))
+    return count
+
+
+def summarize_max(x: jax.Array, mask: jax.Array | None = None, *, axis: int | None = None) -> Summary:
+    """A :class:`Summary` that measures only ``count``, ``abs_max`` and ``nonfinite``.
+
+    For figures that only need the maximum (the pre-softmax attention logits,
+    ``[B, H, T, T]`` per layer): one reduction over ``x`` instead of
+    :func:`summarize`'s five; the non-finite count is computed only when the
+    maximum is non-finite (a ``lax.cond``). ``sum`` and ``sumsq`` are NaN — not
+    measured — so ``mean``/``rms``/``std`` are NaN by construction.
+
+    Args:
+      x, mask, axis: as for :func:`summarize`.
+
+    Returns:
+      A :class:`Summary` whose ``sum``/``sumsq`` are NaN.
+    """
+    x = jnp.asarray(x)
+    shape = tuple(x.shape)
+    red, axis = _reduced_axes(shape, axis)
+    xf = x.astype(_F32)
+    if mask is None:
+        a = jnp.abs(xf)
+        n = float(np.prod([shape[i] for i in (red if red is not None else range(len(shape)))]))
+        count = jnp.full(() if axis is None else (shape[axis],), n, _F32)
+        valid = None
+    else:
+        mask = jnp.asarray(mask, bool)
+        valid = _align_mask(mask, shape, axis)
+        a = jnp.where(valid, jnp.abs(xf), 0.0)
+        count = _broadcast_count(mask, shape, red, axis) if mask.ndim == len(shape) else None
+        if count is None:
+            count = jnp.sum(valid, axis=red, dtype=_F32)
+    amax = jnp.max(a, axis=red, initial=0.0)  # NaN and Inf propagate
+
+    def count_bad(_: Any) -> jax.Array:
+        bad = ~jnp.isfinite(xf) if valid is None else valid & ~jnp.isfinite(xf)
+        return jnp.sum(bad, axis=red, dtype=_F32)
+
+    nonfinite = lax.cond(jnp.all(jnp.isfinite(amax)), lambda _: amax * 0.0, count_bad, None)
+    nan = jnp.full_like(amax, jnp.nan)
+    return Summary(count=count, sum=nan, sumsq=nan, abs_max=_nan_rule(amax, count, nonfinite),
+                   nonfinite=nonfinite)
 
 
 # ----------------------------------------------------------------------------------

@@ -137,3 +137,15 @@ def test_shard_map_nu_sharded_over_expert_equals_one_device():
     sharded = jax.jit(f)(put)
     for k in one:
         np.testing.assert_allclose(sharded[k], one[k], rtol=1e-6, err_msg=k)
+
+
+def test_log_histogram_in_chunks_equals_numpy_bincount(monkeypatch):
+    from jvitals import optimizer as opt_mod
+
+    monkeypatch.setattr(opt_mod, "_HIST_CHUNK", 1000)  # 2503 elements: 3 chunks, the last padded
+    x = np.abs(np.random.default_rng(5).normal(size=(2503,)).astype(np.float32)) * 1e-3
+    x[5], x[2000] = np.nan, np.inf
+    hist = np.asarray(opt_mod.log_histogram(x))
+    finite = x[np.isfinite(x)]
+    ref = np.bincount(finite.view(np.uint32) >> 16, minlength=opt_mod.NU_BINS)
+    np.testing.assert_array_equal(hist, ref)

@@ -212,3 +212,39 @@ def test_property_merge_of_split_equals_whole(data):
     for k in ("sum", "sumsq", "abs_max"):
         np.testing.assert_allclose(float(getattr(m, k)), float(getattr(whole, k)), rtol=1e-5, atol=1e-2, equal_nan=True)
     np.testing.assert_allclose(float(m.rms), np_stats(x, mask)["rms"], rtol=1e-5, atol=1e-3, equal_nan=True)
+
+
+def test_summarize_max_measures_count_max_and_nonfinite_only():
+    rng = np.random.default_rng(12)
+    x = rng.normal(size=(2, 3, 5, 5)).astype(np.float32) * 4
+    valid = np.tril(np.ones((5, 5), bool))[None, None] & (rng.random((2, 1, 5, 1)) > 0.3)
+    x_pad = np.where(valid, x, 1e30).astype(np.float32)
+    s = vitals.stats.summarize_max(x_pad, valid)
+    full = np.broadcast_to(valid, x.shape)
+    assert float(s.count) == full.sum() and float(s.nonfinite) == 0
+    np.testing.assert_allclose(float(s.abs_max), np.abs(x[full]).max(), rtol=1e-6)
+    assert np.isnan(float(s.rms)) and np.isnan(float(s.mean))  # not measured, never a wrong number
+    per = vitals.stats.summarize_max(x_pad, valid, axis=1)
+    for h in range(3):
+        np.testing.assert_allclose(float(per.abs_max[h]), np.abs(x[:, h][full[:, h]]).max(), rtol=1e-6)
+    x_pad[0, 0, 3, 1] = np.inf if valid[0, 0, 3, 1] else x_pad[0, 0, 3, 1]
+    x_pad[1, 2, 4, 0] = np.nan if valid[1, 0, 4, 0] else x_pad[1, 2, 4, 0]
+    bad = int((~np.isfinite(x_pad) & full).sum())
+    s = vitals.stats.summarize_max(x_pad, valid)
+    assert float(s.nonfinite) == bad
+    if bad:
+        assert np.isnan(float(s.abs_max))
+    jitted = jax.jit(lambda a, m: vitals.stats.summarize_max(a, m))(x_pad, valid)
+    assert float(jitted.nonfinite) == bad
+
+
+def test_summarize_sumsq_gives_the_norm_and_counts_nonfinite_only_when_needed():
+    x = np.random.default_rng(13).normal(size=(7, 9)).astype(np.float32) * 3
+    s = vitals.stats.summarize_sumsq(jnp.asarray(x, jnp.bfloat16))
+    up = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
+    np.testing.assert_allclose(float(s.norm), np.sqrt((up ** 2).sum()), rtol=1e-6)
+    np.testing.assert_allclose(float(s.rms), np.sqrt((up ** 2).mean()), rtol=1e-6)
+    assert float(s.count) == x.size and float(s.nonfinite) == 0 and np.isnan(float(s.mean))
+    x[2, 3], x[4, 4] = np.nan, -np.inf
+    s = jax.jit(vitals.stats.summarize_sumsq)(x)
+    assert float(s.nonfinite) == 2 and np.isnan(float(s.norm))
