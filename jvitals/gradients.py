@@ -39,7 +39,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jvitals.roles import LeafRole, Roles, assign_roles
-from jvitals.stats import Summary, check_axes, reduce, sharded_axes, summarize, summarize_sumsq, varying_axes
+from jvitals.stats import Summary, check_axes, reduce, reduction_axes, summarize, summarize_sumsq
 
 __all__ = [
     "global_norm",
@@ -80,21 +80,6 @@ def flat_specs(tree: Any, specs: Any, what: str = "tree") -> list[Any] | None:
             f"specs must be a pytree of PartitionSpec (None = replicated) with the structure of the "
             f"{what} (or a prefix of it); they do not match: {e}") from None
     return [b.spec for b in jax.tree.leaves(full, is_leaf=lambda b: isinstance(b, _Box))]
-
-
-def reduction_axes(x: jax.Array, axes: tuple[str, ...], spec: Any, has_specs: bool) -> tuple[str, ...]:
-    """The axes of ``axes`` a leaf's summary must be reduced over.
-
-    With specs: those its spec shards it along (minus any it is, by type, invariant
-    along); without: those it varies along (all of ``axes`` where JAX does not
-    track it, as under ``pmap``).
-    """
-    if not axes:
-        return ()
-    if not has_specs:
-        return varying_axes(x, axes)
-    wanted = sharded_axes(spec, axes)
-    return varying_axes(x, wanted) if wanted else ()
 
 
 class Accumulator:

@@ -28,9 +28,9 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from jvitals.gradients import flat_specs, reduction_axes
+from jvitals.gradients import flat_specs
 from jvitals.roles import Roles, path_str
-from jvitals.stats import check_axes, psum_over
+from jvitals.stats import check_axes, psum_over, reduction_axes
 
 __all__ = ["MoEWindowState", "moe_metrics", "moe_window_init", "moe_window_update"]
 

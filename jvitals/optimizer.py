@@ -38,9 +38,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jvitals.gradients import Accumulator, flat_specs, reduction_axes
+from jvitals.gradients import Accumulator, flat_specs
 from jvitals.roles import path_str
-from jvitals.stats import Summary, check_axes, psum_over, summarize
+from jvitals.stats import Summary, check_axes, psum_over, reduction_axes, summarize
 
 __all__ = ["NU_BINS", "log_histogram", "histogram_quantile", "optimizer_metrics"]
 

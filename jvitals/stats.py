@@ -37,6 +37,7 @@ __all__ = [
     "summarize_max",
     "summarize_sumsq",
     "reduce",
+    "reduction_axes",
     "bound_axes",
     "check_axes",
     "make_varying",
@@ -416,6 +417,16 @@ def sharded_axes(spec: PartitionSpec | None, axes: Sequence[str]) -> tuple[str, 
         else:
             named.add(entry)
     return tuple(a for a in axes if a in named)
+
+
+def reduction_axes(x: jax.Array, axes: tuple[str, ...], spec: Any, has_specs: bool) -> tuple[str, ...]:
+    """The axes of ``axes`` a summary of the leaf ``x`` must be reduced over.
+
+    With specs (``has_specs``): those ``spec`` shards it along (``None``:
+    replicated), less any it is, by type, invariant along; without: those it
+    varies along (all of ``axes`` where JAX does not track it, as under ``pmap``).
+    """
+    return _reduce_axes([x], tuple(axes), spec if has_specs else _NO_SPEC)
 
 
 def _reduce_axes(leaves: Sequence[jax.Array], axes: tuple[str, ...], spec: Any) -> tuple[str, ...]:
