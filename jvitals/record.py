@@ -49,6 +49,7 @@ Placement:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, Mapping, NamedTuple, Sequence
 
 import jax
@@ -232,15 +233,14 @@ def _replicated(m: dict[str, jax.Array], axes: tuple[str, ...]) -> dict[str, jax
     """
     if not axes:
         return m
-    keys = [k for k, v in m.items() if _stats.varying_axes(v, axes) and _stats._manual_varying(v)]
+    # Axes each figure is typed as varying along (empty where JAX tracks nothing).
+    along = {k: (_stats._manual_varying(v) or frozenset()) & set(axes) for k, v in m.items()}
+    keys = [k for k in m if along[k]]
     if not keys:
         return m
-    red = tuple(a for a in axes if any(a in _stats._manual_varying(m[k]) for k in keys))
+    red = tuple(a for a in axes if any(a in along[k] for k in keys))
     vec = jnp.stack([_stats.make_varying(m[k].astype(jnp.float32), red) for k in keys])
-    size = 1
-    for a in red:
-        size *= lax.axis_size(a)
-    vec = lax.psum(vec, red) / size
+    vec = lax.psum(vec, red) / math.prod(lax.axis_size(a) for a in red)
     return {**m, **{k: vec[i] for i, k in enumerate(keys)}}
 
 
