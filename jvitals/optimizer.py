@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec
 
 from jvitals.gradients import Accumulator, flat_specs
 from jvitals.roles import path_str
-from jvitals.stats import Summary, check_axes, psum_over, reduction_axes, summarize
+from jvitals.stats import Summary, check_axes, psum_over, reduction_axes, summarize_max
 
 __all__ = ["NU_BINS", "log_histogram", "histogram_quantile", "optimizer_metrics"]
 
@@ -66,35 +66,40 @@ def _is_loss_scale_obj(x: Any) -> bool:
     return type(x).__name__ in ("DynamicScale", "DynamicLossScale", "StaticLossScale")
 
 
-_HIST_CHUNK = 1 << 20  # elements binned at a time: bounds the scatter's index buffer
+_HIST_CHUNK = 1 << 16  # elements binned at a time: bounds the scatter's index buffer (256 KiB)
 
 
-def log_histogram(x: jax.Array) -> jax.Array:
+def log_histogram(x: jax.Array, hist: jax.Array | None = None) -> jax.Array:
     """Counts of ``|x|`` per float32 top-16-bit bin (``NU_BINS`` int32); non-finite skipped.
 
+    ``hist``: counts to add to (``log_histogram(b, log_histogram(a))`` counts
+    both; one buffer for many leaves). Default: zeros.
+
     ``bin(v) = bits(|v|) >> 16``. Large leaves are binned ``_HIST_CHUNK``
-    elements at a time (a ``lax.scan``), so the scatter never holds more than one
-    chunk of indices; non-finite values are binned at 0 and subtracted there.
+    elements at a time (a ``lax.scan`` over the whole chunks, then the
+    remainder; nothing is padded or copied), so the scatter never holds more
+    than one chunk of indices; non-finite values are binned at 0 and subtracted
+    there.
     """
-    xf = jnp.abs(jnp.asarray(x).astype(_F32)).ravel()
+    xf = jnp.asarray(x).ravel()
     n = xf.shape[0]
-    chunk = min(n, _HIST_CHUNK)
-    pad = (-n) % chunk if chunk else 0
-    if pad:
-        xf = jnp.concatenate([xf, jnp.full([pad], jnp.nan, _F32)])
 
     def add(hist: jax.Array, part: jax.Array) -> tuple[jax.Array, None]:
+        part = jnp.abs(part.astype(_F32))
         finite = jnp.isfinite(part)
         bits = lax.bitcast_convert_type(jnp.where(finite, part, 0.0), jnp.uint32) >> 16
         hist = hist.at[bits.astype(jnp.int32)].add(1)
         return hist.at[0].add(-jnp.sum(~finite, dtype=jnp.int32)), None
 
-    hist = jnp.zeros([NU_BINS], jnp.int32)
-    if chunk == 0:
-        return hist
-    if xf.shape[0] == chunk:
+    hist = jnp.zeros([NU_BINS], jnp.int32) if hist is None else hist
+    whole = (n // _HIST_CHUNK) * _HIST_CHUNK
+    if whole == n == _HIST_CHUNK or 0 < n < _HIST_CHUNK:
         return add(hist, xf)[0]
-    return lax.scan(add, hist, xf.reshape(-1, chunk))[0]
+    if whole:
+        hist = lax.scan(add, hist, lax.slice(xf, (0,), (whole,)).reshape(-1, _HIST_CHUNK))[0]
+    if whole < n:
+        hist = add(hist, lax.slice(xf, (whole,), (n,)))[0]
+    return hist
 
 
 def _bin_value(b: jax.Array) -> jax.Array:
@@ -162,9 +167,8 @@ def optimizer_metrics(opt_state: Any, *, specs: Any = None, axes: Sequence[str] 
             sp = flat_specs(nu, specs, "Adam nu (the params' structure)")
             for i, x in enumerate(leaves):
                 red = reduction_axes(x, axes, sp[i] if sp is not None else None, sp is not None)
-                acc.add(red, "nu", summarize(jnp.abs(x)))
-                h = log_histogram(x)
-                hists[red] = hists[red] + h if red in hists else h
+                acc.add(red, "nu", summarize_max(x))  # nu >= 0: only its max and non-finite count
+                hists[red] = log_histogram(x, hists.get(red))  # one buffer, threaded through the leaves
         s = acc.result().get("nu", Summary.empty())
         hist = jnp.zeros([NU_BINS], _F32)
         for red, h in hists.items():

@@ -120,30 +120,57 @@ def vary_along(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(cast, tree)
 
 
-_CHUNK_ELEMENTS = 1 << 20  # logits elements per chunk (4 MiB of float32)
+# Logits per chunk when summarize_logits picks (chunk_elements=None): an eighth
+# of them, within [256 KiB, 4 MiB] of float32. Smaller chunks cost XLA:CPU one
+# loop iteration (~35 us) each; larger ones, temporaries of their size.
+_CHUNK_MIN, _CHUNK_MAX, _CHUNKS = 1 << 16, 1 << 20, 8
+
+
+def _row_stats_careful(x: jax.Array) -> tuple[jax.Array, ...]:
+    """:func:`_row_stats` for rows that may hold NaN or Inf (slower; exact for any values)."""
+    top1 = jnp.max(x, axis=-1)
+    t = top1[:, None]
+    n_top = jnp.sum(jnp.where(x == t, 1.0, 0.0), axis=-1)
+    below = jnp.max(jnp.where(x < t, x, -jnp.inf), axis=-1)
+    bad = ~jnp.isfinite(x)
+    xg = jnp.where(bad, 0.0, x)
+    return (top1, jnp.where(n_top >= 2, top1, below), jax.nn.logsumexp(x, axis=-1),
+            jnp.sum(xg, axis=-1), jnp.sum(xg * xg, axis=-1), jnp.max(jnp.abs(x), axis=-1),
+            jnp.sum(jnp.where(bad, 1.0, 0.0), axis=-1), jnp.argmax(x, axis=-1).astype(jnp.int32))
 
 
 def _row_stats(x: jax.Array) -> tuple[jax.Array, ...]:
-    """Per-row (last axis) reductions of ``[R, V]`` float32 logits; each ``[R]``."""
+    """Per-row (last axis) reductions of ``[R, V]`` float32 logits; each ``[R]``.
+
+    Returns ``(top1, top2, lse, sum, sumsq, abs_max, nonfinite, argmax)``:
+    ``argmax`` is the first index of ``top1``; ``top2 = max`` over every other
+    index -- what ``lax.top_k(x, 2)`` gives, so a tie gives ``top2 == top1``;
+    ``lse = top1 + log(sum exp(x - top1))``. Seven plain reductions (XLA:CPU's
+    own ``argmax`` is a variadic reduction ~8x slower than all of them together);
+    a non-finite row sum switches to :func:`_row_stats_careful` (a ``lax.cond``).
+    """
+    v = x.shape[-1]
     top1 = jnp.max(x, axis=-1)
     t = top1[:, None]
-    n_top = jnp.sum((x == t).astype(_F32), axis=-1)
-    below = jnp.max(jnp.where(x < t, x, -jnp.inf), axis=-1)
-    return (
-        top1,
-        n_top,
-        below,
-        jax.nn.logsumexp(x, axis=-1),
-        jnp.sum(x, axis=-1),
-        jnp.sum(x * x, axis=-1),
-        jnp.max(jnp.abs(x), axis=-1),
-        jnp.sum((~jnp.isfinite(x)).astype(_F32), axis=-1),
-        jnp.argmax(x, axis=-1).astype(jnp.int32),
-    )
+    # A float32 iota reduces faster than int32 on CPU; exact below 2^24.
+    iota = lax.broadcasted_iota(_F32 if v < (1 << 24) else jnp.int32, x.shape, 1)
+    first = jnp.min(jnp.where(x == t, iota, v), axis=-1)
+    top2 = jnp.max(jnp.where(iota == first[:, None], -jnp.inf, x), axis=-1)
+    lse = top1 + jnp.log(jnp.sum(jnp.exp(x - t), axis=-1))
+    r_sum = jnp.sum(x, axis=-1)
+    hot = (top1, top2, lse, r_sum, jnp.sum(x * x, axis=-1), jnp.max(jnp.abs(x), axis=-1),
+           r_sum * 0.0, first.astype(jnp.int32))
+    return lax.cond(jnp.all(jnp.isfinite(r_sum)), lambda _: hot, lambda _: _row_stats_careful(x), None)
 
 
 def _chunk_rows(rows: int, v: int, chunk_elements: int | None) -> int:
-    """Largest divisor of ``rows`` with ``chunk * v <= chunk_elements`` (>= 1)."""
+    """Largest divisor of ``rows`` with ``chunk * v <= chunk_elements`` (>= 1).
+
+    ``chunk_elements``: None picks ``clip(rows * v / 8, 2^16, 2^20)``; 0 means
+    one chunk of everything.
+    """
+    if chunk_elements is None:
+        chunk_elements = min(max(rows * v // _CHUNKS, _CHUNK_MIN), _CHUNK_MAX)
     if not chunk_elements or rows * v <= chunk_elements:
         return rows
     target = max(1, chunk_elements // max(v, 1))
@@ -151,7 +178,7 @@ def _chunk_rows(rows: int, v: int, chunk_elements: int | None) -> int:
 
 
 def summarize_logits(logits: jax.Array, mask: jax.Array | None = None, *,
-                     chunk_elements: int | None = _CHUNK_ELEMENTS) -> LogitsSummary:
+                     chunk_elements: int | None = None) -> LogitsSummary:
     """Reduce ``[..., V]`` logits to a :class:`LogitsSummary` (float32).
 
     Per position: ``top1 = max_v x``; a tie when ``top1`` occurs at least twice
@@ -167,7 +194,8 @@ def summarize_logits(logits: jax.Array, mask: jax.Array | None = None, *,
     Args:
       logits: ``[..., V]`` array of any float dtype (cast to float32 first).
       mask: optional boolean ``logits.shape[:-1]`` (``[B, T]``), True = valid.
-      chunk_elements: logits per chunk; None = one pass over everything.
+      chunk_elements: logits per chunk; None: an eighth of them, within
+        ``[2^16, 2^20]``; 0: one pass over everything.
 
     Returns:
       A :class:`LogitsSummary`.
@@ -194,10 +222,9 @@ def summarize_logits(logits: jax.Array, mask: jax.Array | None = None, *,
         stats = lax.map(lambda c: _row_stats(c.astype(_F32)), x2.reshape(rows // chunk, chunk, v))
     else:
         stats = _row_stats(x2.astype(_F32))
-    top1, n_top, below, lse, r_sum, r_sumsq, r_amax, r_bad, argmax = (
-        s.reshape(pos_shape) for s in stats)
-    tie = n_top >= 2
-    diff = top1 - jnp.where(tie, top1, below)
+    top1, top2, lse, r_sum, r_sumsq, r_amax, r_bad, argmax = (s.reshape(pos_shape) for s in stats)
+    tie = top2 == top1
+    diff = top1 - top2
     tie_f = jnp.where(jnp.isfinite(diff), tie.astype(_F32), jnp.nan)
     # The logits' Summary from per-row pieces: a row with a non-finite value makes
     # every statistic NaN through ``nonfinite``; its sums are left out.

@@ -141,13 +141,15 @@ def _finite_or_minus_inf(x: jax.Array) -> jax.Array:
 
 
 def _align_mask(mask: jax.Array, shape: tuple[int, ...], axis: int | None) -> jax.Array:
-    """Broadcast ``mask`` against an array of ``shape``.
+    """Reshape ``mask`` to the rank of an array of ``shape``, ready to broadcast.
 
     A mask of the same rank broadcasts by NumPy rules. A mask of lower rank is
     aligned with the *leading* axes of ``x`` (a ``[B, T]`` token mask against
     ``[B, T, D]`` activations); when ``axis`` is kept, it is first tried against
     the shape without that axis (a ``[B, T]`` mask against scan-stacked
-    ``[L, B, T, D]`` values).
+    ``[L, B, T, D]`` values). The result has size-1 axes where it broadcasts
+    (``jnp.broadcast_to(result, shape)`` is the full mask), so a count over it
+    need not read the broadcast (:func:`_broadcast_count`).
     """
     mshape = tuple(mask.shape)
 
@@ -156,15 +158,14 @@ def _align_mask(mask: jax.Array, shape: tuple[int, ...], axis: int | None) -> ja
 
     if len(mshape) == len(shape):
         if all(m in (1, s) for m, s in zip(mshape, shape)):
-            return jnp.broadcast_to(mask, shape)
+            return mask
     elif len(mshape) < len(shape):
         if axis is not None:
             without = shape[:axis] + shape[axis + 1:]
             if fits(without):
-                m = mask.reshape(mshape + (1,) * (len(without) - len(mshape)))
-                return jnp.broadcast_to(jnp.expand_dims(m, axis), shape)
+                return jnp.expand_dims(mask.reshape(mshape + (1,) * (len(without) - len(mshape))), axis)
         if fits(shape):
-            return jnp.broadcast_to(mask.reshape(mshape + (1,) * (len(shape) - len(mshape))), shape)
+            return mask.reshape(mshape + (1,) * (len(shape) - len(mshape)))
     hint = f" (or, with axis={axis}, those of the shape without that axis)" if axis is not None else ""
     raise ValueError(
         f"mask of shape {mshape} does not broadcast against x of shape {shape}: a mask "
@@ -215,23 +216,49 @@ def summarize(x: jax.Array, mask: jax.Array | None = None, *, axis: int | None =
     shape = tuple(x.shape)
     red, axis = _reduced_axes(shape, axis)
     xf = x.astype(_F32)
-    finite = jnp.isfinite(xf)
-    if mask is None:
-        valid = jnp.ones(shape, bool)
-    else:
-        valid = _align_mask(jnp.asarray(mask, bool), shape, axis)
-    good = valid & finite
-    xz = jnp.where(good, xf, 0.0)
-    count = jnp.sum(valid, axis=red, dtype=_F32)
-    nonfinite = jnp.sum(valid & ~finite, axis=red, dtype=_F32)
+    count, valid = _count_and_valid(mask, shape, red, axis)
+    # Hot path: three plain reductions XLA can fuse with their producers. A NaN
+    # or Inf among the valid elements makes the sum of squares non-finite (a sum
+    # keeps NaN through any cross-device all-reduce, which a max may not), so it
+    # says whether there is one; only then (a lax.cond) are they counted and left
+    # out of the sums, which costs nothing on healthy steps.
+    xz = xf if valid is None else jnp.where(valid, xf, 0.0)
     amax = jnp.max(jnp.abs(xz), axis=red, initial=0.0)
+    sumsq = jnp.sum(xz * xz, axis=red)
+    hot = (jnp.sum(xz, axis=red), sumsq, sumsq * 0.0)
+
+    def careful(_: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+        finite = jnp.isfinite(xf)
+        good = finite if valid is None else valid & finite
+        bad = ~finite if valid is None else valid & ~finite
+        xg = jnp.where(good, xf, 0.0)
+        vary = jnp.where(sumsq == sumsq, 0.0, 0.0)  # 0, varying where sumsq is (shard_map); not sumsq*0
+        return (jnp.sum(xg, axis=red) + vary, jnp.sum(xg * xg, axis=red) + vary,
+                jnp.sum(bad, axis=red, dtype=_F32) + vary)
+
+    total, sumsq, nonfinite = lax.cond(jnp.all(jnp.isfinite(sumsq)), lambda _: hot, careful, None)
     return Summary(
         count=count,
-        sum=jnp.sum(xz, axis=red),
-        sumsq=jnp.sum(xz * xz, axis=red),
+        sum=total,
+        sumsq=sumsq,
         abs_max=_nan_rule(amax, count, nonfinite),
         nonfinite=nonfinite,
     )
+
+
+def _count_and_valid(mask: jax.Array | None, shape: tuple[int, ...], red: tuple[int, ...] | None,
+                     axis: int | None) -> tuple[jax.Array, jax.Array | None]:
+    """The number of valid elements per kept entry, and the broadcast mask (None: all valid).
+
+    The count is taken over the mask at its own size (times the broadcast
+    factor), never over its broadcast to ``shape``.
+    """
+    dims = tuple(range(len(shape))) if red is None else red
+    if mask is None:
+        n = float(np.prod([shape[d] for d in dims]))
+        return jnp.full(() if axis is None else (shape[axis],), n, _F32), None
+    m = _align_mask(jnp.asarray(mask, bool), shape, axis)
+    return _broadcast_count(m, shape, red, axis), jnp.broadcast_to(m, shape)
 
 
 def summarize_sumsq(x: jax.Array) -> Summary:
@@ -263,15 +290,14 @@ def summarize_sumsq(x: jax.Array) -> Summary:
 
 
 def _broadcast_count(mask: jax.Array, shape: tuple[int, ...], red: tuple[int, ...] | None,
-                     axis: int | None) -> jax.Array | None:
+                     axis: int | None) -> jax.Array:
     """``sum(broadcast_to(mask, shape))`` over ``red`` without reading the broadcast.
 
-    A same-rank mask with size-1 axes (``[B, 1, T, T]`` against ``[B, H, T, T]``
-    scores) is summed at its own size and multiplied by the broadcast factor.
-    None if ``mask`` does not broadcast that way (the caller sums the full mask).
+    ``mask`` has the rank of ``shape`` with size-1 axes where it broadcasts (as
+    :func:`_align_mask` returns it: ``[B, T, 1]`` against ``[B, T, D]``,
+    ``[B, 1, T, T]`` against ``[B, H, T, T]`` scores); it is summed at its own
+    size and multiplied by the broadcast factor.
     """
-    if any(m not in (1, s) for m, s in zip(mask.shape, shape)):
-        return None
     dims = tuple(range(len(shape))) if red is None else red
     factor = float(np.prod([shape[d] for d in dims if mask.shape[d] == 1 and shape[d] > 1]))
     count = jnp.sum(mask, axis=dims, dtype=_F32) * factor
@@ -299,19 +325,13 @@ def summarize_max(x: jax.Array, mask: jax.Array | None = None, *, axis: int | No
     shape = tuple(x.shape)
     red, axis = _reduced_axes(shape, axis)
     xf = x.astype(_F32)
-    if mask is None:
-        a = jnp.abs(xf)
-        n = float(np.prod([shape[i] for i in (red if red is not None else range(len(shape)))]))
-        count = jnp.full(() if axis is None else (shape[axis],), n, _F32)
-        valid = None
-    else:
-        mask = jnp.asarray(mask, bool)
-        valid = _align_mask(mask, shape, axis)
-        a = jnp.where(valid, jnp.abs(xf), 0.0)
-        count = _broadcast_count(mask, shape, red, axis) if mask.ndim == len(shape) else None
-        if count is None:
-            count = jnp.sum(valid, axis=red, dtype=_F32)
-    amax = jnp.max(a, axis=red, initial=0.0)  # NaN and Inf propagate
+    count, valid = _count_and_valid(mask, shape, red, axis)
+    # NaN counts as +inf in the maximum: a cross-device max (GSPMD's all-reduce)
+    # may drop a NaN, never an inf. Any non-finite maximum then counts them.
+    a = jnp.where(jnp.isnan(xf), jnp.inf, jnp.abs(xf))
+    if valid is not None:
+        a = jnp.where(valid, a, 0.0)
+    amax = jnp.max(a, axis=red, initial=0.0)
 
     def count_bad(_: Any) -> jax.Array:
         bad = ~jnp.isfinite(xf) if valid is None else valid & ~jnp.isfinite(xf)

@@ -76,10 +76,34 @@ def test_logits_summary_against_numpy():
     np.testing.assert_allclose(ls.lse_max, lse.max(), rtol=1e-6)
     assert ls.argmax.shape == mask.shape and ls.argmax.dtype == jnp.int32
     chunked = probes.summarize_logits(logits, mask, chunk_elements=3 * 16)  # 8 chunks of 3 rows
-    for a, b in zip(jax.tree.leaves(chunked), jax.tree.leaves(ls)):
+    whole = probes.summarize_logits(logits, mask, chunk_elements=0)  # one pass
+    for a, b, c in zip(jax.tree.leaves(chunked), jax.tree.leaves(ls), jax.tree.leaves(whole)):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+        np.testing.assert_allclose(c, b, rtol=1e-6)
+    assert probes._chunk_rows(1024, 2048, None) == 128  # an eighth of 2M logits
+    assert probes._chunk_rows(8, 512, None) == 8 and probes._chunk_rows(4096, 4096, None) == 256
     with pytest.raises(ValueError, match=r"mask must have their leading shape \(4, 6\), got \(4, 5\)"):
         probes.summarize_logits(logits, mask[:, :5])
+
+
+def test_logits_summary_ties_and_argmax_against_top_k():
+    """Coarse logits (many ties): argmax is NumPy's first index, top-2 is lax.top_k's."""
+    rng = np.random.default_rng(11)
+    logits = np.round(rng.normal(size=(4, 6, 9)), 0).astype(np.float32)
+    mask = rng.random((4, 6)) > 0.2
+    ls = probes.summarize_logits(jnp.asarray(logits), jnp.asarray(mask))
+    np.testing.assert_array_equal(ls.argmax, np.argmax(logits, -1))
+    top = np.asarray(jax.lax.top_k(jnp.asarray(logits), 2)[0])[mask]
+    assert np.any(top[:, 0] == top[:, 1])  # ties do occur here
+    np.testing.assert_allclose(ls.top2_diff.mean, np.mean(top[:, 0] - top[:, 1]), rtol=1e-6)
+    np.testing.assert_allclose(ls.top2_tie.mean, np.mean(top[:, 0] == top[:, 1]), rtol=1e-6)
+    # A NaN in a masked-out position takes the careful path: the same figures.
+    poisoned = logits.copy()
+    poisoned[~mask] = np.nan
+    careful = probes.summarize_logits(jnp.asarray(poisoned), jnp.asarray(mask))
+    np.testing.assert_array_equal(np.asarray(careful.argmax)[mask], np.asarray(ls.argmax)[mask])
+    for a, b in zip(jax.tree.leaves(careful.replace(argmax=ls.argmax)), jax.tree.leaves(ls)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
 def test_logits_summary_nonfinite_is_nan():

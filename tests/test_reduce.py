@@ -196,6 +196,25 @@ def test_nan_on_one_shard_is_not_lost_by_pmax():
     assert np.isnan(float(s.abs_max)) and np.isnan(float(s.rms)) and np.isnan(float(s.mean))
 
 
+@pytest.mark.parametrize("which", ["summarize", "summarize_max"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nonfinite_on_a_late_shard_under_gspmd(which, bad):
+    """jit over NamedSharding arrays: the partitioner's all-reduce max may drop a NaN."""
+    mesh = mesh_of("8")
+    x = np.ones((8, 4), np.float32)
+    x[6, 1] = bad
+    x[7, 3] = -bad
+    mask = np.ones((8,), bool)
+    mask[7] = False  # a non-finite value in padding counts nowhere
+    fn = getattr(vitals.stats, which)
+    s = jax.jit(lambda a, m: fn(a, m))(put(mesh, x, P("data")), put(mesh, mask, P("data")))
+    assert float(s.nonfinite) == 1 and float(s.count) == 28
+    assert np.isnan(float(s.abs_max))
+    healthy = jax.jit(lambda a, m: fn(a, m))(put(mesh, np.where(np.isfinite(x), x, 2.0), P("data")),
+                                             put(mesh, mask, P("data")))
+    assert float(healthy.nonfinite) == 0 and float(healthy.abs_max) == 2.0
+
+
 def test_empty_shards_and_empty_everywhere():
     mesh = mesh_of("8")
     x = np.random.default_rng(7).normal(size=(8, 4)).astype(np.float32)
