@@ -197,11 +197,11 @@ class NaiveLogger:
     def __init__(self, cfg: rm.ModelConfig):
         self.cfg = dataclasses.replace(cfg, use_probes=False)
         cfg_raw = self.cfg
-        self.norm = jax.jit(optax.global_norm)
+        self.norm = jax.jit(optax.tree.norm)
         self.nonfinite = jax.jit(lambda t: sum(jnp.sum(~jnp.isfinite(x)) for x in jax.tree.leaves(t)))
         self.abs_max = jax.jit(lambda x: jnp.max(jnp.abs(x)))
         self.rms = jax.jit(lambda x: jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32)))))
-        self.stacked_norm = jax.jit(lambda t, i: optax.global_norm(jax.tree.map(lambda x: x[i], t)))
+        self.stacked_norm = jax.jit(lambda t, i: optax.tree.norm(jax.tree.map(lambda x: x[i], t)))
         self.stacked_abs_max = jax.jit(lambda x, i: jnp.max(jnp.abs(x[i])))
         self.stacked_rms = jax.jit(lambda x, i: jnp.sqrt(jnp.mean(jnp.square(x[i]))))
         self.nu_max = jax.jit(lambda nu: jnp.max(jnp.stack([jnp.max(x) for x in jax.tree.leaves(nu)])))

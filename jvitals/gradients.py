@@ -224,6 +224,7 @@ class _TreeStats:
         infos = assign_roles(tree, roles) if (by_layer or by_role) else None
         sp = flat_specs(tree, specs, what)
         acc = Accumulator()
+        norm_leaves: dict[tuple[str, ...], list[Any]] = {}
         self.stack_first: dict[str, int] = {}
         o_sizes: dict[str, int] = {}
         if by_role and any(lr.role == "qkv" for lr in infos):
@@ -235,8 +236,8 @@ class _TreeStats:
                 continue
             spec = sp[i] if sp is not None else None
             red = reduction_axes(x, axes, spec, sp is not None)
-            if infos is None:  # the global norm only: one reduction per leaf
-                acc.add(red, "all", summarize_sumsq(x))
+            if infos is None:  # the global norm only: one reduction per leaf, one cond per group
+                norm_leaves.setdefault(red, []).append(x)
                 continue
             lr = infos[i]
             if by_role and lr.role == "qkv":
@@ -264,6 +265,8 @@ class _TreeStats:
                         acc.add(red, ("role_stack", name, lr.stack), s)
                     elif by_layer and lr.layer is not None:
                         acc.add(red, ("role_layer", name, lr.layer), s)
+        for red, xs in norm_leaves.items():
+            acc.add(red, "all", summarize_sumsq(xs))
         res = acc.result()
         self.all: Summary = res.get("all", Summary.empty())
         self.layers: dict[int, Summary] = {}

@@ -159,7 +159,7 @@ def _row_stats(x: jax.Array) -> tuple[jax.Array, ...]:
     lse = top1 + jnp.log(jnp.sum(jnp.exp(x - t), axis=-1))
     r_sum = jnp.sum(x, axis=-1)
     hot = (top1, top2, lse, r_sum, jnp.sum(x * x, axis=-1), jnp.max(jnp.abs(x), axis=-1),
-           r_sum * 0.0, first.astype(jnp.int32))
+           jnp.zeros_like(r_sum), first.astype(jnp.int32))
     return lax.cond(jnp.all(jnp.isfinite(r_sum)), lambda _: hot, lambda _: _row_stats_careful(x), None)
 
 

@@ -22,6 +22,7 @@ tokens is ``psum(sum) / psum(count)``, never ``pmean(local_mean)``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable, Sequence
 
 import jax
@@ -225,14 +226,14 @@ def summarize(x: jax.Array, mask: jax.Array | None = None, *, axis: int | None =
     xz = xf if valid is None else jnp.where(valid, xf, 0.0)
     amax = jnp.max(jnp.abs(xz), axis=red, initial=0.0)
     sumsq = jnp.sum(xz * xz, axis=red)
-    hot = (jnp.sum(xz, axis=red), sumsq, sumsq * 0.0)
+    hot = (jnp.sum(xz, axis=red), sumsq, jnp.zeros_like(sumsq))
 
     def careful(_: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
         finite = jnp.isfinite(xf)
         good = finite if valid is None else valid & finite
         bad = ~finite if valid is None else valid & ~finite
         xg = jnp.where(good, xf, 0.0)
-        vary = jnp.where(sumsq == sumsq, 0.0, 0.0)  # 0, varying where sumsq is (shard_map); not sumsq*0
+        vary = jnp.zeros_like(sumsq)  # typed varying where sumsq is (shard_map)
         return (jnp.sum(xg, axis=red) + vary, jnp.sum(xg * xg, axis=red) + vary,
                 jnp.sum(bad, axis=red, dtype=_F32) + vary)
 
@@ -261,31 +262,34 @@ def _count_and_valid(mask: jax.Array | None, shape: tuple[int, ...], red: tuple[
     return _broadcast_count(m, shape, red, axis), jnp.broadcast_to(m, shape)
 
 
-def summarize_sumsq(x: jax.Array) -> Summary:
+def summarize_sumsq(x: jax.Array | Sequence[jax.Array]) -> Summary:
     """A :class:`Summary` that measures only ``count``, ``sumsq`` and ``nonfinite``.
 
     For L2 norms over whole trees (the every-step global gradient/parameter/update
-    norms): one reduction, ``sum(x^2)`` in float32, instead of
-    :func:`summarize`'s five; a non-finite element makes it non-finite, and only
-    then are the non-finite elements counted (a ``lax.cond``). ``sum`` and
-    ``abs_max`` are NaN — not measured. ``norm`` is right; so is ``rms``.
+    norms): one reduction per array, ``sum(x^2)`` in float32, instead of
+    :func:`summarize`'s three; a non-finite element makes the total non-finite,
+    and only then are the non-finite elements counted (one ``lax.cond`` for all
+    the arrays). ``sum`` and ``abs_max`` are NaN — not measured. ``norm`` is
+    right; so is ``rms``.
 
     Args:
-      x: any array.
+      x: an array, or a list/tuple of arrays summarised together (the leaves of
+        a tree).
 
     Returns:
       A :class:`Summary` whose ``sum``/``abs_max`` are NaN.
     """
-    xf = jnp.asarray(x).astype(_F32)
-    sumsq = jnp.sum(xf * xf)
+    xs = [jnp.asarray(a).astype(_F32) for a in (x if isinstance(x, (list, tuple)) else [x])]
+    sumsq = functools.reduce(jnp.add, [jnp.sum(a * a) for a in xs], jnp.zeros((), _F32))
 
     def count_bad(_: Any) -> jax.Array:
-        return jnp.sum(~jnp.isfinite(xf), dtype=_F32)
+        bad = [jnp.sum(~jnp.isfinite(a), dtype=_F32) for a in xs]
+        return functools.reduce(jnp.add, bad, jnp.zeros_like(sumsq))
 
-    # `sumsq * 0` (not a constant) keeps the branch's type varying where sumsq is.
-    nonfinite = lax.cond(jnp.isfinite(sumsq), lambda _: sumsq * 0.0, count_bad, None)
+    # zeros_like (not a constant) keeps the branch's type varying where sumsq is.
+    nonfinite = lax.cond(jnp.isfinite(sumsq), lambda _: jnp.zeros_like(sumsq), count_bad, None)
     nan = jnp.full((), jnp.nan, _F32)
-    return Summary(count=jnp.full((), float(xf.size), _F32), sum=nan,
+    return Summary(count=jnp.full((), float(sum(a.size for a in xs)), _F32), sum=nan,
                    sumsq=jnp.where(nonfinite > 0, 0.0, sumsq), abs_max=nan, nonfinite=nonfinite)
 
 
@@ -337,7 +341,7 @@ def summarize_max(x: jax.Array, mask: jax.Array | None = None, *, axis: int | No
         bad = ~jnp.isfinite(xf) if valid is None else valid & ~jnp.isfinite(xf)
         return jnp.sum(bad, axis=red, dtype=_F32)
 
-    nonfinite = lax.cond(jnp.all(jnp.isfinite(amax)), lambda _: amax * 0.0, count_bad, None)
+    nonfinite = lax.cond(jnp.all(jnp.isfinite(amax)), lambda _: jnp.zeros_like(amax), count_bad, None)
     nan = jnp.full_like(amax, jnp.nan)
     return Summary(count=count, sum=nan, sumsq=nan, abs_max=_nan_rule(amax, count, nonfinite),
                    nonfinite=nonfinite)

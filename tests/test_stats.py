@@ -6,6 +6,7 @@ import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -248,3 +249,13 @@ def test_summarize_sumsq_gives_the_norm_and_counts_nonfinite_only_when_needed():
     x[2, 3], x[4, 4] = np.nan, -np.inf
     s = jax.jit(vitals.stats.summarize_sumsq)(x)
     assert float(s.nonfinite) == 2 and np.isnan(float(s.norm))
+    # A list of arrays is summarised together (one tree's leaves), as by optax.
+    parts = [x[:3], jnp.asarray(x[3:], jnp.bfloat16), np.ones((5,), np.float32)]
+    many = jax.jit(vitals.stats.summarize_sumsq)(parts)
+    assert float(many.nonfinite) == 2 and float(many.count) == x.size + 5 and np.isnan(float(many.norm))
+    parts[0] = np.nan_to_num(x[:3], posinf=0.0, neginf=0.0, nan=0.0)
+    parts[1] = np.nan_to_num(x[3:], posinf=0.0, neginf=0.0, nan=0.0)
+    many = jax.jit(vitals.stats.summarize_sumsq)(parts)
+    np.testing.assert_allclose(float(many.norm), float(optax.tree.norm([jnp.asarray(p) for p in parts])),
+                               rtol=1e-6)
+    assert float(many.nonfinite) == 0
