@@ -10,9 +10,10 @@ Four variants of one training step (same model, data and optimizer,
 - **(b) all, every step**: ``record(clip, every={'global': 1, 'layers': 1})``,
   the model's probes (``use_probes=True``: logits, MTP logits, attention logits,
   hidden states, attention outputs, gate scores), ``activation_metrics``,
-  ``moe_metrics`` (MoE configs) and ``optimizer_metrics``, all returned from the
-  step as one dict (the host reads it only at the end, as a loop with a
-  cadence would).
+  ``moe_metrics`` (MoE configs) and ``optimizer_metrics``, returned from the
+  step as one dict; the recorder's figures stay in the optimizer state (one
+  packed vector), where the host reads them (``vitals.recorded(opt_state)``),
+  as a loop with a cadence would, only at the end.
 - **(c) default cadence** (METRICS.md §5): the recorder at its default
   cadence (``record(clip)``: global figures every step, per-layer families every
   50 updates in a ``lax.cond``) and ``moe_metrics`` every step; activation
@@ -176,7 +177,8 @@ def make_vitals_step(cfg: rm.ModelConfig, tx: optax.GradientTransformation, *, p
             metrics.update(vitals.moe_metrics(inter, expert_bias=state.params, top_k=cfg.top_k))
         if optimizer:
             metrics.update(vitals.optimizer_metrics(opt_state))
-        metrics.update(vitals.recorded(opt_state))
+        # The recorder's figures stay in opt_state (one packed buffer); the host
+        # reads them with vitals.recorded(state.opt_state) at its cadence.
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return step

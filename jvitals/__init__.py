@@ -21,7 +21,7 @@ from jvitals.probes import (
     sow_summary,
     summarize_logits,
 )
-from jvitals.record import RecordState, record, recorded, recorded_steps
+from jvitals.record import PackedMetrics, RecordState, record, recorded, recorded_steps
 from jvitals.lr_scale import get_lr_scale, set_lr_scale, with_lr_scale
 from jvitals.rollback import (
     Action,
@@ -79,6 +79,7 @@ __all__ = [
     "mtp_metrics",
     "optimizer_metrics",
     "perturb_values",
+    "PackedMetrics",
     "record",
     "recorded",
     "recorded_steps",

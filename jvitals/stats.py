@@ -186,12 +186,15 @@ def _reduced_axes(shape: tuple[int, ...], axis: int | None) -> tuple[tuple[int, 
 
 
 def summarize(x: jax.Array, mask: jax.Array | None = None, *, axis: int | None = None) -> Summary:
-    """Summarise ``x`` in one fused pass, in float32.
+    """Summarise ``x`` in float32: three reductions on a healthy tensor.
 
     ``count = sum(mask)``, ``sum = sum(where(mask & finite, x, 0))``,
     ``sumsq = sum(where(mask & finite, x, 0)^2)``, ``abs_max = max(mask * |x|)``,
     ``nonfinite = sum(mask & ~isfinite(x))``. ``x`` is cast to float32 before any
     arithmetic, so bf16/fp16 inputs give the figures of their float32 upcast.
+    The count is taken over the mask at its own size; ``nonfinite`` and the
+    finite-only sums are computed (a ``lax.cond``) only when ``sumsq`` comes out
+    non-finite, so a healthy tensor costs ``sum``, ``sumsq`` and ``max``.
 
     Args:
       x: any array (any float or integer dtype).

@@ -308,3 +308,28 @@ def test_two_recorders_with_the_same_names_are_an_error():
     state = tx.init(params)
     with pytest.raises(ValueError, match="two recorders"):
         vitals.recorded(state)
+
+
+def test_packed_metrics_reads_as_a_flat_dict_and_is_one_leaf():
+    params = {"dense": {"kernel": jnp.ones((3, 2)), "bias": jnp.zeros((2,))}}
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 2.0), params)
+    tx = optax.chain(vitals.record(optax.clip_by_global_norm(1.0)), optax.sgd(0.1))
+    state = tx.init(params)
+    _, state = jax.jit(tx.update)(grads, state, params)
+    rec = state[0]
+    assert isinstance(rec.metrics, vitals.PackedMetrics)
+    assert len(jax.tree.leaves(rec.metrics)) == 1 and rec.metrics.vector.shape == (len(rec.metrics),)
+    want = float(optax.tree.norm(grads))
+    on_device = vitals.recorded(state)
+    on_host = vitals.recorded(jax.device_get(state))  # NumPy-backed after device_get
+    for got in (on_device, on_host, dict(rec.metrics), {**rec.metrics}):
+        np.testing.assert_allclose(float(got["grad/global_norm"]), want, rtol=1e-6)
+        assert set(got) == set(rec.metrics.names)
+    np.testing.assert_allclose(float(optax.tree.get(state, "grad/global_norm_post_clip")), 1.0, rtol=1e-6)
+    assert "grad/clip_ratio" in rec.metrics and "nope" not in rec.metrics and rec.metrics.get("nope") is None
+    # Abstract and spec trees keep the structure (what orbax and sharding code build).
+    shapes = jax.eval_shape(lambda s: s, state)
+    assert shapes[0].metrics["grad/global_norm"].shape == ()
+    specs = jax.tree.map(lambda _: jax.sharding.PartitionSpec(), state)
+    assert jax.tree.structure(specs) == jax.tree.structure(state)
+    assert jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(rec)[0][1][0]) == ".metrics.vector"
