@@ -28,9 +28,8 @@ Families and their cadence (``every``, in optimizer updates):
 
 On a step where a family is not due, its figures keep their previous values and
 cost nothing: the choice is a ``lax.cond``/``lax.switch`` on the step counter, so
-only the branch taken runs. With the default cadence the global figures are
-computed outside the conditional, where XLA shares the pre-clip sum of squares
-with a following clip's own; the per-layer pass runs inside it. The post-clip/update norm is
+only the branch taken runs, and each update makes one pass over the gradients
+(the per-layer pass also gives the global figures). The post-clip/update norm is
 one more pass over the wrapped transform's outputs, made outside any conditional
 (a conditional would force XLA to materialise those outputs) and kept only when
 the pre-clip figures are fresh. ``RecordState.last_step`` records, per family, the update at
@@ -282,16 +281,12 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
                                                     axes=axes))
 
         # Only the gradients and params enter a conditional (never the inner
-        # transform's outputs, which XLA would then have to materialise).
+        # transform's outputs, which XLA would then have to materialise), and
+        # each update makes exactly one pass over them.
         if cadence["layers"] == 1:
             vec = heavy(None)
         elif cadence["global"] == 1:
-            # The global figures outside the conditional, where XLA can share the
-            # pre-clip sum of squares with the clip's own; the layers family in it.
-            g = _global(updates, params)
-            vec = fill(g)
-            at = jnp.array([index[k] for k in g if k in index])
-            vec = lax.cond(due["layers"], lambda _: heavy(None).at[at].set(vec[at]), lambda _: vec, None)
+            vec = lax.cond(due["layers"], heavy, light, None)
         else:
             which = jnp.where(due["layers"], 2, jnp.where(due["global"], 1, 0))
             vec = lax.switch(which, (keep, light, heavy), None)
