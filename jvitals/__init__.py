@@ -21,7 +21,8 @@ from jvitals.probes import (
     sow_summary,
     summarize_logits,
 )
-from jvitals.record import PackedMetrics, RecordState, record, recorded, recorded_steps
+from jvitals.packed import PackedMetrics
+from jvitals.record import RecordState, record, recorded, recorded_steps
 from jvitals.lr_scale import get_lr_scale, set_lr_scale, with_lr_scale
 from jvitals.rollback import (
     Action,
