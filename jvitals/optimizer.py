@@ -66,7 +66,10 @@ def _is_loss_scale_obj(x: Any) -> bool:
     return type(x).__name__ in ("DynamicScale", "DynamicLossScale", "StaticLossScale")
 
 
-_HIST_CHUNK = 1 << 16  # elements binned at a time: bounds the scatter's index buffer (256 KiB)
+_HIST_CHUNK = 1 << 18  # elements binned at a time: bounds the scatter's index buffer (1 MiB)
+
+
+_NONFINITE_BIN = 0x7F80  # bits(+inf) >> 16: every bin from here up holds only Inf/NaN
 
 
 def log_histogram(x: jax.Array, hist: jax.Array | None = None) -> jax.Array:
@@ -75,31 +78,30 @@ def log_histogram(x: jax.Array, hist: jax.Array | None = None) -> jax.Array:
     ``hist``: counts to add to (``log_histogram(b, log_histogram(a))`` counts
     both; one buffer for many leaves). Default: zeros.
 
-    ``bin(v) = bits(|v|) >> 16``. Large leaves are binned ``_HIST_CHUNK``
-    elements at a time (a ``lax.scan`` over the whole chunks, then the
-    remainder; nothing is padded or copied), so the scatter never holds more
-    than one chunk of indices; non-finite values are binned at 0 and subtracted
-    there.
+    ``bin(v) = bits(|v|) >> 16``. Inf and NaN land in the top 128 bins (from
+    ``bits(+inf) >> 16 = 0x7F80``, where no finite value lands), which are
+    cleared at the end, so one read of ``x`` gives the bins. Large leaves are
+    binned ``_HIST_CHUNK`` elements at a time (a ``lax.scan`` over the whole
+    chunks, then the remainder; nothing is padded), so the scatter never holds
+    more than one chunk of indices.
     """
     xf = jnp.asarray(x).ravel()
     n = xf.shape[0]
 
     def add(hist: jax.Array, part: jax.Array) -> tuple[jax.Array, None]:
-        part = jnp.abs(part.astype(_F32))
-        finite = jnp.isfinite(part)
-        bits = lax.bitcast_convert_type(jnp.where(finite, part, 0.0), jnp.uint32) >> 16
-        hist = hist.at[bits.astype(jnp.int32)].add(1)
-        return hist.at[0].add(-jnp.sum(~finite, dtype=jnp.int32)), None
+        bits = lax.bitcast_convert_type(jnp.abs(part.astype(_F32)), jnp.uint32) >> 16
+        return hist.at[bits.astype(jnp.int32)].add(1, mode="promise_in_bounds"), None
 
     hist = jnp.zeros([NU_BINS], jnp.int32) if hist is None else hist
     whole = (n // _HIST_CHUNK) * _HIST_CHUNK
     if whole == n == _HIST_CHUNK or 0 < n < _HIST_CHUNK:
-        return add(hist, xf)[0]
-    if whole:
-        hist = lax.scan(add, hist, lax.slice(xf, (0,), (whole,)).reshape(-1, _HIST_CHUNK))[0]
-    if whole < n:
-        hist = add(hist, lax.slice(xf, (whole,), (n,)))[0]
-    return hist
+        hist = add(hist, xf)[0]
+    else:
+        if whole:
+            hist = lax.scan(add, hist, lax.slice(xf, (0,), (whole,)).reshape(-1, _HIST_CHUNK))[0]
+        if whole < n:
+            hist = add(hist, lax.slice(xf, (whole,), (n,)))[0]
+    return hist.at[_NONFINITE_BIN:].set(0)
 
 
 def _bin_value(b: jax.Array) -> jax.Array:
@@ -109,17 +111,31 @@ def _bin_value(b: jax.Array) -> jax.Array:
 
 def histogram_quantile(hist: jax.Array, q: float = 0.5) -> jax.Array:
     """The ``q``-quantile of the values a :func:`log_histogram` counted (NumPy's
-    linear rule at the two neighbouring ranks, each read as its bin's midpoint)."""
+    linear rule at the two neighbouring ranks, each read as its bin's midpoint).
+
+    The bin holding rank ``r`` is ``#{b : cum[b] <= r}`` (``cum``: the running
+    count); it is found in two levels, rows of 128 bins then the bins of one
+    row, so no running count over all 32768 bins is formed.
+    """
     h = hist.astype(_F32)
-    n = jnp.sum(h)
-    cum = jnp.cumsum(h)
+    rows = h.reshape(-1, _ROW)
+    row_cum = jnp.cumsum(jnp.sum(rows, axis=1))
+    n = row_cum[-1]
     pos = q * jnp.maximum(n - 1.0, 0.0)
     lo_rank, hi_rank = jnp.floor(pos), jnp.ceil(pos)
-    b_lo = jnp.searchsorted(cum, lo_rank, side="right")
-    b_hi = jnp.searchsorted(cum, hi_rank, side="right")
+
+    def bin_of(rank: jax.Array) -> jax.Array:
+        k = jnp.minimum(jnp.sum(row_cum <= rank, dtype=jnp.int32), rows.shape[0] - 1)
+        before = jnp.where(k > 0, row_cum[jnp.maximum(k - 1, 0)], 0.0)
+        cum = before + jnp.cumsum(lax.dynamic_index_in_dim(rows, k, keepdims=False))
+        return k * _ROW + jnp.sum(cum <= rank, dtype=jnp.int32)
+
     frac = pos - lo_rank
-    v = _bin_value(b_lo) * (1.0 - frac) + _bin_value(b_hi) * frac
+    v = _bin_value(bin_of(lo_rank)) * (1.0 - frac) + _bin_value(bin_of(hi_rank)) * frac
     return jnp.where(n > 0, v, jnp.nan).astype(_F32)
+
+
+_ROW = 128  # bins per row of histogram_quantile's two-level search
 
 
 def optimizer_metrics(opt_state: Any, *, specs: Any = None, axes: Sequence[str] | str = (),
@@ -161,14 +177,17 @@ def optimizer_metrics(opt_state: Any, *, specs: Any = None, axes: Sequence[str] 
     if adam:
         acc = Accumulator()
         hists: dict[tuple[str, ...], jax.Array] = {}
+        groups: dict[tuple[str, ...], list[jax.Array]] = {}
         for st in adam:
             nu = st.nu
             leaves = jax.tree.leaves(nu)
             sp = flat_specs(nu, specs, "Adam nu (the params' structure)")
             for i, x in enumerate(leaves):
                 red = reduction_axes(x, axes, sp[i] if sp is not None else None, sp is not None)
-                acc.add(red, "nu", summarize_max(x))  # nu >= 0: only its max and non-finite count
+                groups.setdefault(red, []).append(x)
                 hists[red] = log_histogram(x, hists.get(red))  # one buffer, threaded through the leaves
+        for red, xs in groups.items():  # nu >= 0: only its max and non-finite count, one cond per group
+            acc.add(red, "nu", summarize_max(xs))
         s = acc.result().get("nu", Summary.empty())
         hist = jnp.zeros([NU_BINS], _F32)
         for red, h in hists.items():

@@ -228,7 +228,7 @@ def summarize(x: jax.Array, mask: jax.Array | None = None, *, axis: int | None =
     # out of the sums, which costs nothing on healthy steps.
     xz = xf if valid is None else jnp.where(valid, xf, 0.0)
     amax = jnp.max(jnp.abs(xz), axis=red, initial=0.0)
-    sumsq = jnp.sum(xz * xz, axis=red)
+    sumsq = jnp.sum(jnp.square(xz), axis=red)  # jnp.square: the HLO of optax.global_norm's, which XLA shares
     hot = (jnp.sum(xz, axis=red), sumsq, jnp.zeros_like(sumsq))
 
     def careful(_: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -283,7 +283,9 @@ def summarize_sumsq(x: jax.Array | Sequence[jax.Array]) -> Summary:
       A :class:`Summary` whose ``sum``/``abs_max`` are NaN.
     """
     xs = [jnp.asarray(a).astype(_F32) for a in (x if isinstance(x, (list, tuple)) else [x])]
-    sumsq = functools.reduce(jnp.add, [jnp.sum(a * a) for a in xs], jnp.zeros((), _F32))
+    # Written as optax.global_norm writes it (jnp.square, summed left to right from
+    # 0), so XLA computes it once where a clip in the same step does too.
+    sumsq = functools.reduce(jnp.add, [jnp.sum(jnp.square(a)) for a in xs], jnp.zeros((), _F32))
 
     def count_bad(_: Any) -> jax.Array:
         bad = [jnp.sum(~jnp.isfinite(a), dtype=_F32) for a in xs]
@@ -313,41 +315,60 @@ def _broadcast_count(mask: jax.Array, shape: tuple[int, ...], red: tuple[int, ..
     return count
 
 
-def summarize_max(x: jax.Array, mask: jax.Array | None = None, *, axis: int | None = None) -> Summary:
+def summarize_max(x: jax.Array | Sequence[jax.Array], mask: jax.Array | None = None, *,
+                  axis: int | None = None) -> Summary:
     """A :class:`Summary` that measures only ``count``, ``abs_max`` and ``nonfinite``.
 
     For figures that only need the maximum (the pre-softmax attention logits,
-    ``[B, H, T, T]`` per layer): one reduction over ``x`` instead of
-    :func:`summarize`'s five; the non-finite count is computed only when the
+    ``[B, H, T, T]`` per layer; Adam's ``nu``): one reduction over ``x`` instead
+    of :func:`summarize`'s three; the non-finite count is computed only when the
     maximum is non-finite (a ``lax.cond``). ``sum`` and ``sumsq`` are NaN — not
     measured — so ``mean``/``rms``/``std`` are NaN by construction.
 
     Args:
-      x, mask, axis: as for :func:`summarize`.
+      x: an array, or a list/tuple of arrays summarised together (one maximum
+        per array, one ``lax.cond`` for them all; no ``mask`` or ``axis`` then).
+      mask, axis: as for :func:`summarize`.
 
     Returns:
       A :class:`Summary` whose ``sum``/``sumsq`` are NaN.
     """
-    x = jnp.asarray(x)
-    shape = tuple(x.shape)
-    red, axis = _reduced_axes(shape, axis)
-    xf = x.astype(_F32)
-    count, valid = _count_and_valid(mask, shape, red, axis)
-    # NaN counts as +inf in the maximum: a cross-device max (GSPMD's all-reduce)
-    # may drop a NaN, never an inf. Any non-finite maximum then counts them.
-    a = jnp.where(jnp.isnan(xf), jnp.inf, jnp.abs(xf))
-    if valid is not None:
-        a = jnp.where(valid, a, 0.0)
-    amax = jnp.max(a, axis=red, initial=0.0)
+    if isinstance(x, (list, tuple)):
+        if mask is not None or axis is not None:
+            raise ValueError("summarize_max of a list of arrays takes no mask or axis")
+        xs = [jnp.asarray(a).astype(_F32) for a in x]
+        if not xs:
+            return Summary.empty()
+        amax = functools.reduce(jnp.maximum, [jnp.max(_nan_to_inf_abs(a), initial=0.0) for a in xs])
+        count = jnp.full((), float(sum(a.size for a in xs)), _F32)
 
-    def count_bad(_: Any) -> jax.Array:
-        bad = ~jnp.isfinite(xf) if valid is None else valid & ~jnp.isfinite(xf)
-        return jnp.sum(bad, axis=red, dtype=_F32)
+        def count_bad_all(_: Any) -> jax.Array:
+            bad = [jnp.sum(~jnp.isfinite(a), dtype=_F32) for a in xs]
+            return functools.reduce(jnp.add, bad) + jnp.zeros_like(amax)  # varying where amax is
+    else:
+        xf = jnp.asarray(x).astype(_F32)
+        shape = tuple(xf.shape)
+        red, axis = _reduced_axes(shape, axis)
+        count, valid = _count_and_valid(mask, shape, red, axis)
+        a = _nan_to_inf_abs(xf)
+        if valid is not None:
+            a = jnp.where(valid, a, 0.0)
+        amax = jnp.max(a, axis=red, initial=0.0)
 
-    nonfinite = lax.cond(jnp.all(jnp.isfinite(amax)), lambda _: jnp.zeros_like(amax), count_bad, None)
+        def count_bad_all(_: Any) -> jax.Array:
+            bad = ~jnp.isfinite(xf) if valid is None else valid & ~jnp.isfinite(xf)
+            return jnp.sum(bad, axis=red, dtype=_F32) + jnp.zeros_like(amax)
+
+    nonfinite = lax.cond(jnp.all(jnp.isfinite(amax)), lambda _: jnp.zeros_like(amax), count_bad_all, None)
     nan = jnp.full_like(amax, jnp.nan)
     return Summary(count=count, sum=nan, sumsq=nan, abs_max=_nan_rule(amax, count, nonfinite),
                    nonfinite=nonfinite)
+
+
+def _nan_to_inf_abs(x: jax.Array) -> jax.Array:
+    """``|x|`` with NaN read as +inf: a cross-device max (GSPMD's all-reduce) may
+    drop a NaN, never an inf, and any non-finite maximum then counts them."""
+    return jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x))
 
 
 # ----------------------------------------------------------------------------------

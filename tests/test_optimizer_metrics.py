@@ -142,10 +142,32 @@ def test_shard_map_nu_sharded_over_expert_equals_one_device():
 def test_log_histogram_in_chunks_equals_numpy_bincount(monkeypatch):
     from jvitals import optimizer as opt_mod
 
-    monkeypatch.setattr(opt_mod, "_HIST_CHUNK", 1000)  # 2503 elements: 3 chunks, the last padded
+    monkeypatch.setattr(opt_mod, "_HIST_CHUNK", 1000)  # 2503 elements: 2 whole chunks and a remainder
     x = np.abs(np.random.default_rng(5).normal(size=(2503,)).astype(np.float32)) * 1e-3
     x[5], x[2000] = np.nan, np.inf
     hist = np.asarray(opt_mod.log_histogram(x))
     finite = x[np.isfinite(x)]
     ref = np.bincount(finite.view(np.uint32) >> 16, minlength=opt_mod.NU_BINS)
     np.testing.assert_array_equal(hist, ref)
+
+
+@pytest.mark.parametrize("q", [0.0, 0.1, 0.5, 0.73, 1.0])
+def test_histogram_quantile_equals_the_running_count_search(q):
+    """The two-level search gives the bins a search over the whole running count gives (NumPy)."""
+    rng = np.random.default_rng(int(q * 100))
+    x = (10.0 ** rng.uniform(-20, 20, size=5001)).astype(np.float32)
+    x[:300] = 0.0  # bin 0 reads as 0
+    hist = np.bincount(x.view(np.uint32) >> 16, minlength=NU_BINS).astype(np.float64)
+    cum = np.cumsum(hist)
+    pos = q * (cum[-1] - 1)
+    lo, hi = np.searchsorted(cum, np.floor(pos), side="right"), np.searchsorted(cum, np.ceil(pos), side="right")
+
+    def mid(b):
+        return 0.0 if b == 0 else float(np.array([(b << 16) | 0x8000], np.uint32).view(np.float32)[0])
+
+    frac = pos - np.floor(pos)
+    want = mid(lo) * (1 - frac) + mid(hi) * frac
+    got = float(jax.jit(histogram_quantile, static_argnums=1)(jnp.asarray(hist, jnp.int32), q))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    ref = np.quantile(x.astype(np.float64), q)
+    assert ref == 0 or abs(np.log10(got) - np.log10(ref)) <= BIN_DECADES

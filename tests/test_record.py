@@ -333,3 +333,83 @@ def test_packed_metrics_reads_as_a_flat_dict_and_is_one_leaf():
     specs = jax.tree.map(lambda _: jax.sharding.PartitionSpec(), state)
     assert jax.tree.structure(specs) == jax.tree.structure(state)
     assert jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(rec)[0][1][0]) == ".metrics.vector"
+
+
+def test_static_vitals_layers_flag_picks_the_family_at_trace_time(monkeypatch):
+    """``vitals_layers`` as a Python bool: no per-layer pass traced when False; values as NumPy says."""
+    traced = []
+    original = record_module._gradients.gradient_metrics
+
+    def counting(*args, **kwargs):
+        traced.append(1)  # at trace time only
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(record_module._gradients, "gradient_metrics", counting)
+    params = tree(0)
+    tx = optax.chain(vitals.record(optax.clip_by_global_norm(1.0)), optax.adamw(1e-3))
+    step = jax.jit(lambda g, s, p, full: tx.update(g, s, p, vitals_layers=full), static_argnames="full")
+    state = tx.init(params)
+    traced.clear()  # init traces it once (abstractly) for the names
+    flags = [True, False, False, True, False]
+    grads = [tree(60 + i, scale=0.3) for i in range(len(flags))]
+    for i, (g, full) in enumerate(zip(grads, flags)):
+        _, state = step(g, state, params, full=full)
+        m, last = vitals.recorded(state), vitals.recorded_steps(state)
+        ll = max(j for j in range(i + 1) if flags[j])
+        assert (int(last["global"]), int(last["layers"])) == (i, ll), i
+        np.testing.assert_allclose(float(m["grad/global_norm"]), np_norm(g), rtol=1e-6)
+        np.testing.assert_allclose(float(m["grad/norm/layer_1"]), np_norm(grads[ll]["layers_1"]), rtol=1e-6)
+        np.testing.assert_allclose(float(m["grad/global_norm_post_clip"]), min(np_norm(g), 1.0), rtol=1e-6)
+    assert len(traced) == 1  # the True variant only; the False one never traces the per-layer pass
+    # A traced flag is the conditional's predicate.
+    dyn = jax.jit(lambda g, s, p, full: tx.update(g, s, p, vitals_layers=full))
+    _, state = dyn(grads[0], state, params, jnp.asarray(False))
+    assert int(vitals.recorded_steps(state)["layers"]) == 3
+    _, state = dyn(grads[1], state, params, jnp.asarray(True))
+    assert int(vitals.recorded_steps(state)["layers"]) == 6
+    np.testing.assert_allclose(float(vitals.recorded(state)["grad/norm/layer_0"]),
+                               np_norm(grads[1]["layers_0"]), rtol=1e-6)
+
+
+def test_wrapped_optax_clip_post_norm_is_known_without_a_pass():
+    """optax.clip_by_global_norm is recognised: its post-clip figures equal the measured ones."""
+    assert record_module._clip_max_norm(optax.clip_by_global_norm(2.5)) == 2.5
+    for other in (optax.clip(1.0), optax.adamw(1e-3), optax.scale(0.5), None):
+        assert record_module._clip_max_norm(other) is None
+    clip = optax.clip_by_global_norm(1.0)
+    disguised = optax.GradientTransformation(clip.init, lambda u, s, p=None: clip.update(u, s, p))
+    assert record_module._clip_max_norm(disguised) is None  # measured: one more pass over its outputs
+    params = tree(0)
+    known, measured = vitals.record(clip), vitals.record(disguised, post="clip")
+    nan_grads = tree(9)
+    nan_grads["lm_head"]["kernel"] = nan_grads["lm_head"]["kernel"].at[1, 1].set(jnp.nan)
+    for grads in (tree(8, scale=5.0), tree(8, scale=1e-3), nan_grads):
+        out, s_known = jax.jit(known.update)(grads, known.init(params), params)
+        _, s_measured = jax.jit(measured.update)(grads, measured.init(params), params)
+        a, b = vitals.recorded(s_known), vitals.recorded(s_measured)
+        post = float(optax.tree.norm(out))
+        for k in ("grad/global_norm_post_clip", "grad/clip_ratio", "grad/clipped"):
+            np.testing.assert_allclose(float(a[k]), float(b[k]), rtol=1e-6, err_msg=k)
+        np.testing.assert_allclose(float(a["grad/global_norm_post_clip"]), post, rtol=1e-6)
+
+
+def test_light_step_shares_the_clip_sum_of_squares():
+    """With vitals_layers=False the recorder reads the gradients only in its cold path.
+
+    Reductions in the compiled update, branches included: the clip's sum of
+    squares (one per leaf) is the recorder's too; the recorder adds ||params||
+    (one per leaf) and the non-finite counts of its two cold paths (a
+    ``lax.cond`` each, taken only when a sum is non-finite: one per leaf each).
+    """
+    params, grads = tree(0), tree(1, scale=5.0)
+    n = len(jax.tree.leaves(params))
+    bare = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+    rec = optax.chain(vitals.record(optax.clip_by_global_norm(1.0)), optax.sgd(0.1))
+
+    def reductions(tx, **extra):
+        f = jax.jit(lambda g, s, p: tx.update(g, s, p, **extra))
+        return f.lower(grads, tx.init(params), params).compile().as_text().count(" reduce(")
+
+    n_bare = reductions(bare)
+    assert n_bare >= n  # the clip's own sum of squares, one per leaf
+    assert reductions(rec, vitals_layers=False) <= n_bare + 3 * n

@@ -239,6 +239,19 @@ def test_summarize_max_measures_count_max_and_nonfinite_only():
     assert float(jitted.nonfinite) == bad
 
 
+def test_summarize_max_of_a_list_is_one_maximum_and_one_count():
+    rng = np.random.default_rng(14)
+    xs = [rng.normal(size=s).astype(np.float32) * k for k, s in enumerate([(3, 4), (7,), (2, 2, 5)], 1)]
+    s = jax.jit(lambda a: vitals.stats.summarize_max(a))(xs)
+    assert float(s.count) == sum(x.size for x in xs) and float(s.nonfinite) == 0
+    np.testing.assert_allclose(float(s.abs_max), max(np.abs(x).max() for x in xs), rtol=1e-6)
+    xs[1][3], xs[2][1, 1, 4] = np.nan, -np.inf
+    s = jax.jit(lambda a: vitals.stats.summarize_max(a))(xs)
+    assert float(s.nonfinite) == 2 and np.isnan(float(s.abs_max))
+    with pytest.raises(ValueError, match="no mask or axis"):
+        vitals.stats.summarize_max(xs, axis=0)
+
+
 def test_summarize_sumsq_gives_the_norm_and_counts_nonfinite_only_when_needed():
     x = np.random.default_rng(13).normal(size=(7, 9)).astype(np.float32) * 3
     s = vitals.stats.summarize_sumsq(jnp.asarray(x, jnp.bfloat16))
