@@ -39,7 +39,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jvitals.roles import LeafRole, Roles, assign_roles
-from jvitals.stats import Summary, check_axes, reduce, reduction_axes, summarize, summarize_sumsq
+from jvitals.stats import Summary, check_axes, reduce, reduction_axes, summarize_many, summarize_sumsq
 
 __all__ = [
     "global_norm",
@@ -172,8 +172,9 @@ def _o_sizes(infos: Sequence[LeafRole], gshapes: Sequence[tuple[int, ...]]) -> d
 
 
 def _qkv_pieces(x: jax.Array, lr: LeafRole, roles: Roles, spec: Any, axes: tuple[str, ...],
-                o_numel: int | None = None) -> list[tuple[str, Summary]]:
-    """Q, K and V summaries of a fused QKV kernel (per layer if stacked)."""
+                o_numel: int | None = None) -> list[tuple[str, jax.Array, jax.Array | None, int | None]]:
+    """Q, K and V parts of a fused QKV kernel, as ``(name, x, mask, axis)`` to summarise
+    (per layer if stacked)."""
     shape = tuple(x.shape)  # local (per-shard) inside shard_map
     gshape = _global_shape(shape, spec, axes)
     stacked = lr.stack_axis is not None
@@ -194,7 +195,7 @@ def _qkv_pieces(x: jax.Array, lr: LeafRole, roles: Roles, spec: Any, axes: tuple
     out = []
     if not mesh:
         for name, (lo, hi) in zip(("Wq", "Wk", "Wv"), bounds):
-            out.append((name, summarize(lax.slice_in_dim(x, lo, hi, axis=dim), axis=ax)))
+            out.append((name, lax.slice_in_dim(x, lo, hi, axis=dim), None, ax))
         return out
     # Sharded along the split axis: each shard holds a block of global columns.
     idx = jnp.zeros((), jnp.int32)
@@ -205,7 +206,7 @@ def _qkv_pieces(x: jax.Array, lr: LeafRole, roles: Roles, spec: Any, axes: tuple
     bshape[dim] = local_n
     for name, (lo, hi) in zip(("Wq", "Wk", "Wv"), bounds):
         mask = ((col >= lo) & (col < hi)).reshape(bshape)
-        out.append((name, summarize(x, mask, axis=ax)))
+        out.append((name, x, mask, ax))
     return out
 
 
@@ -231,6 +232,9 @@ class _TreeStats:
             gshapes = [_global_shape(tuple(getattr(x, "shape", ())), sp[i] if sp is not None else None, axes)
                        for i, (_, x) in enumerate(leaves)]
             o_sizes = _o_sizes(infos, gshapes)
+        pending: list[tuple[tuple[str, ...], LeafRole, list[str | None]]] = []
+        items: list[tuple[jax.Array, jax.Array | None, int | None]] = []
+        sq_groups: dict[tuple[Any, ...], list[Any]] = {}
         for i, (_, x) in enumerate(leaves):
             if _skip(x):
                 continue
@@ -240,31 +244,45 @@ class _TreeStats:
                 norm_leaves.setdefault(red, []).append(x)
                 continue
             lr = infos[i]
-            if by_role and lr.role == "qkv":
-                pieces = _qkv_pieces(x, lr, roles, spec, axes, o_sizes.get(_attn_module(lr.path)))
+            if lr.stack is not None:
+                self.stack_first[lr.stack] = lr.first_layer
+            if not by_role:  # norms only: one sum of squares per leaf, one cond per layer
+                key = ("stack", lr.stack) if lr.stack is not None else (
+                    ("layer", lr.layer) if lr.layer is not None else None)
+                sq_groups.setdefault((red, key, lr.stack_axis if lr.stack is not None else None), []).append(x)
+                continue
+            if lr.role == "qkv":
+                parts = _qkv_pieces(x, lr, roles, spec, axes, o_sizes.get(_attn_module(lr.path)))
             else:
-                pieces = [(lr.name if by_role else None, summarize(x, axis=lr.stack_axis))]
+                parts = [(lr.name, x, None, lr.stack_axis)]
+            pending.append((red, lr, [name for name, *_ in parts]))
+            items.extend((px, pm, pa) for _, px, pm, pa in parts)
+        summaries = iter(summarize_many(items))  # one lax.cond for every piece of the tree
+        for red, lr, names in pending:
+            pieces = [(name, next(summaries)) for name in names]
             merged = pieces[0][1]
             for _, s in pieces[1:]:
                 merged = merged.merge(s)
             stacked = lr.stack is not None
-            if stacked:
-                self.stack_first[lr.stack] = lr.first_layer
             acc.add(red, "all", merged.total() if stacked else merged)
             if by_layer:
                 if stacked:
                     acc.add(red, ("stack", lr.stack), merged)
                 elif lr.layer is not None:
                     acc.add(red, ("layer", lr.layer), merged)
-            if by_role:
-                for name, s in pieces:
-                    if name is None:
-                        continue
-                    acc.add(red, ("role", name), s.total() if stacked else s)
-                    if by_layer and stacked:
-                        acc.add(red, ("role_stack", name, lr.stack), s)
-                    elif by_layer and lr.layer is not None:
-                        acc.add(red, ("role_layer", name, lr.layer), s)
+            for name, s in pieces:
+                if name is None:  # a leaf no role matches: global and per-layer figures only
+                    continue
+                acc.add(red, ("role", name), s.total() if stacked else s)
+                if by_layer and stacked:
+                    acc.add(red, ("role_stack", name, lr.stack), s)
+                elif by_layer and lr.layer is not None:
+                    acc.add(red, ("role_layer", name, lr.layer), s)
+        for (red, key, ax), xs in sq_groups.items():
+            s = summarize_sumsq(xs, axis=ax)
+            acc.add(red, "all", s.total() if ax is not None else s)
+            if key is not None:
+                acc.add(red, key, s)
         for red, xs in norm_leaves.items():
             acc.add(red, "all", summarize_sumsq(xs))
         res = acc.result()

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec
 __all__ = [
     "Summary",
     "summarize",
+    "summarize_many",
     "summarize_max",
     "summarize_sumsq",
     "reduce",
@@ -216,38 +217,73 @@ def summarize(x: jax.Array, mask: jax.Array | None = None, *, axis: int | None =
       >>> round(float(s.rms), 4), int(s.count)
       (3.5355, 2)
     """
-    x = jnp.asarray(x)
-    shape = tuple(x.shape)
-    red, axis = _reduced_axes(shape, axis)
-    xf = x.astype(_F32)
-    count, valid = _count_and_valid(mask, shape, red, axis)
+    return summarize_many([(x, mask, axis)])[0]
+
+
+def summarize_many(items: Sequence[tuple[jax.Array, jax.Array | None, int | None]]) -> list[Summary]:
+    """:func:`summarize` of several arrays, with one ``lax.cond`` for them all.
+
+    Each healthy array costs its three reductions; if any sum of squares comes
+    out non-finite, one conditional recomputes every array's finite-only sums
+    and non-finite count. (A conditional has a fixed cost on every step, taken
+    or not, on XLA:CPU; one per tree instead of one per leaf.)
+
+    Args:
+      items: ``(x, mask, axis)`` triples, as :func:`summarize` takes them.
+
+    Returns:
+      One :class:`Summary` per item, in order.
+    """
+    prepared = []
+    for x, mask, axis in items:
+        x = jnp.asarray(x)
+        shape = tuple(x.shape)
+        red, axis = _reduced_axes(shape, axis)
+        xf = x.astype(_F32)
+        count, valid = _count_and_valid(mask, shape, red, axis)
+        prepared.append((xf, red, count, valid))
+    if not prepared:
+        return []
     # Hot path: three plain reductions XLA can fuse with their producers. A NaN
     # or Inf among the valid elements makes the sum of squares non-finite (a sum
     # keeps NaN through any cross-device all-reduce, which a max may not), so it
     # says whether there is one; only then (a lax.cond) are they counted and left
     # out of the sums, which costs nothing on healthy steps.
-    xz = xf if valid is None else jnp.where(valid, xf, 0.0)
-    amax = jnp.max(jnp.abs(xz), axis=red, initial=0.0)
-    sumsq = jnp.sum(jnp.square(xz), axis=red)  # jnp.square: the HLO of optax.global_norm's, which XLA shares
-    hot = (jnp.sum(xz, axis=red), sumsq, jnp.zeros_like(sumsq))
+    amaxes, hot = [], []
+    for xf, red, _, valid in prepared:
+        xz = xf if valid is None else jnp.where(valid, xf, 0.0)
+        amaxes.append(jnp.max(jnp.abs(xz), axis=red, initial=0.0))
+        # jnp.square: the HLO of optax.global_norm's sum of squares, which XLA shares.
+        sumsq = jnp.sum(jnp.square(xz), axis=red)
+        hot.append((jnp.sum(xz, axis=red), sumsq, jnp.zeros_like(sumsq)))
 
-    def careful(_: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-        finite = jnp.isfinite(xf)
-        good = finite if valid is None else valid & finite
-        bad = ~finite if valid is None else valid & ~finite
-        xg = jnp.where(good, xf, 0.0)
-        vary = jnp.zeros_like(sumsq)  # typed varying where sumsq is (shard_map)
-        return (jnp.sum(xg, axis=red) + vary, jnp.sum(xg * xg, axis=red) + vary,
-                jnp.sum(bad, axis=red, dtype=_F32) + vary)
+    def careful(_: Any) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
+        out = []
+        for (xf, red, _, valid), (_, sumsq, _) in zip(prepared, hot):
+            finite = jnp.isfinite(xf)
+            good = finite if valid is None else valid & finite
+            bad = ~finite if valid is None else valid & ~finite
+            xg = jnp.where(good, xf, 0.0)
+            vary = jnp.zeros_like(sumsq)  # typed varying where sumsq is (shard_map)
+            out.append((jnp.sum(xg, axis=red) + vary, jnp.sum(xg * xg, axis=red) + vary,
+                        jnp.sum(bad, axis=red, dtype=_F32) + vary))
+        return out
 
-    total, sumsq, nonfinite = lax.cond(jnp.all(jnp.isfinite(sumsq)), lambda _: hot, careful, None)
-    return Summary(
-        count=count,
-        sum=total,
-        sumsq=sumsq,
-        abs_max=_nan_rule(amax, count, nonfinite),
-        nonfinite=nonfinite,
-    )
+    # The conditional returns one flat vector (a branch returning many arrays
+    # costs a copy per array on XLA:CPU); the figures are sliced out after it.
+    flat, treedef = jax.tree.flatten(hot)
+
+    def pack(parts: Any) -> jax.Array:
+        return jnp.concatenate([jnp.ravel(a) for a in jax.tree.leaves(parts)])
+
+    healthy = functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(h[1])) for h in hot])
+    vec = lax.cond(healthy, lambda _: pack(hot), lambda _: pack(careful(None)), None)
+    sizes = [int(np.prod(a.shape)) for a in flat]
+    offsets = np.cumsum([0] + sizes)
+    res = jax.tree.unflatten(treedef, [vec[o:o + n].reshape(a.shape) for o, n, a in zip(offsets, sizes, flat)])
+    return [Summary(count=count, sum=total, sumsq=sumsq, abs_max=_nan_rule(amax, count, nonfinite),
+                    nonfinite=nonfinite)
+            for (_, _, count, _), amax, (total, sumsq, nonfinite) in zip(prepared, amaxes, res)]
 
 
 def _count_and_valid(mask: jax.Array | None, shape: tuple[int, ...], red: tuple[int, ...] | None,
@@ -265,37 +301,43 @@ def _count_and_valid(mask: jax.Array | None, shape: tuple[int, ...], red: tuple[
     return _broadcast_count(m, shape, red, axis), jnp.broadcast_to(m, shape)
 
 
-def summarize_sumsq(x: jax.Array | Sequence[jax.Array]) -> Summary:
+def summarize_sumsq(x: jax.Array | Sequence[jax.Array], *, axis: int | None = None) -> Summary:
     """A :class:`Summary` that measures only ``count``, ``sumsq`` and ``nonfinite``.
 
     For L2 norms over whole trees (the every-step global gradient/parameter/update
-    norms): one reduction per array, ``sum(x^2)`` in float32, instead of
-    :func:`summarize`'s three; a non-finite element makes the total non-finite,
-    and only then are the non-finite elements counted (one ``lax.cond`` for all
-    the arrays). ``sum`` and ``abs_max`` are NaN — not measured. ``norm`` is
-    right; so is ``rms``.
+    norms, per-layer parameter norms): one reduction per array, ``sum(x^2)`` in
+    float32, instead of :func:`summarize`'s three; a non-finite element makes the
+    total non-finite, and only then are the non-finite elements counted (one
+    ``lax.cond`` for all the arrays). ``sum`` and ``abs_max`` are NaN — not
+    measured. ``norm`` is right; so is ``rms``.
 
     Args:
       x: an array, or a list/tuple of arrays summarised together (the leaves of
         a tree).
+      axis: keep this axis of every array (the layer axis of scan-stacked
+        leaves, all of the same length along it): fields of shape ``(L,)``.
 
     Returns:
       A :class:`Summary` whose ``sum``/``abs_max`` are NaN.
     """
     xs = [jnp.asarray(a).astype(_F32) for a in (x if isinstance(x, (list, tuple)) else [x])]
+    reds = [_reduced_axes(tuple(a.shape), axis)[0] for a in xs]
+    kept = () if axis is None else (xs[0].shape[axis],)
     # Written as optax.global_norm writes it (jnp.square, summed left to right from
     # 0), so XLA computes it once where a clip in the same step does too.
-    sumsq = functools.reduce(jnp.add, [jnp.sum(jnp.square(a)) for a in xs], jnp.zeros((), _F32))
+    sumsq = functools.reduce(jnp.add, [jnp.sum(jnp.square(a), axis=r) for a, r in zip(xs, reds)],
+                             jnp.zeros(kept, _F32))
 
     def count_bad(_: Any) -> jax.Array:
-        bad = [jnp.sum(~jnp.isfinite(a), dtype=_F32) for a in xs]
+        bad = [jnp.sum(~jnp.isfinite(a), axis=r, dtype=_F32) for a, r in zip(xs, reds)]
         return functools.reduce(jnp.add, bad, jnp.zeros_like(sumsq))
 
     # zeros_like (not a constant) keeps the branch's type varying where sumsq is.
-    nonfinite = lax.cond(jnp.isfinite(sumsq), lambda _: jnp.zeros_like(sumsq), count_bad, None)
-    nan = jnp.full((), jnp.nan, _F32)
-    return Summary(count=jnp.full((), float(sum(a.size for a in xs)), _F32), sum=nan,
-                   sumsq=jnp.where(nonfinite > 0, 0.0, sumsq), abs_max=nan, nonfinite=nonfinite)
+    nonfinite = lax.cond(jnp.all(jnp.isfinite(sumsq)), lambda _: jnp.zeros_like(sumsq), count_bad, None)
+    nan = jnp.full(kept, jnp.nan, _F32)
+    n = float(sum(a.size for a in xs)) / (kept[0] if kept else 1)
+    return Summary(count=jnp.full(kept, n, _F32), sum=nan, sumsq=jnp.where(nonfinite > 0, 0.0, sumsq),
+                   abs_max=nan, nonfinite=nonfinite)
 
 
 def _broadcast_count(mask: jax.Array, shape: tuple[int, ...], red: tuple[int, ...] | None,

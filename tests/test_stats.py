@@ -272,3 +272,41 @@ def test_summarize_sumsq_gives_the_norm_and_counts_nonfinite_only_when_needed():
     np.testing.assert_allclose(float(many.norm), float(optax.tree.norm([jnp.asarray(p) for p in parts])),
                                rtol=1e-6)
     assert float(many.nonfinite) == 0
+
+
+def test_summarize_many_equals_summarize_item_by_item_with_one_conditional():
+    rng = np.random.default_rng(15)
+    xs = [rng.normal(size=(4, 6)).astype(np.float32), rng.normal(size=(3, 5, 2)).astype(np.float32) * 7,
+          rng.normal(size=(9,)).astype(np.float32)]
+    mask = rng.random((4,)) > 0.3
+    items = [(xs[0], mask, None), (xs[1], None, 0), (xs[2], None, None)]
+    for bad in (False, True):
+        if bad:
+            xs[1][2, 3, 1] = np.nan  # only the second item's figures go NaN
+            items[1] = (xs[1], None, 0)
+        many = jax.jit(lambda a, b, c: vitals.stats.summarize_many([(a, mask, None), (b, None, 0), (c, None, None)]))(
+            *[x for x, _, _ in items])
+        for (x, m, ax), s in zip(items, many):
+            one = vitals.stats.summarize(x, m, axis=ax)
+            for f in ("count", "sum", "sumsq", "abs_max", "nonfinite"):
+                np.testing.assert_allclose(np.asarray(getattr(s, f)), np.asarray(getattr(one, f)), rtol=1e-6,
+                                           equal_nan=True, err_msg=f)
+        assert float(jnp.sum(many[1].nonfinite)) == (1 if bad else 0)
+        assert np.isnan(np.asarray(many[1].rms)[2]) == bad and np.isfinite(float(many[0].rms))
+        np.testing.assert_allclose(float(many[0].rms), np.sqrt(np.mean(xs[0][mask] ** 2)), rtol=1e-6)
+    hlo = jax.jit(lambda a, b, c: vitals.stats.summarize_many([(a, mask, None), (b, None, 0), (c, None, None)])).lower(
+        *xs).compile().as_text()
+    assert hlo.count(" conditional(") == 1
+
+
+def test_summarize_sumsq_keeps_a_layer_axis():
+    rng = np.random.default_rng(16)
+    xs = [rng.normal(size=(3, 4, 5)).astype(np.float32), rng.normal(size=(3, 7)).astype(np.float32)]
+    s = vitals.stats.summarize_sumsq(xs, axis=0)
+    want = sum(np.sum(x.astype(np.float64) ** 2, axis=tuple(range(1, x.ndim))) for x in xs)
+    np.testing.assert_allclose(np.asarray(s.norm), np.sqrt(want), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(s.count), [27.0] * 3)
+    xs[1][1, 2] = np.inf
+    s = jax.jit(lambda a: vitals.stats.summarize_sumsq(a, axis=0))(xs)
+    np.testing.assert_array_equal(np.asarray(s.nonfinite), [0, 1, 0])
+    assert np.isnan(np.asarray(s.norm)[1]) and np.isfinite(np.asarray(s.norm)[[0, 2]]).all()
