@@ -221,7 +221,8 @@ def summarize(x: jax.Array, mask: jax.Array | None = None, *, axis: int | None =
 
 
 def summarize_many(items: Sequence[tuple[jax.Array, jax.Array | None, int | None]]) -> list[Summary]:
-    """:func:`summarize` of several arrays, with one ``lax.cond`` for them all.
+    """:func:`summarize` of several arrays, with one ``lax.cond`` for them all (one per
+    set of mesh axes they vary along, inside ``shard_map``).
 
     Each healthy array costs its three reductions; if any sum of squares comes
     out non-finite, one conditional recomputes every array's finite-only sums
@@ -257,30 +258,38 @@ def summarize_many(items: Sequence[tuple[jax.Array, jax.Array | None, int | None
         sumsq = jnp.sum(jnp.square(xz), axis=red)
         hot.append((jnp.sum(xz, axis=red), sumsq, jnp.zeros_like(sumsq)))
 
-    def careful(_: Any) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
-        out = []
-        for (xf, red, _, valid), (_, sumsq, _) in zip(prepared, hot):
-            finite = jnp.isfinite(xf)
-            good = finite if valid is None else valid & finite
-            bad = ~finite if valid is None else valid & ~finite
-            xg = jnp.where(good, xf, 0.0)
-            vary = jnp.zeros_like(sumsq)  # typed varying where sumsq is (shard_map)
-            out.append((jnp.sum(xg, axis=red) + vary, jnp.sum(xg * xg, axis=red) + vary,
-                        jnp.sum(bad, axis=red, dtype=_F32) + vary))
-        return out
-
-    # The conditional returns one flat vector (a branch returning many arrays
-    # costs a copy per array on XLA:CPU); the figures are sliced out after it.
-    flat, treedef = jax.tree.flatten(hot)
+    def careful(i: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        xf, red, _, valid = prepared[i]
+        finite = jnp.isfinite(xf)
+        good = finite if valid is None else valid & finite
+        bad = ~finite if valid is None else valid & ~finite
+        xg = jnp.where(good, xf, 0.0)
+        vary = jnp.zeros_like(hot[i][1])  # typed varying where sumsq is (shard_map)
+        return (jnp.sum(xg, axis=red) + vary, jnp.sum(xg * xg, axis=red) + vary,
+                jnp.sum(bad, axis=red, dtype=_F32) + vary)
 
     def pack(parts: Any) -> jax.Array:
         return jnp.concatenate([jnp.ravel(a) for a in jax.tree.leaves(parts)])
 
-    healthy = functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(h[1])) for h in hot])
-    vec = lax.cond(healthy, lambda _: pack(hot), lambda _: pack(careful(None)), None)
-    sizes = [int(np.prod(a.shape)) for a in flat]
-    offsets = np.cumsum([0] + sizes)
-    res = jax.tree.unflatten(treedef, [vec[o:o + n].reshape(a.shape) for o, n, a in zip(offsets, sizes, flat)])
+    # One conditional per group of items of the same type (inside shard_map,
+    # the mesh axes they vary along: packing a replicated figure with a varying
+    # one would make it varying). It returns one flat vector (a branch returning
+    # many arrays costs a copy per array on XLA:CPU); the figures are sliced
+    # out after it.
+    groups: dict[Any, list[int]] = {}
+    for i, h in enumerate(hot):
+        groups.setdefault(_manual_varying(h[1]), []).append(i)
+    res: list[Any] = [None] * len(hot)
+    for idx in groups.values():
+        part = [hot[i] for i in idx]
+        flat, treedef = jax.tree.flatten(part)
+        healthy = functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(h[1])) for h in part])
+        vec = lax.cond(healthy, lambda _, p=part: pack(p), lambda _, ix=idx: pack([careful(i) for i in ix]), None)
+        sizes = [int(np.prod(a.shape)) for a in flat]
+        offsets = np.cumsum([0] + sizes)
+        out = jax.tree.unflatten(treedef, [vec[o:o + n].reshape(a.shape) for o, n, a in zip(offsets, sizes, flat)])
+        for i, r in zip(idx, out):
+            res[i] = r
     return [Summary(count=count, sum=total, sumsq=sumsq, abs_max=_nan_rule(amax, count, nonfinite),
                     nonfinite=nonfinite)
             for (_, _, count, _), amax, (total, sumsq, nonfinite) in zip(prepared, amaxes, res)]
