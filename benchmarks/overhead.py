@@ -36,8 +36,8 @@ Four variants of one training step (same model, data and optimizer,
 
 Each variant is compiled once (``jit(...).lower(...).compile()``, which also
 gives XLA's ``memory_analysis()``: temporary and output bytes), run twice to
-warm up, then the variants are interleaved step by step (the order rotating
-each step) and each step is timed to ``block_until_ready``. Reported: median
+warm up, then the variants are interleaved step by step (in a fresh random
+order each round) and each step is timed to ``block_until_ready``. Reported: median
 ms per step, and per variant the median of the per-step ratios against (a)
 (paired: the noise of a shared machine hits both sides of a pair alike).
 
@@ -52,6 +52,7 @@ import argparse
 import dataclasses
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -372,11 +373,19 @@ def build(size: Size, breakdown: bool) -> tuple[list[Variant], float]:
 
 
 def measure(variants: list[Variant], steps: int, min_seconds: float, max_steps: int) -> int:
+    """Rounds of one step per variant, in a fresh random order each round.
+
+    Not a rotation: rotating keeps the cyclic order, so the same variant always
+    runs right after (d)'s host-side logging (which leaves the CPU's caches in
+    another state), biasing its ratio by several percent.
+    """
+    rng = random.Random(0)
     t_start = time.perf_counter()
     n = 0
     while n < steps or (time.perf_counter() - t_start < min_seconds and n < max_steps):
-        k = n % len(variants)
-        for v in variants[k:] + variants[:k]:  # rotate the order each round
+        order = list(variants)
+        rng.shuffle(order)
+        for v in order:
             t0 = time.perf_counter()
             v.run()
             v.times.append(time.perf_counter() - t0)
@@ -398,7 +407,7 @@ def load() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20, help="measured steps per variant (at least)")
-    ap.add_argument("--min-seconds", type=float, default=25.0,
+    ap.add_argument("--min-seconds", type=float, default=60.0,
                     help="keep measuring a config (beyond --steps) for this long")
     ap.add_argument("--max-steps", type=int, default=150)
     ap.add_argument("--configs", default="small,medium,moe,large")
