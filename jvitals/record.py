@@ -29,7 +29,7 @@ Families and their cadence (``every``, in optimizer updates):
 On a step where a family is not due, its figures keep their previous values and
 are not computed: the choice is a ``lax.cond``/``lax.switch`` on the step counter, so
 only the branch taken runs. A conditional is not free, though: XLA:CPU spends
-time on the branch it skips (in proportion to its size: about 4% of a 10 ms
+time on the branch it skips (in proportion to its size: about 2% of a 10 ms
 step for the per-layer branch), and on a GPU XLA may copy the predicate to the
 host to pick the branch. So the per-layer family can also be chosen at trace
 time, by an extra argument of the update, which ``optax.chain``, ``MultiSteps``,
