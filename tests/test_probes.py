@@ -100,10 +100,12 @@ def test_logits_summary_ties_and_argmax_against_top_k():
     # A NaN in a masked-out position takes the careful path: the same figures.
     poisoned = logits.copy()
     poisoned[~mask] = np.nan
-    careful = probes.summarize_logits(jnp.asarray(poisoned), jnp.asarray(mask))
-    np.testing.assert_array_equal(np.asarray(careful.argmax)[mask], np.asarray(ls.argmax)[mask])
-    for a, b in zip(jax.tree.leaves(careful.replace(argmax=ls.argmax)), jax.tree.leaves(ls)):
-        np.testing.assert_allclose(a, b, rtol=1e-6)
+    for chunk in (None, 9 * 6):  # one pass, and chunks of 6 positions (one conditional after the loop)
+        careful = probes.summarize_logits(jnp.asarray(poisoned), jnp.asarray(mask), chunk_elements=chunk)
+        np.testing.assert_array_equal(np.asarray(careful.argmax)[mask], np.asarray(ls.argmax)[mask])
+        for a, b in zip(jax.tree.leaves(careful.replace(argmax=ls.argmax)), jax.tree.leaves(ls)):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert probes._chunk_rows(24, 9, 9 * 6) == 6
 
 
 def test_logits_summary_nonfinite_is_nan():
