@@ -147,9 +147,8 @@ def _row_stats(x: jax.Array) -> tuple[jax.Array, ...]:
     ``argmax`` is the first index of ``top1``; ``top2 = max`` over every other
     index -- what ``lax.top_k(x, 2)`` gives, so a tie gives ``top2 == top1``;
     ``lse = top1 + log(sum exp(x - top1))``. Seven plain reductions (XLA:CPU's
-    own ``argmax`` is a variadic reduction ~8x slower than all of them together).
-    Right only for finite rows: a non-finite row sum switches every row to
-    :func:`_row_stats_careful` (:func:`_careful_if_nonfinite`).
+    own ``argmax`` is a variadic reduction ~8x slower than all of them together);
+    a non-finite row sum switches to :func:`_row_stats_careful` (a ``lax.cond``).
     """
     v = x.shape[-1]
     top1 = jnp.max(x, axis=-1)
@@ -160,18 +159,9 @@ def _row_stats(x: jax.Array) -> tuple[jax.Array, ...]:
     top2 = jnp.max(jnp.where(iota == first[:, None], -jnp.inf, x), axis=-1)
     lse = top1 + jnp.log(jnp.sum(jnp.exp(x - t), axis=-1))
     r_sum = jnp.sum(x, axis=-1)
-    return (top1, top2, lse, r_sum, jnp.sum(x * x, axis=-1), jnp.max(jnp.abs(x), axis=-1),
-            jnp.zeros_like(r_sum), first.astype(jnp.int32))
-
-
-def _careful_if_nonfinite(hot: tuple[jax.Array, ...], careful: Any) -> tuple[jax.Array, ...]:
-    """``hot`` (:func:`_row_stats`'s figures) if every row sum is finite, else ``careful()``.
-
-    One ``lax.cond`` after all the rows, never one per chunk inside the loop: a
-    conditional in a loop body costs XLA:CPU its skipped branch on every
-    iteration (4.5% of the MoE reference step, measured).
-    """
-    return lax.cond(jnp.all(jnp.isfinite(hot[3])), lambda _: hot, lambda _: careful(), None)
+    hot = (top1, top2, lse, r_sum, jnp.sum(x * x, axis=-1), jnp.max(jnp.abs(x), axis=-1),
+           jnp.zeros_like(r_sum), first.astype(jnp.int32))
+    return lax.cond(jnp.all(jnp.isfinite(r_sum)), lambda _: hot, lambda _: _row_stats_careful(x), None)
 
 
 def _chunk_rows(rows: int, v: int, chunk_elements: int | None) -> int:
@@ -230,12 +220,9 @@ def summarize_logits(logits: jax.Array, mask: jax.Array | None = None, *,
     chunk = _chunk_rows(rows, v, chunk_elements)
     x2 = x.reshape(rows, v)
     if chunk < rows:
-        xs = x2.reshape(rows // chunk, chunk, v)
-        stats = _careful_if_nonfinite(lax.map(lambda c: _row_stats(c.astype(_F32)), xs),
-                                      lambda: lax.map(lambda c: _row_stats_careful(c.astype(_F32)), xs))
+        stats = lax.map(lambda c: _row_stats(c.astype(_F32)), x2.reshape(rows // chunk, chunk, v))
     else:
-        xf = x2.astype(_F32)
-        stats = _careful_if_nonfinite(_row_stats(xf), lambda: _row_stats_careful(xf))
+        stats = _row_stats(x2.astype(_F32))
     top1, top2, lse, r_sum, r_sumsq, r_amax, r_bad, argmax = (s.reshape(pos_shape) for s in stats)
     tie = top2 == top1
     diff = top1 - top2
