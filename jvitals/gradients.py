@@ -225,7 +225,6 @@ class _TreeStats:
         infos = assign_roles(tree, roles) if (by_layer or by_role) else None
         sp = flat_specs(tree, specs, what)
         acc = Accumulator()
-        norm_leaves: dict[tuple[str, ...], list[Any]] = {}
         self.stack_first: dict[str, int] = {}
         o_sizes: dict[str, int] = {}
         if by_role and any(lr.role == "qkv" for lr in infos):
@@ -241,7 +240,7 @@ class _TreeStats:
             spec = sp[i] if sp is not None else None
             red = reduction_axes(x, axes, spec, sp is not None)
             if infos is None:  # the global norm only: one reduction per leaf, one cond per group
-                norm_leaves.setdefault(red, []).append(x)
+                sq_groups.setdefault((red, None, None), []).append(x)
                 continue
             lr = infos[i]
             if lr.stack is not None:
@@ -283,8 +282,6 @@ class _TreeStats:
             acc.add(red, "all", s.total() if ax is not None else s)
             if key is not None:
                 acc.add(red, key, s)
-        for red, xs in norm_leaves.items():
-            acc.add(red, "all", summarize_sumsq(xs))
         res = acc.result()
         self.all: Summary = res.get("all", Summary.empty())
         self.layers: dict[int, Summary] = {}
