@@ -97,13 +97,13 @@ def test_logits_summary_ties_and_argmax_against_top_k():
     assert np.any(top[:, 0] == top[:, 1])  # ties do occur here
     np.testing.assert_allclose(ls.top2_diff.mean, np.mean(top[:, 0] - top[:, 1]), rtol=1e-6)
     np.testing.assert_allclose(ls.top2_tie.mean, np.mean(top[:, 0] == top[:, 1]), rtol=1e-6)
-    # A NaN in a masked-out position takes the careful path: the same figures.
+    # A NaN in a masked-out position: the same figures for the valid ones.
     poisoned = logits.copy()
     poisoned[~mask] = np.nan
-    for chunk in (None, 9 * 6):  # one pass, and chunks of 6 positions (one conditional after the loop)
-        careful = probes.summarize_logits(jnp.asarray(poisoned), jnp.asarray(mask), chunk_elements=chunk)
-        np.testing.assert_array_equal(np.asarray(careful.argmax)[mask], np.asarray(ls.argmax)[mask])
-        for a, b in zip(jax.tree.leaves(careful.replace(argmax=ls.argmax)), jax.tree.leaves(ls)):
+    for chunk in (None, 9 * 6):  # one pass, and chunks of 6 positions
+        poisoned_ls = probes.summarize_logits(jnp.asarray(poisoned), jnp.asarray(mask), chunk_elements=chunk)
+        np.testing.assert_array_equal(np.asarray(poisoned_ls.argmax)[mask], np.asarray(ls.argmax)[mask])
+        for a, b in zip(jax.tree.leaves(poisoned_ls.replace(argmax=ls.argmax)), jax.tree.leaves(ls)):
             np.testing.assert_allclose(a, b, rtol=1e-6)
     assert probes._chunk_rows(24, 9, 9 * 6) == 6
 
@@ -117,6 +117,50 @@ def test_logits_summary_nonfinite_is_nan():
     # ... unless the position is masked out.
     ls = probes.summarize_logits(logits, jnp.array([[True, False, True]]))
     assert float(ls.top2_tie.mean) == 1.0 and np.isfinite(ls.lse_max)
+
+
+def test_logits_summary_of_nonfinite_rows_against_numpy():
+    """+inf, -inf, a row of -inf and NaN: per-row figures as NumPy and jax.nn.logsumexp give them."""
+    rng = np.random.default_rng(5)
+    b, t, v = 3, 8, 16
+    logits = rng.normal(size=(b, t, v)).astype(np.float32)
+    logits[0, 1, 3] = np.inf                        # +inf: argmax 3, lse +inf
+    logits[0, 2, [4, 9]] = np.inf                   # two +inf: the first one
+    logits[0, 3, 5] = -np.inf                       # -inf: finite lse, one non-finite
+    logits[1, 0, :] = -np.inf                       # a row of -inf: lse -inf
+    logits[1, 4, [2, 7]] = np.nan                   # NaN: argmax is the first NaN
+    logits[2, 5, [1, 6]] = [np.inf, np.nan]
+    logits[2, 6, 0] = np.nan                        # NaN, masked out: counts nowhere
+    mask = np.ones((b, t), bool)
+    mask[2, 6] = False
+    ref_lse = np.asarray(jax.nn.logsumexp(jnp.asarray(logits), axis=-1))
+    valid_x = logits[mask]
+    for chunk in (None, 0, 2 * v):  # the default, one pass, chunks of two positions
+        ls = probes.summarize_logits(jnp.asarray(logits), jnp.asarray(mask), chunk_elements=chunk)
+        np.testing.assert_array_equal(ls.argmax, np.argmax(logits, -1))
+        assert float(ls.logits.nonfinite) == np.sum(~np.isfinite(valid_x)) == 24
+        assert float(ls.lse.nonfinite) == np.sum(~np.isfinite(ref_lse[mask])) == 5
+        assert float(ls.lse.count) == mask.sum()
+        assert np.isnan(ls.lse_max) and np.isnan(ls.logits.rms) and np.isnan(ls.logits.abs_max)
+        # Per row: top-1 minus top-2 is finite exactly where NumPy's is.
+        srt = np.sort(valid_x, -1)
+        with np.errstate(invalid="ignore"):
+            diff = srt[:, -1] - srt[:, -2]
+        assert float(ls.top2_diff.nonfinite) == np.sum(~np.isfinite(diff))
+    # The per-row reductions themselves, row by row.
+    rows = jnp.asarray(logits.reshape(-1, v))
+    top1, top2, lse, r_sum, r_sumsq, r_amax, r_bad, argmax = map(np.asarray, probes._row_stats(rows))
+    x = logits.reshape(-1, v)
+    np.testing.assert_array_equal(argmax, np.argmax(x, -1))
+    np.testing.assert_array_equal(r_bad, np.sum(~np.isfinite(x), -1))
+    np.testing.assert_array_equal(top1, np.max(x, -1))
+    np.testing.assert_allclose(lse, ref_lse.reshape(-1), rtol=1e-6)
+    no_nan = ~np.isnan(x).any(-1)
+    np.testing.assert_array_equal(top2[no_nan], np.sort(x, -1)[no_nan, -2])
+    finite = np.isfinite(x).all(-1)
+    np.testing.assert_allclose(r_sum[finite], x[finite].sum(-1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(r_sumsq[finite], (x[finite] ** 2).sum(-1), rtol=1e-5)
+    np.testing.assert_array_equal(r_amax[finite], np.abs(x[finite]).max(-1))
 
 
 def test_attn_logits_probe_masks_causal_and_padding():
