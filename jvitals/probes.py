@@ -133,7 +133,7 @@ def _row_stats(x: jax.Array) -> tuple[jax.Array, ...]:
     Returns ``(top1, top2, lse, sum, sumsq, abs_max, nonfinite, argmax)``, for
     any values (NaN and +-inf included), with no conditional:
 
-    - ``top1 = max x`` (NaN if the row holds a NaN);
+    - ``top1 = max x``, NaN if the row holds a NaN (on every backend);
     - ``argmax``: the first index of ``top1``, or of the first NaN (what
       ``jnp.argmax`` gives);
     - ``top2 = max`` over every other index -- what ``lax.top_k(x, 2)`` gives on
@@ -152,13 +152,16 @@ def _row_stats(x: jax.Array) -> tuple[jax.Array, ...]:
     """
     v = x.shape[-1]
     top1 = jnp.max(x, axis=-1)
+    shift = jnp.where(jnp.isfinite(top1), top1, 0.0)
+    lse = shift + jnp.log(jnp.sum(jnp.exp(x - shift[:, None]), axis=-1))
+    # XLA:CPU's max drops NaN (openxla/xla#21461); the exp sum keeps it: NaN
+    # exactly for a row holding a NaN (x - shift <= 0 elsewhere, or +inf).
+    top1 = jnp.where(jnp.isnan(lse), jnp.nan, top1)
     t = top1[:, None]
     # A float32 iota reduces faster than int32 on CPU; exact below 2^24.
     iota = lax.broadcasted_iota(_F32 if v < (1 << 24) else jnp.int32, x.shape, 1)
     first = jnp.min(jnp.where((x == t) | (x != x), iota, v), axis=-1)
     top2 = jnp.max(jnp.where(iota == first[:, None], -jnp.inf, x), axis=-1)
-    shift = jnp.where(jnp.isfinite(top1), top1, 0.0)
-    lse = shift + jnp.log(jnp.sum(jnp.exp(x - shift[:, None]), axis=-1))
     return (top1, top2, lse, jnp.sum(x, axis=-1), jnp.sum(x * x, axis=-1), jnp.max(jnp.abs(x), axis=-1),
             jnp.sum(jnp.where(jnp.isfinite(x), 0.0, 1.0), axis=-1), first.astype(jnp.int32))
 

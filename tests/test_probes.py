@@ -88,8 +88,13 @@ def test_logits_summary_against_numpy():
 
 def test_logits_summary_ties_and_argmax_against_top_k():
     """Coarse logits (many ties): argmax is NumPy's first index, top-2 is lax.top_k's."""
+    for v in (9, 384):  # XLA:CPU reduces 384-wide rows through YNNPACK, 9-wide ones not
+        _ties_and_argmax(v)
+
+
+def _ties_and_argmax(v):
     rng = np.random.default_rng(11)
-    logits = np.round(rng.normal(size=(4, 6, 9)), 0).astype(np.float32)
+    logits = np.round(rng.normal(size=(4, 6, v)), 0).astype(np.float32)
     mask = rng.random((4, 6)) > 0.2
     ls = probes.summarize_logits(jnp.asarray(logits), jnp.asarray(mask))
     np.testing.assert_array_equal(ls.argmax, np.argmax(logits, -1))
@@ -100,12 +105,12 @@ def test_logits_summary_ties_and_argmax_against_top_k():
     # A NaN in a masked-out position: the same figures for the valid ones.
     poisoned = logits.copy()
     poisoned[~mask] = np.nan
-    for chunk in (None, 9 * 6):  # one pass, and chunks of 6 positions
+    for chunk in (None, v * 6):  # the default, and chunks of 6 positions
         poisoned_ls = probes.summarize_logits(jnp.asarray(poisoned), jnp.asarray(mask), chunk_elements=chunk)
         np.testing.assert_array_equal(np.asarray(poisoned_ls.argmax)[mask], np.asarray(ls.argmax)[mask])
         for a, b in zip(jax.tree.leaves(poisoned_ls.replace(argmax=ls.argmax)), jax.tree.leaves(ls)):
             np.testing.assert_allclose(a, b, rtol=1e-6)
-    assert probes._chunk_rows(24, 9, 9 * 6) == 6
+    assert probes._chunk_rows(24, v, v * 6) == 6
 
 
 def test_logits_summary_nonfinite_is_nan():
@@ -122,13 +127,16 @@ def test_logits_summary_nonfinite_is_nan():
 def test_logits_summary_of_nonfinite_rows_against_numpy():
     """+inf, -inf, a row of -inf and NaN: per-row figures as NumPy and jax.nn.logsumexp give them."""
     rng = np.random.default_rng(5)
-    b, t, v = 3, 8, 16
+    b, t, v = 3, 8, 384  # wide enough for XLA:CPU's YNNPACK reductions, whose max drops NaN
     logits = rng.normal(size=(b, t, v)).astype(np.float32)
-    logits[0, 1, 3] = np.inf                        # +inf: argmax 3, lse +inf
-    logits[0, 2, [4, 9]] = np.inf                   # two +inf: the first one
+    logits[0, 1, 300] = np.inf                      # +inf: argmax 300, lse +inf
+    logits[0, 2, [200, 9]] = np.inf                 # two +inf: the first one
     logits[0, 3, 5] = -np.inf                       # -inf: finite lse, one non-finite
     logits[1, 0, :] = -np.inf                       # a row of -inf: lse -inf
-    logits[1, 4, [2, 7]] = np.nan                   # NaN: argmax is the first NaN
+    logits[1, 4, [250, 270]] = np.nan               # NaN: argmax is the first NaN ...
+    logits[1, 4, 3] = 50.0                          # ... even after a larger value
+    logits[1, 5, 130] = 50.0                        # a tie across blocks: top2 == top1
+    logits[1, 5, 383] = 50.0
     logits[2, 5, [1, 6]] = [np.inf, np.nan]
     logits[2, 6, 0] = np.nan                        # NaN, masked out: counts nowhere
     mask = np.ones((b, t), bool)
@@ -138,7 +146,7 @@ def test_logits_summary_of_nonfinite_rows_against_numpy():
     for chunk in (None, 0, 2 * v):  # the default, one pass, chunks of two positions
         ls = probes.summarize_logits(jnp.asarray(logits), jnp.asarray(mask), chunk_elements=chunk)
         np.testing.assert_array_equal(ls.argmax, np.argmax(logits, -1))
-        assert float(ls.logits.nonfinite) == np.sum(~np.isfinite(valid_x)) == 24
+        assert float(ls.logits.nonfinite) == np.sum(~np.isfinite(valid_x)) == 392
         assert float(ls.lse.nonfinite) == np.sum(~np.isfinite(ref_lse[mask])) == 5
         assert float(ls.lse.count) == mask.sum()
         assert np.isnan(ls.lse_max) and np.isnan(ls.logits.rms) and np.isnan(ls.logits.abs_max)
