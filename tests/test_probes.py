@@ -135,7 +135,7 @@ def test_logits_summary_of_nonfinite_rows_against_numpy():
     logits[1, 0, :] = -np.inf                       # a row of -inf: lse -inf
     logits[1, 4, [250, 270]] = np.nan               # NaN: argmax is the first NaN ...
     logits[1, 4, 3] = 50.0                          # ... even after a larger value
-    logits[1, 5, 130] = 50.0                        # a tie across blocks: top2 == top1
+    logits[1, 5, 130] = 50.0                        # a tie, far apart: top2 == top1
     logits[1, 5, 383] = 50.0
     logits[2, 5, [1, 6]] = [np.inf, np.nan]
     logits[2, 6, 0] = np.nan                        # NaN, masked out: counts nowhere
