@@ -70,6 +70,7 @@ _HIST_CHUNK = 1 << 18  # elements binned at a time: bounds the scatter's index b
 
 
 _NONFINITE_BIN = 0x7F80  # bits(+inf) >> 16: every bin from here up holds only Inf/NaN
+_ROW = 128  # bins per row of histogram_quantile's two-level search
 
 
 def log_histogram(x: jax.Array, hist: jax.Array | None = None) -> jax.Array:
@@ -133,9 +134,6 @@ def histogram_quantile(hist: jax.Array, q: float = 0.5) -> jax.Array:
     frac = pos - lo_rank
     v = _bin_value(bin_of(lo_rank)) * (1.0 - frac) + _bin_value(bin_of(hi_rank)) * frac
     return jnp.where(n > 0, v, jnp.nan).astype(_F32)
-
-
-_ROW = 128  # bins per row of histogram_quantile's two-level search
 
 
 def optimizer_metrics(opt_state: Any, *, specs: Any = None, axes: Sequence[str] | str = (),
