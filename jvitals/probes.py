@@ -120,10 +120,14 @@ def vary_along(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(cast, tree)
 
 
-# Logits per chunk when summarize_logits picks (chunk_elements=None): an eighth
-# of them, within [512 KiB, 4 MiB] of float32. Smaller chunks cost XLA:CPU one
-# loop iteration each (measured: 4 chunks of small's 512 x 512 logits instead of
-# 2 cost 5% of its 10 ms step); larger ones, temporaries of their size.
+# Logits per chunk when summarize_logits picks (chunk_elements=None) on the CPU:
+# an eighth of them, within [512 KiB, 4 MiB] of float32. Smaller chunks cost
+# XLA:CPU one loop iteration each (measured: 4 chunks of small's 512 x 512 logits
+# instead of 2 cost 5% of its 10 ms step); larger ones, temporaries of their size.
+# Other backends take one pass: GPU/TPU fuse the selects and compares into the
+# reductions (no temporaries), and a loop of small chunks leaves an H200 idle
+# (measured there on 8 x 1024 x 32768 logits: 256 chunks of 2^20, the probes
+# cost 13% of a 34 ms step).
 _CHUNK_MIN, _CHUNK_MAX, _CHUNKS = 1 << 17, 1 << 20, 8
 
 
@@ -190,15 +194,18 @@ def summarize_logits(logits: jax.Array, mask: jax.Array | None = None, *,
     ``lse = logsumexp_v x``. Masked positions count nowhere (a masked position
     holding inf/NaN or huge values changes nothing).
 
-    The per-position reductions run over chunks of positions (``lax.map``) of at
-    most ``chunk_elements`` logits, so the temporaries a backend materialises
-    (XLA:CPU does, for several reductions of one tensor) stay small.
+    On the CPU the per-position reductions run over chunks of positions
+    (``lax.map``) of at most ``chunk_elements`` logits, so the temporaries
+    XLA:CPU materialises (one per select or compare feeding a reduction) stay
+    small. Other backends fuse those into the reductions, so by default they take
+    one pass (``lax.platform_dependent``: the backend compiling the step decides).
 
     Args:
       logits: ``[..., V]`` array of any float dtype (cast to float32 first).
       mask: optional boolean ``logits.shape[:-1]`` (``[B, T]``), True = valid.
-      chunk_elements: logits per chunk; None: an eighth of them, within
-        ``[2^17, 2^20]``; 0: one pass over everything.
+      chunk_elements: logits per chunk, on every backend; None: on the CPU an
+        eighth of them, within ``[2^17, 2^20]``, elsewhere one pass; 0: one pass
+        over everything.
 
     Returns:
       A :class:`LogitsSummary`.
@@ -219,12 +226,19 @@ def summarize_logits(logits: jax.Array, mask: jax.Array | None = None, *,
                 f"{v}): the mask must have their leading shape {pos_shape}, got "
                 f"{tuple(valid.shape)}.")
     rows = int(np.prod(pos_shape, dtype=np.int64))
-    chunk = _chunk_rows(rows, v, chunk_elements)
     x2 = x.reshape(rows, v)
-    if chunk < rows:
-        stats = lax.map(lambda c: _row_stats(c.astype(_F32)), x2.reshape(rows // chunk, chunk, v))
+
+    def chunked(x2: jax.Array, chunk: int) -> tuple[jax.Array, ...]:
+        if chunk < rows:
+            out = lax.map(lambda c: _row_stats(c.astype(_F32)), x2.reshape(rows // chunk, chunk, v))
+            return tuple(o.reshape(rows) for o in out)
+        return _row_stats(x2.astype(_F32))
+
+    if chunk_elements is None:
+        stats = lax.platform_dependent(x2, cpu=lambda a: chunked(a, _chunk_rows(rows, v, None)),
+                                       default=lambda a: chunked(a, rows))
     else:
-        stats = _row_stats(x2.astype(_F32))
+        stats = chunked(x2, _chunk_rows(rows, v, chunk_elements))
     top1, top2, lse, r_sum, r_sumsq, r_amax, r_bad, argmax = (s.reshape(pos_shape) for s in stats)
     tie = top2 == top1
     diff = top1 - top2

@@ -30,8 +30,10 @@ On a step where a family is not due, its figures keep their previous values and
 are not computed: the choice is a ``lax.cond``/``lax.switch`` on the step counter, so
 only the branch taken runs. A conditional is not free, though: XLA:CPU spends
 time on the branch it skips (in proportion to its size: about 2% of a 10 ms
-step for the per-layer branch), and on a GPU XLA may copy the predicate to the
-host to pick the branch. So the per-layer family can also be chosen at trace
+step for the per-layer branch), and on a GPU the step waits for the host to
+read the predicate (measured on an H200, a 34 ms step: the light step took
+1.16x the time of the step without vitals with the ``lax.cond`` cadence, 1.04x
+with the static flag below). So the per-layer family can also be chosen at trace
 time, by an extra argument of the update, which ``optax.chain``, ``MultiSteps``,
 ``inject_hyperparams`` and ``apply_if_finite`` pass through, from a step
 compiled twice on a static flag::

@@ -53,3 +53,16 @@ def count_compiles():
             getattr(jax.monitoring, "unregister_event_duration_listener", _unregister_private)(counter)
 
     return ctx
+
+
+@pytest.fixture(scope="module", params=["cond", "select"])
+def nonfinite_path(request):
+    """Run a module twice: non-finite counts under a ``lax.cond`` (what the CPU
+    compiles) and as an unconditional select (what GPUs and TPUs compile; see
+    ``jvitals.stats._healthy_or``), so both are checked here."""
+    from jvitals import stats
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stats, "_healthy_or", stats._cond_healthy_or if request.param == "cond"
+                   else stats._select_healthy_or)
+        yield request.param

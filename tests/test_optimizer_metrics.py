@@ -8,7 +8,7 @@ import pytest
 from flax.training.dynamic_scale import DynamicScale
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jvitals.optimizer import NU_BINS, histogram_quantile, log_histogram, optimizer_metrics
+from jvitals.optimizer import NU_BINS, histogram_quantile, log_histogram, optimizer_metrics, search_quantile
 
 # |log10(estimate) - log10(exact)| bound of the 2^-7-relative bins (midpoint rule).
 BIN_DECADES = np.log10(1 + 2.0 ** -7)
@@ -171,3 +171,72 @@ def test_histogram_quantile_equals_the_running_count_search(q):
     np.testing.assert_allclose(got, want, rtol=1e-6)
     ref = np.quantile(x.astype(np.float64), q)
     assert ref == 0 or abs(np.log10(got) - np.log10(ref)) <= BIN_DECADES
+
+
+def _groups_from(xs):
+    return {(): [jnp.asarray(x) for x in xs]}
+
+
+@pytest.mark.parametrize("q", [0.0, 0.1, 0.5, 0.73, 1.0])
+def test_search_quantile_gives_the_histogram_bins(q):
+    """The scatter-free search finds the bins the histogram finds, over several leaves."""
+    rng = np.random.default_rng(7 + int(q * 100))
+    xs = [(10.0 ** rng.uniform(-20, 20, size=s)).astype(np.float32) for s in [(3001,), (40, 50), ()]]
+    xs[0][:200] = 0.0  # bin 0 reads as 0
+    xs[1][3, :] = 7.5e-3  # a run of one bin (what serialises a scatter on a GPU)
+    allx = np.concatenate([x.ravel() for x in xs])
+    hist = np.bincount(allx.view(np.uint32) >> 16, minlength=NU_BINS)
+    want = float(jax.jit(histogram_quantile, static_argnums=1)(jnp.asarray(hist, jnp.int32), q))
+    got = float(jax.jit(lambda *a: search_quantile(_groups_from(a), q))(*xs))
+    assert got == want
+    ref = np.quantile(allx.astype(np.float64), q)
+    assert ref == 0 or abs(np.log10(got) - np.log10(ref)) <= BIN_DECADES
+
+
+def test_search_quantile_extremes_and_empty():
+    # the largest and smallest finite bins, denormals (bin 0), one element, none
+    big = np.array([3.0e38, 3.3e38, 1.0e-45, 2.0e-38], np.float32)
+    for x in (big, big[:1], np.array([5.0], np.float32), np.float32(2.5)):
+        x = np.atleast_1d(x)
+        for q in (0.0, 0.5, 1.0):
+            hist = np.bincount(x.view(np.uint32) >> 16, minlength=NU_BINS)
+            want = float(histogram_quantile(jnp.asarray(hist, jnp.int32), q))
+            assert float(search_quantile(_groups_from([x]), q)) == want, (x, q)
+    assert np.isnan(search_quantile(_groups_from([np.zeros((0,), np.float32)]), 0.5))
+
+
+@pytest.mark.parametrize("name", ["adam", "multisteps_all"])
+def test_median_methods_agree(name):
+    params = params_tree()
+    state = run(CHAINS[name](), params)
+    got = {m: jax.jit(lambda s, m=m: optimizer_metrics(s, median=m))(state) for m in ("auto", "histogram", "search")}
+    for k in got["auto"]:
+        assert float(got["search"][k]) == float(got["histogram"][k]) == float(got["auto"][k]), k
+    with pytest.raises(ValueError, match="median='sort'"):
+        optimizer_metrics(state, median="sort")
+
+
+def test_auto_median_compiles_the_histogram_on_the_cpu():
+    """'auto' lowers only the CPU branch here: the compiled step is the histogram's."""
+    params = params_tree()
+    state = run(optax.adam(1e-3), params)
+    text = {m: jax.jit(lambda s, m=m: optimizer_metrics(s, median=m)).lower(state).compile().as_text()
+            for m in ("auto", "histogram", "search")}
+    assert "scatter" in text["auto"] and "scatter" in text["histogram"] and "scatter" not in text["search"]
+
+
+def test_search_median_sharded_over_expert_equals_one_device():
+    mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    params = params_tree()
+    state = run(optax.adam(1e-3), params)
+    specs = {"embed": {"embedding": P()}, "layers": {"mlp": {"up_proj": {"kernel": P()}},
+                                                      "moe": {"experts": {"gate_proj": P(None, "expert")}}}}
+    adam_specs = (optax.ScaleByAdamState(count=P(), mu=specs, nu=specs), optax.EmptyState())
+    one = jax.jit(lambda s: optimizer_metrics(s, median="histogram"))(state)
+    put = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, adam_specs,
+                       is_leaf=lambda x: isinstance(x, P))
+    f = jax.shard_map(lambda s: optimizer_metrics(s, specs=specs, axes=("data", "expert"), median="search"),
+                      mesh=mesh, in_specs=(adam_specs,), out_specs=P())
+    sharded = jax.jit(f)(put)
+    for k in one:
+        np.testing.assert_allclose(sharded[k], one[k], rtol=1e-6, err_msg=k)
