@@ -1,4 +1,4 @@
-"""Overhead of jvitals on the reference model's jitted train step (CPU), side by side.
+"""Overhead of jvitals on the reference model's jitted train step, side by side.
 
 Four variants of one training step (same model, data and optimizer,
 ``chain(clip_by_global_norm(1.0), adamw(1e-3))``), run in one process:
@@ -43,7 +43,10 @@ ms per step, and per variant the median of the per-step ratios against (a)
 
 Run: ``python benchmarks/overhead.py [--quick] [--steps N] [--configs small,moe]
 [--breakdown]``. ``--breakdown`` adds variants of (b) with one family removed
-each, to see where its cost goes.
+each, to see where its cost goes. The step runs on JAX's default backend: the
+CPU here; on an accelerator, add the bf16 configs ``xl`` and ``xl_moe`` (8k
+tokens a step, 189M and 302M parameters; too slow for the CPU), e.g.
+``--configs small,moe,xl,xl_moe --min-seconds 6 --max-steps 200``.
 """
 
 from __future__ import annotations
@@ -103,6 +106,16 @@ def sizes() -> dict[str, Size]:
                                    scan_layers=True), batch=8, seq=64),
         Size("large", rm.ModelConfig(vocab=4096, d_model=256, n_layers=4, n_heads=8, head_dim=32,
                                      d_ff=1024, **dense), batch=8, seq=128),
+        # For an accelerator (not in the default list: minutes per step on the CPU).
+        # bf16 compute, a 32k vocabulary and 8k tokens per step.
+        Size("xl", rm.ModelConfig(vocab=32768, d_model=1024, n_layers=8, n_heads=16, head_dim=64,
+                                  d_ff=4096, n_kv_heads=4, attention="fused_qkv", dtype=jnp.bfloat16),
+             batch=8, seq=1024),
+        Size("xl_moe", rm.ModelConfig(vocab=32768, d_model=1024, n_layers=8, n_heads=16, head_dim=64,
+                                      d_ff=4096, attention="mla", q_lora_rank=512, kv_lora_rank=256,
+                                      attn_gate=True, moe=True, n_experts=8, top_k=2, d_expert=1024,
+                                      n_mtp=1, scan_layers=True, dtype=jnp.bfloat16),
+             batch=8, seq=1024),
     )}
 
 
@@ -410,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-seconds", type=float, default=60.0,
                     help="keep measuring a config (beyond --steps) for this long")
     ap.add_argument("--max-steps", type=int, default=150)
-    ap.add_argument("--configs", default="small,medium,moe,large")
+    ap.add_argument("--configs", default="small,medium,moe,large",
+                    help="comma-separated; also xl and xl_moe (bf16, 8k tokens: for an accelerator)")
     ap.add_argument("--quick", action="store_true", help="smoke run: the small config, 10 steps")
     ap.add_argument("--breakdown", action="store_true", help="also (b) with one family left out at a time")
     args = ap.parse_args(argv)
