@@ -125,9 +125,9 @@ def vary_along(tree: Any, axes: tuple[str, ...]) -> Any:
 # XLA:CPU one loop iteration each (measured: 4 chunks of small's 512 x 512 logits
 # instead of 2 cost 5% of its 10 ms step); larger ones, temporaries of their size.
 # Other backends take one pass: GPU/TPU fuse the selects and compares into the
-# reductions (no temporaries), and a loop of small chunks leaves an H200 idle
-# (measured there on 8 x 1024 x 32768 logits: 256 chunks of 2^20, the probes
-# cost 13% of a 34 ms step).
+# reductions (no temporaries), and each iteration of a loop of small chunks
+# costs a GPU a round trip to the host (on an H200, the probes cost 13% of a
+# 34 ms step, this one's 256 chunks of 2^20 logits among them).
 _CHUNK_MIN, _CHUNK_MAX, _CHUNKS = 1 << 17, 1 << 20, 8
 
 
@@ -235,8 +235,8 @@ def summarize_logits(logits: jax.Array, mask: jax.Array | None = None, *,
         return _row_stats(x2.astype(_F32))
 
     if chunk_elements is None:
-        stats = lax.platform_dependent(x2, cpu=lambda a: chunked(a, _chunk_rows(rows, v, None)),
-                                       default=lambda a: chunked(a, rows))
+        stats = lax.platform_dependent(cpu=lambda: chunked(x2, _chunk_rows(rows, v, None)),
+                                       default=lambda: chunked(x2, rows))
     else:
         stats = chunked(x2, _chunk_rows(rows, v, chunk_elements))
     top1, top2, lse, r_sum, r_sumsq, r_amax, r_bad, argmax = (s.reshape(pos_shape) for s in stats)

@@ -34,6 +34,7 @@ def test_logits_probe_chunks_on_the_cpu_only():
 def test_adam_nu_median_is_a_histogram_on_the_cpu_only():
     state = optax.adam(1e-3).init({"a": jnp.ones((1000,)), "b": jnp.ones((30, 40))})
     assert "scatter" in lowered(optimizer_metrics, state, platform="cpu")
+    assert "scatter" not in lowered(lambda s: optimizer_metrics(s, median="search"), state, platform="cpu")
     for platform in ACCELERATORS:
         assert "scatter" not in lowered(optimizer_metrics, state, platform=platform), platform
 
