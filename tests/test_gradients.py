@@ -16,6 +16,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jvitals.gradients import global_norm, global_norm_metrics, gradient_metrics, update_metrics
 from jvitals.roles import QKVSplit, Roles
 
+# Each test runs with both non-finite paths (conftest.nonfinite_path): the gradient
+# summaries are summarize_many's, grouped by mesh axes inside shard_map.
+pytestmark = pytest.mark.usefixtures("nonfinite_path")
+
 D, F, V, E = 8, 16, 24, 4
 
 
