@@ -78,6 +78,11 @@ _NONFINITE_BIN = 0x7F80  # bits(+inf) >> 16: every bin from here up holds only I
 _ROW = 128  # bins per row of histogram_quantile's two-level search
 
 
+def _bins(x: jax.Array) -> jax.Array:
+    """``bits(|x|) >> 16`` as int32: the :func:`log_histogram` bin of each element."""
+    return (lax.bitcast_convert_type(jnp.abs(x.astype(_F32)), jnp.uint32) >> 16).astype(jnp.int32)
+
+
 def log_histogram(x: jax.Array, hist: jax.Array | None = None) -> jax.Array:
     """Counts of ``|x|`` per float32 top-16-bit bin (``NU_BINS`` int32); non-finite skipped.
 
@@ -95,8 +100,7 @@ def log_histogram(x: jax.Array, hist: jax.Array | None = None) -> jax.Array:
     n = xf.shape[0]
 
     def add(hist: jax.Array, part: jax.Array) -> tuple[jax.Array, None]:
-        bits = lax.bitcast_convert_type(jnp.abs(part.astype(_F32)), jnp.uint32) >> 16
-        return hist.at[bits.astype(jnp.int32)].add(1, mode="promise_in_bounds"), None
+        return hist.at[_bins(part)].add(1, mode="promise_in_bounds"), None
 
     hist = jnp.zeros([NU_BINS], jnp.int32) if hist is None else hist
     whole = (n // _HIST_CHUNK) * _HIST_CHUNK
@@ -115,6 +119,19 @@ def _bin_value(b: jax.Array) -> jax.Array:
     return jnp.where(b == 0, 0.0, lax.bitcast_convert_type(mid, _F32)).astype(_F32)
 
 
+def _linear_rule(n: jax.Array, q: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """NumPy's linear rule over ``n`` values: the position ``q (n - 1)`` and its two ranks."""
+    pos = q * jnp.maximum(n - 1.0, 0.0)
+    return pos, jnp.floor(pos), jnp.ceil(pos)
+
+
+def _read_bins(lo_bin: jax.Array, hi_bin: jax.Array, pos: jax.Array, n: jax.Array) -> jax.Array:
+    """The two ranks' bin midpoints interpolated at ``pos``; NaN if there is no value."""
+    frac = pos - jnp.floor(pos)
+    v = _bin_value(lo_bin) * (1.0 - frac) + _bin_value(hi_bin) * frac
+    return jnp.where(n > 0, v, jnp.nan).astype(_F32)
+
+
 def histogram_quantile(hist: jax.Array, q: float = 0.5) -> jax.Array:
     """The ``q``-quantile of the values a :func:`log_histogram` counted (NumPy's
     linear rule at the two neighbouring ranks, each read as its bin's midpoint).
@@ -127,8 +144,7 @@ def histogram_quantile(hist: jax.Array, q: float = 0.5) -> jax.Array:
     rows = h.reshape(-1, _ROW)
     row_cum = jnp.cumsum(jnp.sum(rows, axis=1))
     n = row_cum[-1]
-    pos = q * jnp.maximum(n - 1.0, 0.0)
-    lo_rank, hi_rank = jnp.floor(pos), jnp.ceil(pos)
+    pos, lo_rank, hi_rank = _linear_rule(n, q)
 
     def bin_of(rank: jax.Array) -> jax.Array:
         k = jnp.minimum(jnp.sum(row_cum <= rank, dtype=jnp.int32), rows.shape[0] - 1)
@@ -136,14 +152,7 @@ def histogram_quantile(hist: jax.Array, q: float = 0.5) -> jax.Array:
         cum = before + jnp.cumsum(lax.dynamic_index_in_dim(rows, k, keepdims=False))
         return k * _ROW + jnp.sum(cum <= rank, dtype=jnp.int32)
 
-    frac = pos - lo_rank
-    v = _bin_value(bin_of(lo_rank)) * (1.0 - frac) + _bin_value(bin_of(hi_rank)) * frac
-    return jnp.where(n > 0, v, jnp.nan).astype(_F32)
-
-
-def _bins(x: jax.Array) -> jax.Array:
-    """``bits(|x|) >> 16`` as int32: the :func:`log_histogram` bin of each element."""
-    return (lax.bitcast_convert_type(jnp.abs(x.astype(_F32)), jnp.uint32) >> 16).astype(jnp.int32)
+    return _read_bins(bin_of(lo_rank), bin_of(hi_rank), pos, n)
 
 
 # The search's passes: (bin width, edges). 4 + 4 + 4 + 3 bits cover the 2^15 bins
@@ -188,8 +197,8 @@ def search_quantile(groups: Mapping[tuple[str, ...], Sequence[jax.Array]], q: fl
         return out
 
     n = total([jnp.asarray(sum(x.size for x in xs), _F32) for xs in groups.values()])
-    pos = q * jnp.maximum(n - 1.0, 0.0)
-    ranks = jnp.stack([jnp.floor(pos), jnp.ceil(pos)])
+    pos, lo_rank, hi_rank = _linear_rule(n, q)
+    ranks = jnp.stack([lo_rank, hi_rank])
     lo = jnp.zeros([2], jnp.int32)
     for width, k in _SEARCH_PASSES:
         edges = (lo[:, None] + width * jnp.arange(1, k + 1, dtype=jnp.int32)[None, :]).reshape(-1)
@@ -197,9 +206,7 @@ def search_quantile(groups: Mapping[tuple[str, ...], Sequence[jax.Array]], q: fl
                                     axis=tuple(range(x.ndim)), dtype=jnp.int32)
                             for x in xs) for xs in groups.values()]).reshape(2, k)
         lo = lo + width * jnp.sum(counts <= ranks[:, None], axis=1, dtype=jnp.int32)
-    frac = pos - ranks[0]
-    v = _bin_value(lo[0]) * (1.0 - frac) + _bin_value(lo[1]) * frac
-    return jnp.where(n > 0, v, jnp.nan).astype(_F32)
+    return _read_bins(lo[0], lo[1], pos, n)
 
 
 def _histogram_median(groups: Mapping[tuple[str, ...], Sequence[jax.Array]]) -> jax.Array:
