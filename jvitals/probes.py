@@ -125,7 +125,8 @@ def vary_along(tree: Any, axes: tuple[str, ...]) -> Any:
 # XLA:CPU one loop iteration each (measured: 4 chunks of small's 512 x 512 logits
 # instead of 2 cost 5% of its 10 ms step); larger ones, temporaries of their size.
 # Other backends take one pass: GPU/TPU fuse the selects and compares into the
-# reductions (no temporaries), and each iteration of a loop of small chunks
+# reductions (so no logits-sized temporaries are expected; the one-pass path's
+# memory is not yet measured on a device), and each iteration of a loop of small chunks
 # costs a GPU a round trip to the host (on an H200, the probes cost 13% of a
 # 34 ms step, this one's 256 chunks of 2^20 logits among them).
 _CHUNK_MIN, _CHUNK_MAX, _CHUNKS = 1 << 17, 1 << 20, 8
