@@ -171,6 +171,26 @@ def test_logits_summary_of_nonfinite_rows_against_numpy():
     np.testing.assert_array_equal(r_amax[finite], np.abs(x[finite]).max(-1))
 
 
+def test_logits_argmax_alone_does_not_wait_for_the_exp_sum():
+    """A consumer of the argmax alone (MTP agreement reads nothing else of an MTP
+    head's summary) compiles to the max and the argmax pass: XLA drops the rest,
+    the exp sum of the log-sum-exp included. Same argmax as NumPy's, NaN rows too."""
+    rng = np.random.default_rng(11)
+    logits = rng.normal(size=(4, 16, 512)).astype(np.float32)
+    logits[0, 3, [7, 300]] = [np.nan, 9.0]   # a NaN before the maximum
+    logits[1, 2, [5, 400]] = [9.0, np.nan]   # a NaN after it
+    logits[2, 1, [8, 9]] = 9.0               # a tie: the first index
+    for chunk in (None, 0, 2 * 512):
+        fn = jax.jit(lambda x, c=chunk: probes.summarize_logits(x, chunk_elements=c).argmax)
+        hlo = fn.lower(jnp.asarray(logits)).compile().as_text()
+        assert "exponential" not in hlo, chunk
+        np.testing.assert_array_equal(fn(jnp.asarray(logits)), np.argmax(logits, -1))
+        full = probes.summarize_logits(jnp.asarray(logits), chunk_elements=chunk)
+        assert "exponential" in jax.jit(lambda x, c=chunk: probes.summarize_logits(
+            x, chunk_elements=c).lse.sum).lower(jnp.asarray(logits)).compile().as_text()
+        np.testing.assert_array_equal(full.argmax, np.argmax(logits, -1))
+
+
 def test_attn_logits_probe_masks_causal_and_padding():
     _, _, scores, mask = _data(5)
     valid = np.tril(np.ones((6, 6), bool))[None, None] & np.asarray(mask)[:, None, :, None] \
