@@ -256,8 +256,7 @@ class _TreeStats:
                 parts = [(lr.name, x, None, lr.stack_axis)]
             pending.append((red, lr, [name for name, *_ in parts]))
             items.extend((px, pm, pa) for _, px, pm, pa in parts)
-        # One lax.cond for every piece of the tree; no sums (no gradient figure is a mean).
-        summaries = iter(summarize_many(items, sums=False))
+        summaries = iter(summarize_many(items))  # one lax.cond for every piece of the tree
         for red, lr, names in pending:
             pieces = [(name, next(summaries)) for name in names]
             merged = pieces[0][1]

@@ -247,8 +247,7 @@ def summarize(x: jax.Array, mask: jax.Array | None = None, *, axis: int | None =
     return summarize_many([(x, mask, axis)])[0]
 
 
-def summarize_many(items: Sequence[tuple[jax.Array, jax.Array | None, int | None]], *,
-                   sums: bool = True) -> list[Summary]:
+def summarize_many(items: Sequence[tuple[jax.Array, jax.Array | None, int | None]]) -> list[Summary]:
     """:func:`summarize` of several arrays, with one ``lax.cond`` for them all on the CPU
     (one per set of mesh axes they vary along, inside ``shard_map``).
 
@@ -260,9 +259,6 @@ def summarize_many(items: Sequence[tuple[jax.Array, jax.Array | None, int | None
 
     Args:
       items: ``(x, mask, axis)`` triples, as :func:`summarize` takes them.
-      sums: also measure ``sum`` (for ``mean``/``std``). False: ``sum`` is NaN
-        and each healthy array costs two reductions (``sumsq``, ``abs_max``),
-        which is all a norm, an RMS and a maximum need (the gradient figures).
 
     Returns:
       One :class:`Summary` per item, in order.
@@ -288,8 +284,7 @@ def summarize_many(items: Sequence[tuple[jax.Array, jax.Array | None, int | None
         amaxes.append(jnp.max(jnp.abs(xz), axis=red, initial=0.0))
         # jnp.square: the HLO of optax.global_norm's sum of squares, which XLA shares.
         sumsq = jnp.sum(jnp.square(xz), axis=red)
-        total = jnp.sum(xz, axis=red) if sums else jnp.full_like(sumsq, jnp.nan)
-        hot.append((total, sumsq, jnp.zeros_like(sumsq)))
+        hot.append((jnp.sum(xz, axis=red), sumsq, jnp.zeros_like(sumsq)))
 
     def careful(i: int) -> tuple[jax.Array, jax.Array, jax.Array]:
         xf, red, _, valid = prepared[i]
@@ -298,8 +293,7 @@ def summarize_many(items: Sequence[tuple[jax.Array, jax.Array | None, int | None
         bad = ~finite if valid is None else valid & ~finite
         xg = jnp.where(good, xf, 0.0)
         vary = jnp.zeros_like(hot[i][1])  # typed varying where sumsq is (shard_map)
-        total = jnp.sum(xg, axis=red) + vary if sums else hot[i][0]
-        return (total, jnp.sum(xg * xg, axis=red) + vary,
+        return (jnp.sum(xg, axis=red) + vary, jnp.sum(xg * xg, axis=red) + vary,
                 jnp.sum(bad, axis=red, dtype=_F32) + vary)
 
     def pack(parts: Any) -> jax.Array:
