@@ -170,7 +170,7 @@ def _row_stats(x: jax.Array) -> tuple[jax.Array, ...]:
     rank = jnp.min(jnp.where(x != x, iota, jnp.where(x == m[:, None], iota + v, 2 * v)), axis=-1)
     first = jnp.where(rank >= v, rank - v, rank)
     top2 = jnp.max(jnp.where(iota == first[:, None], -jnp.inf, x), axis=-1)
-    # max|x| = max(top1, -min x) on a finite row (the only rows it is read for):
+    # max|x| = max(m, -min x) on a finite row (the only rows it is read for):
     # a plain min reduces twice as fast as a max of |x| on XLA:CPU.
     amax = jnp.maximum(m, -jnp.min(x, axis=-1))
     return (top1, top2, lse, jnp.sum(x, axis=-1), jnp.sum(x * x, axis=-1), amax,
