@@ -7,8 +7,8 @@ Four variants of one training step (same model, data and optimizer,
   (``use_probes=False``; XLA drops them), the step returns only the loss. MoE
   configs still read ``expert_counts`` for aux-loss-free balancing
   (``update_expert_bias``): that is training, not vitals, and all variants do it.
-- **(b) all, every step**, as the issue defines it: ``record()`` with every
-  family every step plus the activation probes --
+- **(b) all, every step**: ``record()`` with every family every step plus
+  the activation probes --
   ``record(clip, every={'global': 1, 'layers': 1})``, the model's probes
   (``use_probes=True``: logits, MTP logits, attention logits, hidden states,
   attention outputs, gate scores), ``activation_metrics`` and ``moe_metrics``

@@ -192,14 +192,15 @@ def test_logits_argmax_alone_does_not_wait_for_the_exp_sum():
 
 
 def test_row_argmax_past_2_23_columns_takes_the_int32_iota():
-    """Rows wider than 2^23 rank with an int32 iota (a float32 one is exact only to
-    2^24 = 2V): the argmax near the row's end, after a tie and past a NaN, is NumPy's."""
+    """Rows wider than 2^23 rank with an int32 iota (the ranks reach 2V, and a
+    float32 one is exact only to 2^24): the argmax near the row's end, after a tie
+    and past a NaN, is NumPy's."""
     v = (1 << 23) + 3
     x = np.random.default_rng(12).normal(size=(3, v)).astype(np.float32)
     x[0, [5, v - 2]] = [np.nan, 9.0]   # the first NaN, before a larger value
     x[1, [v - 7, v - 1]] = 9.0         # a tie near the end: the first of the two
     x[2, v - 1] = 9.0                  # the last column
-    top1, top2, *_, argmax = probes._row_stats(jnp.asarray(x))
+    _, top2, *_, argmax = probes._row_stats(jnp.asarray(x))
     np.testing.assert_array_equal(argmax, np.argmax(x, -1))
     np.testing.assert_array_equal(top2[1:], [9.0, np.sort(x[2])[-2]])
 
