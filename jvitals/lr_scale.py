@@ -1,4 +1,4 @@
-"""A learning-rate scale that works with any optax schedule, set from the host.
+"""Learning-rate scales that work with any optax schedule, set from the host.
 
 Setting ``hyperparams['learning_rate']`` of an ``inject_hyperparams`` state does
 nothing when the learning rate is a schedule (the schedule recomputes it each
@@ -13,66 +13,262 @@ Adam(W), Lion, Adafactor with a fixed lr, ...), scaling the update is the same a
 scaling the learning rate at every step of the schedule. The rollback in
 :mod:`jvitals.rollback` turns this scale down (x0.9 per rollback, compounding).
 
-The scale lives in the optimizer state as a float32 scalar (whatever the params'
-dtype), so it is checkpointed with it; :func:`set_lr_scale` replaces it with an
+**Per-group scales** (``groups="roles"`` or a function): every leaf belongs to a
+group (``"embedding"``, ``"lm_head"``, ``"layer_{i}"``, ``"other"`` by default) and
+the update of a leaf in group ``g`` is::
+
+    update'_leaf = lr_scale * lr_scale[g] * tx.update(grads)_leaf
+
+with one float32 scalar per group in the state (an :class:`LRGroupScaleState`
+inside the chain). An ``nn.scan``-stacked leaf scales each slice ``i`` of its
+layer axis by its layer's scale. The global ``lr_scale`` multiplies every group's.
+
+The scales live in the optimizer state as float32 scalars (whatever the params'
+dtype), so they are checkpointed with it; :func:`set_lr_scale` replaces one with an
 array of the same dtype, shape and sharding, so a jitted step does not retrace.
+
+The update of the wrapped ``tx`` is called with one extra keyword argument,
+``vitals_lr_scale=`` (:data:`LR_SCALE_ARG`): the float32 global scale in force
+(times any outer ``with_lr_scale``'s), so a recorder inside the chain can log the
+learning rate actually applied. Transforms that take no extra arguments are
+wrapped with ``optax.with_extra_args_support`` (by ``optax.chain``) and ignore it.
 
 Example::
 
-    tx = vitals.with_lr_scale(optax.adamw(optax.cosine_decay_schedule(3e-4, 10_000)))
+    tx = vitals.with_lr_scale(optax.adamw(optax.cosine_decay_schedule(3e-4, 10_000)),
+                              groups="roles")
     opt_state = tx.init(params)
-    opt_state = vitals.set_lr_scale(opt_state, 0.9)
-    vitals.get_lr_scale(opt_state)   # 0.9 (as float32)
+    opt_state = vitals.set_lr_scale(opt_state, 0.9)                      # every group
+    opt_state = vitals.set_lr_scale(opt_state, 0.5, group="embedding")   # one group
+    vitals.get_lr_scale(opt_state), vitals.get_lr_scale(opt_state, "embedding")  # 0.9, 0.5
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Callable, Mapping, NamedTuple, Sequence, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-__all__ = ["LR_SCALE", "with_lr_scale", "get_lr_scale", "set_lr_scale", "has_lr_scale"]
+from jvitals.roles import LeafRole, Roles, assign_roles
+
+__all__ = [
+    "LR_SCALE",
+    "LR_SCALE_ARG",
+    "LRGroupScaleState",
+    "get_lr_scale",
+    "get_lr_scales",
+    "has_lr_scale",
+    "leaf_groups",
+    "set_lr_scale",
+    "with_lr_scale",
+]
 
 LR_SCALE = "lr_scale"
-"""Name of the injected hyperparameter holding the learning-rate scale."""
+"""Name of the injected hyperparameter holding the global learning-rate scale."""
+
+LR_SCALE_ARG = "vitals_lr_scale"
+"""Extra update argument carrying the global scale in force to the wrapped ``tx``."""
 
 _STATE_TYPES = (optax.InjectStatefulHyperparamsState, optax.InjectHyperparamsState)
 
 T = TypeVar("T")
 
+GroupsArg = Union[None, str, Callable[[Any], Any], Mapping[str, float]]
+"""``None``, ``"roles"``, a function ``params -> pytree of group names``, or a
+mapping ``{group: initial scale}`` over the roles groups."""
 
-def with_lr_scale(tx: optax.GradientTransformation, lr_scale: float = 1.0
+
+class LRGroupScaleState(NamedTuple):
+    """State of the per-group scale inside :func:`with_lr_scale` (``groups=`` set).
+
+    Attributes:
+      scales: ``{group name: float32 scalar}``; the update of a leaf in group ``g``
+        is multiplied by ``scales[g]`` (and then by the global ``lr_scale``).
+    """
+
+    scales: dict[str, jax.Array]
+
+
+# ----------------------------------------------------------------------------------
+# Groups.
+
+
+def _roles_group(lr: LeafRole) -> str | tuple[tuple[str, ...], int]:
+    if lr.role in ("embedding", "lm_head"):
+        return lr.role
+    if lr.stack is not None:
+        return tuple(f"layer_{i}" for i in lr.layers), lr.stack_axis
+    if lr.layer is not None:
+        return f"layer_{lr.layer}"
+    return "other"
+
+
+def leaf_groups(tree: Any, groups: GroupsArg = "roles", roles: Roles | None = None
+                ) -> list[str | tuple[tuple[str, ...], int]]:
+    """The group of every leaf of ``tree``, in ``jax.tree`` flatten order.
+
+    Args:
+      tree: a parameter (or update) pytree; only paths and shapes are read, so it
+        works on tracers and ``ShapeDtypeStruct``\\ s.
+      groups: ``"roles"`` (or a mapping, which uses the roles groups): a leaf of
+        role ``embedding`` is ``"embedding"``, of role ``lm_head`` ``"lm_head"``, a
+        leaf of layer ``i`` ``"layer_{i}"``, anything else ``"other"``; or a
+        function ``tree -> pytree of group names`` (one ``str`` per leaf).
+      roles: the :class:`~jvitals.roles.Roles` for ``"roles"`` (defaults if None).
+
+    Returns:
+      Per leaf, a group name, or for an ``nn.scan``-stacked leaf
+      ``((name of slice 0, name of slice 1, ...), layer axis)``.
+
+    Raises:
+      ValueError: if the function's result does not give one ``str`` per leaf.
+    """
+    if groups is None:
+        raise ValueError("leaf_groups: groups=None has no groups; pass 'roles' or a function")
+    if callable(groups) and not isinstance(groups, str):
+        names = groups(tree)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        try:
+            per_leaf = treedef.flatten_up_to(names)
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                "with_lr_scale(groups=fn): fn(params) must return a pytree of the params' "
+                f"structure with one group name (str) per leaf; got {type(names).__name__} "
+                f"that does not match ({e})") from None
+        for (p, _), g in zip(flat, per_leaf):
+            if not isinstance(g, str) or not g:
+                raise ValueError(
+                    f"with_lr_scale(groups=fn): the group of {jax.tree_util.keystr(p, simple=True, separator='/')!r} "
+                    f"is {g!r}; expected a non-empty str (a group name)")
+        return list(per_leaf)
+    if isinstance(groups, str) and groups != "roles":
+        raise ValueError(f"with_lr_scale(groups={groups!r}): expected None, 'roles', a function "
+                         "params -> pytree of group names, or a mapping {group: initial scale}")
+    return [_roles_group(lr) for lr in assign_roles(tree, roles)]
+
+
+def _group_names(per_leaf: Sequence[Any]) -> list[str]:
+    seen: dict[str, None] = {}
+    for g in per_leaf:
+        for n in ((g,) if isinstance(g, str) else g[0]):
+            seen.setdefault(n, None)
+    return list(seen)
+
+
+def _scale_by_group(groups: GroupsArg, roles: Roles | None,
+                    init: Mapping[str, float]) -> optax.GradientTransformation:
+    """``update_leaf *= scales[group(leaf)]`` (per slice for stacked leaves)."""
+
+    def init_fn(params):
+        names = _group_names(leaf_groups(params, groups, roles))
+        unknown = sorted(set(init) - set(names))
+        if unknown:
+            raise ValueError(
+                f"with_lr_scale(groups={dict(init)!r}): group(s) {unknown} have no parameter; "
+                f"the groups of these params are {names}")
+        return LRGroupScaleState({n: jnp.asarray(init.get(n, 1.0), jnp.float32) for n in names})
+
+    def update_fn(updates, state, params=None):
+        per_leaf = leaf_groups(params if params is not None else updates, groups, roles)
+        leaves, treedef = jax.tree.flatten(updates)
+        if len(per_leaf) != len(leaves):
+            raise ValueError(f"with_lr_scale: params have {len(per_leaf)} leaves, updates {len(leaves)}")
+        missing = sorted(set(_group_names(per_leaf)) - set(state.scales))
+        if missing:
+            raise ValueError(f"with_lr_scale: group(s) {missing} are not in the state (groups "
+                             f"{sorted(state.scales)}); re-create the state with tx.init(params)")
+        out = []
+        for u, g in zip(leaves, per_leaf):
+            if isinstance(g, str):
+                m = state.scales[g]
+            else:
+                names, axis = g
+                shape = [1] * u.ndim
+                shape[axis] = len(names)
+                m = jnp.stack([state.scales[n] for n in names]).reshape(shape)
+            out.append((u * m).astype(u.dtype))
+        return jax.tree.unflatten(treedef, out), state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+# ----------------------------------------------------------------------------------
+# The wrapper.
+
+
+def with_lr_scale(tx: optax.GradientTransformation, lr_scale: float = 1.0, *,
+                  groups: GroupsArg = None, roles: Roles | None = None
                   ) -> optax.GradientTransformationExtraArgs:
-    """Wraps ``tx`` so its updates are multiplied by a host-settable ``lr_scale``.
+    """Wraps ``tx`` so its updates are multiplied by host-settable scales.
 
-    ``update = lr_scale * tx.update(...)``; with any optax schedule inside ``tx``
-    this scales the learning rate at every step while the schedule keeps running.
+    ``update = lr_scale * lr_scale[group] * tx.update(...)``; with any optax
+    schedule inside ``tx`` this scales the learning rate at every step while the
+    schedule keeps running.
 
     Args:
       tx: any optax transformation (a chain, an optimizer with a schedule, ...).
-      lr_scale: the initial scale (1.0: no change).
+      lr_scale: the initial global scale (1.0: no change).
+      groups: None (one global scale, the state of earlier versions); ``"roles"``
+        (a scale per group of :func:`leaf_groups`: ``"embedding"``, ``"lm_head"``,
+        ``"layer_{i}"``, ``"other"``); a function ``params -> pytree of group
+        names`` (one ``str`` per leaf); or a mapping ``{group: initial scale}``
+        (roles groups, the others starting at 1.0).
+      roles: the :class:`~jvitals.roles.Roles` for the roles groups.
 
     Returns:
-      An ``optax.inject_hyperparams`` transformation whose state is an
+      An ``optax.GradientTransformationExtraArgs`` whose state is an
       ``InjectStatefulHyperparamsState`` with ``hyperparams['lr_scale']`` a float32
-      scalar; extra update arguments (``loss=``, ...) are forwarded to ``tx``.
+      scalar; with ``groups`` its ``inner_state`` also holds an
+      :class:`LRGroupScaleState`. Extra update arguments (``loss=``, ...) are
+      forwarded to ``tx``, plus ``vitals_lr_scale=`` (the global scale in force).
+
+    Raises:
+      ValueError: (at ``init``) if a mapping names a group no leaf belongs to.
 
     Example::
 
       tx = with_lr_scale(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched)))
+      tx = with_lr_scale(optax.adamw(sched), groups={"embedding": 0.5, "lm_head": 0.5})
     """
-    def factory(lr_scale):
-        return optax.chain(tx, optax.scale(lr_scale))
+    if groups is None:
+        members: tuple[optax.GradientTransformation, ...] = ()
+    else:
+        init: Mapping[str, float] = {}
+        if isinstance(groups, Mapping):
+            init = {str(k): float(v) for k, v in groups.items()}
+            groups = "roles"
+        if isinstance(groups, str) and groups != "roles":
+            leaf_groups({}, groups, roles)  # raises: names what is allowed
+        members = (_scale_by_group(groups, roles, init),)
 
-    return optax.inject_hyperparams(factory, hyperparam_dtype=jnp.float32)(
+    def factory(lr_scale):
+        return optax.chain(tx, *members, optax.scale(lr_scale))
+
+    injected = optax.inject_hyperparams(factory, hyperparam_dtype=jnp.float32)(
         lr_scale=float(lr_scale))
+
+    def update_fn(updates, state, params=None, **extra):
+        outer = extra.pop(LR_SCALE_ARG, None)
+        own = jnp.asarray(state.hyperparams[LR_SCALE], jnp.float32)
+        in_force = own if outer is None else own * jnp.asarray(outer, jnp.float32)
+        return injected.update(updates, state, params, **{LR_SCALE_ARG: in_force}, **extra)
+
+    return optax.GradientTransformationExtraArgs(injected.init, update_fn)
+
+
+# ----------------------------------------------------------------------------------
+# Reading and setting.
 
 
 def _is_scale_state(x: Any) -> bool:
     return isinstance(x, _STATE_TYPES) and LR_SCALE in x.hyperparams
+
+
+def _is_group_state(x: Any) -> bool:
+    return isinstance(x, LRGroupScaleState)
 
 
 def _scale_nodes(tree: Any) -> list[Any]:
@@ -85,24 +281,71 @@ def _scale_nodes(tree: Any) -> list[Any]:
     return found
 
 
-def has_lr_scale(tree: Any) -> bool:
-    """True if ``tree`` (an opt_state, or a whole train state) holds an ``lr_scale``."""
-    return bool(_scale_nodes(tree))
+def _group_nodes(tree: Any) -> list[LRGroupScaleState]:
+    return [n for n in jax.tree.leaves(tree, is_leaf=_is_group_state) if _is_group_state(n)]
 
 
-def get_lr_scale(tree: Any) -> float:
-    """Reads the ``lr_scale`` hyperparameter from anywhere in ``tree``.
+def _group_names_in(tree: Any) -> list[str]:
+    seen: dict[str, None] = {}
+    for node in _group_nodes(tree):
+        for n in node.scales:
+            seen.setdefault(n, None)
+    return list(seen)
+
+
+def _check_group(tree: Any, group: str, what: str) -> None:
+    nodes = _group_nodes(tree)
+    if not nodes:
+        raise ValueError(
+            f"{what}(group={group!r}): the optimizer state holds no per-group scales (built with "
+            "jvitals.with_lr_scale(tx) without groups). Build it with "
+            "jvitals.with_lr_scale(tx, groups='roles') or groups=fn, or pass group=None for the "
+            "global scale.")
+    names = _group_names_in(tree)
+    if group not in names:
+        raise ValueError(f"{what}(group={group!r}): no parameter belongs to group {group!r}; "
+                         f"the groups are {names} (or group=None for the global scale)")
+
+
+def has_lr_scale(tree: Any, group: str | None = None) -> bool:
+    """True if ``tree`` (an opt_state, or a whole train state) holds an ``lr_scale``
+    (with ``group``: a scale for that group)."""
+    if group is None:
+        return bool(_scale_nodes(tree))
+    return group in _group_names_in(tree)
+
+
+def _one_value(values: list[float], what: str) -> float:
+    if any(v != values[0] for v in values):
+        raise ValueError(f"Expected one '{what}' value, found {len(values)} that differ: "
+                         f"{values}. Set them together with jvitals.set_lr_scale(tree, value).")
+    return values[0]
+
+
+def _host(x: Any) -> float:
+    return float(np.asarray(jax.device_get(x)))
+
+
+def get_lr_scale(tree: Any, group: str | None = None) -> float:
+    """Reads the global ``lr_scale`` (or one group's scale) from anywhere in ``tree``.
 
     Args:
       tree: an optimizer state, or any pytree containing one (a flax ``TrainState``,
         a dict), built with :func:`with_lr_scale`.
+      group: None for the global scale (which multiplies every group's), or a group
+        name (``"embedding"``, ``"layer_3"``...): that group's own factor.
 
     Returns:
       The scale as a Python float (one host read).
 
     Raises:
-      ValueError: if ``tree`` holds no ``lr_scale``, or holds several that differ.
+      ValueError: if ``tree`` holds no such scale (naming the groups there are), or
+        holds several that differ.
     """
+    if group is not None:
+        _check_group(tree, group, "get_lr_scale")
+        return _one_value([_host(n.scales[group]) for n in _group_nodes(tree) if group in n.scales],
+                          f"{LR_SCALE}[{group}]")
     nodes = _scale_nodes(tree)
     if not nodes:
         raise ValueError(
@@ -110,11 +353,12 @@ def get_lr_scale(tree: Any) -> float:
             f"inject_hyperparams state with a '{LR_SCALE}' hyperparameter), found none "
             f"in a {type(tree).__name__}. Wrap the optimizer: "
             "tx = jvitals.with_lr_scale(tx).")
-    values = [float(np.asarray(jax.device_get(n.hyperparams[LR_SCALE]))) for n in nodes]
-    if any(v != values[0] for v in values):
-        raise ValueError(f"Expected one '{LR_SCALE}' value, found {len(values)} that differ: "
-                         f"{values}. Set them together with jvitals.set_lr_scale(tree, value).")
-    return values[0]
+    return _one_value([_host(n.hyperparams[LR_SCALE]) for n in nodes], LR_SCALE)
+
+
+def get_lr_scales(tree: Any) -> dict[str, float]:
+    """Every group's own scale, ``{group: float}`` (empty without groups; one host read each)."""
+    return {g: get_lr_scale(tree, g) for g in _group_names_in(tree)}
 
 
 def _like(old: Any, value: float) -> Any:
@@ -132,8 +376,8 @@ def _like(old: Any, value: float) -> Any:
     return np.full(np.shape(old), value, dtype=dtype)
 
 
-def set_lr_scale(tree: T, value: float) -> T:
-    """Sets every ``lr_scale`` hyperparameter in ``tree`` to ``value``.
+def set_lr_scale(tree: T, value: float, group: str | None = None) -> T:
+    """Sets the global ``lr_scale`` (or one group's scale) everywhere in ``tree``.
 
     The new value keeps the old one's dtype (float32 with :func:`with_lr_scale`),
     shape and sharding, so a jitted train step that takes ``tree`` does not retrace
@@ -142,16 +386,30 @@ def set_lr_scale(tree: T, value: float) -> T:
     Args:
       tree: an optimizer state, or any pytree containing one.
       value: the new scale (e.g. ``0.9 * get_lr_scale(tree)``).
+      group: None for the global scale, or a group name: that group's own factor
+        (the global one still multiplies it).
 
     Returns:
       A copy of ``tree`` with the scale replaced; the input is not modified.
 
     Raises:
-      ValueError: if ``tree`` holds no ``lr_scale`` hyperparameter.
+      ValueError: if ``tree`` holds no such scale (naming the groups there are).
     """
+    value = float(value)
+    if group is not None:
+        _check_group(tree, group, "set_lr_scale")
+
+        def replace_group(node: Any) -> Any:
+            if not _is_group_state(node) or group not in node.scales:
+                return node
+            scales = dict(node.scales)
+            scales[group] = _like(scales[group], value)
+            return node._replace(scales=scales)
+
+        return jax.tree.map(replace_group, tree, is_leaf=_is_group_state)
+
     if not has_lr_scale(tree):
         get_lr_scale(tree)  # raises the explanatory error
-    value = float(value)
 
     def replace(node: Any) -> Any:
         if not _is_scale_state(node):

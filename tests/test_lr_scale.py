@@ -7,7 +7,7 @@ import optax
 import pytest
 from flax.training import train_state
 
-from jvitals.lr_scale import LR_SCALE, get_lr_scale, has_lr_scale, set_lr_scale, with_lr_scale
+from jvitals.lr_scale import LR_SCALE, LR_SCALE_ARG, get_lr_scale, has_lr_scale, set_lr_scale, with_lr_scale
 
 
 def _params():
@@ -129,3 +129,35 @@ def test_set_inside_jit():
     st = tx.init(_params())
     out = jax.jit(lambda s: set_lr_scale(s, 0.5))(st)
     assert get_lr_scale(out) == 0.5
+
+
+def _probe(seen):
+    """A transform that records the extra arguments its update receives."""
+    def update(updates, state, params=None, **extra):
+        seen.append({k: np.asarray(v) if hasattr(v, "shape") else v for k, v in extra.items()})
+        return updates, state
+    return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+
+
+def test_inner_update_receives_the_global_scale_in_force():
+    seen = []
+    tx = with_lr_scale(optax.chain(_probe(seen), optax.sgd(0.1)), 0.5)
+    st = tx.init(_params())
+    tx.update(_grads(0), st, loss=1.25)
+    assert seen[-1]["loss"] == 1.25
+    assert seen[-1][LR_SCALE_ARG].dtype == np.float32 and seen[-1][LR_SCALE_ARG] == np.float32(0.5)
+    st = set_lr_scale(st, 0.8)
+    jax.jit(lambda g, s: tx.update(g, s))(_grads(0), st)
+    # Nested wrappers: the inner one sees the product of both scales.
+    seen.clear()
+    tx2 = with_lr_scale(with_lr_scale(optax.chain(_probe(seen), optax.sgd(0.1)), 0.5), 0.25)
+    tx2.update(_grads(0), tx2.init(_params()))
+    assert seen[-1][LR_SCALE_ARG] == np.float32(0.125)
+    # Plain GradientTransformations (no extra args) inside still work.
+    plain = optax.GradientTransformation(lambda p: optax.EmptyState(), lambda u, s, p=None: (u, s))
+    tx3 = with_lr_scale(optax.chain(plain, optax.sgd(1.0)), 0.5)
+    upd, _ = tx3.update(_grads(0), tx3.init(_params()))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, -0.5 * np.asarray(b), rtol=1e-6), upd, _grads(0))
+    tx4 = with_lr_scale(plain, 0.5)
+    upd, _ = tx4.update(_grads(0), tx4.init(_params()))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, 0.5 * np.asarray(b), rtol=1e-6), upd, _grads(0))
