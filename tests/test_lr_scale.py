@@ -134,7 +134,7 @@ def test_set_inside_jit():
 def _probe(seen):
     """A transform that records the extra arguments its update receives."""
     def update(updates, state, params=None, **extra):
-        seen.append({k: np.asarray(v) if hasattr(v, "shape") else v for k, v in extra.items()})
+        seen.append(dict(extra))
         return updates, state
     return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
 
@@ -148,6 +148,7 @@ def test_inner_update_receives_the_global_scale_in_force():
     assert seen[-1][LR_SCALE_ARG].dtype == np.float32 and seen[-1][LR_SCALE_ARG] == np.float32(0.5)
     st = set_lr_scale(st, 0.8)
     jax.jit(lambda g, s: tx.update(g, s))(_grads(0), st)
+    assert seen[-1][LR_SCALE_ARG].dtype == jnp.float32 and seen[-1][LR_SCALE_ARG].shape == ()
     # Nested wrappers: the inner one sees the product of both scales.
     seen.clear()
     tx2 = with_lr_scale(with_lr_scale(optax.chain(_probe(seen), optax.sgd(0.1)), 0.5), 0.25)
