@@ -1,154 +1,165 @@
-"""The red response: orbax-backed checkpoints, pause, and automatic rollback.
+"""The red response: which action for which verdict, over a checkpoint store.
 
 :class:`Rollback` is the one place in jvitals that acts on a verdict. Each call
 of :meth:`Rollback.respond` (at the host's check cadence) does one of::
 
     verdict level      action     what happens
     GREEN / YELLOW     SAVED      save on the cadence (first call, then each time the
-                                  step crosses a multiple of ``save_every``)
+                                  step crosses a multiple of ``save_every``); a light
+                                  snapshot between them with ``snapshots=``
                        CONTINUE   otherwise
     ORANGE             PAUSE      save now (off-cadence too; once per orange episode),
                                   then pause as asked: 'return' (the loop decides),
                                   'raise' (:class:`TrainingPaused`) or a callable
-    RED                ROLLBACK   restore the newest healthy checkpoint saved before
-                                  the anomaly's onset, learning rate x ``lr_factor``,
-                                  data position unchanged
+    RED                ROLLBACK   restore the newest healthy checkpoint from before the
+                                  fault's earliest sign, then the actions: learning rate
+                                  x ``lr_factor``; optionally skip data, reset Adam
+                                  moments; data position kept by default
 
-Checkpoints are orbax ``CheckpointManager`` steps (async saves) holding two items:
-``state`` (the whole train state pytree: params, optimizer state including the
-recorder's, step; ``StandardSave``) and ``meta`` (JSON: the health level at save
-time, the kind of save, the monitor's ``state_dict``, every process's data
-position, the LR scale, the rollback history and the quarantine list).
+The checkpoints live in a :class:`jvitals.checkpoints.CheckpointStore` (save,
+levels, pins, quarantine, retention); this module decides what to save, what to
+pin and what to restore, and knows nothing about orbax.
 
 Decisions (each is tested):
 
-- **Checkpoint numbers** are the ``step`` passed to ``respond`` (the loop's step
-  counter; the state inside holds whatever the user's step field says, usually
-  ``step + 1`` after ``train_step``). After a rollback the numbering keeps going
-  forward: the params and optimizer state come from the old checkpoint, but the
-  step counter and the data position do not go back. With ``step_attr`` (default
-  ``"step"``) the restored state's step field is set back to the current one, so
-  ``for step in range(int(state.step), ...)`` never replays numbers. Orbax
-  silently skips a save at a step <= its latest and refuses an existing step;
-  forward numbering avoids both, and every save is checked to have landed.
+- **Checkpoint numbers** are the ``step`` passed to ``respond``. After a
+  rollback the numbering keeps going forward: params and optimizer state come
+  from the old checkpoint, the step counter (``step_attr``) and the data position
+  do not go back. Orbax silently skips a save at a step <= its latest and refuses
+  an existing step; forward numbering avoids both.
 - **The rollback is itself checkpointed** (``save_on_rollback=True``): the
-  restored state, with the lower LR scale and the *current* data position, is
-  saved as step ``S`` (the red step, kind ``"rollback"``). A crash right after a
-  rollback therefore resumes rolled back, with the data position kept.
-- **Rollback target**: the newest checkpoint with ``step < onset - onset_margin``,
-  and older than the previous check when the onset is one of the guard's checks
-  and the host checks every ``k > 1`` steps (an onset seen at a check may come
-  from any update since the previous check, that check's own update included)
-  (``onset`` = ``verdict.onset_step``, or the red step when the verdict has none;
-  ``onset_margin=1`` by default: the checkpoint of step ``s`` holds the update of
-  step ``s``, first visible in the metrics of step ``s + 1``, so the checkpoint of
-  ``onset - 1`` may hold the very update that caused the anomaly), whose saved
-  level is in
-  ``healthy_levels`` (GREEN, YELLOW), that is not quarantined, that restores
-  without error on every process and whose floating-point leaves are finite.
-  Corrupt candidates are quarantined, reported as ``checkpoint_corrupt`` alerts,
-  and the next older one is tried.
-- **Quarantine**: the checkpoints after the target (``target < step <= S``) are
-  sick. They are *kept* on disk for a post-mortem (normal retention ages them out)
-  but listed in ``<directory>/jvitals_quarantine.json`` (and in the metadata of
-  every later checkpoint) and never restored again, neither by a rollback nor by
-  :meth:`Rollback.resume`. A step number that is quarantined and reached again
-  (only after a resume from an older checkpoint) is deleted and re-saved.
-- **Relapse**: if the run goes red again without a single healthy check since the
-  previous rollback, the previous target itself is suspect: it and the rollback
-  checkpoints restored from it are quarantined (reason ``relapse``) and an older
+  restored state, after the actions, with the data position to continue from, is
+  saved as the red step (kind ``"rollback"``); a crash right after it resumes
+  rolled back.
+- **The target** is the newest *healthy* checkpoint (saved at a level in
+  ``healthy_levels`` with no open alert that had reached ORANGE, not quarantined,
+  restores on every process, finite) saved before the fault's **earliest sign**
+  minus one host cadence: ``step < E - k``. ``E`` is the earliest of the onsets
+  and localization change points (``Localization.departure_step``) of the chain
+  of alerts that escalated to the red: the open alerts whose peak reached ORANGE
+  or RED, the open spike alerts (a spike's onset), the alerts they name (``details['lead_alert']``), and the ORANGE+
+  alerts that closed since the last calm check. An alert that closed without
+  escalating is not in the chain; an alert the guard saw stop holding (its
+  ``clearing_since`` set) and hold again counts from the check it held again, so a
+  closed noise YELLOW never moves the target. ``k`` is the host cadence at ``E``
+  (when ``E`` is one of the guard's checks, the interval back to the previous
+  check: the metrics seen at a check may come from any update since the
+  previous check, that check's own included, so the checkpoint of the previous
+  check may hold a faulty update and the one before is taken; otherwise the
+  monitor saw step ``E`` itself and the margin is ``onset_margin``, 1). ``rewind_steps=N`` also requires
+  ``step <= E - N``. Corrupt candidates are quarantined (one log line each,
+  ``checkpoint_corrupt`` alerts) and the next older one is tried.
+- **Pins**: the newest healthy checkpoint, every rollback target, and the newest
+  healthy checkpoint before each open alert's earliest sign are pinned: retention
+  never deletes them (the store logs what it keeps and why).
+- **Quarantine**: the checkpoints after the target up to the red step are sick:
+  quarantined, kept for a post-mortem (the newest ``keep_quarantined``), never
+  restored by a rollback or :meth:`resume`.
+- **Relapse**: red again without a healthy check since the previous rollback:
+  the previous target is suspect (quarantined, reason ``relapse``) and an older
   healthy checkpoint is used; if there is none, the suspect is used anyway.
-- **Learning rate**: the optimizer must be wrapped with
-  :func:`jvitals.with_lr_scale`; each rollback multiplies the scale by
-  ``lr_factor`` (compounding: 0.9, 0.81, ...), writes it into the restored
-  ``opt_state`` (same dtype and sharding: no retrace) and saves it in the
-  metadata. The optimizer's own counts (schedule position, Adam bias correction)
-  roll back with its moments.
-- **Retention** (a custom orbax ``PreservationPolicy``): the newest ``keep_last``
-  regular (cadence, rollback, manual) checkpoints; every cadence checkpoint on a
-  multiple of ``keep_every`` (or the first one past it), for good; the newest
-  ``keep_last`` checkpoints of any kind (orange saves); and the newest
-  ``keep_green`` checkpoints saved at GREEN and not quarantined, so that a slow
-  divergence that stayed yellow for long still has a healthy target.
-- **Multi-host**: every process calls ``respond`` with its own verdict; process
-  0's level and onset are used by all (``process_allgather``, which also checks
-  that all processes are at the same step), so host-local figures such as
-  throughput can never split a run. Restores are agreed on (one failure anywhere
-  is a failure everywhere). Each process's data position is saved and given back
-  to it on resume.
-- **Faults**: a save killed midway leaves an orbax temporary directory that is
-  never listed (and is cleaned when the next ``Rollback`` opens the directory); an
-  unwritable directory or a full disk raises :class:`CheckpointSaveError` naming
-  the directory and step, before orbax starts (a write probe), or, for an
-  asynchronous write that fails later, at the next save, :meth:`Rollback.wait`
-  or :meth:`Rollback.close` (``sync_save=True`` raises in the save call itself).
-  The caller's train state is never modified.
+- **Actions after the restore**, each recorded in :attr:`history` (``actions``)
+  and in the ``rollback`` event: the LR scale x ``lr_factor`` (compounding; the
+  optimizer must be wrapped with :func:`jvitals.with_lr_scale`); ``skip_data``
+  (``True``: advance the data position by as many batches as were consumed
+  between the target and the red step, i.e. past a bad stretch as long again;
+  an int ``N``: by ``N`` batches; the position must then be an int); and
+  ``reset_optimizer`` (zero the Adam moments ``mu``/``nu`` of the named
+  parameter groups; the count is reset too when every moment of every
+  parameter is reset: a fresh Adam). Later remedies append to the same list.
+- **The limit**: red after ``max_rollbacks`` rollbacks raises
+  :class:`RollbackLimitError` after quarantining the checkpoints saved from the
+  fault's earliest sign on; the error names the healthy checkpoints on disk,
+  which a restart (:meth:`resume`, a larger ``max_rollbacks``) continues from.
+- **Resume** restores the newest healthy checkpoint (of the checkpoints and the
+  snapshots), skipping quarantined ones and ones saved during an open ORANGE/RED
+  period, and logs which and why.
+- **Snapshots** (``snapshots=Snapshots(every=50, keep=2)``): light, frequent,
+  asynchronous checkpoints in a second store (local disk, the newest ``keep``
+  plus pinned ones) between the cadence checkpoints; they are candidates for a
+  rollback and a resume like any other healthy checkpoint.
+- **The guard's figures**: with ``writer=`` every call writes
+  ``rollback/count`` and ``rollback/lr_scale`` and the guard's events
+  (``vitals/events_json``: rollback, save, pause, checkpoint_skipped) through
+  :func:`jvitals.write`, at the call's step.
+- **Multi-host**: every process calls ``respond``; process 0's level, earliest
+  sign and cadence decide for all (``process_allgather``, which also checks that
+  all processes are at the same step). Restores are agreed on. Each process's
+  data position is saved and given back to it.
 
 Example (the loop of USER-LOOP.md)::
 
     tx = vitals.with_lr_scale(optax.chain(vitals.record(optax.clip_by_global_norm(1.0)),
                                           optax.adamw(schedule)))
     monitor = vitals.Monitor()
-    guard = vitals.Rollback(ckpt_dir)
+    guard = vitals.Rollback(ckpt_dir, writer=writer)
     state, position = guard.resume(state, position, monitor)
     for step in range(int(state.step), num_steps):
         state, metrics = train_step(state, loader.batch(position)); position += 1
         if step % 50 == 0:
             verdict = monitor.update(step, jax.device_get(metrics))
+            vitals.write(writer, step, host, verdict)
             state = guard.respond(step, state, verdict, position)
-            if guard.last_action is vitals.Action.PAUSE:
-                ...   # the loop decides what pausing means
 """
 
 from __future__ import annotations
 
-import atexit
 import collections
 import dataclasses
-import datetime
 import enum
 import json
 import logging
 import math
 import os
-import weakref
+import re
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
-from etils import epath
+import optax
 
 from jvitals._monitor_types import PRESCRIPTIONS, RULE_PRESCRIPTION, Alert, Level
+from jvitals.checkpoints import (
+    CADENCE,
+    MANUAL,
+    ORANGE_SAVE,
+    QUARANTINE_FILE,
+    ROLLBACK_SAVE,
+    SNAPSHOT,
+    CheckpointInfo,
+    CheckpointSaveError,
+    CheckpointStore,
+    agree,
+    allgather_ints,
+    allgather_json,
+    json_default,
+    level_name,
+)
 from jvitals.lr_scale import has_lr_scale, set_lr_scale
+from jvitals.writers import ROLLBACK_COUNT, ROLLBACK_LR_SCALE
 
 __all__ = [
     "Action",
     "CheckpointInfo",
     "CheckpointSaveError",
+    "QUARANTINE_FILE",
     "Response",
     "Rollback",
     "RollbackError",
     "RollbackLimitError",
+    "Snapshots",
     "TrainingPaused",
 ]
 
 _log = logging.getLogger("jvitals.rollback")
-
-QUARANTINE_FILE = "jvitals_quarantine.json"
-_META_FORMAT = "jvitals.Rollback"
-_META_VERSION = 1
-
-CADENCE, ORANGE_SAVE, ROLLBACK_SAVE, MANUAL = "cadence", "orange", "rollback", "manual"
-_REGULAR = (CADENCE, ROLLBACK_SAVE, MANUAL)
+_MOMENTS = ("mu", "nu")
 
 
 class Action(enum.Enum):
     """What :meth:`Rollback.act` did."""
 
     CONTINUE = "continue"   # nothing to do at this step
-    SAVED = "saved"         # a cadence checkpoint was written
+    SAVED = "saved"         # a cadence checkpoint (or a snapshot) was written
     PAUSE = "pause"         # orange: a checkpoint was written; the loop should pause
     ROLLBACK = "rollback"   # red: the returned state is a restored healthy one
     RESUMED = "resumed"     # resume() restored a checkpoint
@@ -159,8 +170,7 @@ class Response(NamedTuple):
 
     Attributes:
       action: what happened.
-      state: the train state to continue with (the input one unless ROLLBACK or
-        RESUMED).
+      state: the train state to continue with (the input one unless ROLLBACK or RESUMED).
       step: the step the call was made at.
       saved_step: the checkpoint written by this call, or None.
       target_step: the checkpoint restored (ROLLBACK, RESUMED), or None.
@@ -168,6 +178,10 @@ class Response(NamedTuple):
       alerts: alerts raised by the guard at this call (``rule`` ``'rollback'``,
         ``'checkpoint_corrupt'``).
       metrics: ``rollback/*`` scalars to log (see :meth:`Rollback.metrics`).
+      events: the guard's events at this call (dicts with ``event`` and ``step``).
+      position: the data position to continue from (the input one unless
+        ``skip_data`` moved it, or RESUMED).
+      snapshot_step: the snapshot written by this call, or None.
     """
 
     action: Action
@@ -178,27 +192,24 @@ class Response(NamedTuple):
     lr_scale: float
     alerts: tuple[Alert, ...]
     metrics: dict[str, float]
+    events: tuple[dict[str, Any], ...] = ()
+    position: Any = None
+    snapshot_step: int | None = None
 
 
-@dataclasses.dataclass
-class CheckpointInfo:
-    """What the guard knows about one checkpoint on disk.
+class Snapshots(NamedTuple):
+    """Light recent snapshots between the cadence checkpoints.
 
     Attributes:
-      step: the checkpoint's step number.
-      level: the verdict level when it was saved (-1: unknown, unreadable).
-      kind: ``'cadence'``, ``'orange'``, ``'rollback'`` or ``'manual'``.
-      lr_scale: the LR scale saved with it.
-      restored_from: for a ``'rollback'`` checkpoint, the step whose params it holds.
-      quarantined: why it must never be restored (None: usable).
+      every: steps between snapshots (a snapshot when ``step // every`` grows and
+        no cadence checkpoint is written at that call).
+      keep: snapshots kept (the newest; rollback targets are pinned beyond it).
+      directory: where (a local disk is best); default ``<directory>/snapshots``.
     """
 
-    step: int
-    level: int
-    kind: str
-    lr_scale: float = 1.0
-    restored_from: int | None = None
-    quarantined: str | None = None
+    every: int = 50
+    keep: int = 2
+    directory: str | os.PathLike | None = None
 
 
 class RollbackError(RuntimeError):
@@ -211,26 +222,17 @@ class RollbackLimitError(RollbackError):
     Attributes:
       step: the step of the red verdict.
       history: the previous rollbacks (dicts with ``step``, ``to_step``, ``onset_step``,
-        ``lr_scale``, ``alerts``).
+        ``lr_scale``, ``actions``, ``alerts``).
       alerts: the red verdict's alerts.
       position: the data position at the red step.
+      healthy: the healthy checkpoints on disk a restart can continue from, newest first.
     """
 
     def __init__(self, message: str, *, step: int, history: list[dict[str, Any]],
-                 alerts: Sequence[Any], position: Any) -> None:
+                 alerts: Sequence[Any], position: Any, healthy: Sequence[int] = ()) -> None:
         super().__init__(message)
         self.step, self.history, self.alerts, self.position = step, history, list(alerts), position
-
-
-class CheckpointSaveError(RuntimeError):
-    """A checkpoint could not be written (unwritable directory, full disk, ...).
-
-    The caller's train state is untouched. Attributes: ``directory``, ``step``.
-    """
-
-    def __init__(self, message: str, *, directory: str, step: int | None) -> None:
-        super().__init__(message)
-        self.directory, self.step = directory, step
+        self.healthy = list(healthy)
 
 
 class TrainingPaused(Exception):
@@ -247,64 +249,123 @@ class TrainingPaused(Exception):
 
 
 # ----------------------------------------------------------------------------
-# Multi-process helpers (no-ops on one process).
+# The guard's record of the alerts it has seen.
 # ----------------------------------------------------------------------------
 
 
-def _allgather_ints(values: Sequence[int]) -> np.ndarray:
-    """``[process_count, len(values)]`` int32: every process's ``values``."""
-    row = np.asarray(values, np.int32)
-    if jax.process_count() == 1:
-        return row[None]
-    from jax.experimental import multihost_utils
-    return np.asarray(multihost_utils.process_allgather(row)).reshape(jax.process_count(), -1)
+@dataclasses.dataclass
+class _Seen:
+    """One alert id as the guard saw it across its checks."""
+
+    id: int
+    rule: str
+    onset: int
+    departures: tuple[int, ...]
+    peak: int
+    first_check: int
+    revived: int | None = None      # the check at which it held again after clearing
+    clearing: bool = False
+    closed: int | None = None
+    lead: int | None = None
+
+    def sign(self) -> int:
+        """The alert's earliest sign: its onset or a change point of its localization."""
+        e = min((self.onset, *self.departures))
+        return e if self.revived is None else max(e, self.revived)
 
 
-def _agree(ok: bool) -> bool:
-    """True only if ``ok`` is true on every process."""
-    return bool(_allgather_ints([int(bool(ok))]).min())
+def _is_spike(rule: str) -> bool:
+    """A spike alert (its onset is the spike's first step); periodic patterns are not."""
+    return "spike" in rule and rule != "periodic_spike"
 
 
-def _json_default(x: Any) -> Any:
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, (np.ndarray, jax.Array)):
-        return np.asarray(x).tolist()
-    raise TypeError(f"{type(x).__name__} is not JSON-serialisable")
+def _alert_id(a: Any) -> int | None:
+    i = getattr(a, "id", None)
+    return int(i) if isinstance(i, (int, np.integer)) and int(i) >= 0 else None
 
 
-def _allgather_json(obj: Any) -> list[Any]:
-    """Every process's ``obj`` (JSON-serialisable), in process order."""
-    text = json.dumps(obj, default=_json_default)
-    if jax.process_count() == 1:
-        return [json.loads(text)]
-    data = np.frombuffer(text.encode(), np.uint8).astype(np.int32)
-    n = int(_allgather_ints([data.size]).max())
-    rows = _allgather_ints(np.pad(data, (0, n - data.size), constant_values=-1).tolist())
-    return [json.loads(bytes(r[r >= 0].astype(np.uint8).tolist()).decode()) for r in rows]
+class _AlertLog:
+    """What the guard knows of the monitor's alerts, by id (from the verdicts only)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, _Seen] = {}
+        self.last_calm: int | None = None      # last check with no open alert that reached ORANGE
+
+    def observe(self, step: int, verdict: Any) -> None:
+        open_alerts = list(getattr(verdict, "alerts", None) or []) if verdict is not None else []
+        closed = list(getattr(verdict, "closed_alerts", None) or []) if verdict is not None else []
+        now_open = set()
+        for a in open_alerts:
+            i = _alert_id(a)
+            if i is None:
+                continue
+            now_open.add(i)
+            rec = self.seen.get(i)
+            clearing = getattr(a, "clearing_since", None) is not None
+            deps = tuple(int(loc.departure_step) for loc in (getattr(a, "localization", None) or [])
+                         if getattr(loc, "departure_step", None) is not None)
+            peak = int(max(int(getattr(a, "peak_level", a.level)), int(a.level)))
+            lead = (getattr(a, "details", None) or {}).get("lead_alert")
+            if rec is None or rec.closed is not None:
+                rec = self.seen[i] = _Seen(i, str(getattr(a, "rule", "")), int(a.onset_step), deps,
+                                           peak, step)
+            else:
+                if rec.clearing and not clearing:
+                    rec.revived = step
+                rec.onset, rec.departures = int(a.onset_step), deps
+                rec.peak = max(rec.peak, peak)
+            rec.clearing = clearing
+            rec.lead = int(lead) if isinstance(lead, (int, np.integer)) else None
+        for a in closed:
+            i = _alert_id(a)
+            if i is not None and i in self.seen and i not in now_open:
+                self.seen[i].closed = step
+        for i, rec in self.seen.items():
+            if i not in now_open and rec.closed is None:
+                rec.closed = step                   # gone from the open alerts: closed
+        if all(self.seen[i].peak < Level.ORANGE for i in now_open):
+            self.last_calm = step
+        if len(self.seen) > 512:                    # forget long-closed alerts
+            for i in sorted(i for i, r in self.seen.items() if r.closed is not None)[:-256]:
+                del self.seen[i]
+
+    def open_peak(self, verdict: Any) -> int:
+        peaks = [self.seen[i].peak for i in self._open_ids(verdict) if i in self.seen]
+        return max(peaks, default=int(Level.GREEN))
+
+    @staticmethod
+    def _open_ids(verdict: Any) -> list[int]:
+        out = []
+        for a in (getattr(verdict, "alerts", None) or []) if verdict is not None else []:
+            i = _alert_id(a)
+            if i is not None:
+                out.append(i)
+        return out
+
+    def chain_sign(self, verdict: Any, step: int) -> int:
+        """Earliest sign of the chain of alerts that escalated to the red (see module doc)."""
+        ids = {i for i in self._open_ids(verdict) if i in self.seen and (
+            self.seen[i].peak >= Level.ORANGE or _is_spike(self.seen[i].rule))}
+        calm = self.last_calm if self.last_calm is not None else -1
+        ids |= {i for i, r in self.seen.items()
+                if r.peak >= Level.ORANGE and r.closed is not None and r.closed > calm}
+        for i in list(ids):
+            lead = self.seen[i].lead
+            if lead is not None and lead in self.seen:
+                ids.add(lead)
+        signs = [self.seen[i].sign() for i in ids]
+        if not signs and verdict is not None and getattr(verdict, "onset_step", None) is not None:
+            signs.append(int(verdict.onset_step))
+        return min(signs) if signs else int(step)
+
+    def open_signs(self, verdict: Any) -> dict[int, int]:
+        """``{alert id: earliest sign}`` of the open alerts."""
+        return {i: self.seen[i].sign() for i in self._open_ids(verdict) if i in self.seen}
 
 
 # ----------------------------------------------------------------------------
-# Pytree helpers.
+# Small helpers.
 # ----------------------------------------------------------------------------
-
-
-def _abstract(tree: Any) -> Any:
-    """Restore target: jax.Arrays become ShapeDtypeStructs with their sharding."""
-    def leaf(x: Any) -> Any:
-        if isinstance(x, jax.Array):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        return x
-    return jax.tree.map(leaf, tree)
-
-
-def _all_finite(tree: Any) -> bool:
-    """True if every floating-point leaf of ``tree`` is finite (one host read)."""
-    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-             if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating)]
-    if not flags:
-        return True
-    return bool(jax.device_get(jnp.all(jnp.stack(flags))))
 
 
 def _get_field(state: Any, name: str) -> Any:
@@ -331,740 +392,13 @@ def _set_field(state: Any, name: str, value: Any) -> Any:
     return state
 
 
-def _level_name(level: int) -> str:
-    try:
-        return Level(level).name
-    except ValueError:
-        return "UNKNOWN"
-
-
 def _alert_lines(alerts: Iterable[Any], limit: int = 5) -> str:
     lines = [getattr(a, "message", str(a)).split("\n")[0] for a in list(alerts)[:limit]]
     return "; ".join(lines) if lines else "(no alerts)"
 
 
-# ----------------------------------------------------------------------------
-# Retention.
-# ----------------------------------------------------------------------------
-
-
-class _Retention:
-    """Orbax ``PreservationPolicy`` reading the guard's checkpoint records."""
-
-    def __init__(self, guard: "Rollback") -> None:
-        self._guard = guard
-
-    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any = None) -> list[bool]:
-        del context
-        g = self._guard
-        steps = [int(c.step) for c in checkpoints]
-        return [s in g._steps_to_keep(steps) for s in steps]
-
-
-# ----------------------------------------------------------------------------
-# The guard.
-# ----------------------------------------------------------------------------
-
-
-class Rollback:
-    """Saves on a cadence, pauses on orange, rolls back on red (see module doc).
-
-    Args:
-      directory: the checkpoint directory (created if missing; any path orbax
-        accepts).
-      save_every: cadence in steps: a checkpoint at the first call and whenever
-        ``step // save_every`` grows (exact multiples when ``respond`` is called at
-        a divisor of it).
-      keep_last: the newest cadence/rollback checkpoints kept (and the newest of
-        any kind).
-      keep_every: cadence checkpoints on multiples of this are kept for good
-        (None: none).
-      keep_green: the newest checkpoints saved at GREEN (not quarantined) kept
-        beyond ``keep_last``.
-      lr_factor: LR scale multiplier per rollback (1.0: leave the LR alone, and no
-        :func:`~jvitals.with_lr_scale` is needed).
-      max_rollbacks: rollbacks allowed in the run (None: no limit); one more red
-        raises :class:`RollbackLimitError`.
-      healthy_levels: saved levels a rollback may restore.
-      pause: on orange: ``'return'`` (action PAUSE), ``'raise'``
-        (:class:`TrainingPaused`) or a callable taking the :class:`Response`.
-      monitor: the Monitor whose ``state_dict`` is saved and whose
-        ``note_rollback`` is called (also set by :meth:`resume`).
-      save_on_rollback: checkpoint the restored state at the red step (see module
-        doc).
-      step_attr: the train state's step field kept forward by a rollback (None:
-        leave the restored one).
-      sync_save: wait for each save to land (errors at the save call; slower).
-      check_finite: reject rollback targets holding non-finite values.
-      onset_margin: a rollback target's step must be ``< onset - onset_margin``.
-
-    Attributes:
-      last_action: the :class:`Action` of the latest call (None before any).
-      last_response: the latest :class:`Response`.
-      lr_scale: the LR scale in force (compounded over rollbacks).
-      history: the rollbacks so far (dicts; saved in the metadata).
-      alerts: every alert the guard raised, oldest first.
-      resumed_step: the checkpoint :meth:`resume` restored (None: fresh start).
-
-    Raises:
-      CheckpointSaveError: the directory cannot be created or written.
-      ValueError: an argument is out of range.
-    """
-
-    def __init__(self, directory: str | os.PathLike, *, save_every: int = 500,
-                 keep_last: int = 5, keep_every: int | None = 5000, keep_green: int = 1,
-                 lr_factor: float = 0.9, max_rollbacks: int | None = 3,
-                 healthy_levels: Iterable[int] = (Level.GREEN, Level.YELLOW),
-                 pause: str | Callable[[Response], Any] = "return", monitor: Any = None,
-                 save_on_rollback: bool = True, step_attr: str | None = "step",
-                 sync_save: bool = False, check_finite: bool = True,
-                 onset_margin: int = 1) -> None:
-        if int(save_every) < 1:
-            raise ValueError(f"Rollback expects save_every >= 1, got {save_every}")
-        if int(keep_last) < 1:
-            raise ValueError(f"Rollback expects keep_last >= 1, got {keep_last}")
-        if keep_every is not None and int(keep_every) < 1:
-            raise ValueError(f"Rollback expects keep_every >= 1 or None, got {keep_every}")
-        if not 0.0 < float(lr_factor) <= 1.0:
-            raise ValueError(f"Rollback expects 0 < lr_factor <= 1, got {lr_factor}")
-        if max_rollbacks is not None and int(max_rollbacks) < 0:
-            raise ValueError(f"Rollback expects max_rollbacks >= 0 or None, got {max_rollbacks}")
-        if not (pause in ("return", "raise") or callable(pause)):
-            raise ValueError(f"Rollback expects pause='return', 'raise' or a callable, got {pause!r}")
-        self.save_every = int(save_every)
-        self.keep_last = int(keep_last)
-        self.keep_every = None if keep_every is None else int(keep_every)
-        self.keep_green = int(keep_green)
-        self.lr_factor = float(lr_factor)
-        self.max_rollbacks = None if max_rollbacks is None else int(max_rollbacks)
-        self.healthy_levels = frozenset(int(x) for x in healthy_levels)
-        self.pause = pause
-        self.monitor = monitor
-        self.save_on_rollback = bool(save_on_rollback)
-        self.step_attr = step_attr
-        self.sync_save = bool(sync_save)
-        self.check_finite = bool(check_finite)
-        self.onset_margin = int(onset_margin)
-
-        self.last_action: Action | None = None
-        self.last_response: Response | None = None
-        self.lr_scale = 1.0
-        self.history: list[dict[str, Any]] = []
-        self.alerts: list[Alert] = []
-        self.resumed_step: int | None = None
-        self._pending: list[Alert] = []
-        self._last_regular: int | None = None
-        self._last_healthy_check: int | None = None
-        self._orange_saved = False
-        self._lr_checked = False
-        self._resumed = False
-        self._warned_no_resume = False
-        self._unsaved_step: int | None = None   # the async save not yet known to have landed
-        self._checks: collections.deque[int] = collections.deque(maxlen=4096)  # steps of act()
-
-        self.directory = epath.Path(directory)
-        try:
-            self._mngr = ocp.CheckpointManager(
-                self.directory,
-                options=ocp.CheckpointManagerOptions(
-                    create=True,
-                    cleanup_tmp_directories=True,
-                    enable_async_checkpointing=True,
-                    async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
-                    preservation_policy=_Retention(self),
-                ),
-            )
-        except Exception as e:  # noqa: BLE001 - reported with the directory
-            raise CheckpointSaveError(
-                f"Rollback: cannot use {str(self.directory)!r} as a checkpoint directory "
-                f"({type(e).__name__}: {e}). Expected a writable directory (or a path where "
-                "one can be created); pass another directory.",
-                directory=str(self.directory), step=None) from e
-        self._records: dict[int, CheckpointInfo] = {}
-        self._load_records()
-        self._found_at_open = max(self._records) if self._records else None
-        atexit.register(_wait_at_exit, weakref.ref(self))
-
-    # ------------------------------------------------------------------
-    # Public API.
-    # ------------------------------------------------------------------
-
-    @property
-    def checkpoints(self) -> list[CheckpointInfo]:
-        """Records of the checkpoints on disk, oldest first."""
-        return [self._records[s] for s in sorted(self._records)]
-
-    @property
-    def quarantined(self) -> dict[int, str]:
-        """``{step: reason}`` of the checkpoints that are never restored."""
-        return {s: r.quarantined for s, r in sorted(self._records.items()) if r.quarantined}
-
-    def metrics(self) -> dict[str, float]:
-        """Scalars to log at any step: ``rollback/count`` and ``rollback/lr_scale``."""
-        return {"rollback/count": float(len(self.history)), "rollback/lr_scale": float(self.lr_scale)}
-
-    def resume(self, state: Any, position: Any = None, monitor: Any = None) -> tuple[Any, Any]:
-        """Restores the newest usable checkpoint, if any (after a crash or a restart).
-
-        Picks the newest checkpoint that is not quarantined and restores on every
-        process (a corrupt one is quarantined, reported in :attr:`alerts`, and the
-        previous one tried); whatever its level (a paused orange run resumes where it
-        paused). Loads the monitor's state from it into ``monitor``, and the LR scale
-        and rollback history into the guard.
-
-        Args:
-          state: a train state of the right structure, shapes, dtypes and shardings
-            (the freshly initialised one): the restore target.
-          position: the data position to use when there is no checkpoint.
-          monitor: the Monitor to restore (in place) and to use from now on.
-
-        Returns:
-          ``(state, position)``: restored from the checkpoint (this process's
-          position), or the inputs unchanged when the directory has none.
-        """
-        if monitor is not None:
-            self.monitor = monitor
-        self._resumed = True
-        self._check_lr_scale(state)
-        self._wait_saves()
-        found = None
-        for rec in sorted(self._usable(), key=lambda r: -r.step):
-            got = self._try_restore(rec.step, state, finite=False)
-            if got is not None:
-                found = (rec, *got)
-                break
-        if found is None:
-            self._respond_done(Response(Action.CONTINUE, state, -1, None, None, self.lr_scale,
-                                        tuple(self._drain()), self.metrics()))
-            return state, position
-        rec, restored, meta = found
-        if self.monitor is not None and meta.get("monitor") is not None:
-            _load_monitor(self.monitor, meta["monitor"])
-        self.lr_scale = float(meta.get("lr_scale", 1.0))
-        self.history = list(meta.get("rollbacks", []))
-        self.resumed_step = rec.step
-        self._last_regular = rec.step
-        # A checkpoint saved at a healthy level is a healthy check (for relapse detection).
-        checks = [r.step for r in self._records.values() if r.step <= rec.step
-                  and r.level in self.healthy_levels and r.kind != ROLLBACK_SAVE]
-        self._last_healthy_check = max(checks) if checks else None
-        self._orange_saved = rec.kind == ORANGE_SAVE
-        positions = meta.get("positions")
-        if isinstance(positions, list) and len(positions) == jax.process_count():
-            position = positions[jax.process_index()]
-        else:
-            position = meta.get("position")
-        self._respond_done(Response(Action.RESUMED, restored, rec.step, None, rec.step,
-                                    self.lr_scale, tuple(self._drain()), self.metrics()))
-        return restored, position
-
-    def respond(self, step: int, state: Any, verdict: Any, position: Any = None) -> Any:
-        """Acts on ``verdict`` and returns the state to continue with.
-
-        See :meth:`act`; this returns only ``act(...).state`` (the action is in
-        :attr:`last_action`).
-        """
-        return self.act(step, state, verdict, position).state
-
-    def act(self, step: int, state: Any, verdict: Any, position: Any = None) -> Response:
-        """Saves, pauses or rolls back according to ``verdict``.
-
-        Args:
-          step: the loop's step (the checkpoint number); same on every process,
-            increasing.
-          state: the current train state (any pytree; never modified).
-          verdict: this process's ``Monitor.update`` result (None: GREEN). On
-            several processes, process 0's level and onset decide for all.
-          position: the data position after this step (JSON-serialisable); saved,
-            and kept through a rollback.
-
-        Returns:
-          A :class:`Response`; its ``state`` is the restored one on ROLLBACK.
-
-        Raises:
-          RollbackLimitError: red after ``max_rollbacks`` rollbacks.
-          RollbackError: red and no healthy checkpoint before the onset.
-          TrainingPaused: orange with ``pause='raise'`` (after the save).
-          CheckpointSaveError: a save failed (the state is untouched).
-        """
-        step = int(step)
-        _check_position(position)
-        level, onset = self._decide(step, verdict)
-        self._checks.append(step)
-        self._check_lr_scale(state)
-        if not self._resumed and self._found_at_open is not None and not self._warned_no_resume:
-            self._warned_no_resume = True
-            _log.warning("Rollback: %s already held checkpoints up to step %d but resume() "
-                         "was not called; starting fresh alongside them.",
-                         self.directory, self._found_at_open)
-        self._poll_saves()
-        alerts = self._drain()
-        if level >= Level.RED:
-            response = self._rollback(step, state, verdict, position, onset, alerts)
-        elif level == Level.ORANGE:
-            saved = None
-            if not self._orange_saved:
-                saved = self._save(step, state, position, level, ORANGE_SAVE)
-                self._orange_saved = True
-            response = Response(Action.PAUSE, state, step, saved, None, self.lr_scale,
-                                tuple(alerts + self._drain()), self.metrics())
-        else:
-            self._orange_saved = False
-            saved = None
-            if self._cadence_due(step):
-                saved = self._save(step, state, position, level, CADENCE)
-            response = Response(Action.SAVED if saved is not None else Action.CONTINUE, state,
-                                step, saved, None, self.lr_scale, tuple(alerts + self._drain()),
-                                self.metrics())
-        if level in self.healthy_levels:
-            self._last_healthy_check = step
-        self._respond_done(response)
-        if response.action is Action.PAUSE:
-            self._pause(response, verdict)
-        return response
-
-    def save(self, step: int, state: Any, position: Any = None, *, level: int = Level.GREEN) -> int | None:
-        """Saves a checkpoint now (kind ``'manual'``), e.g. at the end of training.
-
-        Returns:
-          The step saved, or None if a usable checkpoint of that step exists.
-        """
-        return self._save(int(step), state, position, int(level), MANUAL)
-
-    def restore(self, step: int, state: Any) -> tuple[Any, dict[str, Any]]:
-        """Restores checkpoint ``step`` onto ``state``'s structure and shardings.
-
-        For inspection (a post-mortem of a quarantined checkpoint too); the guard's
-        own bookkeeping is not changed.
-
-        Returns:
-          ``(state, metadata)``.
-        """
-        self._wait_saves()
-        out = self._mngr.restore(int(step), args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(_abstract(state)), meta=ocp.args.JsonRestore()))
-        return out["state"], dict(out["meta"])
-
-    def wait(self) -> None:
-        """Blocks until pending saves have landed.
-
-        Raises:
-          CheckpointSaveError: an asynchronous save failed.
-        """
-        self._wait_saves()
-
-    def close(self) -> None:
-        """Waits for pending saves and releases orbax's resources."""
-        try:
-            self._wait_saves()
-        finally:
-            self._mngr.close()
-
-    def __enter__(self) -> "Rollback":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    # ------------------------------------------------------------------
-    # Decisions.
-    # ------------------------------------------------------------------
-
-    def _decide(self, step: int, verdict: Any) -> tuple[int, int]:
-        """Process 0's (level, onset), the same on every process."""
-        level = int(getattr(verdict, "level", Level.GREEN)) if verdict is not None else int(Level.GREEN)
-        onset = getattr(verdict, "onset_step", None) if verdict is not None else None
-        onset = step if onset is None else int(onset)
-        rows = _allgather_ints([step, level, onset])
-        if (rows[:, 0] != rows[0, 0]).any():
-            raise RuntimeError(
-                f"Rollback: processes called respond at different steps {rows[:, 0].tolist()}; "
-                "expected every process at the same step. Call respond at the same steps on "
-                "every process.")
-        return int(rows[0, 1]), int(rows[0, 2])
-
-    def _cadence_due(self, step: int) -> bool:
-        last = self._last_regular
-        return last is None or step // self.save_every > last // self.save_every
-
-    def _usable(self, allow_suspect: bool = False) -> list[CheckpointInfo]:
-        return [r for r in self._records.values()
-                if r.quarantined is None or (allow_suspect and r.quarantined.startswith("relapse"))]
-
-    def _steps_to_keep(self, steps: Sequence[int]) -> set[int]:
-        ordered = sorted(steps)
-        rec = self._records
-        keep = set(ordered[-self.keep_last:])
-        regular = [s for s in ordered if s in rec and rec[s].kind in _REGULAR]
-        keep |= set(regular[-self.keep_last:])
-        if self.keep_every:
-            prev = None
-            for s in (s for s in ordered if s in rec and rec[s].kind == CADENCE):
-                if s % self.keep_every == 0 or (prev is not None and s // self.keep_every > prev // self.keep_every):
-                    keep.add(s)
-                prev = s
-        if self.keep_green > 0:
-            green = [s for s in ordered if s in rec and rec[s].level == Level.GREEN
-                     and rec[s].quarantined is None]
-            keep |= set(green[-self.keep_green:])
-        return keep
-
-    # ------------------------------------------------------------------
-    # Red.
-    # ------------------------------------------------------------------
-
-    def _cutoff(self, onset: int) -> int:
-        """A rollback target's step must be below this.
-
-        The checkpoint of step ``s`` holds the update of step ``s``, first seen in
-        the metrics of the next *check*. When the onset is itself one of this
-        guard's checks and the host checks every ``k > 1`` steps, the anomaly may
-        come from any update since the previous check (that check's own update
-        included), so the target must be older than the previous check. Otherwise
-        (the monitor is fed more often than the guard acts, or no earlier check is
-        known): ``onset - onset_margin``.
-        """
-        cutoff = onset - self.onset_margin
-        if onset in self._checks:
-            before = [c for c in self._checks if c < onset]
-            if before:
-                cutoff = min(cutoff, max(before))
-        return cutoff
-
-    def _rollback(self, step: int, state: Any, verdict: Any, position: Any, onset: int,
-                  alerts: list[Alert]) -> Response:
-        verdict_alerts = list(getattr(verdict, "alerts", []) or [])
-        if self.max_rollbacks is not None and len(self.history) >= self.max_rollbacks:
-            done = ", ".join(f"{h['step']}->{h['to_step']}" for h in self.history) or "none"
-            raise RollbackLimitError(
-                f"Rollback: {len(self.history)} rollback(s) already (steps {done}; LR scale now "
-                f"{self.lr_scale:.4g}) and the run went red again at step {step} (onset "
-                f"{onset}): {_alert_lines(verdict_alerts)}. max_rollbacks={self.max_rollbacks} "
-                f"reached: lower the learning rate further or inspect the data at position "
-                f"{position!r}; the healthy checkpoints are in {str(self.directory)!r} "
-                f"(quarantined: {sorted(self.quarantined)}).",
-                step=step, history=list(self.history), alerts=verdict_alerts, position=position)
-        self._wait_saves()
-        if self.history and (self._last_healthy_check is None
-                             or self._last_healthy_check <= self.history[-1]["step"]):
-            prev = self.history[-1]
-            reason = (f"relapse: red again at step {step} without a healthy check since the "
-                      f"rollback at step {prev['step']} to step {prev['to_step']}")
-            for r in self._records.values():
-                if r.quarantined is None and (r.step == prev["to_step"]
-                                              or r.restored_from == prev["to_step"]):
-                    r.quarantined = reason
-        found = None
-        cutoff = self._cutoff(onset)
-        for allow_suspect in (False, True):
-            candidates = [r for r in self._usable(allow_suspect)
-                          if r.step < cutoff and r.level in self.healthy_levels]
-            for rec in sorted(candidates, key=lambda r: -r.step):
-                got = self._try_restore(rec.step, state, finite=self.check_finite)
-                if got is not None:
-                    found = (rec, *got)
-                    break
-            if found is not None:
-                break
-        if found is None:
-            listing = ", ".join(f"{r.step}:{_level_name(r.level)}"
-                                + (f" (quarantined: {r.quarantined})" if r.quarantined else "")
-                                for r in self.checkpoints) or "none"
-            self._write_quarantine()
-            raise RollbackError(
-                f"Rollback: red at step {step} (onset {onset}) but no healthy checkpoint before "
-                f"step {cutoff} in {str(self.directory)!r}; expected one saved at a level in "
-                f"{sorted(_level_name(x) for x in self.healthy_levels)} that restores. On disk: "
-                f"{listing}. Alerts: {_alert_lines(verdict_alerts)}. Save earlier (a smaller "
-                "save_every, or a larger keep_last) or restart from an older run.")
-        rec, restored, _meta = found
-        alerts.extend(self._drain())            # corrupt candidates skipped on the way
-        target = rec.step
-        for r in self._records.values():
-            if target < r.step <= step and r.quarantined is None:
-                r.quarantined = (f"sick: after rollback target {target}; red at step {step} "
-                                 f"(onset {onset})")
-        new_scale = self.lr_scale * self.lr_factor
-        if self.lr_factor != 1.0:
-            restored = set_lr_scale(restored, new_scale)
-        if self.step_attr is not None:
-            current = _get_field(state, self.step_attr)
-            if current is not None:
-                restored = _set_field(restored, self.step_attr, current)
-        self.lr_scale = new_scale
-        self.history.append({"step": step, "to_step": target, "onset_step": onset,
-                             "lr_scale": new_scale, "position": _jsonable(position),
-                             "alerts": [_alert_lines([a]) for a in verdict_alerts[:5]]})
-        note = None
-        if self.monitor is not None and hasattr(self.monitor, "note_rollback"):
-            note = self.monitor.note_rollback(step, target)
-        alert = note if isinstance(note, Alert) else None
-        message = (f"[RED] rolled back at step {step} (onset {onset}) to the healthy checkpoint "
-                   f"of step {target}; LR scale {new_scale:.4g} (x{self.lr_factor} per rollback, "
-                   f"{len(self.history)} so far); data position kept at {position!r}; "
-                   f"quarantined: {sorted(self.quarantined)}. Cause: {_alert_lines(verdict_alerts, 2)}")
-        alert = _make_alert("rollback", "rollback/count", Level.RED, step, len(self.history),
-                            onset, message, {"to_step": target, "lr_scale": new_scale,
-                                             "monitor_alert_id": getattr(alert, "id", None)})
-        alerts.append(alert)
-        self._write_quarantine()
-        self._orange_saved = False
-        saved = None
-        if self.save_on_rollback:
-            saved = self._save(step, restored, position, rec.level, ROLLBACK_SAVE, restored_from=target)
-        metrics = {**self.metrics(), "rollback/from_step": float(step), "rollback/to_step": float(target)}
-        return Response(Action.ROLLBACK, restored, step, saved, target, new_scale,
-                        tuple(alerts + self._drain()), metrics)
-
-    # ------------------------------------------------------------------
-    # Orange.
-    # ------------------------------------------------------------------
-
-    def _pause(self, response: Response, verdict: Any) -> None:
-        if self.pause == "return":
-            return
-        if self.pause == "raise":
-            where = (f"checkpoint saved as step {response.saved_step}" if response.saved_step is not None
-                     else "this orange episode was already saved")
-            raise TrainingPaused(
-                f"Rollback: training paused at step {response.step} on ORANGE "
-                f"({_alert_lines(getattr(verdict, 'alerts', []) or [])}); {where} in "
-                f"{str(self.directory)!r}. Fix the cause, then restart and call guard.resume().",
-                step=response.step, saved_step=response.saved_step,
-                alerts=getattr(verdict, "alerts", []) or [], response=response)
-        self.pause(response)
-
-    # ------------------------------------------------------------------
-    # Saving.
-    # ------------------------------------------------------------------
-
-    def _save(self, step: int, state: Any, position: Any, level: int, kind: str,
-              restored_from: int | None = None) -> int | None:
-        existing = self._records.get(step)
-        if existing is not None and existing.quarantined is None:
-            _log.warning("Rollback: a usable checkpoint of step %d exists in %s; not saving it "
-                         "again.", step, self.directory)
-            return None
-        position = _check_position(position)
-        self._wait_saves()
-        self._probe(step)
-        if existing is not None or step in self._mngr.all_steps():
-            self._mngr.delete(step)   # a quarantined step reached again: replace it
-            self._records.pop(step, None)
-        positions = _allgather_json(position)
-        meta = {
-            "format": _META_FORMAT, "version": _META_VERSION,
-            "step": step, "level": int(level), "level_name": _level_name(level), "kind": kind,
-            "position": positions[0], "positions": positions,
-            "monitor": self.monitor.state_dict() if self.monitor is not None and hasattr(
-                self.monitor, "state_dict") else None,
-            "lr_scale": self.lr_scale, "rollback_count": len(self.history),
-            "rollbacks": self.history, "restored_from": restored_from,
-            "quarantine": {str(s): r for s, r in self.quarantined.items()},
-            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "process_count": jax.process_count(),
-        }
-        json.dumps(meta, default=_json_default)  # fail here, not in orbax's thread
-        self._records[step] = CheckpointInfo(step, int(level), kind, self.lr_scale, restored_from)
-        try:
-            ok = self._mngr.save(step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
-        except Exception as e:  # noqa: BLE001 - reported with the directory and step
-            self._records.pop(step, None)
-            raise self._save_error(step, e) from e
-        if not ok:
-            self._records.pop(step, None)
-            raise CheckpointSaveError(
-                f"Rollback: orbax did not save step {step} in {str(self.directory)!r} (latest "
-                f"step {self._mngr.latest_step()}); expected every save to land. The train "
-                "state is unchanged.", directory=str(self.directory), step=step)
-        self._unsaved_step = step
-        self._sync_records()
-        if kind in _REGULAR:
-            self._last_regular = step
-        if self.sync_save:
-            self._wait_saves()
-        return step
-
-    def _probe(self, step: int) -> None:
-        """Fails fast (on every process) when the directory cannot take a checkpoint."""
-        err = None
-        probe = self.directory / f".jvitals_probe_{step}_{jax.process_index()}"
-        try:
-            if not self.directory.is_dir():
-                raise NotADirectoryError(f"{str(self.directory)!r} is not a directory")
-            probe.write_bytes(b"\0" * 4096)
-        except Exception as e:  # noqa: BLE001
-            err = e
-        finally:
-            try:
-                if probe.exists():
-                    probe.unlink()
-            except Exception:  # noqa: BLE001
-                pass
-        if not _agree(err is None):
-            raise self._save_error(step, err or RuntimeError("another process could not write"))
-
-    def _save_error(self, step: int | None, e: BaseException) -> CheckpointSaveError:
-        return CheckpointSaveError(
-            f"Rollback: could not save the checkpoint of step {step} in "
-            f"{str(self.directory)!r}: {type(e).__name__}: {e}. Expected a writable directory "
-            "with free space; the in-memory train state is unchanged (nothing was restored or "
-            "modified), so you can free space or fix permissions and keep training, or pass "
-            "another directory.", directory=str(self.directory), step=step)
-
-    def _wait_saves(self) -> None:
-        err = None
-        try:
-            self._mngr.wait_until_finished()
-        except Exception as e:  # noqa: BLE001
-            err = e
-        failed = self._unsaved_step
-        if not _agree(err is None):
-            if failed is not None:
-                self._records.pop(failed, None)
-            self._unsaved_step = None
-            self._sync_records()
-            if failed is not None and self._last_regular == failed:
-                self._last_regular = None
-            raise CheckpointSaveError(
-                f"Rollback: the asynchronous save of step {failed} in {str(self.directory)!r} "
-                f"failed: {type(err).__name__ if err else 'error on another process'}: {err}. "
-                "Expected a writable directory with free space; the in-memory train state is "
-                "unchanged; that checkpoint does not exist.",
-                directory=str(self.directory), step=failed) from err
-        self._unsaved_step = None
-
-    def _poll_saves(self) -> None:
-        """Surfaces a failed asynchronous save without blocking (single process)."""
-        if jax.process_count() == 1 and self._unsaved_step is not None \
-                and not self._mngr.is_saving_in_progress():
-            self._wait_saves()
-
-    def _sync_records(self) -> None:
-        on_disk = set(int(s) for s in self._mngr.all_steps())
-        for s in list(self._records):
-            if s not in on_disk:
-                del self._records[s]
-
-    # ------------------------------------------------------------------
-    # Restoring and the index.
-    # ------------------------------------------------------------------
-
-    def _try_restore(self, step: int, like: Any, *, finite: bool) -> tuple[Any, dict] | None:
-        """Restores ``step`` (agreed by every process), or quarantines it and returns None."""
-        err, out = None, None
-        try:
-            got = self._mngr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(_abstract(like)), meta=ocp.args.JsonRestore()))
-            out = (got["state"], dict(got["meta"]))
-            if finite and not _all_finite(out[0]):
-                raise ValueError("it holds non-finite values")
-        except Exception as e:  # noqa: BLE001 - any failure makes the checkpoint unusable
-            err = e
-        if _agree(err is None):
-            return out
-        reason = (f"corrupt: {type(err).__name__}: {str(err)[:300]}" if err is not None
-                  else "corrupt: failed to restore on another process")
-        if err is not None and str(err) == "it holds non-finite values":
-            reason = "non-finite values"
-        self._records[step].quarantined = reason
-        self._write_quarantine()
-        self._pending.append(_make_alert(
-            "checkpoint_corrupt", "checkpoint/corrupt", Level.YELLOW, step, step, step,
-            f"[YELLOW] checkpoint of step {step} in {str(self.directory)!r} cannot be used "
-            f"({reason}); skipped and quarantined, trying the previous one.", {"reason": reason}))
-        _log.warning("Rollback: checkpoint %d skipped: %s", step, reason)
-        return None
-
-    def _load_records(self) -> None:
-        quarantine = self._read_quarantine()
-        for step in sorted(int(s) for s in self._mngr.all_steps()):
-            try:
-                meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-                if not isinstance(meta, Mapping) or meta.get("format") != _META_FORMAT:
-                    raise ValueError(f"not a jvitals checkpoint (metadata {str(meta)[:80]!r})")
-                rec = CheckpointInfo(step, int(meta["level"]), str(meta["kind"]),
-                                     float(meta.get("lr_scale", 1.0)), meta.get("restored_from"))
-                for s, reason in (meta.get("quarantine") or {}).items():
-                    quarantine.setdefault(int(s), reason)
-            except Exception as e:  # noqa: BLE001 - unreadable metadata = unusable checkpoint
-                rec = CheckpointInfo(step, -1, "unknown", quarantined=(
-                    f"corrupt: metadata unreadable: {type(e).__name__}: {str(e)[:200]}"))
-                self._pending.append(_make_alert(
-                    "checkpoint_corrupt", "checkpoint/corrupt", Level.YELLOW, step, step, step,
-                    f"[YELLOW] checkpoint of step {step} in {str(self.directory)!r} has unreadable "
-                    f"metadata ({type(e).__name__}); it is never restored.", {"reason": rec.quarantined}))
-            self._records[step] = rec
-        for s, reason in quarantine.items():
-            if s in self._records and self._records[s].quarantined is None:
-                self._records[s].quarantined = reason
-        regular = [s for s, r in self._records.items() if r.kind in _REGULAR and r.quarantined is None]
-        self._last_regular = max(regular) if regular else None
-
-    def _read_quarantine(self) -> dict[int, str]:
-        path = self.directory / QUARANTINE_FILE
-        try:
-            if path.exists():
-                data = json.loads(path.read_text())
-                return {int(s): str(r) for s, r in data.get("steps", {}).items()}
-        except Exception as e:  # noqa: BLE001
-            _log.warning("Rollback: cannot read %s (%s); relying on checkpoint metadata", path, e)
-        return {}
-
-    def _write_quarantine(self) -> None:
-        if jax.process_index() != 0:
-            return
-        steps = dict(self._read_quarantine())
-        steps.update(self.quarantined)
-        data = {"format": "jvitals.quarantine", "version": 1,
-                "note": "checkpoints jvitals never restores (kept for a post-mortem)",
-                "steps": {str(s): r for s, r in sorted(steps.items())}}
-        path = self.directory / QUARANTINE_FILE
-        tmp = self.directory / (QUARANTINE_FILE + ".tmp")
-        try:
-            tmp.write_text(json.dumps(data, indent=1))
-            tmp.replace(path)
-        except Exception as e:  # noqa: BLE001 - the metadata keeps the list too
-            _log.warning("Rollback: cannot write %s (%s)", path, e)
-
-    # ------------------------------------------------------------------
-    # Small helpers.
-    # ------------------------------------------------------------------
-
-    def _check_lr_scale(self, state: Any) -> None:
-        if self._lr_checked or self.lr_factor == 1.0:
-            return
-        if not has_lr_scale(state):
-            raise ValueError(
-                f"Rollback(lr_factor={self.lr_factor}) expects the train state's optimizer to be "
-                "wrapped with jvitals.with_lr_scale(tx) (an inject_hyperparams state holding "
-                f"'lr_scale'), found none in the {type(state).__name__}. Build the optimizer as "
-                "tx = jvitals.with_lr_scale(tx), or pass lr_factor=1.0 to keep the LR.")
-        self._lr_checked = True
-
-    def _drain(self) -> list[Alert]:
-        out, self._pending = self._pending, []
-        return out
-
-    def _respond_done(self, response: Response) -> None:
-        self.alerts.extend(response.alerts)
-        self.last_response = response
-        self.last_action = response.action
-
-
-def _wait_at_exit(ref: "weakref.ref[Rollback]") -> None:
-    """Lets an in-flight asynchronous save land when the program exits normally."""
-    guard = ref()
-    if guard is not None:
-        try:
-            guard._mngr.wait_until_finished()
-        except Exception as e:  # noqa: BLE001 - nothing left to raise to
-            _log.error("Rollback: the last asynchronous save failed at exit: %s", e)
-
-
 def _jsonable(x: Any) -> Any:
-    return json.loads(json.dumps(x, default=_json_default))
+    return json.loads(json.dumps(x, default=json_default))
 
 
 def _check_position(position: Any) -> Any:
@@ -1094,3 +428,806 @@ def _make_alert(rule: str, metric: str, level: Level, step: int, value: float, o
                  opened_step=int(step), message=message, cause=pres.cause,
                  prescription=pres.prescription, localization=[], peak_level=Level(level),
                  closed_step=int(step), details=details)
+
+
+def _parse_reset(spec: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``reset_optimizer`` as ``((path regex, moments), ...)``; see :class:`Rollback`."""
+    if spec is None or spec is False:
+        return ()
+    if isinstance(spec, str):
+        spec = (spec,)
+    if isinstance(spec, Mapping):
+        items = list(spec.items())
+    elif isinstance(spec, (list, tuple)) and all(isinstance(m, str) for m in spec):
+        items = [(".*", tuple(spec))]
+    else:
+        raise ValueError(f"Rollback expects reset_optimizer=('nu',), ('mu', 'nu') or "
+                         f"{{path_regex: moments}}, got {spec!r}")
+    out = []
+    for pattern, moments in items:
+        moments = (moments,) if isinstance(moments, str) else tuple(moments)
+        bad = [m for m in moments if m not in _MOMENTS]
+        if bad or not moments:
+            raise ValueError(f"Rollback: reset_optimizer names Adam moments among {_MOMENTS}, got "
+                             f"{moments!r} for {pattern!r}")
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"Rollback: reset_optimizer key {pattern!r} is not a regular "
+                             f"expression ({e})") from e
+        out.append((str(pattern), moments))
+    return tuple(out)
+
+
+def _path_name(path: Sequence[Any]) -> str:
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _zeros_like(x: Any) -> Any:
+    """Zeros of ``x``'s shape, dtype and sharding (no retrace of a jitted step)."""
+    if isinstance(x, jax.Array):
+        host = np.zeros(x.shape, x.dtype)
+        if x.sharding.is_fully_addressable:
+            return jax.device_put(host, x.sharding)
+        return jax.make_array_from_callback(x.shape, x.sharding, lambda idx: host[idx])
+    return np.zeros_like(x)
+
+
+def reset_adam_moments(state: Any, spec: Sequence[tuple[str, Sequence[str]]]) -> tuple[Any, dict[str, Any]]:
+    """Zeroes the Adam moments named by ``spec`` in every ``ScaleByAdamState`` of ``state``.
+
+    Args:
+      state: any pytree holding optax Adam states.
+      spec: ``((path regex, moments), ...)``; a leaf's moment is reset when the
+        leaf's ``/``-joined parameter path matches a regex (``re.search``) listed
+        with that moment.
+
+    Returns:
+      ``(state, summary)``: the new state, and ``{"leaves": {moment: [paths]},
+      "count_reset": bool}`` (the count is zeroed when every moment of every leaf
+      was reset: a fresh Adam).
+    """
+    done: dict[str, list[str]] = {m: [] for m in _MOMENTS}
+    total = {"n": 0, "all": True, "found": False}
+
+    def node(x: Any) -> Any:
+        if not isinstance(x, optax.ScaleByAdamState):
+            return x
+        total["found"] = True
+        new = {}
+        for m in _MOMENTS:
+            def leaf(path, v, m=m):
+                name = _path_name(path)
+                if any(m in ms and re.search(p, name) for p, ms in spec):
+                    done[m].append(name)
+                    return _zeros_like(v)
+                total["all"] = False
+                return v
+            new[m] = jax.tree_util.tree_map_with_path(leaf, getattr(x, m))
+        out = x._replace(mu=new["mu"], nu=new["nu"])
+        if total["all"]:
+            out = out._replace(count=_zeros_like(x.count))
+        return out
+
+    out = jax.tree.map(node, state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+    if not total["found"]:
+        raise ValueError("Rollback(reset_optimizer=...) expects an Adam-family optimizer state "
+                         "(optax.ScaleByAdamState, as in adam/adamw) in the train state; found none. "
+                         "Pass reset_optimizer=None for this optimizer.")
+    count_reset = total["all"] and bool(done["mu"] or done["nu"])
+    if not count_reset and total["all"]:
+        count_reset = False
+    return out, {"leaves": {m: sorted(set(v)) for m, v in done.items() if v}, "count_reset": count_reset}
+
+
+# ----------------------------------------------------------------------------
+# The guard.
+# ----------------------------------------------------------------------------
+
+
+class Rollback:
+    """Saves on a cadence, pauses on orange, rolls back on red (see module doc).
+
+    Args:
+      directory: the checkpoint directory (created if missing; any path orbax accepts).
+      save_every: cadence in steps: a checkpoint at the first call and whenever
+        ``step // save_every`` grows.
+      keep_last: the newest cadence/rollback checkpoints kept (and the newest of any kind).
+      keep_every: cadence checkpoints on multiples of this are kept for good (None: none).
+      keep_green: the newest healthy GREEN checkpoints kept beyond ``keep_last``.
+      keep_quarantined: the newest quarantined (sick) checkpoints kept for a post-mortem.
+      lr_factor: LR scale multiplier per rollback (1.0: leave the LR alone, and no
+        :func:`~jvitals.with_lr_scale` is needed).
+      max_rollbacks: rollbacks allowed in the run (None: no limit); one more red
+        raises :class:`RollbackLimitError`.
+      healthy_levels: saved levels a rollback may restore.
+      pause: on orange: ``'return'`` (action PAUSE), ``'raise'``
+        (:class:`TrainingPaused`) or a callable taking the :class:`Response`.
+      monitor: the Monitor whose ``state_dict`` is saved and whose
+        ``note_rollback`` is called (also set by :meth:`resume`).
+      save_on_rollback: checkpoint the restored state at the red step.
+      step_attr: the train state's step field kept forward by a rollback (None:
+        leave the restored one).
+      sync_save: wait for each save to land (errors at the save call; slower).
+      check_finite: reject targets holding non-finite values.
+      onset_margin: the least margin in steps before the earliest sign (the host
+        cadence is used when larger).
+      rewind_steps: restore a checkpoint at least this many steps before the
+        earliest sign (the guide: "roll back 10-100 steps before the spike"; None:
+        the newest healthy one).
+      skip_data: ``False`` (default, the guide: keep the data position), ``True``
+        (skip as many batches again as were consumed between the target and the
+        red step) or an int ``N`` (skip ``N`` batches); the position must be an int.
+        Read the new position from ``guard.position`` (or ``Response.position``).
+      reset_optimizer: Adam moments to zero after the restore: ``('nu',)``,
+        ``('mu', 'nu')`` (every parameter), or per parameter group
+        ``{path_regex: ('mu', 'nu')}`` (matched with ``re.search`` against the
+        ``/``-joined parameter path, e.g. ``'embed'``). None: keep them.
+      snapshots: a :class:`Snapshots` for light recent snapshots (None: none).
+      writer: a clu ``MetricWriter`` (or anything with its ``write_*`` methods):
+        the guard writes its figures and events through :func:`jvitals.write`.
+
+    Attributes:
+      last_action: the :class:`Action` of the latest call (None before any).
+      last_response: the latest :class:`Response`.
+      lr_scale: the LR scale in force (compounded over rollbacks).
+      history: the rollbacks so far (dicts; saved in the metadata).
+      alerts: every alert the guard raised, oldest first.
+      events: every event the guard recorded, oldest first.
+      position: the data position to continue from after the latest call.
+      resumed_step: the checkpoint :meth:`resume` restored (None: fresh start).
+      store: the :class:`~jvitals.checkpoints.CheckpointStore` of the checkpoints.
+      snapshot_store: the store of the snapshots (None without ``snapshots``).
+
+    Raises:
+      CheckpointSaveError: the directory cannot be created or written.
+      ValueError: an argument is out of range.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, save_every: int = 500,
+                 keep_last: int = 5, keep_every: int | None = 5000, keep_green: int = 1,
+                 keep_quarantined: int = 3, lr_factor: float = 0.9,
+                 max_rollbacks: int | None = 3,
+                 healthy_levels: Iterable[int] = (Level.GREEN, Level.YELLOW),
+                 pause: str | Callable[[Response], Any] = "return", monitor: Any = None,
+                 save_on_rollback: bool = True, step_attr: str | None = "step",
+                 sync_save: bool = False, check_finite: bool = True, onset_margin: int = 1,
+                 rewind_steps: int | None = None, skip_data: bool | int = False,
+                 reset_optimizer: Any = None, snapshots: Snapshots | None = None,
+                 writer: Any = None) -> None:
+        if int(save_every) < 1:
+            raise ValueError(f"Rollback expects save_every >= 1, got {save_every}")
+        if not 0.0 < float(lr_factor) <= 1.0:
+            raise ValueError(f"Rollback expects 0 < lr_factor <= 1, got {lr_factor}")
+        if max_rollbacks is not None and int(max_rollbacks) < 0:
+            raise ValueError(f"Rollback expects max_rollbacks >= 0 or None, got {max_rollbacks}")
+        if not (pause in ("return", "raise") or callable(pause)):
+            raise ValueError(f"Rollback expects pause='return', 'raise' or a callable, got {pause!r}")
+        if int(onset_margin) < 0:
+            raise ValueError(f"Rollback expects onset_margin >= 0, got {onset_margin}")
+        if rewind_steps is not None and int(rewind_steps) < 0:
+            raise ValueError(f"Rollback expects rewind_steps >= 0 or None, got {rewind_steps}")
+        if not (isinstance(skip_data, bool) or (isinstance(skip_data, int) and skip_data >= 0)):
+            raise ValueError(f"Rollback expects skip_data=False, True or an int >= 0, got {skip_data!r}")
+        if snapshots is not None and (int(snapshots.every) < 1 or int(snapshots.keep) < 1):
+            raise ValueError(f"Rollback expects Snapshots(every >= 1, keep >= 1), got {snapshots}")
+        self.save_every = int(save_every)
+        self.lr_factor = float(lr_factor)
+        self.max_rollbacks = None if max_rollbacks is None else int(max_rollbacks)
+        self.healthy_levels = frozenset(int(x) for x in healthy_levels)
+        self.pause = pause
+        self.monitor = monitor
+        self.save_on_rollback = bool(save_on_rollback)
+        self.step_attr = step_attr
+        self.sync_save = bool(sync_save)
+        self.check_finite = bool(check_finite)
+        self.onset_margin = int(onset_margin)
+        self.rewind_steps = None if rewind_steps is None else int(rewind_steps)
+        self.skip_data = skip_data
+        self.reset_optimizer = _parse_reset(reset_optimizer)
+        self.snapshots = snapshots
+        self.writer = writer
+
+        self.last_action: Action | None = None
+        self.last_response: Response | None = None
+        self.lr_scale = 1.0
+        self.history: list[dict[str, Any]] = []
+        self.alerts: list[Alert] = []
+        self.events: list[dict[str, Any]] = []
+        self.position: Any = None
+        self.resumed_step: int | None = None
+        self._pending: list[Alert] = []
+        self._pending_events: list[dict[str, Any]] = []
+        self._last_regular: int | None = None
+        self._last_snapshot: int | None = None
+        self._last_healthy_check: int | None = None
+        self._orange_saved = False
+        self._lr_checked = False
+        self._resumed = False
+        self._warned_no_resume = False
+        self._checks: collections.deque[int] = collections.deque(maxlen=4096)
+        self._log = _AlertLog()
+
+        self.store = CheckpointStore(directory, keep_last=keep_last, keep_every=keep_every,
+                                     keep_green=keep_green, keep_quarantined=keep_quarantined,
+                                     healthy_levels=self.healthy_levels, name="checkpoints")
+        self.directory = self.store.directory
+        self.snapshot_store: CheckpointStore | None = None
+        if snapshots is not None:
+            where = snapshots.directory if snapshots.directory is not None else self.directory / "snapshots"
+            self.snapshot_store = CheckpointStore(
+                where, keep_last=int(snapshots.keep), keep_every=None, keep_green=0,
+                keep_quarantined=0, healthy_levels=self.healthy_levels, name="snapshots",
+                quarantine_file=True)
+        self._collect_failures()
+        regular = [r.step for r in self.store.checkpoints if r.kind in (CADENCE, ROLLBACK_SAVE, MANUAL)
+                   and r.quarantined is None]
+        self._last_regular = max(regular) if regular else None
+        self._found_at_open = max((s.latest_step() for s in self._stores() if s.latest_step() is not None),
+                                  default=None)
+
+    # ------------------------------------------------------------------
+    # Public API.
+    # ------------------------------------------------------------------
+
+    @property
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """Records of the checkpoints on disk (not the snapshots), oldest first."""
+        return self.store.checkpoints
+
+    @property
+    def snapshot_checkpoints(self) -> list[CheckpointInfo]:
+        """Records of the snapshots on disk, oldest first (empty without ``snapshots``)."""
+        return self.snapshot_store.checkpoints if self.snapshot_store is not None else []
+
+    @property
+    def quarantined(self) -> dict[int, str]:
+        """``{step: reason}`` of the checkpoints (not snapshots) that are never restored."""
+        return self.store.quarantined
+
+    @property
+    def pins(self) -> dict[int, str]:
+        """``{step: why}`` of the checkpoints retention never deletes."""
+        return dict(self.store.pins)
+
+    def metrics(self) -> dict[str, float]:
+        """Scalars to log at any step: ``rollback/count`` and ``rollback/lr_scale``."""
+        return {ROLLBACK_COUNT: float(len(self.history)), ROLLBACK_LR_SCALE: float(self.lr_scale)}
+
+    def resume(self, state: Any, position: Any = None, monitor: Any = None) -> tuple[Any, Any]:
+        """Restores the newest healthy checkpoint, if any (after a crash or a restart).
+
+        Picks, among the checkpoints and snapshots, the newest healthy one (saved
+        at a healthy level with no open ORANGE/RED alert, not quarantined, restores
+        on every process and is finite); logs which and why the newer ones were
+        skipped. Loads the monitor's state from it into ``monitor``, and the LR
+        scale and rollback history into the guard. Without a healthy checkpoint
+        a relapse suspect is used; without any, the inputs are returned.
+
+        Args:
+          state: a train state of the right structure, shapes, dtypes and shardings
+            (the freshly initialised one): the restore target.
+          position: the data position to use when there is no checkpoint.
+          monitor: the Monitor to restore (in place) and to use from now on.
+
+        Returns:
+          ``(state, position)``: restored from the checkpoint (this process's
+          position), or the inputs unchanged when the directory has none.
+        """
+        if monitor is not None:
+            self.monitor = monitor
+        self._resumed = True
+        self._check_lr_scale(state)
+        for s in self._stores():
+            s.wait()
+        found = self._first_restorable(None, state, finite=self.check_finite)
+        skipped = [f"{r.step} ({self._why_not(r)})" for r in self._all_records()
+                   if found is None or r.step > found[0].step]
+        if found is None:
+            if skipped:
+                _log.warning("Rollback: resume found no healthy checkpoint in %s (skipped: %s); "
+                             "starting fresh.", self.directory, ", ".join(skipped))
+            self.position = position
+            self._done(Response(Action.CONTINUE, state, -1, None, None, self.lr_scale,
+                                tuple(self._drain()), self.metrics(), tuple(self._drain_events()),
+                                position))
+            return state, position
+        rec, restored, meta = found
+        _log.info("Rollback: resumed from %s %d (%s, %s)%s.", rec.store, rec.step, rec.kind,
+                  level_name(rec.level), f"; skipped newer: {', '.join(skipped)}" if skipped else "")
+        if self.monitor is not None and meta.get("monitor") is not None:
+            _load_monitor(self.monitor, meta["monitor"])
+        self.lr_scale = float(meta.get("lr_scale", 1.0))
+        self.history = list(meta.get("rollbacks", []))
+        self.resumed_step = rec.step
+        self._last_regular = rec.step
+        self._last_snapshot = rec.step
+        checks = [r.step for r in self._all_records() if r.step <= rec.step
+                  and r.level in self.healthy_levels and r.kind != ROLLBACK_SAVE]
+        self._last_healthy_check = max(checks) if checks else None
+        self._orange_saved = False
+        positions = meta.get("positions")
+        if isinstance(positions, list) and len(positions) == jax.process_count():
+            position = positions[jax.process_index()]
+        else:
+            position = meta.get("position")
+        self.position = position
+        self._update_pins(None)
+        self._event({"event": "resume", "step": rec.step, "store": rec.store, "kind": rec.kind,
+                     "skipped": skipped})
+        self._done(Response(Action.RESUMED, restored, rec.step, None, rec.step, self.lr_scale,
+                            tuple(self._drain()), self.metrics(), tuple(self._drain_events(keep=True)),
+                            position))
+        return restored, position
+
+    def respond(self, step: int, state: Any, verdict: Any, position: Any = None) -> Any:
+        """Acts on ``verdict`` and returns the state to continue with.
+
+        See :meth:`act`; this returns only ``act(...).state`` (the action is in
+        :attr:`last_action`, the data position to continue from in :attr:`position`).
+        """
+        return self.act(step, state, verdict, position).state
+
+    def act(self, step: int, state: Any, verdict: Any, position: Any = None) -> Response:
+        """Saves, pauses or rolls back according to ``verdict``.
+
+        Args:
+          step: the loop's step (the checkpoint number); same on every process, increasing.
+          state: the current train state (any pytree; never modified).
+          verdict: this process's ``Monitor.update`` result (None: GREEN). On
+            several processes, process 0's decides for all.
+          position: the data position after this step (JSON-serialisable).
+
+        Returns:
+          A :class:`Response`; its ``state`` is the restored one on ROLLBACK.
+
+        Raises:
+          RollbackLimitError: red after ``max_rollbacks`` rollbacks.
+          RollbackError: red and no healthy checkpoint before the earliest sign.
+          TrainingPaused: orange with ``pause='raise'`` (after the save).
+          CheckpointSaveError: a save failed (the state is untouched).
+        """
+        step = int(step)
+        _check_position(position)
+        if self.skip_data is not False and not isinstance(position, (int, np.integer)):
+            raise TypeError(f"Rollback(skip_data={self.skip_data!r}) expects an int data position "
+                            f"(batches consumed), got {type(position).__name__} {position!r}; pass "
+                            "an int, or skip_data=False and skip in your loader.")
+        self._log.observe(step, verdict)
+        self._checks.append(step)
+        level, sign, cadence = self._decide(step, verdict)
+        self._check_lr_scale(state)
+        if not self._resumed and self._found_at_open is not None and not self._warned_no_resume:
+            self._warned_no_resume = True
+            _log.warning("Rollback: %s already held checkpoints up to step %d but resume() "
+                         "was not called; starting fresh alongside them.",
+                         self.directory, self._found_at_open)
+        for s in self._stores():
+            s.poll()
+        alerts = self._drain()
+        open_peak = max(self._log.open_peak(verdict), level)
+        self.position = position
+        if level >= Level.RED:
+            response = self._rollback(step, state, verdict, position, sign, cadence, alerts)
+        elif level == Level.ORANGE:
+            saved = None
+            if not self._orange_saved:
+                saved = self._save(step, state, position, level, ORANGE_SAVE, open_peak=open_peak)
+                self._orange_saved = True
+                self._event({"event": "pause", "step": step, "saved_step": saved})
+            response = Response(Action.PAUSE, state, step, saved, None, self.lr_scale,
+                                tuple(alerts + self._drain()), self.metrics(),
+                                tuple(self._drain_events()), position)
+        else:
+            self._orange_saved = False
+            saved = snap = None
+            if self._cadence_due(step):
+                saved = self._save(step, state, position, level, CADENCE, open_peak=open_peak)
+            elif self._snapshot_due(step) and open_peak < Level.ORANGE:
+                snap = self._save(step, state, position, level, SNAPSHOT, open_peak=open_peak)
+            response = Response(Action.SAVED if saved is not None or snap is not None else Action.CONTINUE,
+                                state, step, saved, None, self.lr_scale, tuple(alerts + self._drain()),
+                                self.metrics(), tuple(self._drain_events()), position, snap)
+        if level in self.healthy_levels:
+            self._last_healthy_check = step
+        self._update_pins(verdict)
+        self._done(response)
+        self._write(step, response)
+        if response.action is Action.PAUSE:
+            self._pause(response, verdict)
+        return response
+
+    def save(self, step: int, state: Any, position: Any = None, *, level: int = Level.GREEN) -> int | None:
+        """Saves a checkpoint now (kind ``'manual'``), e.g. at the end of training.
+
+        Returns:
+          The step saved, or None if a usable checkpoint of that step exists.
+        """
+        return self._save(int(step), state, position, int(level), MANUAL)
+
+    def restore(self, step: int, state: Any) -> tuple[Any, dict[str, Any]]:
+        """Restores checkpoint (or snapshot) ``step`` onto ``state``'s structure and shardings.
+
+        For inspection (a post-mortem of a quarantined checkpoint too); the guard's
+        own bookkeeping is not changed.
+
+        Returns:
+          ``(state, metadata)``.
+        """
+        step = int(step)
+        store = self.store
+        if step not in self.store.records and self.snapshot_store is not None \
+                and step in self.snapshot_store.records:
+            store = self.snapshot_store
+        return store.restore(step, state)
+
+    def wait(self) -> None:
+        """Blocks until pending saves have landed.
+
+        Raises:
+          CheckpointSaveError: an asynchronous save failed.
+        """
+        for s in self._stores():
+            s.wait()
+
+    def close(self) -> None:
+        """Waits for pending saves and releases orbax's resources."""
+        try:
+            self.wait()
+        finally:
+            for s in self._stores():
+                s.close()
+
+    def __enter__(self) -> "Rollback":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------
+    # Decisions.
+    # ------------------------------------------------------------------
+
+    def _stores(self) -> list[CheckpointStore]:
+        return [self.store] + ([self.snapshot_store] if self.snapshot_store is not None else [])
+
+    def _all_records(self) -> list[CheckpointInfo]:
+        """Every record of every store, newest first (a checkpoint before a snapshot at one step)."""
+        recs = [r for s in self._stores() for r in s.records.values()]
+        return sorted(recs, key=lambda r: (-r.step, r.store != "checkpoints"))
+
+    def _store_of(self, rec: CheckpointInfo) -> CheckpointStore:
+        return self.store if rec.store == self.store.name else self.snapshot_store  # type: ignore[return-value]
+
+    def _why_not(self, rec: CheckpointInfo) -> str:
+        if rec.quarantined:
+            return f"quarantined: {rec.quarantined}"
+        if rec.level not in self.healthy_levels:
+            return f"saved at {level_name(rec.level)}"
+        if rec.open_peak >= Level.ORANGE:
+            return f"saved during an open {level_name(rec.open_peak)} alert"
+        return "not needed"
+
+    def _decide(self, step: int, verdict: Any) -> tuple[int, int, int]:
+        """Process 0's (level, earliest sign, host cadence), the same on every process."""
+        level = int(getattr(verdict, "level", Level.GREEN)) if verdict is not None else int(Level.GREEN)
+        sign = self._log.chain_sign(verdict, step) if level >= Level.RED else step
+        cadence = self._cadence_at(sign)
+        rows = allgather_ints([step, level, sign, cadence])
+        if (rows[:, 0] != rows[0, 0]).any():
+            raise RuntimeError(
+                f"Rollback: processes called respond at different steps {rows[:, 0].tolist()}; "
+                "expected every process at the same step. Call respond at the same steps on "
+                "every process.")
+        return int(rows[0, 1]), int(rows[0, 2]), int(rows[0, 3])
+
+    def _cadence_at(self, sign: int) -> int:
+        """The host cadence at step ``sign``: the margin a target keeps before it.
+
+        When ``sign`` is one of the guard's checks, the metrics seen there may come
+        from any update since the previous check (that check's own included), so
+        the margin is the interval back to the previous check. Otherwise the
+        monitor saw step ``sign`` itself (it is fed more often than the guard
+        acts, or ``sign`` is a change point, the step after a check on the
+        baseline's side): ``onset_margin``.
+        """
+        k = 0
+        if sign in self._checks:
+            before = [c for c in self._checks if c < sign]
+            if before:
+                k = sign - max(before)
+        return max(k, self.onset_margin)
+
+    def _cadence_due(self, step: int) -> bool:
+        last = self._last_regular
+        return last is None or step // self.save_every > last // self.save_every
+
+    def _snapshot_due(self, step: int) -> bool:
+        if self.snapshot_store is None:
+            return False
+        every = int(self.snapshots.every)  # type: ignore[union-attr]
+        last = max((x for x in (self._last_snapshot, self._last_regular) if x is not None), default=None)
+        return last is None or step // every > last // every
+
+    def _first_restorable(self, before: int | None, like: Any, *, finite: bool,
+                          not_after: int | None = None) -> tuple[CheckpointInfo, Any, dict] | None:
+        """The newest healthy checkpoint (``step < before``, ``<= not_after``) that restores."""
+        for allow_suspect in (False, True):
+            for rec in self._all_records():
+                if before is not None and rec.step >= before:
+                    continue
+                if not_after is not None and rec.step > not_after:
+                    continue
+                store = self._store_of(rec)
+                if not store.is_healthy(rec, allow_suspect=allow_suspect):
+                    continue
+                got = store.try_restore(rec.step, like, finite=finite)
+                self._collect_failures()
+                if got is not None:
+                    if allow_suspect:
+                        _log.warning("Rollback: no healthy checkpoint left; using the relapse "
+                                     "suspect %d (%s).", rec.step, rec.quarantined)
+                    return (rec, *got)
+        return None
+
+    def _update_pins(self, verdict: Any) -> None:
+        """Pins the newest healthy checkpoint, the rollback targets, and the newest healthy
+        one before each open alert's earliest sign."""
+        pins: dict[int, str] = {}
+        for h in self.history:
+            pins.setdefault(int(h["to_step"]), f"rollback target (restored at step {h['step']})")
+        recs = [r for r in self._all_records() if self._store_of(r).is_healthy(r)]
+        if recs:
+            pins.setdefault(recs[0].step, "newest healthy")
+        for i, sign in sorted(self._log.open_signs(verdict).items()):
+            cut = sign - self._cadence_at(sign)
+            before = [r for r in recs if r.step < cut]
+            if before:
+                pins.setdefault(before[0].step, f"newest healthy before the onset {sign} of open alert "
+                                                f"#{i} ({self._log.seen[i].rule})")
+        if jax.process_count() > 1:
+            pins = {int(s): r for s, r in allgather_json({str(s): r for s, r in pins.items()})[0].items()}
+        for s in self._stores():
+            s.set_pins(pins)
+
+    # ------------------------------------------------------------------
+    # Red.
+    # ------------------------------------------------------------------
+
+    def _rollback(self, step: int, state: Any, verdict: Any, position: Any, sign: int,
+                  cadence: int, alerts: list[Alert]) -> Response:
+        verdict_alerts = list(getattr(verdict, "alerts", []) or [])
+        cutoff = sign - cadence
+        not_after = None if self.rewind_steps is None else sign - self.rewind_steps
+        for s in self._stores():
+            s.wait()
+        if self.max_rollbacks is not None and len(self.history) >= self.max_rollbacks:
+            self._limit(step, verdict_alerts, position, sign, cutoff)
+        if self.history and (self._last_healthy_check is None
+                             or self._last_healthy_check <= self.history[-1]["step"]):
+            prev = self.history[-1]
+            reason = (f"relapse: red again at step {step} without a healthy check since the "
+                      f"rollback at step {prev['step']} to step {prev['to_step']}")
+            for r in self._all_records():
+                if r.quarantined is None and (r.step == prev["to_step"] or r.restored_from == prev["to_step"]):
+                    self._store_of(r).quarantine(r.step, reason)
+        found = self._first_restorable(cutoff, state, finite=self.check_finite, not_after=not_after)
+        if found is None:
+            listing = ", ".join(f"{r.step}:{level_name(r.level)}" + (f" ({self._why_not(r)})"
+                                if not self._store_of(r).is_healthy(r) else "")
+                                for r in reversed(self._all_records())) or "none"
+            for s in self._stores():
+                s.write_quarantine()
+            bound = f"step {cutoff}" + (f" and at most step {not_after}" if not_after is not None else "")
+            raise RollbackError(
+                f"Rollback: red at step {step} (earliest sign {sign}, host cadence {cadence}) but no "
+                f"healthy checkpoint before {bound} in {str(self.directory)!r}; expected one saved at "
+                f"a level in {sorted(level_name(x) for x in self.healthy_levels)} with no open "
+                f"ORANGE/RED alert that restores. On disk: {listing}. Alerts: "
+                f"{_alert_lines(verdict_alerts)}. Save earlier (a smaller save_every, snapshots=, "
+                "or a larger keep_last) or restart from an older run.")
+        rec, restored, meta = found
+        alerts.extend(self._drain())            # corrupt candidates skipped on the way
+        target = rec.step
+        for r in self._all_records():
+            if target < r.step <= step and r.quarantined is None:
+                self._store_of(r).quarantine(
+                    r.step, f"sick: after rollback target {target}; red at step {step} (earliest sign {sign})")
+        actions: list[dict[str, Any]] = [{"action": "restore", "to_step": target, "store": rec.store}]
+        new_scale = self.lr_scale * self.lr_factor
+        if self.lr_factor != 1.0:
+            restored = set_lr_scale(restored, new_scale)
+            actions.append({"action": "lr_scale", "factor": self.lr_factor, "value": new_scale})
+        if self.step_attr is not None:
+            current = _get_field(state, self.step_attr)
+            if current is not None:
+                restored = _set_field(restored, self.step_attr, current)
+        if self.reset_optimizer:
+            restored, summary = reset_adam_moments(restored, self.reset_optimizer)
+            actions.append({"action": "reset_optimizer",
+                            "spec": {p: list(m) for p, m in self.reset_optimizer},
+                            "moments": sorted(summary["leaves"]),
+                            "leaves": sum(len(v) for v in summary["leaves"].values()),
+                            "count_reset": summary["count_reset"]})
+        new_position = position
+        if self.skip_data is not False:
+            positions = meta.get("positions")
+            then = positions[jax.process_index()] if isinstance(positions, list) and \
+                len(positions) == jax.process_count() else meta.get("position")
+            n = int(self.skip_data) if not isinstance(self.skip_data, bool) else \
+                max(0, int(position) - int(then if isinstance(then, (int, float)) else position))
+            new_position = int(position) + n
+            actions.append({"action": "skip_data", "batches": n, "from_position": int(position),
+                            "position": new_position})
+        self.lr_scale = new_scale
+        self.position = new_position
+        self.history.append({"step": step, "to_step": target, "onset_step": sign, "cutoff": cutoff,
+                             "lr_scale": new_scale, "position": _jsonable(new_position),
+                             "actions": actions,
+                             "alerts": [_alert_lines([a]) for a in verdict_alerts[:5]]})
+        note = None
+        if self.monitor is not None and hasattr(self.monitor, "note_rollback"):
+            note = self.monitor.note_rollback(step, target)
+        did = ", ".join(_action_text(a) for a in actions[1:]) or "no other action"
+        message = (f"[RED] rolled back at step {step} (earliest sign {sign}) to the healthy {rec.store[:-1]} "
+                   f"of step {target}; {did}; data position {new_position!r}; "
+                   f"{len(self.history)} rollback(s) so far; quarantined: {sorted(self.quarantined)}. "
+                   f"Cause: {_alert_lines(verdict_alerts, 2)}")
+        alerts.append(_make_alert("rollback", ROLLBACK_COUNT, Level.RED, step, len(self.history), sign,
+                                  message, {"to_step": target, "lr_scale": new_scale, "actions": actions,
+                                            "monitor_alert_id": getattr(note, "id", None)}))
+        self._event({"event": "rollback", "step": step, "to_step": target, "onset_step": sign,
+                     "lr_scale": new_scale, "position": _jsonable(new_position), "actions": actions,
+                     "reason": _alert_lines(verdict_alerts, 1)})
+        for s in self._stores():
+            s.write_quarantine()
+        self._orange_saved = False
+        saved = None
+        if self.save_on_rollback:
+            saved = self._save(step, restored, new_position, rec.level, ROLLBACK_SAVE, restored_from=target)
+        metrics = {**self.metrics(), "rollback/from_step": float(step), "rollback/to_step": float(target)}
+        return Response(Action.ROLLBACK, restored, step, saved, target, new_scale,
+                        tuple(alerts + self._drain()), metrics, tuple(self._drain_events()), new_position)
+
+    def _limit(self, step: int, verdict_alerts: list[Any], position: Any, sign: int, cutoff: int) -> None:
+        """Raises :class:`RollbackLimitError` after quarantining what was saved since the sign."""
+        for r in self._all_records():
+            if r.step >= cutoff and r.quarantined is None and r.step <= step:
+                self._store_of(r).quarantine(
+                    r.step, f"sick: saved after the earliest sign {sign} of the red at step {step} "
+                            "(rollback limit reached)")
+        healthy = [r.step for r in self._all_records() if self._store_of(r).is_healthy(r)]
+        for s in self._stores():
+            s.write_quarantine()
+        self._update_pins(None)
+        done = ", ".join(f"{h['step']}->{h['to_step']}" for h in self.history) or "none"
+        self._event({"event": "rollback_limit", "step": step, "onset_step": sign, "healthy": healthy})
+        raise RollbackLimitError(
+            f"Rollback: {len(self.history)} rollback(s) already (steps {done}; LR scale now "
+            f"{self.lr_scale:.4g}) and the run went red again at step {step} (earliest sign "
+            f"{sign}): {_alert_lines(verdict_alerts)}. max_rollbacks={self.max_rollbacks} "
+            f"reached: lower the learning rate further or inspect the data at position "
+            f"{position!r}. Healthy checkpoints on disk in {str(self.directory)!r}, newest first: "
+            f"{healthy or 'none'}; a restart (Rollback(..., max_rollbacks=N).resume()) continues "
+            f"from {healthy[0] if healthy else 'nothing'}; quarantined: {sorted(self.quarantined)}.",
+            step=step, history=list(self.history), alerts=verdict_alerts, position=position,
+            healthy=healthy)
+
+    # ------------------------------------------------------------------
+    # Orange.
+    # ------------------------------------------------------------------
+
+    def _pause(self, response: Response, verdict: Any) -> None:
+        if self.pause == "return":
+            return
+        if self.pause == "raise":
+            where = (f"checkpoint saved as step {response.saved_step}" if response.saved_step is not None
+                     else "this orange episode was already saved")
+            raise TrainingPaused(
+                f"Rollback: training paused at step {response.step} on ORANGE "
+                f"({_alert_lines(getattr(verdict, 'alerts', []) or [])}); {where} in "
+                f"{str(self.directory)!r}. Fix the cause, then restart and call guard.resume() "
+                "(it resumes from the newest healthy checkpoint).",
+                step=response.step, saved_step=response.saved_step,
+                alerts=getattr(verdict, "alerts", []) or [], response=response)
+        self.pause(response)
+
+    # ------------------------------------------------------------------
+    # Saving.
+    # ------------------------------------------------------------------
+
+    def _save(self, step: int, state: Any, position: Any, level: int, kind: str,
+              restored_from: int | None = None, open_peak: int = 0) -> int | None:
+        position = _check_position(position)
+        store = self.snapshot_store if kind == SNAPSHOT else self.store
+        assert store is not None
+        positions = allgather_json(position)
+        meta = {
+            "position": positions[0], "positions": positions,
+            "monitor": self.monitor.state_dict() if self.monitor is not None and hasattr(
+                self.monitor, "state_dict") else None,
+            "rollback_count": len(self.history), "rollbacks": self.history,
+        }
+        saved = store.save(step, state, meta, level=level, kind=kind, restored_from=restored_from,
+                           open_peak=open_peak, lr_scale=self.lr_scale, sync=self.sync_save)
+        if saved is not None:
+            if kind in (CADENCE, ROLLBACK_SAVE, MANUAL):
+                self._last_regular = step
+            if kind == SNAPSHOT:
+                self._last_snapshot = step
+            self._event({"event": "save" if kind != SNAPSHOT else "snapshot", "step": step,
+                         "kind": kind, "level": level_name(level)})
+        return saved
+
+    # ------------------------------------------------------------------
+    # Small helpers.
+    # ------------------------------------------------------------------
+
+    def _check_lr_scale(self, state: Any) -> None:
+        if self._lr_checked or self.lr_factor == 1.0:
+            return
+        if not has_lr_scale(state):
+            raise ValueError(
+                f"Rollback(lr_factor={self.lr_factor}) expects the train state's optimizer to be "
+                "wrapped with jvitals.with_lr_scale(tx) (an inject_hyperparams state holding "
+                f"'lr_scale'), found none in the {type(state).__name__}. Build the optimizer as "
+                "tx = jvitals.with_lr_scale(tx), or pass lr_factor=1.0 to keep the LR.")
+        self._lr_checked = True
+
+    def _collect_failures(self) -> None:
+        """Turns the stores' skipped checkpoints into alerts and events (one each)."""
+        for s in self._stores():
+            for step, reason in s.failures:
+                self._pending.append(_make_alert(
+                    "checkpoint_corrupt", "checkpoint/corrupt", Level.YELLOW, step, step, step,
+                    f"[YELLOW] {s.name[:-1]} of step {step} in {str(s.directory)!r} cannot be used "
+                    f"({reason}); skipped and quarantined.", {"reason": reason}))
+                self._event({"event": "checkpoint_skipped", "step": step, "store": s.name,
+                             "reason": reason})
+            s.failures.clear()
+
+    def _event(self, e: dict[str, Any]) -> None:
+        self._pending_events.append(e)
+        self.events.append(e)
+
+    def _drain(self) -> list[Alert]:
+        self._collect_failures()
+        out, self._pending = self._pending, []
+        return out
+
+    def _drain_events(self, keep: bool = False) -> list[dict[str, Any]]:
+        out = list(self._pending_events)
+        if not keep:
+            self._pending_events = []
+        return out
+
+    def _done(self, response: Response) -> None:
+        self.alerts.extend(response.alerts)
+        self.last_response = response
+        self.last_action = response.action
+
+    def _write(self, step: int, response: Response) -> None:
+        if self.writer is None:
+            return
+        from jvitals.writers import write
+        write(self.writer, step, response.metrics, None, events=list(response.events), histograms=False)
+
+
+def _action_text(a: Mapping[str, Any]) -> str:
+    kind = a.get("action")
+    if kind == "lr_scale":
+        return f"LR scale {a['value']:.4g} (x{a['factor']} per rollback)"
+    if kind == "skip_data":
+        return f"skipped {a['batches']} batches"
+    if kind == "reset_optimizer":
+        return f"reset Adam {'/'.join(a['moments']) or 'nothing'} of {a['leaves']} leaves" + (
+            " and its count" if a.get("count_reset") else "")
+    return str(kind)

@@ -13,6 +13,10 @@ at most once per step" holds:
   with its ``id``, so a reader can deduplicate) when there are any, and
   ``vitals/events_json`` for events such as a rollback or a save.
 
+The guard (:class:`jvitals.Rollback` with ``writer=``) writes its own figures
+(``rollback/count``, ``rollback/lr_scale``) and events through this function at
+its call's step, under names no other call writes.
+
 The writer is any object with clu's writer methods (``write_scalars``,
 ``write_texts``, ``write_histograms``); jvitals never owns its lifecycle.
 """
@@ -27,7 +31,31 @@ from typing import Any, Iterable, Mapping, Protocol
 import jax
 import numpy as np
 
-__all__ = ["MetricWriterLike", "write", "alerts_markdown"]
+__all__ = [
+    "ALERTS_MD_TAG",
+    "ALERTS_TAG",
+    "EVENTS_TAG",
+    "LEVEL_TAG",
+    "MetricWriterLike",
+    "ROLLBACK_COUNT",
+    "ROLLBACK_LR_SCALE",
+    "alerts_markdown",
+    "write",
+]
+
+# The names jvitals writes, defined once (the report reads them by these constants).
+LEVEL_TAG = "vitals/level"
+"""The verdict's level, 0 GREEN .. 3 RED."""
+ALERTS_TAG = "vitals/alerts_json"
+"""A JSON list of the open and just-closed alerts."""
+ALERTS_MD_TAG = "vitals/alerts"
+"""The same alerts as markdown."""
+EVENTS_TAG = "vitals/events_json"
+"""A JSON list of events (rollback, save, snapshot, pause, checkpoint_skipped, ...)."""
+ROLLBACK_COUNT = "rollback/count"
+"""Rollbacks so far (written by :class:`jvitals.Rollback` at each of its calls)."""
+ROLLBACK_LR_SCALE = "rollback/lr_scale"
+"""The learning-rate scale in force (1.0, then x0.9 per rollback)."""
 
 _LAYER = re.compile(r"^(?P<base>.+)/layer_(?P<i>\d+)$")
 
@@ -79,7 +107,7 @@ def alerts_markdown(alerts: Iterable[Any]) -> str:
 
 
 def write(writer: MetricWriterLike, step: int, metrics: Mapping[str, Any], verdict: Any = None, *,
-          events: Iterable[Mapping[str, Any]] = (), histograms: bool = True) -> None:
+          events: Iterable[Mapping[str, Any]] | None = (), histograms: bool = True) -> None:
     """Write one step's metrics, verdict and events through a clu writer.
 
     Args:
@@ -88,7 +116,8 @@ def write(writer: MetricWriterLike, step: int, metrics: Mapping[str, Any], verdi
       metrics: a flat ``{name: value}`` dict; device arrays are fetched here (one
         ``jax.device_get``), scalars are written as scalars, arrays as histograms.
       verdict: a :class:`jvitals.Verdict` (optional).
-      events: dicts such as ``{"event": "rollback", "step": 420, "to_step": 300}``.
+      events: dicts such as ``{"event": "rollback", "step": 420, "to_step": 300}``
+        (None or empty: none).
       histograms: also write per-layer families as ``{base}/by_layer`` histograms.
 
     Raises:
@@ -112,16 +141,16 @@ def write(writer: MetricWriterLike, step: int, metrics: Mapping[str, Any], verdi
             arrays[name] = arr.astype(np.float64)
     texts: dict[str, str] = {}
     if verdict is not None:
-        scalars["vitals/level"] = float(int(verdict.level))
+        scalars[LEVEL_TAG] = float(int(verdict.level))
         for k, v in (getattr(verdict, "scores", None) or {}).items():
             scalars[k] = float(v)
         shown = list(getattr(verdict, "alerts", [])) + list(getattr(verdict, "closed_alerts", []))
         if shown:
-            texts["vitals/alerts"] = alerts_markdown(shown)
-            texts["vitals/alerts_json"] = json.dumps([_alert_dict(a) for a in shown], default=_json_default)
-    events = [dict(e) for e in events]
+            texts[ALERTS_MD_TAG] = alerts_markdown(shown)
+            texts[ALERTS_TAG] = json.dumps([_alert_dict(a) for a in shown], default=_json_default)
+    events = [dict(e) for e in (events or ())]
     if events:
-        texts["vitals/events_json"] = json.dumps(events, default=_json_default)
+        texts[EVENTS_TAG] = json.dumps(events, default=_json_default)
     if histograms:
         for base, per in layers.items():
             if len(per) >= 2:

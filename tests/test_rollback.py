@@ -293,7 +293,7 @@ def _feed(monitor, steps, base=1.0):
 
 
 def test_restart_resumes_right_checkpoint_with_monitor_baselines(tmp_path):
-    monitor = Monitor(Policy(baseline_steps=20))
+    monitor = Monitor(Policy(warmup_steps=0, baseline_steps=20))
     guard = Rollback(tmp_path, save_every=10)
     guard.resume(make_state(0), {"epoch": 0, "index": 0}, monitor)      # empty: fresh start
     for s in range(0, 40, 5):
@@ -307,7 +307,7 @@ def test_restart_resumes_right_checkpoint_with_monitor_baselines(tmp_path):
     guard.wait()
     del guard                                               # "crash": nothing closed
 
-    fresh_monitor = Monitor(Policy(baseline_steps=20))
+    fresh_monitor = Monitor(Policy(warmup_steps=0, baseline_steps=20))
     guard2 = Rollback(tmp_path, save_every=10)
     state, position = guard2.resume(make_state(0, step=1), {"epoch": 0, "index": 0}, fresh_monitor)
     # The newest usable checkpoint is the rollback one at step 40 (no cadence save at 45).
@@ -361,10 +361,10 @@ def test_corrupt_newest_checkpoint_is_skipped_with_an_alert(tmp_path):
 
 def test_corrupt_rollback_target_falls_back_to_the_previous(tmp_path):
     guard = Rollback(tmp_path, save_every=10)
-    drive(guard, [0, 10, 20])
+    drive(guard, [0, 10, 20, 25])
     guard.wait()
     _corrupt(tmp_path / "20")
-    r = guard.act(25, make_state(25), verdict(25, Level.RED, onset=24), 26)
+    r = guard.act(30, make_state(30), verdict(30, Level.RED, onset=30), 31)
     assert r.target_step == 10 and value_of(r.state) == 10.0
     assert [a.rule for a in r.alerts] == ["checkpoint_corrupt", "rollback"]
     guard.close()
