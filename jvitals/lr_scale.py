@@ -45,6 +45,7 @@ Example::
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Mapping, NamedTuple, Sequence, TypeVar, Union
 
 import jax
@@ -168,7 +169,7 @@ def _scale_by_group(groups: GroupsArg, roles: Roles | None,
         if unknown:
             raise ValueError(
                 f"with_lr_scale(groups={dict(init)!r}): group(s) {unknown} have no parameter; "
-                f"the groups of these params are {names}")
+                f"the groups of these params are {sorted(names, key=_natural)}")
         return LRGroupScaleState({n: jnp.asarray(init.get(n, 1.0), jnp.float32) for n in names})
 
     def update_fn(updates, state, params=None):
@@ -285,12 +286,13 @@ def _group_nodes(tree: Any) -> list[LRGroupScaleState]:
     return [n for n in jax.tree.leaves(tree, is_leaf=_is_group_state) if _is_group_state(n)]
 
 
+def _natural(name: str) -> list[Any]:
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name)]
+
+
 def _group_names_in(tree: Any) -> list[str]:
-    seen: dict[str, None] = {}
-    for node in _group_nodes(tree):
-        for n in node.scales:
-            seen.setdefault(n, None)
-    return list(seen)
+    """The group names in ``tree``'s group states, in natural order (layer_2 < layer_10)."""
+    return sorted({n for node in _group_nodes(tree) for n in node.scales}, key=_natural)
 
 
 def _check_group(tree: Any, group: str, what: str) -> None:
