@@ -26,7 +26,8 @@ Decisions (each is tested):
   a new store on the same directory keeps them before any policy runs.
 - **Failures are one log line each**: a checkpoint that cannot be read is
   quarantined with a one-line reason (orbax's asyncio tracebacks are captured,
-  see :func:`quiet_orbax`); an asynchronous save that failed raises
+  see :func:`quiet_orbax`, and the "Event loop is closed" tracebacks of reads
+  that finish after a failed restore are held back from ``sys.excepthook``); an asynchronous save that failed raises
   :class:`CheckpointSaveError` at the next save, :meth:`wait` or :meth:`close`.
 - **Exit**: a pending asynchronous save is awaited before the interpreter stops
   its thread pools (a ``threading`` exit hook, which runs before
@@ -147,6 +148,41 @@ class _OrbaxNoise(logging.Filter):
 
 _NOISE = _OrbaxNoise()
 _NOISE_LOGGERS = ("asyncio", "absl")
+
+
+def _is_closed_loop_error(exc_type: type, exc: BaseException, tb: Any) -> bool:
+    """``RuntimeError('Event loop is closed')`` raised by asyncio's ``call_soon_threadsafe``.
+
+    Tensorstore's completion callbacks of reads that were still in flight when an
+    orbax restore failed (and closed its event loop) raise it, and their C++
+    caller prints it through ``sys.excepthook``: one traceback per late read.
+    """
+    if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+        return False
+    names = []
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    return bool(names) and names[0] == "call_soon_threadsafe"
+
+
+def _install_excepthook() -> None:
+    """Holds back the closed-loop tracebacks of :func:`_is_closed_loop_error` (once)."""
+    import sys
+
+    previous = sys.excepthook
+    if getattr(previous, "_jvitals_quiet", False):
+        return
+
+    def hook(exc_type, exc, tb):
+        if _is_closed_loop_error(exc_type, exc, tb):
+            _NOISE.dropped += 1
+            _log.debug("orbax: a late read hit its closed event loop (held back)")
+            return
+        previous(exc_type, exc, tb)
+
+    hook._jvitals_quiet = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 @contextlib.contextmanager
@@ -324,6 +360,7 @@ class CheckpointStore:
                 f"({type(e).__name__}: {e}). Expected a writable directory (or a path where "
                 "one can be created); pass another directory.",
                 directory=str(self.directory), step=None) from e
+        _install_excepthook()
         self._load_records()
         _register_exit_wait(self)
 

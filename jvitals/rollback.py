@@ -307,8 +307,9 @@ class _AlertLog:
             peak = int(max(int(getattr(a, "peak_level", a.level)), int(a.level)))
             lead = (getattr(a, "details", None) or {}).get("lead_alert")
             if rec is None or rec.closed is not None:
+                # An id seen closed and open again counts from now (never from its old onset).
                 rec = self.seen[i] = _Seen(i, str(getattr(a, "rule", "")), int(a.onset_step), deps,
-                                           peak, step)
+                                           peak, step, revived=None if rec is None else step)
             else:
                 if rec.clearing and not clearing:
                     rec.revived = step

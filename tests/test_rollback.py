@@ -608,3 +608,401 @@ def test_onset_at_a_sparse_check_skips_the_checkpoint_of_the_previous_check(tmp_
     r = guard.act(25, make_state(25), verdict(25, Level.RED, onset=25), 26)
     assert r.target_step == 10 and value_of(r.state) == 10.0
     guard.close()
+
+
+# ----------------------------------------------------------------------------
+# Issue 18: a sound target, pins, restarts after the limit, the variants, snapshots.
+# Every run is the USER-LOOP loop on the reference model with a real Monitor and
+# real orbax checkpoints; expectations come from a fault-free run of the same
+# loop (bitwise: CPU training here is deterministic) or are computed by hand.
+# ----------------------------------------------------------------------------
+
+from jvitals.rollback import Snapshots, reset_adam_moments  # noqa: E402
+
+_REF: dict[int, tuple] = {}
+
+
+def _fresh_state():
+    return train_state.TrainState.create(apply_fn=None, params=init_params(CFG, jax.random.key(0)),
+                                         tx=LM_TX)
+
+
+def _reference(step: int):
+    """The fault-free run's (params, opt_state) after the update of ``step`` (numpy)."""
+    if step not in _REF:
+        state = _fresh_state()
+        last = max(_REF) if _REF else -1
+        if last >= 0:
+            state = state.replace(params=jax.tree.map(jnp.asarray, _REF[last][0]),
+                                  opt_state=jax.tree.map(jnp.asarray, _REF[last][1]),
+                                  step=jnp.asarray(last + 1, jnp.int32))
+        for s in range(last + 1, step + 1):
+            state, _ = _train_step(state, _batch_at(s), jnp.float32(1.0), jnp.float32(1.0))
+            _REF[s] = (jax.tree.map(np.asarray, state.params), jax.tree.map(np.asarray, state.opt_state))
+    return _REF[step]
+
+
+def _assert_tree_equal(got, want):
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, got), want)
+
+
+def _loop(directory, num_steps, *, lr_mult=lambda step: 1.0, weight=lambda step: 1.0,
+          check_every=1, guard=None, monitor=None, **guard_kwargs):
+    """The loop, checking every ``check_every`` steps; stops at a RollbackLimitError."""
+    monitor = monitor or Monitor(Policy(warmup_steps=5, baseline_steps=20))
+    guard = guard or Rollback(directory, save_every=10, keep_last=3, keep_every=None, **guard_kwargs)
+    state, position = guard.resume(_fresh_state(), 0, monitor)
+    out = {"consumed": {}, "rollbacks": [], "verdicts": {}, "error": None, "guard": guard,
+           "monitor": monitor}
+    for step in range(int(state.step), num_steps):
+        out["consumed"][step] = position
+        state, metrics = _train_step(state, _batch_at(position), jnp.float32(lr_mult(step)),
+                                     jnp.float32(weight(step)))
+        position += 1
+        if step % check_every:
+            continue
+        host = jax.device_get(metrics)
+        verdict_ = monitor.update(step, host)
+        out["verdicts"][step] = verdict_
+        try:
+            r = guard.act(step, state, verdict_, position)
+        except RollbackLimitError as e:
+            out["error"] = e
+            break
+        state, position = r.state, r.position
+        if r.action is Action.ROLLBACK:
+            out["rollbacks"].append(r)
+    out["state"], out["position"] = state, position
+    guard.wait()
+    return out
+
+
+def _cut(sign, check_every):
+    """Independent statement of the rule: a target is < sign - cadence (sign at a check)."""
+    return sign - (check_every if sign % check_every == 0 else 1)
+
+
+def test_persistent_fault_limit_keeps_targets_and_restart_resumes_healthy(tmp_path):
+    fault = 60
+    run = _loop(tmp_path, 200, lr_mult=lambda s: 300.0 if s >= fault else 1.0, max_rollbacks=2)
+    guard, err = run["guard"], run["error"]
+    assert len(run["rollbacks"]) == 2 and isinstance(err, RollbackLimitError)
+    targets = [r.target_step for r in run["rollbacks"]]
+    assert all(t < fault for t in targets), targets
+    # Every restored target is still on disk (pinned), and holds the fault-free run's params.
+    on_disk = steps_on_disk(tmp_path)
+    assert set(targets) <= set(on_disk), (targets, on_disk)
+    for t in targets:
+        restored, meta = guard.restore(t, _fresh_state())
+        _assert_tree_equal(restored.params, _reference(t)[0])
+        assert meta["level_name"] in ("GREEN", "YELLOW")
+    assert all("rollback target" in guard.pins[t] for t in targets)
+    # The error names checkpoints that exist and are healthy.
+    assert err.healthy and set(err.healthy) <= set(on_disk)
+    for s in err.healthy:
+        rec = next(c for c in guard.checkpoints if c.step == s)
+        assert rec.quarantined is None and rec.level in (Level.GREEN, Level.YELLOW)
+    assert f"continues from {err.healthy[0]}" in str(err)
+    guard.close()
+    # A restart with a larger max_rollbacks resumes a healthy one: the params of a
+    # pre-fault step of the fault-free run, not the diverged ones.
+    guard2 = Rollback(tmp_path, save_every=10, keep_last=3, keep_every=None, max_rollbacks=4)
+    state, position = guard2.resume(_fresh_state(), 0, Monitor(Policy(warmup_steps=5, baseline_steps=20)))
+    assert guard2.resumed_step == err.healthy[0]
+    rec = next(c for c in guard2.checkpoints if c.step == guard2.resumed_step)
+    source = rec.restored_from if rec.restored_from is not None else rec.step
+    assert source < fault
+    _assert_tree_equal(state.params, _reference(source)[0])
+    assert len(guard2.history) == 2 and guard2.lr_scale == pytest.approx(0.81)
+    # ... and continues: the next red is answered with a third rollback, not the limit.
+    run2 = _loop(tmp_path, int(state.step) + 60, lr_mult=lambda s: 300.0, guard=guard2)
+    assert run2["rollbacks"] and run2["error"] is None or len(guard2.history) > 2
+    guard2.close()
+
+
+def test_fault_at_a_cadence_save_with_a_late_onset_restores_no_faulty_update(tmp_path):
+    """Checks every 5 steps, saves every 10; the fault's first faulty update is the
+    one of step 60, which the checkpoint of step 60 holds, and it grows slowly
+    (the LR x1.35 per step), so the monitor sees it only at a later check."""
+    fault, every = 60, 5
+    run = _loop(tmp_path, 160, lr_mult=lambda s: min(1.35 ** (s - fault + 1), 300.0) if s >= fault else 1.0,
+                check_every=every)
+    assert run["rollbacks"], "the fault never went red"
+    r = run["rollbacks"][0]
+    assert r.target_step < fault
+    _assert_tree_equal(r.state.params, _reference(r.target_step)[0])
+    sign = run["guard"].history[0]["onset_step"]
+    assert sign > fault                                       # the onset is late ...
+    assert r.target_step < _cut(sign, every)                  # ... and the margin held
+    run["guard"].close()
+
+
+def _alert(id_, level, step, onset, rule="grad_norm", clearing=None, closed=None, deps=(), lead=None):
+    from jvitals.monitor import Localization
+    locs = [Localization("grad/norm/layer_0", d, 1.0, 2.0, 2.0, onset - d, "line") for d in deps]
+    return Alert(id=id_, rule=rule, metric="grad/global_norm", level=Level(level), step=step, value=9.0,
+                 baseline=1.0, ratio=9.0, onset_step=onset, opened_step=onset, message=f"[{Level(level).name}] #{id_}",
+                 cause="c", prescription="p", localization=locs, peak_level=Level(level),
+                 closed_step=closed, details={} if lead is None else {"lead_alert": lead},
+                 clearing_since=clearing)
+
+
+def _v(step, *alerts, closed=()):
+    lvl = max((a.level for a in alerts), default=Level.GREEN)
+    return Verdict(step, Level(lvl), list(alerts), [], list(closed), {})
+
+
+def test_closed_noise_yellow_and_a_revived_alert_do_not_move_the_target(tmp_path):
+    guard = Rollback(tmp_path, save_every=10, keep_last=20, keep_every=None)
+    for s in range(0, 60, 5):
+        if s == 20:
+            v = _v(s, _alert(1, Level.YELLOW, s, 20))                       # noise: one check
+        elif s == 25:
+            v = _v(s, _alert(2, Level.YELLOW, s, 20, clearing=25))          # another, clearing
+        elif s == 30:
+            v = _v(s, _alert(2, Level.YELLOW, s, 20, clearing=25),
+                   closed=[_alert(1, Level.YELLOW, s, 20, closed=30)])     # #1 closed
+        elif s > 30:
+            v = _v(s, _alert(2, Level.YELLOW, s, 20, clearing=25))          # #2 open, not holding
+        else:
+            v = _v(s)
+        guard.act(s, make_state(s), v, s + 1)
+    # The fault: #3 opens at 60 (ORANGE at 65), #2 holds again at 65 with its old onset 20,
+    # and the red at 70 names #3 as its lead; a localization change point at 58.
+    guard.act(60, make_state(60), _v(60, _alert(3, Level.YELLOW, 60, 60)), 61)
+    guard.act(65, make_state(65), _v(65, _alert(3, Level.ORANGE, 65, 60, deps=(58,)),
+                                     _alert(2, Level.ORANGE, 65, 20)), 66)
+    r = guard.act(70, make_state(70), _v(70, _alert(9, Level.RED, 70, 60, rule="divergence", lead=3),
+                                         _alert(3, Level.ORANGE, 70, 60, deps=(58,)),
+                                         _alert(2, Level.ORANGE, 70, 20)), 71)
+    # Earliest sign 58 (the change point; #2 counts from 65, #1 closed without escalating),
+    # not a check: margin 1, target < 57.
+    assert guard.history[0]["onset_step"] == 58
+    assert r.target_step == 50 and value_of(r.state) == 50.0
+    guard.close()
+
+
+def test_closed_noise_yellow_before_a_fault_does_not_move_the_target_real_monitor(tmp_path):
+    """The same fault with and without an earlier single-check YELLOW (a batch whose
+    loss, hence gradient, is x2.4): the same target."""
+    fault = 90
+
+    def lr(s):
+        return 300.0 if s == fault else 1.0
+
+    clean = _loop(tmp_path / "clean", 150, lr_mult=lr)
+    noisy = _loop(tmp_path / "noisy", 150, lr_mult=lr, weight=lambda s: 2.4 if s == 45 else 1.0)
+    levels = {s: int(v.level) for s, v in noisy["verdicts"].items() if 40 <= s < fault}
+    assert Level.YELLOW in levels.values() and max(levels.values()) < Level.ORANGE
+    assert int(noisy["verdicts"][fault - 1].level) == Level.GREEN     # the noise alert closed
+    assert clean["rollbacks"] and noisy["rollbacks"]
+    assert noisy["rollbacks"][0].target_step == clean["rollbacks"][0].target_step
+    assert fault - 10 <= noisy["rollbacks"][0].target_step < fault
+    clean["guard"].close(), noisy["guard"].close()
+
+
+def test_variants_rewind_skip_data_and_reset_optimizer_on_a_real_loop(tmp_path):
+    fault, rewind = 85, 30
+    lr = lambda s: 300.0 if s == fault else 1.0  # noqa: E731
+    run = _loop(tmp_path / "a", 130, lr_mult=lr, rewind_steps=rewind, skip_data=True,
+                reset_optimizer=("nu",))
+    guard = run["guard"]
+    (r,) = run["rollbacks"]
+    sign = guard.history[0]["onset_step"]
+    # rewind: the newest healthy checkpoint at least 30 steps before the earliest sign.
+    saved = [c.step for c in guard.checkpoints if c.kind == "cadence"] + [r.target_step]
+    assert r.target_step <= sign - rewind
+    assert r.target_step == max(s for s in range(0, sign - rewind + 1, 10))   # saves every 10
+    params, opt = _reference(r.target_step)
+    _assert_tree_equal(r.state.params, params)
+    # skip_data=True: as many batches skipped again as were consumed since the target.
+    red = r.step
+    consumed_since = (red + 1) - (r.target_step + 1)
+    assert r.position == red + 1 + consumed_since
+    assert run["consumed"][red + 1] == red + 1 + consumed_since
+    assert all(run["consumed"][s + 1] == run["consumed"][s] + 1 for s in range(red + 1, 129))
+    # reset_optimizer=('nu',): every Adam nu is zero, mu and the count are the target's.
+    want = jax.tree.map(np.asarray, opt)
+    adam_got = [x for x in jax.tree.leaves(r.state.opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+                if isinstance(x, optax.ScaleByAdamState)]
+    adam_want = [x for x in jax.tree.leaves(want, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+                 if isinstance(x, optax.ScaleByAdamState)]
+    assert len(adam_got) == len(adam_want) == 1
+    for leaf in jax.tree.leaves(adam_got[0].nu):
+        np.testing.assert_array_equal(np.asarray(leaf), 0.0)
+    _assert_tree_equal(adam_got[0].mu, adam_want[0].mu)
+    assert int(adam_got[0].count) == int(adam_want[0].count) == r.target_step + 1
+    assert get_lr_scale(r.state.opt_state) == pytest.approx(0.9)
+    # Each recorded in the history and the event.
+    kinds = [a["action"] for a in guard.history[0]["actions"]]
+    assert kinds == ["restore", "lr_scale", "reset_optimizer", "skip_data"]
+    (ev,) = [e for e in guard.events if e["event"] == "rollback"]
+    assert ev["actions"] == guard.history[0]["actions"] and ev["position"] == r.position
+    # The rollback checkpoint keeps the skipped position for a restart.
+    _, meta = guard.restore(red, _fresh_state())
+    assert meta["position"] == r.position
+    guard.close()
+
+
+def test_reset_optimizer_per_group_and_a_fresh_adam(tmp_path):
+    params, opt = _reference(20)
+    state = _fresh_state().replace(params=jax.tree.map(jnp.asarray, params),
+                                   opt_state=jax.tree.map(jnp.asarray, opt))
+    out, summary = reset_adam_moments(state, (("embed", ("mu", "nu")),))
+    (adam,) = [x for x in jax.tree.leaves(out.opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+               if isinstance(x, optax.ScaleByAdamState)]
+    (before,) = [x for x in jax.tree.leaves(opt, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+                 if isinstance(x, optax.ScaleByAdamState)]
+    flat_after = {"/".join(str(getattr(k, "key", k)) for k in p): v
+                  for p, v in jax.tree_util.tree_flatten_with_path(adam.nu)[0]}
+    flat_before = {"/".join(str(getattr(k, "key", k)) for k in p): v
+                   for p, v in jax.tree_util.tree_flatten_with_path(before.nu)[0]}
+    embed = [k for k in flat_after if "embed" in k]
+    assert embed and len(embed) < len(flat_after)
+    for k, v in flat_after.items():
+        np.testing.assert_array_equal(np.asarray(v), 0.0 if k in embed else flat_before[k])
+    assert int(adam.count) == int(before.count) and not summary["count_reset"]
+    fresh, summary = reset_adam_moments(state, ((".*", ("mu", "nu")),))
+    (adam,) = [x for x in jax.tree.leaves(fresh.opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+               if isinstance(x, optax.ScaleByAdamState)]
+    assert int(adam.count) == 0 and summary["count_reset"]
+    with pytest.raises(ValueError, match="moments among"):
+        Rollback(tmp_path, reset_optimizer=("nu", "v"))
+    with pytest.raises(TypeError, match="int data position"):
+        Rollback(tmp_path / "b", skip_data=True).act(0, make_state(0), None, {"i": 0})
+
+
+def test_snapshots_cut_the_lost_steps_and_are_targets(tmp_path):
+    """Saves every 50, snapshots every 5 keep 2: the red loses <= 2 snapshot intervals
+    plus the margin, not up to 50 steps; the snapshot target holds the fault-free params."""
+    fault = 87
+    run = _loop(tmp_path, 120, lr_mult=lambda s: 300.0 if s == fault else 1.0,
+                guard=Rollback(tmp_path, save_every=50, keep_last=2, keep_every=None,
+                               snapshots=Snapshots(every=5, keep=2)))
+    guard = run["guard"]
+    (r,) = run["rollbacks"]
+    assert guard.history[0]["actions"][0]["store"] == "snapshots"
+    assert fault - 10 <= r.target_step < fault
+    _assert_tree_equal(r.state.params, _reference(r.target_step)[0])
+    snaps = sorted(int(p) for p in os.listdir(tmp_path / "snapshots") if p.isdigit())
+    assert r.target_step in snaps and len([s for s in snaps if s not in guard.pins]) <= 3
+    assert steps_on_disk(tmp_path)[:1] == [0]                # the checkpoints are separate
+    guard.close()
+
+
+KILL_SNAPSHOT_CHILD = textwrap.dedent("""
+    import os, sys
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    sys.path.insert(0, {repo!r})
+    import jax, jax.numpy as jnp
+    from jvitals.rollback import Rollback, Snapshots
+    from jvitals.lr_scale import with_lr_scale
+    import optax
+    tx = with_lr_scale(optax.sgd(0.1))
+    def state(v):
+        p = {{"w": jnp.full((3000, 3000), float(v))}}      # 36 MB
+        return {{"params": p, "opt_state": tx.init(p), "step": jnp.asarray(v + 1)}}
+    guard = Rollback({directory!r}, save_every=10**6, snapshots=Snapshots(every=10, keep=2))
+    guard.respond(0, state(0), None, 1)
+    guard.respond(10, state(10), None, 11)
+    guard.wait()
+    print("READY", flush=True)
+    s = 20
+    while True:                      # snapshots until killed
+        guard.respond(s, state(s), None, s + 1)
+        s += 10
+""")
+
+
+def test_sigkill_during_a_snapshot_then_resume(tmp_path):
+    directory = tmp_path / "ck"
+    script = tmp_path / "child.py"
+    script.write_text(KILL_SNAPSHOT_CHILD.format(repo=str(REPO), directory=str(directory)))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, env=env)
+    snaps = directory / "snapshots"
+    try:
+        assert child.stdout.readline().strip() == b"READY"
+        deadline, torn = time.monotonic() + 60, False
+        while time.monotonic() < deadline and not torn:
+            torn = any(".orbax-checkpoint-tmp" in n for n in os.listdir(snaps))
+        assert torn, "never saw a snapshot in progress"
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    committed = steps_on_disk(snaps)
+    assert committed
+    tx = with_lr_scale(optax.sgd(0.1))
+    like = {"params": {"w": jnp.zeros((3000, 3000))}, "opt_state": tx.init({"w": jnp.zeros((3000, 3000))}),
+            "step": jnp.asarray(0)}
+    guard = Rollback(directory, save_every=10**6, snapshots=Snapshots(every=10, keep=2))
+    state, pos = guard.resume(like, 0)
+    newest = max(committed)
+    assert guard.resumed_step == newest and pos == newest + 1
+    assert float(state["params"]["w"][0, 0]) == newest and int(state["step"]) == newest + 1
+    assert not any(".orbax-checkpoint-tmp" in n for n in os.listdir(snaps))
+    guard.close()
+
+
+def test_resume_skips_sick_checkpoints_and_says_why(tmp_path, caplog):
+    guard = Rollback(tmp_path, save_every=10, keep_last=10, keep_every=None)
+    drive(guard, [0, 10, 20])
+    guard.act(25, make_state(25), _v(25, _alert(1, Level.ORANGE, 25, 25)), 26)     # orange save
+    guard.act(30, make_state(30), _v(30, _alert(1, Level.YELLOW, 30, 25)), 31)     # still open: sick
+    guard.close()
+    assert steps_on_disk(tmp_path) == [0, 10, 20, 25, 30]
+    caplog.set_level("INFO", logger="jvitals.rollback")
+    guard = Rollback(tmp_path, save_every=10)
+    state, pos = guard.resume(make_state(0), 0)
+    assert guard.resumed_step == 20 and value_of(state) == 20.0 and pos == 21
+    line = [r.getMessage() for r in caplog.records if "resumed from" in r.getMessage()][0]
+    assert "30 (saved during an open ORANGE alert)" in line and "25 (saved at ORANGE)" in line
+    guard.close()
+
+
+NOISY_CHILD = textwrap.dedent("""
+    import os, sys, pathlib
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    sys.path.insert(0, {repo!r})
+    import jax, jax.numpy as jnp, optax
+    from jvitals.rollback import Rollback
+    from jvitals.lr_scale import with_lr_scale
+    tx = with_lr_scale(optax.adam(1e-2))
+    def st(v):
+        p = {{f"w{{i}}": jnp.full((100, 30 + i), float(v)) for i in range(20)}}
+        return {{"params": p, "opt_state": tx.init(p), "step": jnp.asarray(v)}}
+    d = pathlib.Path({directory!r})
+    g = Rollback(d, save_every=10)
+    for s in (0, 10, 20):
+        g.respond(s, st(s), None, s)
+    g.close()
+    for p in (d / "20").rglob("*"):                 # the array data of step 20, torn
+        if p.is_file() and "/d/" in str(p) and p.stat().st_size:
+            p.write_bytes(p.read_bytes()[:10])
+    g = Rollback(d, save_every=10)
+    s, pos = g.resume(st(0), 0)
+    print("RESUMED", g.resumed_step, flush=True)
+    g.respond(30, st(30), None, 31)                 # an asynchronous save in flight ...
+    raise RuntimeError("boom right after an asynchronous save")   # ... and an exception
+""")
+
+
+def test_failures_are_one_line_each_and_an_exception_after_a_save_is_quiet(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(NOISY_CHILD.format(repo=str(REPO), directory=str(tmp_path / "ck")))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert "RESUMED 10" in proc.stdout
+    err = proc.stderr
+    assert proc.returncode == 1 and "boom right after" in err
+    assert err.count("Traceback") == 1, err[-3000:]         # ours only
+    assert "Event loop is closed" not in err and "Task exception" not in err
+    skipped = [ln for ln in err.splitlines() if "skipped" in ln]
+    assert len(skipped) == 1 and "checkpoint 20" in skipped[0]
+    assert len(err) < 2000, err[-3000:]
+    # The save in flight landed before the interpreter stopped.
+    assert 30 in steps_on_disk(tmp_path / "ck")
