@@ -71,8 +71,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jvitals.probes import LogitsSummary, attention_valid_mask, summarize_logits, vary_along
-from jvitals.stats import Summary, check_axes, reduce, sharded_axes, summarize, summarize_max, varying_axes
+from jvitals.probes import LogitsRows, LogitsSummary, attention_valid_mask, summarize_logits, vary_along
+from jvitals.stats import (Summary, TokenSummary, check_axes, reduce, sharded_axes, summarize, summarize_max,
+                           varying_axes)
 
 __all__ = ["activation_metrics", "bos_value_grad_metrics", "mtp_metrics"]
 
@@ -146,8 +147,20 @@ def _collect(tree: Any, collection: str, who: str) -> dict[str, list[_Entry]]:
                     ([_natural(c) for c in p], j, "/".join(p), _unwrap(item)))
 
     walk(tree, ())
-    return {name: [(path, v) for _, _, path, v in sorted(items, key=lambda e: (e[0], e[1]))]
-            for name, items in found.items()}
+    out = {name: [(path, v) for _, _, path, v in sorted(items, key=lambda e: (e[0], e[1]))]
+           for name, items in found.items()}
+    # A model that sows a NAME itself keeps its values: instrument()'s per-token
+    # summaries of that NAME are dropped (else every layer would count twice).
+    for name, items in out.items():
+        own = [e for e in items if not _from_instrument(e[1])]
+        if own and len(own) < len(items):
+            out[name] = own
+    return out
+
+
+def _from_instrument(v: Any) -> bool:
+    """What jvitals.instrument sows: per-token summaries (never raw arrays)."""
+    return isinstance(v, (TokenSummary, LogitsRows)) or type(v).__name__ == "ExpertChoices"
 
 
 def _axes(axes: Sequence[str] | str) -> tuple[str, ...]:
@@ -197,7 +210,7 @@ def _token_shape(mask: Any, labels: Any, entries: Mapping[str, list[_Entry]]) ->
     if labels is not None:
         return _Tokens(tuple(labels.shape), "labels")
     for path, v in entries.get(_LOGITS, []):
-        if isinstance(v, LogitsSummary):
+        if isinstance(v, (LogitsSummary, LogitsRows)):
             return _Tokens(tuple(v.argmax.shape), f"the probed logits' argmax at '{path}'")
         if hasattr(v, "shape") and len(v.shape) >= 2:
             return _Tokens(tuple(v.shape[:-1]), f"the logits [B, T, V] at '{path}'")
@@ -245,8 +258,13 @@ def _layer_summaries(name: str, entries: list[_Entry], tok: _Tokens, mask: Any,
                                  f"(L,) when nn.scan-stacked.")
             out.append(v)
             continue
-        if isinstance(v, LogitsSummary):
-            raise ValueError(f"activation_metrics: a LogitsSummary was sown as '{name}' at '{path}'; "
+        if isinstance(v, TokenSummary):
+            stacked = _token_stacked(name, v.shape, tok, path)
+            m = mask if mask is not None and stacked is not None else None
+            out.append(v.masked(m, axis=0 if stacked else None))
+            continue
+        if isinstance(v, (LogitsSummary, LogitsRows)):
+            raise ValueError(f"activation_metrics: a {type(v).__name__} was sown as '{name}' at '{path}'; "
                              f"logits probes belong under 'logits' or 'mtp_logits'.")
         x = jnp.asarray(v)
         stacked = _stacked(name, tuple(x.shape), tok, path, strict)
@@ -264,6 +282,25 @@ def _layer_summaries(name: str, entries: list[_Entry], tok: _Tokens, mask: Any,
         else:
             out.append(summarize(x, mask, axis=axis))
     return _cat(out)
+
+
+def _token_stacked(name: str, shape: tuple[int, ...], tok: _Tokens, path: str) -> bool | None:
+    """A per-token summary's fields: ``S`` (False) or ``(L, *S)`` (True); None if not
+    token-shaped (then summarised whole, unmasked)."""
+    if tok.shape is None:
+        return len(shape) >= 3
+    s = tok.shape
+    n = len(s)
+    one = shape[:n] == s
+    many = len(shape) > n and shape[1:n + 1] == s
+    if one and many:
+        return len(shape) > n
+    if one or many:
+        return many
+    raise ValueError(
+        f"activation_metrics: {tok.describe()} but the per-token summary sown as '{name}' at '{path}' "
+        f"covers positions of shape {shape}; expected [B, T] = {s} (or a leading layer axis when "
+        f"nn.scan-stacked). Pass the [B, T] mask (True = valid) of the tokens this apply ran on.")
 
 
 def _emit_layers(out: dict, base: str, stats: Sequence[tuple[str, str]], s: Summary,
@@ -289,6 +326,13 @@ def _emit_layers(out: dict, base: str, stats: Sequence[tuple[str, str]], s: Summ
 def _logits_summary(path: str, v: Any, tok: _Tokens, mask: Any, name: str) -> LogitsSummary:
     if isinstance(v, LogitsSummary):
         return v
+    if isinstance(v, LogitsRows):
+        if tok.shape is not None and v.shape != tok.shape:
+            raise ValueError(
+                f"activation_metrics: {tok.describe()} but the logits rows sown as '{name}' at '{path}' "
+                f"cover positions {v.shape}; expected [B, T] = {tok.shape}. Pass the mask of the tokens "
+                f"this apply ran on.")
+        return v.summary(mask)
     if isinstance(v, Summary):
         raise ValueError(f"activation_metrics: a plain Summary was sown as '{name}' at '{path}'; "
                          f"the logits metrics need jvitals.probes.logits_probe (a LogitsSummary) "
@@ -306,7 +350,7 @@ def _argmaxes(name: str, entries: list[_Entry], tok: _Tokens) -> list[jax.Array]
     """Per-position argmax ``[B, T]`` of each instance (stacked ``(K, B, T[, V])`` split)."""
     out = []
     for path, v in entries:
-        if isinstance(v, LogitsSummary):
+        if isinstance(v, (LogitsSummary, LogitsRows)):
             a = v.argmax
             many = tok.shape is not None and a.ndim == len(tok.shape) + 1
             out.extend(list(a) if many else [a])
@@ -445,6 +489,13 @@ def activation_metrics(
     """
     axes = _axes(axes)
     entries = _collect(intermediates, "intermediates", "activation_metrics")
+    if not entries:
+        raise ValueError(
+            "activation_metrics: nothing was sown (the intermediates are empty). Expected values "
+            "under the METRICS.md §7 names ('hidden_states', 'logits', ...). A model that does not "
+            "sow them itself: run its apply inside jvitals.instrument() with "
+            "mutable=['intermediates'] -- `with vitals.instrument(): out, state = "
+            "model.apply(variables, x, mutable=['intermediates'])` -- and pass state['intermediates'].")
     if names is not None:
         missing = [n for n in names if n not in entries]
         if missing:

@@ -23,7 +23,7 @@ arrays, so it checkpoints with orbax) by :func:`moe_window_update`.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +63,7 @@ def moe_window_init(num_layers: int, num_experts: int, dtype: Any = jnp.int32) -
 
 
 def moe_window_update(state: MoEWindowState, expert_counts: Any, *, axes: Sequence[str] | str = (),
-                      reset: Any = False) -> MoEWindowState:
+                      reset: Any = False, mask: Any = None) -> MoEWindowState:
     """Add one step's counts to the window (``reset``: start a new window with them).
 
     ``counts <- (0 if reset else counts) + psum_{axes}(expert_counts)``.
@@ -73,6 +73,7 @@ def moe_window_update(state: MoEWindowState, expert_counts: Any, *, axes: Sequen
       expert_counts: this step's counts, any form :func:`moe_metrics` accepts.
       axes: token-sharding mesh axes to ``psum`` over (inside ``shard_map``).
       reset: bool (may be traced, e.g. ``step % interval == 0``).
+      mask: ``[B, T]`` token mask for ``instrument()``'s per-token expert choices.
 
     Returns:
       The updated :class:`MoEWindowState`.
@@ -80,7 +81,7 @@ def moe_window_update(state: MoEWindowState, expert_counts: Any, *, axes: Sequen
     Raises:
       ValueError: if the counts' ``[L, E]`` shape differs from the window's.
     """
-    c, _ = _counts_matrix(expert_counts)
+    c, _ = _counts_matrix(expert_counts, mask)
     if tuple(c.shape) != tuple(state.counts.shape):
         raise ValueError(f"moe_window_update: expert_counts give shape [L, E] = {tuple(c.shape)}, the "
                          f"window holds {tuple(state.counts.shape)}; build it with "
@@ -94,18 +95,46 @@ def moe_window_update(state: MoEWindowState, expert_counts: Any, *, axes: Sequen
     return MoEWindowState(counts=counts, steps=steps.astype(jnp.int32))
 
 
-def _counts_matrix(expert_counts: Any) -> tuple[jax.Array, list[int]]:
-    """``[L, E]`` counts from an array or a sown pytree, and each row's layer index."""
+_OTHER_SOWN = frozenset({"intermediates", "hidden_states", "logits", "attn_out_before_proj", "gate_scores",
+                         "attn_logits", "mtp_logits"})
+
+
+def _is_choices(x: Any) -> bool:
+    return type(x).__name__ == "ExpertChoices" and hasattr(x, "counts")
+
+
+def _counts_matrix(expert_counts: Any, mask: Any = None) -> tuple[jax.Array, list[int]]:
+    """``[L, E]`` counts from an array or a sown pytree, and each row's layer index.
+
+    ``instrument()``'s per-token expert choices are counted over ``mask`` here."""
     if isinstance(expert_counts, MoEWindowState):
         c = expert_counts.counts
         return c, list(range(c.shape[0]))
-    leaves = jax.tree_util.tree_flatten_with_path(expert_counts)[0]
+    try:  # an NNX State -> a pure dict
+        from flax import nnx
+        if isinstance(expert_counts, nnx.State):
+            expert_counts = nnx.to_pure_dict(expert_counts)
+    except ImportError:  # pragma: no cover
+        pass
+    leaves = jax.tree_util.tree_flatten_with_path(expert_counts, is_leaf=_is_choices)[0]
+    named = [(p, x) for p, x in leaves if "expert_counts" in path_str(p).split("/")]
+    if not named and isinstance(expert_counts, Mapping):
+        parts = {part for p, _ in leaves for part in path_str(p).split("/")}
+        if not leaves or parts & _OTHER_SOWN:
+            held = sorted(parts & _OTHER_SOWN - {"intermediates"})
+            raise ValueError(
+                "moe_metrics: no expert counts were sown"
+                + (f" (the intermediates hold {held})" if held else " (the tree is empty)")
+                + ". A dense model has none: skip moe_metrics. An MoE model: sow 'expert_counts' ([E] tokens "
+                  "per expert, one sow per MoE layer) in the model, or run its apply inside "
+                  "jvitals.instrument(top_k=K) with mutable=['intermediates'] so each router's choices are "
+                  "sown, then pass state['intermediates'] (and mask=).")
     if not leaves:
         raise ValueError("expert_counts is empty: expected [E] (one MoE layer), [L, E] (scan-stacked) "
                          "or a pytree of those (the sown 'expert_counts' of each MoE layer).")
-    named = [(p, x) for p, x in leaves if "expert_counts" in path_str(p).split("/")]
     if named and len(named) < len(leaves):  # a whole 'intermediates' tree: take its expert_counts
         leaves = named
+    leaves = [(p, x.counts(mask) if _is_choices(x) else x) for p, x in leaves]
     roles = Roles()
     rows = []  # (sort key, layer index or None, [L, E] array)
     num_e = None
@@ -160,7 +189,8 @@ def _masked_max(x: jax.Array, valid: jax.Array) -> jax.Array:
 
 
 def moe_metrics(expert_counts: Any, *, expert_bias: Any = None, top_k: int, axes: Sequence[str] | str = (),
-                bias_specs: Any = None, prefix: str = "moe", per_layer: bool = True) -> dict[str, jax.Array]:
+                bias_specs: Any = None, prefix: str = "moe", per_layer: bool = True,
+                mask: Any = None) -> dict[str, jax.Array]:
     """Router load metrics over a window (see the module docstring for formulas).
 
     Args:
@@ -180,13 +210,17 @@ def moe_metrics(expert_counts: Any, *, expert_bias: Any = None, top_k: int, axes
       bias_specs: optional ``PartitionSpec`` pytree (prefix) for ``expert_bias``.
       prefix: name prefix.
       per_layer: emit ``{prefix}/{metric}/layer_{i}`` too.
+      mask: ``[B, T]`` token mask (True = valid): counts
+        :func:`~jvitals.instrument.instrument`'s per-token expert choices over
+        the valid tokens only (counts a model sowed itself are used as they are).
 
     Returns:
       ``{name: float32 scalar}``.
 
     Raises:
-      ValueError: counts of the wrong rank or inconsistent E, ``top_k`` < 1 or
-        greater than the number of experts.
+      ValueError: no expert counts in a sown tree (a dense model), counts of the
+        wrong rank or inconsistent E, ``top_k`` < 1 or greater than the number of
+        experts.
 
     Example:
       >>> m = moe_metrics(jnp.array([[4, 0, 2, 2]]), top_k=2)
@@ -194,7 +228,7 @@ def moe_metrics(expert_counts: Any, *, expert_bias: Any = None, top_k: int, axes
       (1.0, 0.25)
     """
     axes = check_axes(axes)
-    c, ids = _counts_matrix(expert_counts)
+    c, ids = _counts_matrix(expert_counts, mask)
     num_l, num_e = int(c.shape[0]), int(c.shape[1])
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
         raise ValueError(f"top_k must be a positive int (experts selected per token), got {top_k!r}")

@@ -38,10 +38,12 @@ from jax import lax
 from jvitals.stats import Summary, make_varying, pmax_over, reduce, summarize, summarize_many, summarize_max
 
 __all__ = [
+    "LogitsRows",
     "LogitsSummary",
     "attn_logits_probe",
     "attention_valid_mask",
     "logits_probe",
+    "logits_rows",
     "perturb_values",
     "sow_summary",
     "summarize_logits",
@@ -233,8 +235,68 @@ def summarize_logits(logits: jax.Array, mask: jax.Array | None = None, *,
                 f"{v}): the mask must have their leading shape {pos_shape}, got "
                 f"{tuple(valid.shape)}.")
     rows = int(np.prod(pos_shape, dtype=np.int64))
-    x2 = x.reshape(rows, v)
+    stats = _row_stats_chunked(x.reshape(rows, v), rows, v, chunk_elements)
+    rows = LogitsRows(*(s.reshape(pos_shape) for s in stats), vocab=v)
+    return rows.summary(valid)
 
+
+@struct.dataclass
+class LogitsRows:
+    """Per-position logits statistics, before any token mask (what ``instrument`` sows).
+
+    Every field has the positions' shape (``[B, T]``; ``[L, B, T]`` scan-stacked):
+    ``top1``, ``top2``, ``lse`` as :class:`LogitsSummary` defines them, the row's
+    ``sum``, ``sumsq``, ``abs_max`` (meaningless where ``nonfinite > 0``), its
+    non-finite count and ``argmax`` (int32). ``vocab`` is ``V`` (static).
+    :meth:`summary` applies the mask: ``logits_rows(x).summary(m) ==
+    summarize_logits(x, m)``, so padding is excluded after the fact.
+    """
+
+    top1: jax.Array
+    top2: jax.Array
+    lse: jax.Array
+    sum: jax.Array
+    sumsq: jax.Array
+    abs_max: jax.Array
+    nonfinite: jax.Array
+    argmax: jax.Array
+    vocab: int = struct.field(pytree_node=False, default=0)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The positions' shape."""
+        return tuple(self.top1.shape)
+
+    def summary(self, mask: jax.Array | None = None) -> "LogitsSummary":
+        """The :class:`LogitsSummary` over the positions where ``mask`` is True.
+
+        Raises:
+          ValueError: if ``mask`` does not have the positions' shape.
+        """
+        pos_shape = self.shape
+        if mask is None:
+            valid = jnp.ones(pos_shape, bool)
+        else:
+            valid = jnp.asarray(mask, bool)
+            if tuple(valid.shape) != pos_shape:
+                raise ValueError(f"logits rows of positions {pos_shape}: the mask must have that shape, "
+                                 f"got {tuple(valid.shape)}.")
+        return _rows_summary(self.top1, self.top2, self.lse, self.sum, self.sumsq, self.abs_max,
+                             self.nonfinite, self.argmax, valid, self.vocab)
+
+
+def logits_rows(logits: jax.Array, *, chunk_elements: int | None = None) -> LogitsRows:
+    """Per-position :class:`LogitsRows` of ``[..., V]`` logits (no mask; see
+    :func:`summarize_logits` for the statistics and the chunking)."""
+    x = lax.stop_gradient(jnp.asarray(logits))
+    pos_shape = tuple(x.shape[:-1])
+    v = x.shape[-1]
+    rows = int(np.prod(pos_shape, dtype=np.int64))
+    stats = _row_stats_chunked(x.reshape(rows, v), rows, v, chunk_elements)
+    return LogitsRows(*(s.reshape(pos_shape) for s in stats), vocab=v)
+
+
+def _row_stats_chunked(x2: jax.Array, rows: int, v: int, chunk_elements: int | None) -> tuple[jax.Array, ...]:
     def chunked(x2: jax.Array, chunk: int) -> tuple[jax.Array, ...]:
         if chunk < rows:
             out = lax.map(lambda c: _row_stats(c.astype(_F32)), x2.reshape(rows // chunk, chunk, v))
@@ -242,11 +304,14 @@ def summarize_logits(logits: jax.Array, mask: jax.Array | None = None, *,
         return _row_stats(x2.astype(_F32))
 
     if chunk_elements is None:
-        stats = lax.platform_dependent(cpu=lambda: chunked(x2, _chunk_rows(rows, v, None)),
-                                       default=lambda: chunked(x2, rows))
-    else:
-        stats = chunked(x2, _chunk_rows(rows, v, chunk_elements))
-    top1, top2, lse, r_sum, r_sumsq, r_amax, r_bad, argmax = (s.reshape(pos_shape) for s in stats)
+        return lax.platform_dependent(cpu=lambda: chunked(x2, _chunk_rows(rows, v, None)),
+                                      default=lambda: chunked(x2, rows))
+    return chunked(x2, _chunk_rows(rows, v, chunk_elements))
+
+
+def _rows_summary(top1: jax.Array, top2: jax.Array, lse: jax.Array, r_sum: jax.Array, r_sumsq: jax.Array,
+                  r_amax: jax.Array, r_bad: jax.Array, argmax: jax.Array, valid: jax.Array,
+                  v: int) -> "LogitsSummary":
     tie = top2 == top1
     diff = top1 - top2
     tie_f = jnp.where(jnp.isfinite(diff), tie.astype(_F32), jnp.nan)

@@ -1,22 +1,229 @@
 """Fused QKV kernels: where the Q, K and V parts of one fused projection lie.
 
 One concern: given a fused kernel (``c_attn``, ``query_key_value``, ``qkv``...) and
-its :class:`~jvitals.roles.QKVSplit`, say which entries are Q, K and V, so that
-:func:`~jvitals.gradients.gradient_metrics` summarises each part on its own.
+its :class:`~jvitals.roles.QKVSplit`, say which entries along the split axis are Q,
+K and V. Two layouts exist in the wild (``n`` entries along the split axis,
+``H`` query heads, ``KVH`` key/value heads, ``Dh = n / (H + 2 KVH)``):
+
+* ``"contiguous"``: ``[Q heads | K heads | V heads]`` -- GPT-2's ``c_attn``, the
+  jvitals reference model's ``qkv``, Baichuan's ``W_pack``, fused Llama ``qkv_proj``.
+  Without head counts the axis splits in thirds (or, given the Q width from the
+  output projection, ``(q, (n - q) / 2, (n - q) / 2)``).
+* ``"interleaved"``: per key/value group ``g`` of ``H / KVH`` query heads, that
+  group's query heads, then its key head, then its value head:
+  ``[KVH, H / KVH + 2, Dh]``. With ``KVH = H`` this is ``[H, 3, Dh]`` -- HF-Flax
+  Bloom's ``query_key_value`` and GPT-NeoX's; with ``KVH < H`` Falcon's
+  ``new_decoder_architecture`` and Megatron-converted GQA checkpoints. It needs
+  the head count; jvitals raises rather than guess it.
+
+:func:`split_qkv` and :func:`merge_qkv` map a fused kernel to its Q, K and V parts
+and back (pure ``jnp``, inverse of each other), e.g. to scale the Q and K parts
+(QK-clip) exactly as :func:`~jvitals.gradients.gradient_metrics` splits them;
+:func:`qkv_part_ids` gives the part of every entry along the split axis.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 if TYPE_CHECKING:
-    from jvitals.roles import LeafRole, Roles
+    from jvitals.roles import LeafRole, QKVSplit, Roles
 
+__all__ = ["LAYOUTS", "QKVLayout", "merge_qkv", "qkv_layout", "qkv_part_ids", "split_qkv"]
+
+LAYOUTS = ("contiguous", "interleaved")
+"""The fused-QKV layouts :class:`~jvitals.roles.QKVSplit` can name (module docstring)."""
+
+
+class QKVLayout(NamedTuple):
+    """Where Q, K and V lie along the split axis of one fused kernel (static, no arrays).
+
+    Attributes:
+      axis: the split axis (non-negative) of the kernel it was resolved for.
+      layout: ``"contiguous"`` or ``"interleaved"``.
+      sizes: ``(q, k, v)`` entries along ``axis``.
+      groups: key/value groups ``G`` of the interleaved layout (1 when contiguous).
+      head_dim: ``Dh`` of the interleaved layout (None when contiguous).
+    """
+
+    axis: int
+    layout: str
+    sizes: tuple[int, int, int]
+    groups: int = 1
+    head_dim: int | None = None
+
+    @property
+    def n(self) -> int:
+        """Entries along the split axis."""
+        return sum(self.sizes)
+
+    @property
+    def per_group(self) -> tuple[int, int, int]:
+        """``(q, k, v)`` entries of one key/value group (the whole axis when contiguous)."""
+        g = self.groups
+        return self.sizes[0] // g, self.sizes[1] // g, self.sizes[2] // g
+
+
+def _no_heads_error(path: str, n: int, where: str) -> ValueError:
+    return ValueError(
+        f"fused QKV split: kernel {path!r} ({n} entries on {where}) is laid out per head "
+        f"(interleaved [H, 3, Dh] as Bloom's and GPT-NeoX's query_key_value, or [KVH, H/KVH + 2, Dh] "
+        f"with grouped-query attention): splitting it needs the head count, which the parameter "
+        f"shapes do not give. Pass Roles(qkv_split=QKVSplit(num_heads=H, num_kv_heads=KVH, "
+        f"layout='interleaved')) (num_kv_heads defaults to num_heads), e.g. from the model's "
+        f"config (n_head / num_attention_heads), or QKVSplit(layout='contiguous') if its columns "
+        f"really are [Q | K | V].")
+
+
+def qkv_layout(shape: Sequence[int], split: "QKVSplit | None" = None, *, path: str = "qkv",
+               layout: str | None = None, q_size: int | None = None) -> QKVLayout:
+    """Resolve where Q, K and V lie in one layer's fused kernel of ``shape``.
+
+    Args:
+      shape: one layer's kernel shape (no scan axis).
+      split: the :class:`~jvitals.roles.QKVSplit` (default ``QKVSplit()``).
+      path: the kernel's path, for error messages.
+      layout: the layout when ``split.layout`` is None (what
+        :meth:`~jvitals.roles.Roles.qkv_layout_of` picks by path); default
+        ``"contiguous"``.
+      q_size: the Q width inferred from the output projection (contiguous layout
+        without head counts only; see :meth:`~jvitals.roles.QKVSplit.sizes`).
+
+    Returns:
+      A :class:`QKVLayout`.
+
+    Raises:
+      ValueError: an unknown layout, an interleaved layout without ``num_heads``,
+        or an axis that does not divide into the configured heads.
+    """
+    if split is None:
+        from jvitals.roles import QKVSplit
+        split = QKVSplit()
+    shape = tuple(int(d) for d in shape)
+    lay = split.layout if split.layout is not None else (layout or "contiguous")
+    if lay not in LAYOUTS:
+        raise ValueError(f"fused QKV split: layout={lay!r} for {path!r}; expected one of {LAYOUTS}")
+    a = split.resolve_axis(shape)
+    n = shape[a]
+    where = f"axis {a} of its per-layer shape {shape}"
+    if lay == "contiguous":
+        return QKVLayout(a, lay, split.sizes(n, path, where, q_size))
+    h = split.num_heads
+    if h is None:
+        raise _no_heads_error(path, n, where)
+    kvh = split.num_kv_heads if split.num_kv_heads is not None else h
+    nq, nk, nv = split.sizes(n, path, where)
+    if h % kvh:
+        raise ValueError(f"fused QKV split: kernel {path!r}: num_heads={h} is not a multiple of "
+                         f"num_kv_heads={kvh}; the interleaved layout groups H / KVH query heads per "
+                         f"key/value head. Check QKVSplit(num_heads=..., num_kv_heads=...).")
+    return QKVLayout(a, lay, (nq, nk, nv), groups=kvh, head_dim=nk // kvh)
+
+
+def qkv_part_ids(lay: QKVLayout) -> np.ndarray:
+    """The part of every entry along the split axis: 0 = Q, 1 = K, 2 = V (int8, ``(n,)``)."""
+    pq, pk, pv = lay.per_group
+    block = np.concatenate([np.zeros(pq, np.int8), np.ones(pk, np.int8), np.full(pv, 2, np.int8)])
+    return np.tile(block, lay.groups)
+
+
+def _grouped(x: jax.Array, axis: int, lay: QKVLayout) -> jax.Array:
+    """``x`` with its split axis reshaped to ``(G, per-group entries)``."""
+    g = lay.groups
+    return x.reshape(x.shape[:axis] + (g, x.shape[axis] // g) + x.shape[axis + 1:])
+
+
+def split_qkv(kernel: jax.Array, split: "QKVSplit | None" = None, *, path: str = "qkv",
+              layout: str | None = None, q_size: int | None = None,
+              stack_axis: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The Q, K and V parts of a fused kernel, each contiguous along the split axis.
+
+    Along the split axis the parts come out head by head in model order (query
+    head ``i`` of the interleaved layout belongs to key/value group
+    ``i // (H / KVH)``); every other axis is untouched. :func:`merge_qkv` inverts it.
+
+    Args:
+      kernel: one layer's fused kernel, or a scan-stacked ``[..., L, ...]`` stack
+        of them (then pass ``stack_axis``).
+      split: the :class:`~jvitals.roles.QKVSplit` the roles use
+        (``roles.qkv_split``); default ``QKVSplit()``.
+      path: the kernel's path (for errors).
+      layout: the layout when ``split.layout`` is None; pass
+        ``roles.qkv_layout_of(path)`` to split exactly as the roles do.
+      q_size: see :func:`qkv_layout`.
+      stack_axis: the layer axis of a scan-stacked kernel (None: one layer).
+
+    Returns:
+      ``(q, k, v)`` (``jnp`` arrays; traceable under ``jit``).
+
+    Example:
+      >>> q, k, v = split_qkv(w, roles.qkv_split, layout=roles.qkv_layout_of(path))
+      >>> w2 = merge_qkv(q * s, k * s, v, roles.qkv_split, layout=roles.qkv_layout_of(path))
+    """
+    kernel = jnp.asarray(kernel)
+    shape = tuple(kernel.shape)
+    layer_shape = shape if stack_axis is None else shape[:stack_axis] + shape[stack_axis + 1:]
+    lay = qkv_layout(layer_shape, split, path=path, layout=layout, q_size=q_size)
+    dim = lay.axis + 1 if stack_axis is not None and lay.axis >= stack_axis else lay.axis
+    if lay.layout == "contiguous":
+        nq, nk, _ = lay.sizes
+        return (lax.slice_in_dim(kernel, 0, nq, axis=dim), lax.slice_in_dim(kernel, nq, nq + nk, axis=dim),
+                lax.slice_in_dim(kernel, nq + nk, lay.n, axis=dim))
+    pq, pk, _ = lay.per_group
+    xg = _grouped(kernel, dim, lay)  # [..., G, per group, ...]
+    parts = (lax.slice_in_dim(xg, 0, pq, axis=dim + 1), lax.slice_in_dim(xg, pq, pq + pk, axis=dim + 1),
+             lax.slice_in_dim(xg, pq + pk, xg.shape[dim + 1], axis=dim + 1))
+    return tuple(p.reshape(shape[:dim] + (p.shape[dim] * p.shape[dim + 1],) + shape[dim + 1:])
+                 for p in parts)
+
+
+def merge_qkv(q: jax.Array, k: jax.Array, v: jax.Array, split: "QKVSplit | None" = None, *,
+              path: str = "qkv", layout: str | None = None, q_size: int | None = None,
+              stack_axis: int | None = None, fused_shape: Sequence[int] | None = None) -> jax.Array:
+    """The fused kernel whose :func:`split_qkv` (same arguments) is ``(q, k, v)``.
+
+    ``merge_qkv(*split_qkv(w, s, ...), s, ..., fused_shape=w.shape) == w`` exactly
+    (the entries are only permuted).
+
+    Args:
+      q, k, v: the parts, as :func:`split_qkv` returns them.
+      split, path, layout, q_size, stack_axis: as for :func:`split_qkv`.
+      fused_shape: the fused kernel's shape (default: the parts concatenated
+        along the one axis on which their sizes differ, else along the axis
+        :func:`qkv_layout` picks for three equal parts).
+
+    Returns:
+      The fused kernel.
+    """
+    q, k, v = (jnp.asarray(t) for t in (q, k, v))
+    if fused_shape is None:
+        diff = [i for i in range(q.ndim) if not q.shape[i] == k.shape[i] == v.shape[i]]
+        cands = diff or list(range(q.ndim))
+        fused_shape = None
+        for d in cands:
+            shp = q.shape[:d] + (q.shape[d] + k.shape[d] + v.shape[d],) + q.shape[d + 1:]
+            lshp = shp if stack_axis is None else shp[:stack_axis] + shp[stack_axis + 1:]
+            a = qkv_layout(lshp, split, path=path, layout=layout, q_size=q_size).axis
+            if (a + 1 if stack_axis is not None and a >= stack_axis else a) == d:
+                fused_shape = shp
+                break
+        if fused_shape is None:
+            raise ValueError(f"merge_qkv: cannot tell the split axis of parts of shapes {q.shape}, "
+                             f"{k.shape}, {v.shape}; pass fused_shape=")
+    fused_shape = tuple(fused_shape)
+    layer_shape = fused_shape if stack_axis is None else fused_shape[:stack_axis] + fused_shape[stack_axis + 1:]
+    lay = qkv_layout(layer_shape, split, path=path, layout=layout, q_size=q_size)
+    dim = lay.axis + 1 if stack_axis is not None and lay.axis >= stack_axis else lay.axis
+    if lay.layout == "contiguous":
+        return jnp.concatenate([q, k, v], axis=dim)
+    parts = [_grouped(t, dim, lay) for t in (q, k, v)]
+    return jnp.concatenate(parts, axis=dim + 1).reshape(fused_shape)
 
 
 def _spec_axes_at(spec: Any, dim: int, ndim: int, axes: tuple[str, ...]) -> tuple[str, ...]:
@@ -60,37 +267,49 @@ def _o_sizes(infos: Sequence[LeafRole], gshapes: Sequence[tuple[int, ...]]) -> d
 def _qkv_pieces(x: jax.Array, lr: LeafRole, roles: Roles, spec: Any, axes: tuple[str, ...],
                 o_numel: int | None = None) -> list[tuple[str, jax.Array, jax.Array | None, int | None]]:
     """Q, K and V parts of a fused QKV kernel, as ``(name, x, mask, axis)`` to summarise
-    (per layer if stacked)."""
+    (per layer if stacked), in the layout ``roles`` gives its path."""
     shape = tuple(x.shape)  # local (per-shard) inside shard_map
     gshape = _global_shape(shape, spec, axes)
     stacked = lr.stack_axis is not None
     layer_shape = _layer_shape(gshape, lr)
     a = roles.qkv_split.resolve_axis(layer_shape)
-    dim = a + 1 if stacked and a >= lr.stack_axis else a
-    local_n = shape[dim]
-    mesh = _spec_axes_at(spec, dim, len(shape), axes)
-    n = gshape[dim]
+    n = layer_shape[a]
     q_size = None
     if o_numel is not None:
         d_in = math.prod(layer_shape) // n
         if d_in > 0 and o_numel % d_in == 0:
             q_size = o_numel // d_in
-    nq, nk, nv = roles.qkv_split.sizes(n, lr.path, f"axis {a} of its per-layer shape {layer_shape}", q_size)
-    bounds = ((0, nq), (nq, nq + nk), (nq + nk, n))
+    lay = qkv_layout(layer_shape, roles.qkv_split, path=lr.path, layout=roles.qkv_layout_of(lr.path),
+                     q_size=q_size)
+    dim = a + 1 if stacked and a >= lr.stack_axis else a
+    local_n = shape[dim]
+    mesh = _spec_axes_at(spec, dim, len(shape), axes)
     ax = lr.stack_axis
+    names = ("Wq", "Wk", "Wv")
     out = []
     if not mesh:
-        for name, (lo, hi) in zip(("Wq", "Wk", "Wv"), bounds):
-            out.append((name, lax.slice_in_dim(x, lo, hi, axis=dim), None, ax))
+        if lay.layout == "contiguous":
+            nq, nk, _ = lay.sizes
+            bounds = ((0, nq), (nq, nq + nk), (nq + nk, n))
+            for name, (lo, hi) in zip(names, bounds):
+                out.append((name, lax.slice_in_dim(x, lo, hi, axis=dim), None, ax))
+            return out
+        # Interleaved: the split axis as (G, per group); each part is a slice of the latter.
+        pq, pk, _ = lay.per_group
+        xg = _grouped(x, dim, lay)
+        gax = ax + 1 if ax is not None and ax > dim else ax
+        bounds = ((0, pq), (pq, pq + pk), (pq + pk, xg.shape[dim + 1]))
+        for name, (lo, hi) in zip(names, bounds):
+            out.append((name, lax.slice_in_dim(xg, lo, hi, axis=dim + 1), None, gax))
         return out
-    # Sharded along the split axis: each shard holds a block of global columns.
+    # Sharded along the split axis: each shard holds a block of global entries.
     idx = jnp.zeros((), jnp.int32)
     for m in mesh:
         idx = idx * lax.axis_size(m) + lax.axis_index(m)
     col = idx * local_n + jnp.arange(local_n, dtype=jnp.int32)
+    part = jnp.asarray(qkv_part_ids(lay))[col]
     bshape = [1] * len(shape)
     bshape[dim] = local_n
-    for name, (lo, hi) in zip(("Wq", "Wk", "Wv"), bounds):
-        mask = ((col >= lo) & (col < hi)).reshape(bshape)
-        out.append((name, x, mask, ax))
+    for j, name in enumerate(names):
+        out.append((name, x, (part == j).reshape(bshape), ax))
     return out

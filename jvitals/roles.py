@@ -23,8 +23,12 @@ simple=True, separator='/')``, e.g. ``params/layers_3/attn/qkv/kernel``) to both
   ``param_scan_axis=1``) and layer ``i`` is index ``i`` along that axis.
 
 Two roles are special: ``qkv`` (a fused QKV kernel, split into Q, K and V by
-:class:`QKVSplit` before any statistic is taken) and ``norm`` (a LayerNorm/RMSNorm
-scale, reported under its own module name: ``grad/input_layernorm_rms``).
+:class:`QKVSplit` before any statistic is taken, in the layout of its family:
+:data:`DEFAULT_QKV_LAYOUTS`) and ``norm`` (a LayerNorm/RMSNorm scale, reported
+under its own module name: ``grad/input_layernorm_rms``; a module named just
+``norm``, Llama's final norm, becomes ``final_norm`` outside the layers and
+``block_norm`` inside, so that ``grad/final_norm_rms`` cannot be read as the
+gradient-norm family ``grad/norm/layer_{i}``).
 
 Leaves no pattern matches keep their layer and still count in every norm; only
 per-role figures skip them. :func:`explain_roles` shows what matched.
@@ -43,6 +47,7 @@ import jax
 __all__ = [
     "DEFAULT_LAYER_PATTERNS",
     "DEFAULT_PATTERNS",
+    "DEFAULT_QKV_LAYOUTS",
     "DEFAULT_STACKS",
     "LeafRole",
     "QKVSplit",
@@ -137,6 +142,13 @@ DEFAULT_STACKS: tuple[tuple[str, int], ...] = (
 """``(regex, axis)``: a path matching ``regex`` lies in the ``nn.scan``-stacked
 subtree ending where the match ends, with the layer axis at ``axis``."""
 
+DEFAULT_QKV_LAYOUTS: tuple[tuple[str, str], ...] = (
+    # HF Bloom, GPT-NeoX, Falcon and Megatron checkpoints: per head (or per KV group).
+    (r"(?:^|/)query_key_value(?:/|$)", "interleaved"),
+)
+"""``(regex, layout)``: fused-QKV kernels laid out per head; every other is
+``[Q | K | V]`` (see :class:`QKVSplit`)."""
+
 ROLE_METRIC_NAMES: Mapping[str, str] = {
     "embedding": "word_embeddings",
     "position_embedding": "position_embeddings",
@@ -181,13 +193,22 @@ _HINTS: Mapping[str, tuple[str, ...]] = {
 
 @dataclasses.dataclass(frozen=True)
 class QKVSplit:
-    """How a fused QKV kernel splits into Q, K and V.
+    """How a fused QKV kernel splits into Q, K and V (see :mod:`jvitals.qkv`).
 
-    The split axis holds ``(num_heads + 2 * num_kv_heads) * head_dim`` entries laid
-    out ``[Q heads | K heads | V heads]``; Q gets ``num_heads`` of every
-    ``num_heads + 2 * num_kv_heads`` parts, K and V ``num_kv_heads`` each
-    (grouped-query attention). Without head counts the axis splits into equal
-    thirds (multi-head attention, GPT-2's ``c_attn``).
+    The split axis holds ``(num_heads + 2 * num_kv_heads) * head_dim`` entries;
+    Q gets ``num_heads`` of every ``num_heads + 2 * num_kv_heads`` parts, K and V
+    ``num_kv_heads`` each (grouped-query attention), laid out as ``layout`` says:
+
+    * ``"contiguous"``: ``[Q heads | K heads | V heads]`` (GPT-2's ``c_attn``, the
+      reference model's ``qkv``). Without head counts the axis splits into equal
+      thirds (multi-head attention), or by the Q width the output projection
+      gives (grouped-query).
+    * ``"interleaved"``: ``[KVH, H / KVH + 2, Dh]``: per key/value group its query
+      heads, its key head, its value head; ``[H, 3, Dh]`` without grouping (HF
+      Bloom's and GPT-NeoX's ``query_key_value``, Falcon, Megatron GQA). Needs
+      ``num_heads``: without it jvitals raises instead of splitting wrongly.
+    * None (default): by path, :attr:`Roles.qkv_layouts` (``query_key_value`` is
+      interleaved, everything else contiguous).
 
     Attributes:
       axis: the split axis of one layer's kernel (``-1``: output columns). For a
@@ -198,11 +219,38 @@ class QKVSplit:
         last on a tie), else the last axis.
       num_heads: query heads ``H`` (None: equal thirds).
       num_kv_heads: key/value heads ``KVH`` (None: equal to ``num_heads``).
+      layout: ``"contiguous"``, ``"interleaved"`` or None (by path).
+
+    Example:
+      >>> Roles(qkv_split=QKVSplit(num_heads=16, layout="interleaved"))   # Bloom, GPT-NeoX
+      >>> Roles(qkv_split=QKVSplit.from_config(model.config))              # any HF config
     """
 
     axis: int | None = None
     num_heads: int | None = None
     num_kv_heads: int | None = None
+    layout: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.layout is not None and self.layout not in ("contiguous", "interleaved"):
+            raise ValueError(f"QKVSplit(layout={self.layout!r}): expected 'contiguous' ([Q | K | V]), "
+                             f"'interleaved' (per head [H, 3, Dh] / per group) or None (by path)")
+
+    @classmethod
+    def from_config(cls, config: Any, **overrides: Any) -> "QKVSplit":
+        """Head counts from a model config (HF ``num_attention_heads``/``n_head``/
+        ``num_heads``, ``num_key_value_heads``/``num_kv_heads``); ``overrides`` win."""
+        def first(*names: str) -> Any:
+            for n in names:
+                v = getattr(config, n, None)
+                if v is not None:
+                    return int(v)
+            return None
+
+        kw = dict(num_heads=first("num_attention_heads", "n_head", "num_heads", "n_heads"),
+                  num_kv_heads=first("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"))
+        kw.update(overrides)
+        return cls(**kw)
 
     def resolve_axis(self, shape: Sequence[int]) -> int:
         """The split axis (non-negative) for one layer's kernel of ``shape``."""
@@ -267,6 +315,9 @@ class Roles:
       stacked_axis: if set, overrides the axis of every stack rule (MaxText:
         ``param_scan_axis``; the reference model: 0).
       qkv_split: how fused QKV kernels split.
+      qkv_layouts: ``(regex, layout)``: the layout of a fused kernel whose path
+        matches, when ``qkv_split.layout`` is None (:data:`DEFAULT_QKV_LAYOUTS`;
+        no match: ``"contiguous"``).
       required: roles that must match at least one leaf (``ValueError`` if not).
         ``q``/``k``/``v`` are satisfied by a fused ``qkv``.
       norm_prefixes: ``(regex, prefix)``: a norm whose path matches ``regex`` is
@@ -283,6 +334,7 @@ class Roles:
     stacks: tuple[tuple[str, int], ...] = DEFAULT_STACKS
     stacked_axis: int | None = None
     qkv_split: QKVSplit = QKVSplit()
+    qkv_layouts: tuple[tuple[str, str], ...] = DEFAULT_QKV_LAYOUTS
     required: tuple[str, ...] = ()
     norm_prefixes: tuple[tuple[str, str], ...] = ((r"(?:^|/)mtp_?\d+/", "mtp_"),)
 
@@ -293,6 +345,11 @@ class Roles:
             c = _compile(rx, "layer pattern")
             if c.groups < 1:
                 raise ValueError(f"layer pattern {rx!r} must capture the layer index in group 1")
+        for rx, layout in self.qkv_layouts:
+            _compile(rx, "qkv layout rule")
+            if layout not in ("contiguous", "interleaved"):
+                raise ValueError(f"qkv layout rule ({rx!r}, {layout!r}): layout must be 'contiguous' "
+                                 f"or 'interleaved'")
         for rx, axis in self.stacks:
             _compile(rx, "stack pattern")
             if not isinstance(axis, int):
@@ -344,9 +401,23 @@ class Roles:
                     if _compile(prx, "norm prefix").search(path):
                         name = prefix + name
                         break
+                else:
+                    if name.lower() == "norm":  # grad/norm_rms would read as grad/norm/layer_i
+                        inside = self.layer_of(path) is not None or self.stack_of(path) is not None
+                        name = "block_norm" if inside else "final_norm"
                 return role, name
             return role, ROLE_METRIC_NAMES.get(role, role)
         return None, None
+
+    def qkv_layout_of(self, path: str) -> str:
+        """The fused-QKV layout of the kernel at ``path``: ``qkv_split.layout`` if set,
+        else the first :attr:`qkv_layouts` rule that matches, else ``"contiguous"``."""
+        if self.qkv_split.layout is not None:
+            return self.qkv_split.layout
+        for rx, layout in self.qkv_layouts:
+            if _compile(rx, "qkv layout rule").search(path):
+                return layout
+        return "contiguous"
 
     def layer_of(self, path: str) -> int | None:
         """Index of the Python-list layer ``path`` lies in, or None."""
@@ -534,11 +605,14 @@ class RolesExplanation:
       leaves: every leaf's :class:`LeafRole`.
       unmatched: paths no role pattern matched (they still count in norms).
       stacks: ``{prefix: (axis, num_layers, first_layer)}`` of stacked subtrees.
+      tied_head: the paths of the embedding when no leaf is an ``lm_head`` (the
+        output layer is tied to the embedding: GPT-2, Bloom, Gemma...), else ().
     """
 
     leaves: tuple[LeafRole, ...]
     unmatched: tuple[str, ...]
     stacks: Mapping[str, tuple[int, int, int]]
+    tied_head: tuple[str, ...] = ()
 
     def by_role(self) -> dict[str, list[str]]:
         """``{role: [paths]}`` of the matched leaves."""
@@ -566,6 +640,11 @@ class RolesExplanation:
             for prefix, (axis, n, first) in self.stacks.items():
                 lines.append(f"stacked: {prefix!r}: {n} layers along axis {axis} (layers {first}..{first + n - 1})")
         lines.append("")
+        if self.tied_head:
+            lines.append(
+                f"lm_head: none; the output layer is tied to the embedding ({', '.join(self.tied_head)}): "
+                f"its gradient is the embedding's, so the lm_head figures (grad/output_layer_*, "
+                f"grad/norm/lm_head, grad/share/lm_head, ...) are omitted.")
         if self.unmatched:
             lines.append(f"unmatched ({len(self.unmatched)}; counted in global and per-layer norms only):")
             lines += [f"  {p}" for p in self.unmatched]
@@ -599,7 +678,10 @@ def explain_roles(params: Any, roles: Roles | None = None, *, file: TextIO | Non
     for lr in leaves:
         if lr.stack is not None:
             stacks[lr.stack] = (lr.stack_axis, lr.num_layers, lr.first_layer)
-    out = RolesExplanation(leaves, tuple(lr.path for lr in leaves if lr.role is None), stacks)
+    roles_found = {lr.role for lr in leaves}
+    tied = (tuple(lr.path for lr in leaves if lr.role == "embedding")
+            if "lm_head" not in roles_found and "embedding" in roles_found else ())
+    out = RolesExplanation(leaves, tuple(lr.path for lr in leaves if lr.role is None), stacks, tied)
     if file is not None:
         print(out, file=file)
     return out

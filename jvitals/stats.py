@@ -34,6 +34,8 @@ from jax.sharding import PartitionSpec
 
 __all__ = [
     "Summary",
+    "TokenSummary",
+    "summarize_tokens",
     "summarize",
     "summarize_many",
     "summarize_max",
@@ -136,6 +138,127 @@ class Summary:
         mean = self.sum / n
         var = jnp.maximum(self.sumsq / n - mean * mean, 0.0)
         return _nan_rule(jnp.sqrt(var), self.count, self.nonfinite)
+
+
+@struct.dataclass
+class TokenSummary:
+    """Per-position sufficient statistics: a :class:`Summary` for every token.
+
+    What :func:`jvitals.instrument.instrument` sows: for activations ``x`` of
+    shape ``[*S, ...]`` (``S = [B, T]``), each field has shape ``S`` and holds the
+    statistics of that position's entries (``x[b, t, ...]``). The token mask is
+    applied later, by :meth:`masked` (``activation_metrics(..., mask=)``), so the
+    sowing code needs no mask and the figures exclude padding exactly as if the
+    raw ``x`` had been sown: ``masked(m) == summarize(x, m)``.
+
+    Attributes:
+      count, sum, sumsq, abs_max, nonfinite: as :class:`Summary`, per position
+        (``abs_max`` NaN where the position holds a non-finite value; ``count``
+        counts the entries that are valid at sow time, e.g. unmasked attention
+        keys).
+    """
+
+    count: jax.Array
+    sum: jax.Array
+    sumsq: jax.Array
+    abs_max: jax.Array
+    nonfinite: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The per-position shape (``[B, T]``, or ``[L, B, T]`` when scan-stacked)."""
+        return tuple(self.count.shape)
+
+    def masked(self, mask: jax.Array | None = None, *, axis: int | None = None) -> Summary:
+        """The :class:`Summary` over the positions where ``mask`` is True.
+
+        Args:
+          mask: boolean, aligned with the leading positions (``[B, T]``; against
+            ``[L, B, T]`` fields with ``axis=0`` too); None: every position.
+          axis: keep this axis of the fields (the layer axis of scan-stacked sows).
+
+        Returns:
+          A :class:`Summary` (fields ``()``, or ``(shape[axis],)``).
+        """
+        shape = self.shape
+        red, axis = _reduced_axes(shape, axis)
+        valid = None if mask is None else jnp.broadcast_to(_align_mask(jnp.asarray(mask, bool), shape, axis), shape)
+
+        def tot(x: jax.Array) -> jax.Array:
+            return jnp.sum(x if valid is None else jnp.where(valid, x, 0.0), axis=red)
+
+        count = tot(self.count)
+        nonfinite = tot(self.nonfinite)
+        a = _finite_or_minus_inf(self.abs_max)
+        a = a if valid is None else jnp.where(valid, a, -jnp.inf)
+        amax = jnp.max(a, axis=red, initial=-jnp.inf)
+        return Summary(count=count, sum=tot(self.sum), sumsq=tot(self.sumsq),
+                       abs_max=_nan_rule(amax, count, nonfinite), nonfinite=nonfinite)
+
+
+def summarize_tokens(x: jax.Array, token_ndim: int = 2, valid: jax.Array | None = None, *,
+                     max_only: bool = False) -> TokenSummary:
+    """Per-position statistics of ``x`` over every axis after the first ``token_ndim``.
+
+    ``x[*S, ...]`` -> a :class:`TokenSummary` with fields of shape ``S =
+    x.shape[:token_ndim]``; ``valid`` (broadcastable to ``x``) excludes entries
+    at sow time (masked attention keys). Float32, as :func:`summarize`: on a
+    healthy tensor three reductions (``sum``, ``sumsq``, ``max|x|``); the
+    non-finite counts and finite-only sums only when a sum of squares is
+    non-finite (on the CPU a ``lax.cond``; see ``_healthy_or``).
+
+    Args:
+      x: activations, e.g. ``[B, T, D]``.
+      token_ndim: how many leading axes are token axes (2: ``[B, T]``).
+      valid: optional boolean mask broadcastable to ``x``.
+      max_only: measure only ``count``, ``abs_max`` and ``nonfinite`` (sum and
+        sumsq NaN): one reduction, for the attention logits.
+
+    Returns:
+      A :class:`TokenSummary`.
+    """
+    x = lax.stop_gradient(jnp.asarray(x))
+    if x.ndim < token_ndim:
+        raise ValueError(f"summarize_tokens: x of shape {tuple(x.shape)} has fewer than token_ndim="
+                         f"{token_ndim} axes")
+    xf = x.astype(_F32)
+    red = tuple(range(token_ndim, x.ndim))
+    s_shape = tuple(x.shape[:token_ndim])
+    if valid is None:
+        count = jnp.full(s_shape, float(np.prod([x.shape[d] for d in red])), _F32)
+        vb = None
+    else:
+        vb = jnp.broadcast_to(jnp.asarray(valid, bool), x.shape)
+        count = jnp.sum(vb, axis=red, dtype=_F32)
+    if max_only:
+        a = _nan_to_inf_abs(xf)
+        a = a if vb is None else jnp.where(vb, a, 0.0)
+        amax = jnp.max(a, axis=red, initial=0.0)
+
+        def bad() -> jax.Array:
+            b = ~jnp.isfinite(xf) if vb is None else vb & ~jnp.isfinite(xf)
+            return jnp.sum(b, axis=red, dtype=_F32) + jnp.zeros_like(amax)
+
+        nonfinite = _healthy_or(jnp.all(jnp.isfinite(amax)), lambda: jnp.zeros_like(amax), bad)
+        nan = jnp.full(s_shape, jnp.nan, _F32)
+        return TokenSummary(count=count, sum=nan, sumsq=nan, abs_max=_nan_rule(amax, count, nonfinite),
+                            nonfinite=nonfinite)
+    xz = xf if vb is None else jnp.where(vb, xf, 0.0)
+    amax = jnp.max(jnp.abs(xz), axis=red, initial=0.0)
+    hot_sum, hot_sq = jnp.sum(xz, axis=red), jnp.sum(jnp.square(xz), axis=red)
+
+    def careful() -> jax.Array:
+        fin = jnp.isfinite(xf)
+        good = fin if vb is None else vb & fin
+        xg = jnp.where(good, xf, 0.0)
+        b = ~fin if vb is None else vb & ~fin
+        return jnp.stack([jnp.sum(xg, axis=red), jnp.sum(xg * xg, axis=red), jnp.sum(b, axis=red, dtype=_F32)])
+
+    packed = _healthy_or(jnp.all(jnp.isfinite(hot_sq)),
+                         lambda: jnp.stack([hot_sum, hot_sq, jnp.zeros_like(hot_sq)]), careful)
+    total, sumsq, nonfinite = packed[0], packed[1], packed[2]
+    return TokenSummary(count=count, sum=total, sumsq=sumsq, abs_max=_nan_rule(amax, count, nonfinite),
+                        nonfinite=nonfinite)
 
 
 def _finite_or_minus_inf(x: jax.Array) -> jax.Array:

@@ -1,0 +1,484 @@
+"""``instrument()``: jvitals' activation summaries from any Flax Linen model, unmodified.
+
+A model that never calls ``sow`` gives :func:`~jvitals.activations.activation_metrics`
+nothing to read. Around its ``apply``, :func:`instrument` intercepts every module
+call (``flax.linen.intercept_methods``) and sows, under the METRICS.md §7 names,
+compact *per-token summaries* of what the roles recognise -- the same
+:class:`~jvitals.roles.Roles` patterns the gradient figures use::
+
+    with vitals.instrument():
+        out, state = model.module.apply({"params": params}, tokens, mask,
+                                        mutable=["intermediates"])
+    act = vitals.activation_metrics(state["intermediates"], mask=mask)
+
+======================== ================================================ =========================================
+NAME                     what                                             found as
+======================== ================================================ =========================================
+``hidden_states``        each transformer block's output (the residual    a module whose path ends in a layer index
+                         stream, *before* the final norm)                 (``h/0``, ``layers/3``, ``layers_3``...)
+``attn_out_before_proj`` the input of each attention output projection    a module whose kernel has role ``o``
+``gate_scores``          ``sigmoid`` of the attention output gate         role ``attn_gate``
+``logits``               the output layer's logits, as per-position rows  role ``lm_head`` (a nested ``apply`` too:
+                         (:class:`~jvitals.probes.LogitsRows`)            GPT-2's tied head), or ``Embed.attend``
+``mtp_logits``           further calls of the same head in one apply      (the reference model's MTP depths)
+``expert_counts``        top-k experts of each token (needs ``top_k``)    role ``router``
+``attn_logits``          per query, the max |pre-softmax score| over      ``flax.linen``'s ``dot_product_attention_
+                         valid keys (``attn_logits=True`` only)           weights`` (HF-Flax: all but OPT)
+======================== ================================================ =========================================
+
+Padding: every value is sown **per token** (a :class:`~jvitals.stats.TokenSummary`
+of ``[B, T]`` sums, sums of squares, maxima and counts; ``LogitsRows`` for the
+logits; expert indices ``[B, T, k]``), never a whole ``[B, T, D]`` or ``[B, T, V]``
+tensor, and *no mask is needed here*: the mask passed later to
+``activation_metrics(..., mask=)`` / ``moe_metrics(..., mask=)`` drops the padded
+positions exactly as if the raw tensors had been sown.
+
+It works inside ``jit``, ``value_and_grad``, ``nn.scan`` (sow ``intermediates``
+along the scan axis) and ``nn.remat``; every summary is taken on
+``lax.stop_gradient`` of the activations, so neither the loss nor the gradients
+change. A model that sows a NAME itself keeps its own values
+(``activation_metrics`` prefers them to instrument's).
+
+NNX: Flax NNX has no method-interception hook (``intercept_methods`` is Linen's);
+in NNX sow in the model (``self.sow(nnx.Intermediate, NAME, value)`` or the
+probes) and read it with ``nnx.capture`` (see the README).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import sys
+import warnings
+from typing import Any, Callable, Iterator, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax import lax
+
+from jvitals.probes import logits_rows
+from jvitals.roles import Roles
+from jvitals.stats import TokenSummary, summarize_tokens
+
+__all__ = ["ExpertChoices", "InstrumentReport", "instrument"]
+
+_F32 = jnp.float32
+_COLLECTION = "intermediates"
+_KERNEL_NAMES = ("kernel", "weight", "w", "embedding")
+
+
+@struct.dataclass
+class ExpertChoices:
+    """The experts each token was routed to, as ``instrument`` sows ``expert_counts``.
+
+    Attributes:
+      experts: ``[*S, k]`` int32 expert indices (``S = [B, T]``; ``[L, *S, k]``
+        scan-stacked), the top-k of the router's scores.
+      num_experts: ``E`` (static).
+
+    :func:`~jvitals.moe.moe_metrics` counts them over the valid tokens
+    (``mask=``): ``c[e] = #{(b, t, j) : mask[b, t] and experts[b, t, j] == e}``.
+    """
+
+    experts: jax.Array
+    num_experts: int = struct.field(pytree_node=False, default=0)
+
+    def counts(self, mask: jax.Array | None = None) -> jax.Array:
+        """``[E]`` float32 selections over the positions where ``mask`` is True
+        (``[L, E]`` for scan-stacked choices, with ``mask`` ``[B, T]``)."""
+        idx = self.experts
+        stacked = mask is not None and idx.ndim == jnp.ndim(mask) + 2
+        w = jnp.ones(idx.shape, _F32) if mask is None else jnp.broadcast_to(
+            jnp.asarray(mask, _F32).reshape(((1,) if stacked else ()) + tuple(jnp.shape(mask)) + (1,)), idx.shape)
+        onehot = jax.nn.one_hot(idx, self.num_experts, dtype=_F32) * w[..., None]
+        if stacked:
+            return jnp.sum(onehot.reshape(idx.shape[0], -1, self.num_experts), axis=1)
+        return jnp.sum(onehot.reshape(-1, self.num_experts), axis=0)
+
+
+@dataclasses.dataclass
+class InstrumentReport:
+    """What one :func:`instrument` context sowed, for ``explain`` and errors.
+
+    Attributes:
+      sown: ``{NAME: [module path, ...]}`` in call order (the last trace).
+      skipped: ``{NAME: reason}`` for names that could not be sown.
+    """
+
+    sown: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"{name}: {len(paths)} x ({', '.join(paths[:4])}{', ...' if len(paths) > 4 else ''})"
+                 for name, paths in self.sown.items()]
+        lines += [f"{name}: not sown ({why})" for name, why in self.skipped.items()]
+        return "\n".join(lines) if lines else "nothing sown"
+
+
+# ----------------------------------------------------------------------------------
+# The interceptor's state (one per context; reset at every outermost apply).
+
+
+@dataclasses.dataclass
+class _Frame:
+    module: Any
+    path: str          # the logical path: nested applies get their caller's path as prefix
+
+
+class _State:
+    def __init__(self, roles: Roles, probes: bool, attn_logits: bool, top_k: int | None,
+                 names: frozenset[str] | None, report: InstrumentReport):
+        self.roles = roles
+        self.probes = probes
+        self.attn_logits = attn_logits
+        self.top_k = top_k
+        self.names = names
+        self.report = report
+        self.stack: list[_Frame] = []
+        self.prefixes: dict[int, str] = {}    # id(root scope) -> logical prefix of that apply
+        self.heads: dict[str, int] = {}       # lm_head path -> calls in this apply
+        self.kinds: dict[tuple[Any, ...], str | None] = {}
+        self.warned: set[str] = set()
+
+    def want(self, name: str) -> bool:
+        return self.names is None or name in self.names
+
+    def begin_apply(self) -> None:
+        self.prefixes.clear()
+        self.heads.clear()
+        self.report.sown.clear()
+        self.report.skipped.clear()
+
+
+def _scope_root(module: Any) -> Any:
+    scope = getattr(module, "scope", None)
+    while scope is not None and getattr(scope, "parent", None) is not None:
+        scope = scope.parent
+    return scope
+
+
+def _logical_path(state: _State, module: Any) -> str:
+    own = "/".join(str(p) for p in module.path) if getattr(module, "scope", None) is not None else ""
+    root = _scope_root(module)
+    if root is not None and id(root) not in state.prefixes:
+        # The root of an apply: the outermost one has no prefix; a nested one
+        # (``self.lm_head.apply(...)`` with the tied embedding) takes its caller's
+        # path plus its own name.
+        if state.stack:
+            parent = state.stack[-1].path
+            name = getattr(module, "name", None)
+            state.prefixes[id(root)] = "/".join(p for p in (parent, name) if p)
+        else:
+            state.prefixes[id(root)] = ""
+    prefix = state.prefixes.get(id(root), "") if root is not None else ""
+    return "/".join(p for p in (prefix, own) if p)
+
+
+def _mutable(module: Any) -> bool:
+    try:
+        return getattr(module, "scope", None) is not None and module.is_mutable_collection(_COLLECTION)
+    except Exception:  # pragma: no cover - unbound modules
+        return False
+
+
+def _sow_target(state: _State, module: Any) -> Any:
+    """The module to sow into: ``module`` if its collection is mutable, else the
+    nearest caller's (a nested ``apply`` sows into the apply that called it)."""
+    if _mutable(module):
+        return module
+    for frame in reversed(state.stack):
+        if _mutable(frame.module):
+            return frame.module
+    return None
+
+
+def _direct_params(module: Any) -> list[str]:
+    try:
+        params = module.variables.get("params", {})
+    except Exception:
+        return []
+    return [k for k, v in params.items() if not isinstance(v, Mapping)]
+
+
+def _is_block(roles: Roles, path: str) -> bool:
+    """A transformer block: the module's path ends at a layer index (``h/0``, ``layers_3``)."""
+    for rx in roles.layer_patterns:
+        for m in re.finditer(rx, path, re.IGNORECASE):
+            if m.end(1) == len(path):
+                return True
+    return False
+
+
+def _kind(state: _State, module: Any, path: str, method: str) -> str | None:
+    key = (type(module), path, method)
+    if key in state.kinds:
+        return state.kinds[key]
+    roles = state.roles
+    kind = None
+    leaves = _direct_params(module)
+    found = None
+    for leaf in leaves:
+        if leaf == "bias":
+            continue
+        role, _ = roles.role_of(f"{path}/{leaf}" if path else leaf)
+        if role is not None:
+            found = role
+            break
+    if method == "attend":
+        kind = "logits" if found in ("embedding", "lm_head", None) else None
+    elif method == "__call__":
+        if found == "lm_head":
+            kind = "logits"
+        elif found == "o":
+            kind = "attn_out_before_proj"
+        elif found == "attn_gate":
+            kind = "gate_scores"
+        elif found == "router":
+            kind = "expert_counts"
+        elif found is None and _is_block(roles, path):
+            kind = "hidden_states"
+    state.kinds[key] = kind
+    return kind
+
+
+def _first_array(out: Any) -> Any:
+    """The main output of a module call: an array, the first of a tuple/list, or the
+    first value of a mapping (HF ``ModelOutput``)."""
+    seen = 0
+    while not hasattr(out, "shape") and seen < 4:
+        seen += 1
+        if isinstance(out, Mapping):
+            vals = [v for v in out.values() if v is not None]
+            out = vals[0] if vals else None
+        elif isinstance(out, (tuple, list)):
+            out = out[0] if out else None
+        else:
+            return None
+    return out if hasattr(out, "shape") else None
+
+
+def _first_input(args: tuple, kwargs: Mapping[str, Any]) -> Any:
+    if args and hasattr(args[0], "shape"):
+        return args[0]
+    for k in ("inputs", "x", "hidden_states", "input"):
+        if k in kwargs and hasattr(kwargs[k], "shape"):
+            return kwargs[k]
+    for v in kwargs.values():
+        if hasattr(v, "shape"):
+            return v
+    return None
+
+
+def _token_summary(state: _State, x: jax.Array) -> Any:
+    x = lax.stop_gradient(x)
+    if not state.probes:
+        return x
+    return summarize_tokens(x, token_ndim=max(x.ndim - 1, 1))
+
+
+def _find_top_k(state: _State, module: Any) -> int | None:
+    if state.top_k is not None:
+        return state.top_k
+    names = ("num_experts_per_tok", "top_k", "moe_top_k", "num_selected_experts", "experts_per_token",
+             "num_experts_per_token")
+    m = module
+    for _ in range(4):
+        if m is None:
+            break
+        for holder in (m, getattr(m, "config", None), getattr(m, "cfg", None)):
+            for n in names:
+                v = getattr(holder, n, None) if holder is not None else None
+                if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                    return v
+        m = getattr(m, "parent", None)
+    return None
+
+
+def _warn_once(state: _State, key: str, msg: str) -> None:
+    if key not in state.warned:
+        state.warned.add(key)
+        warnings.warn(msg, stacklevel=4)
+
+
+def _sow(state: _State, module: Any, path: str, name: str, value: Any) -> None:
+    target = _sow_target(state, module)
+    if target is None:
+        state.report.skipped.setdefault(
+            name, "the 'intermediates' collection is not mutable: pass mutable=['intermediates'] to apply")
+        return
+    target.sow(_COLLECTION, name, value)
+    state.report.sown.setdefault(name, []).append(path)
+
+
+def _handle(state: _State, kind: str, module: Any, path: str, args: tuple, kwargs: Mapping, out: Any) -> None:
+    if kind == "hidden_states":
+        h = _first_array(out)
+        if h is not None and h.ndim >= 2 and state.want(kind):
+            _sow(state, module, path, kind, _token_summary(state, h))
+    elif kind == "attn_out_before_proj":
+        x = _first_input(args, kwargs)
+        if x is not None and x.ndim >= 2 and state.want(kind):
+            _sow(state, module, path, kind, _token_summary(state, x))
+    elif kind == "gate_scores":
+        g = _first_array(out)
+        if g is not None and state.want(kind):
+            _sow(state, module, path, kind, _token_summary(state, jax.nn.sigmoid(g.astype(_F32))))
+    elif kind == "logits":
+        z = _first_array(out)
+        if z is None or z.ndim < 2:
+            return
+        calls = state.heads.get(path, 0)
+        state.heads[path] = calls + 1
+        name = "logits" if sum(state.heads.values()) == 1 else "mtp_logits"
+        if state.want(name):
+            _sow(state, module, path, name, logits_rows(z))
+    elif kind == "expert_counts":
+        z = _first_array(out)
+        if z is None or not state.want(kind):
+            return
+        k = _find_top_k(state, module)
+        if k is None:
+            _warn_once(state, "top_k", (
+                f"instrument(): a router was recognised at {path!r} but its top-k is unknown, so no "
+                f"'expert_counts' are sown; pass instrument(top_k=K) (experts selected per token)."))
+            state.report.skipped[kind] = f"router at {path!r}: top_k unknown, pass instrument(top_k=K)"
+            return
+        _, idx = lax.top_k(lax.stop_gradient(z.astype(_F32)), k)
+        _sow(state, module, path, kind, ExpertChoices(experts=idx.astype(jnp.int32), num_experts=int(z.shape[-1])))
+
+
+def _interceptor(state: _State) -> Callable[..., Any]:
+    def intercept(next_fun: Callable[..., Any], args: tuple, kwargs: dict, ctx: Any) -> Any:
+        if ctx.method_name not in ("__call__", "attend"):
+            return next_fun(*args, **kwargs)
+        module = ctx.module
+        if not state.stack:
+            state.begin_apply()
+        path = _logical_path(state, module)
+        state.stack.append(_Frame(module, path))
+        try:
+            out = next_fun(*args, **kwargs)
+        finally:
+            state.stack.pop()
+        kind = _kind(state, module, path, ctx.method_name)
+        if kind is not None:
+            _handle(state, kind, module, path, args, kwargs, out)
+        if not state.stack:
+            _check_sown(state)
+        return out
+
+    return intercept
+
+
+def _check_sown(state: _State) -> None:
+    if state.report.sown:
+        return
+    why = state.report.skipped.get("hidden_states") or next(iter(state.report.skipped.values()), None)
+    _warn_once(state, "nothing", (
+        "instrument(): nothing was sown in this apply: "
+        + (why if why else "no module matched the roles' patterns (no transformer block whose path ends in "
+           "a layer index such as 'h/0' or 'layers_3', no output projection, no lm_head)")
+        + ". Check vitals.explain_roles(params) and extend the patterns: "
+          "instrument(Roles().extend(o=r'(^|/)my_out_proj/kernel$'), ...) or "
+          "Roles(layer_patterns=(r'(?:^|/)blocks_(\\d+)(?:/|$)',))."))
+
+
+# ----------------------------------------------------------------------------------
+# Attention logits: flax.linen's dot_product_attention_weights, wherever it was imported.
+
+
+def _attn_wrapper(state: _State, orig: Callable[..., Any]) -> Callable[..., Any]:
+    def dot_product_attention_weights(query, key, bias=None, mask=None, *args, **kwargs):
+        if state.stack and state.want("attn_logits"):
+            frame = state.stack[-1]
+            q = lax.stop_gradient(query).astype(_F32)
+            k = lax.stop_gradient(key).astype(_F32)
+            s = jnp.einsum("...qhd,...khd->...hqk", q / jnp.sqrt(jnp.float32(q.shape[-1])), k)
+            valid = jnp.ones((), bool)
+            if bias is not None:
+                b = lax.stop_gradient(jnp.asarray(bias)).astype(_F32)
+                s = s + b
+                # Masking by bias: HF-Flax adds finfo.min where a key is masked.
+                valid = valid & (b > jnp.finfo(jnp.asarray(bias).dtype).min / 2)
+            if mask is not None:
+                valid = valid & jnp.asarray(mask, bool)
+            valid = jnp.broadcast_to(valid, s.shape)
+            # [..., H, Tq, Tk] -> [..., Tq, H, Tk]: per query position, the max over heads and keys.
+            s = jnp.moveaxis(s, -2, -3)
+            valid = jnp.moveaxis(valid, -2, -3)
+            _sow(state, frame.module, frame.path, "attn_logits",
+                 summarize_tokens(s, token_ndim=s.ndim - 2, valid=valid, max_only=True))
+        return orig(query, key, bias, mask, *args, **kwargs)
+
+    dot_product_attention_weights.__wrapped__ = orig  # type: ignore[attr-defined]
+    return dot_product_attention_weights
+
+
+@contextlib.contextmanager
+def _patched_attention(state: _State) -> Iterator[list[str]]:
+    """Replace ``dot_product_attention_weights`` in every loaded module that holds
+    flax's own (``flax.linen.attention`` itself and HF-Flax's modeling modules)."""
+    import flax.linen.attention as fla
+
+    orig = fla.dot_product_attention_weights
+    wrapped = _attn_wrapper(state, orig)
+    patched = []
+    for mod in list(sys.modules.values()):
+        d = getattr(mod, "__dict__", None)
+        if d is None:
+            continue
+        try:
+            if d.get("dot_product_attention_weights") is orig:
+                d["dot_product_attention_weights"] = wrapped
+                patched.append(mod)
+        except Exception:  # pragma: no cover - exotic module objects
+            continue
+    try:
+        yield [m.__name__ for m in patched]
+    finally:
+        for mod in patched:
+            mod.__dict__["dot_product_attention_weights"] = orig
+
+
+@contextlib.contextmanager
+def instrument(roles: Roles | None = None, *, probes: bool = True, attn_logits: bool = False,
+               top_k: int | None = None, names: Any = None) -> Iterator[InstrumentReport]:
+    """Sow jvitals' summaries from every Flax Linen ``apply`` inside the context.
+
+    See the module docstring for what is sown and how modules are recognised.
+
+    Args:
+      roles: the :class:`~jvitals.roles.Roles` (default patterns if None; use
+        ``Roles().extend(...)`` to add your own -- the same object the gradient
+        metrics take).
+      probes: sow per-token summaries (default). ``False`` sows the raw
+        ``hidden_states`` / ``attn_out_before_proj`` / ``gate_scores`` tensors
+        (for debugging; the logits are always summarised, never sown whole).
+      attn_logits: also sow ``attn_logits``: wraps flax's
+        ``dot_product_attention_weights`` (used by ``nn.MultiHeadDotProductAttention``
+        and HF-Flax GPT-2, GPT-J, GPT-Neo, Llama, Mistral, Gemma, Bloom, OPT...)
+        while the context is open. It recomputes ``q.k`` beside the model's own
+        (XLA usually merges the two) and reduces ``[B, H, T, T]`` once per layer.
+      top_k: experts per token, for ``expert_counts`` (default: the router's or
+        its parents' ``num_experts_per_tok`` / ``top_k`` attribute or config).
+      names: only these NAMEs (default: all).
+
+    Yields:
+      An :class:`InstrumentReport` of what the last traced ``apply`` sowed.
+
+    Example:
+      >>> with instrument() as report:
+      ...     logits, state = model.module.apply({"params": p}, ids, am, mutable=["intermediates"])
+      >>> m = activation_metrics(state["intermediates"], mask=am.astype(bool))
+    """
+    roles = Roles() if roles is None else roles
+    report = InstrumentReport()
+    state = _State(roles, probes, attn_logits, top_k, None if names is None else frozenset(names), report)
+    with contextlib.ExitStack() as stack:
+        if attn_logits:
+            stack.enter_context(_patched_attention(state))
+        stack.enter_context(nn.intercept_methods(_interceptor(state)))
+        yield report
