@@ -1,0 +1,277 @@
+"""QK-clip: shrink a layer's ``Wq`` and ``Wk`` when its attention logits grew too large.
+
+METRICS.md §6 prescribes "clip the attention logits" when
+``act/attn_logits_abs.max/layer_{i}`` grows. QK-clip (MuonClip, Kimi K2) acts on
+the weights after an optimizer step: for each layer whose max pre-softmax logit
+``m_i`` exceeds ``tau``, with ``gamma_i = tau / m_i``::
+
+    Wq_i <- sqrt(gamma_i) * Wq_i      Wk_i <- sqrt(gamma_i) * Wk_i     (and their biases)
+
+so ``q . k`` (hence every logit of that layer) shrinks by ``gamma_i``; other
+layers are untouched. Q and K are found by :mod:`jvitals.roles`: separate ``q``/
+``k`` kernels, or the Q and K parts of a fused QKV kernel (split as
+:class:`~jvitals.roles.QKVSplit` does, the Q width inferred from the output
+projection as for the gradient metrics). A layer with a Q projection but no K
+(MLA's ``q_up``, whose K comes from a shared low-rank path) scales Q by the whole
+``gamma_i``. A bias is the ``bias`` leaf next to a kernel.
+
+**Per head** (MuonClip's form): pass ``attn_logits_max`` as ``[L, H]``; head
+``h`` then shrinks by ``gamma_{i,h}`` exactly, and heads at or below ``tau`` keep
+their weights: with one K head per Q head, ``Wq`` and ``Wk`` of head ``h`` are
+scaled by ``sqrt(gamma_{i,h})``; a K head shared by several Q heads (grouped-query
+attention; MuonClip's shared rotary key) is left alone and Q head ``h`` is scaled
+by ``gamma_{i,h}``. Heads are read from the output axis of
+the kernels (``[D, H*Dh]``, ``[D, H, Dh]``, the fused ``[Q heads | K heads | V
+heads]`` layout).
+
+Not covered: QK-norm models (a norm after the projection cancels the scale; clip
+the norm's scale instead).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jvitals.roles import LeafRole, Roles, assign_roles
+
+__all__ = ["qk_clip"]
+
+_F32 = jnp.float32
+_Q_ROLES = ("q", "q_up")
+_KERNEL_NAMES = ("kernel", "weight", "w")
+
+
+def _module(path: str) -> str | None:
+    """The module path of a kernel leaf (``.../q_proj/kernel`` -> ``.../q_proj``)."""
+    parts = path.split("/")
+    return "/".join(parts[:-1]) if parts[-1] in _KERNEL_NAMES and len(parts) > 1 else None
+
+
+def _parent(path: str) -> str:
+    return path.rsplit("/", 1)[0] if "/" in path else ""
+
+
+def _layer_shape(lr: LeafRole) -> tuple[int, ...]:
+    if lr.stack is None:
+        return lr.shape
+    return lr.shape[: lr.stack_axis] + lr.shape[lr.stack_axis + 1:]
+
+
+def _check_tau(tau: Any) -> None:
+    if isinstance(tau, (jax.core.Tracer,)):
+        return
+    try:
+        t = float(np.asarray(tau))
+    except (TypeError, ValueError):
+        raise ValueError(f"qk_clip: tau={tau!r} must be a positive number (the largest attention "
+                         "logit allowed, e.g. 100)") from None
+    if not (t > 0 and math.isfinite(t)):
+        raise ValueError(f"qk_clip: tau={tau!r} must be a positive finite number (the largest "
+                         "attention logit allowed, e.g. 100); a negative or zero tau would zero "
+                         "or flip the attention")
+
+
+def _place(vec: jax.Array, lr: LeafRole, out_axes: Sequence[int], out_sizes: Sequence[int]) -> jax.Array:
+    """A factor array broadcastable to the leaf.
+
+    ``vec``: ``[n_layers_in_leaf, prod(out_sizes)]`` for a stacked leaf, ``[prod]``
+    otherwise; ``out_axes`` are axes of one layer's shape (consecutive, increasing).
+    """
+    nd = len(lr.shape)
+    if lr.stack is None:
+        arr = vec.reshape(tuple(out_sizes))
+        axes = list(out_axes)
+    else:
+        arr = vec.reshape((vec.shape[0],) + tuple(out_sizes))
+        axes = [lr.stack_axis] + [a + 1 if a >= lr.stack_axis else a for a in out_axes]
+    order = np.argsort(axes)
+    arr = jnp.transpose(arr, tuple(int(i) for i in order))
+    shape = [1] * nd
+    for a, s in zip(sorted(axes), (arr.shape[i] for i in range(arr.ndim))):
+        shape[a] = s
+    return arr.reshape(shape)
+
+
+def qk_clip(params: Any, attn_logits_max: Any, tau: Any, *, roles: Roles | None = None) -> Any:
+    """Scales ``Wq`` and ``Wk`` (and biases) of each layer whose max logit exceeds ``tau``.
+
+    For layer ``i`` with ``m_i = attn_logits_max[i] > tau`` (strictly; non-finite
+    maxima are left alone), ``Wq`` and ``Wk`` are multiplied by ``sqrt(tau / m_i)``
+    so the layer's logits shrink by ``tau / m_i`` (see the module docstring for
+    fused QKV, Q-only layers and the per-head form).
+
+    Args:
+      params: the parameter pytree (after the optimizer step).
+      attn_logits_max: the max |pre-softmax attention logit| per layer, ``[L]``
+        (the ``act/attn_logits_abs.max/layer_{i}`` figures in layer order), or per
+        layer and query head, ``[L, H]``. May be a traced array.
+      tau: the largest logit allowed (> 0; e.g. 100 as in MuonClip).
+      roles: the :class:`~jvitals.roles.Roles` finding Q, K and the layers.
+
+    Returns:
+      ``params`` with the same structure, dtypes and shapes; pure and jittable.
+
+    Raises:
+      ValueError: if ``tau`` is not a positive number, ``attn_logits_max``'s length
+        is not the number of layers, the params hold no Q/K projection, or a
+        kernel's width does not split into the heads.
+
+    Example::
+
+      m = jnp.stack([metrics[f"act/attn_logits_abs.max/layer_{i}"] for i in range(L)])
+      params = vitals.qk_clip(params, m, tau=100.0)
+    """
+    roles = Roles() if roles is None else roles
+    _check_tau(tau)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    infos = assign_roles(params, roles)
+    layers = [i for lr in infos for i in lr.layers]
+    n_layers = max(layers) + 1 if layers else 0
+    m = jnp.asarray(attn_logits_max, _F32)
+    if m.ndim not in (1, 2) or n_layers == 0 or m.shape[0] != n_layers:
+        raise ValueError(
+            f"qk_clip: attn_logits_max has shape {tuple(m.shape)}; expected [{n_layers}] (one max "
+            f"attention logit per layer, the params have {n_layers} layers) or [{n_layers}, H] "
+            "(per query head)")
+    per_head = m.ndim == 2
+    tau_ = jnp.asarray(tau, _F32)
+    gamma = jnp.where(jnp.isfinite(m) & (m > tau_), tau_ / m, 1.0)        # [L] or [L, H]
+    if not per_head:
+        gamma = gamma[:, None]
+    n_heads = gamma.shape[1]
+
+    # Kernels by module, attention modules' Q/K widths and O sizes, biases by module.
+    kernels: dict[str, LeafRole] = {}
+    o_numel: dict[str, int] = {}
+    for lr in infos:
+        mod = _module(lr.path)
+        if lr.role in _Q_ROLES + ("k", "qkv"):
+            kernels[mod if mod is not None else lr.path] = lr
+        if lr.role == "o":
+            o_numel.setdefault(_parent(mod if mod is not None else lr.path), math.prod(_layer_shape(lr)))
+    if not kernels:
+        raise ValueError(
+            "qk_clip: no Q/K projection found (no leaf of role 'q', 'k', 'qkv' or 'q_up'); check "
+            "jvitals.explain_roles(params) and add a pattern, e.g. "
+            "Roles().extend(q=r'(^|/)my_query/kernel$', k=r'(^|/)my_key/kernel$')")
+
+    def out_axes(lr: LeafRole, is_bias: bool) -> tuple[int, ...]:
+        nd = len(_layer_shape(lr))
+        if is_bias:
+            return tuple(range(nd))
+        return (nd - 2, nd - 1) if nd >= 3 else (nd - 1,)
+
+    def qkv_sizes(lr: LeafRole) -> tuple[int, int, int, int]:
+        """(split axis of one layer's kernel, nq, nk, nv)."""
+        shape = _layer_shape(lr)
+        o = o_numel.get(_parent(_module(lr.path) or lr.path))
+
+        def q_size_on(a: int) -> int | None:
+            n = shape[a]
+            d_in = math.prod(shape) // n if n else 0
+            if o is None or d_in <= 0 or o % d_in:
+                return None
+            q = o // d_in
+            return q if 0 < q < n and (n - q) % 2 == 0 else None
+
+        split = roles.qkv_split
+        a = split.resolve_axis(shape)
+        if split.axis is None and split.num_heads is None and q_size_on(a) is None:
+            # The shape alone can mislead ([D, 3*Dh] with D > 3*Dh for one head): take
+            # the last axis on which the output projection's size fits as Q.
+            a = next((b for b in reversed(range(len(shape))) if q_size_on(b) is not None), a)
+        n = shape[a]
+        q_size = q_size_on(a)
+        nq, nk, nv = roles.qkv_split.sizes(n, lr.path, f"axis {a} of its per-layer shape {shape}", q_size)
+        return a, nq, nk, nv
+
+    # Which layers have a K side, and (per head) each attention module's Q and K widths.
+    has_k = np.zeros(n_layers, bool)
+    widths: dict[str, dict[str, int]] = {}
+    for mod, lr in kernels.items():
+        attn = _parent(mod)
+        if lr.role == "qkv":
+            _, nq, nk, _ = qkv_sizes(lr)
+            widths.setdefault(attn, {}).update(q=nq, k=nk)
+        else:
+            ls = _layer_shape(lr)
+            w = math.prod(ls[a] for a in out_axes(lr, False))
+            widths.setdefault(attn, {})["k" if lr.role == "k" else "q"] = w
+        if lr.role in ("k", "qkv"):
+            has_k[list(lr.layers)] = True
+
+    def factors(attn: str, lr: LeafRole) -> tuple[jax.Array, jax.Array, int]:
+        """(Q factor per query head [L, Hq], K factor per KV head [L, G], heads per group)."""
+        hk = jnp.asarray(has_k)[:, None]
+        if not per_head:
+            return jnp.where(hk, jnp.sqrt(gamma), gamma), jnp.sqrt(gamma), 1
+        w = widths.get(attn, {})
+        nq, nk = w.get("q"), w.get("k")
+        if nq is None or nq % n_heads:
+            raise ValueError(
+                f"qk_clip: per-head maxima for {n_heads} heads, but the Q projection of "
+                f"{attn or 'the model'!r} has {nq} output entries, not a multiple of {n_heads}; "
+                "pass one maximum per layer instead")
+        dh = nq // n_heads
+        if nk is None:
+            return gamma, jnp.ones_like(gamma), 1
+        if nk % dh or n_heads % (nk // dh):
+            raise ValueError(
+                f"qk_clip: the K projection of {attn!r} has {nk} output entries, not a whole "
+                f"number of heads of width {dh} dividing {n_heads} query heads")
+        kvh = nk // dh
+        if kvh == n_heads:       # one K head per Q head: split the factor between them
+            return jnp.sqrt(gamma), jnp.sqrt(gamma), 1
+        # A K head shared by several Q heads stays; each Q head takes its whole gamma.
+        return gamma, jnp.ones((n_layers, kvh), _F32), n_heads // kvh
+
+    def per_layer(v: jax.Array, lr: LeafRole) -> jax.Array:
+        if lr.stack is not None:
+            return v[lr.first_layer: lr.first_layer + lr.num_layers]
+        return v[lr.layer] if lr.layer is not None else jnp.ones_like(v[0])
+
+    def spread(f: jax.Array, width: int, what: str) -> jax.Array:
+        """Per-head factors ``[..., heads]`` repeated over each head's entries: ``[..., width]``."""
+        heads = f.shape[-1]
+        if width % heads:
+            raise ValueError(f"qk_clip: {what} has {width} entries, not divisible into {heads} heads")
+        return jnp.repeat(f, width // heads, axis=-1)
+
+    out = []
+    for (p, x), lr in zip(flat, infos):
+        path = lr.path
+        is_bias = path.endswith("/bias") and _parent(path) in kernels
+        kl = kernels.get(_parent(path)) if is_bias else (lr if lr.role in _Q_ROLES + ("k", "qkv") else None)
+        if kl is None or not (lr.layers or is_bias):
+            out.append(x)
+            continue
+        if is_bias and lr.layers != kl.layers:
+            out.append(x)
+            continue
+        attn = _parent(_module(kl.path) or kl.path)
+        qf, kf, _ = factors(attn, kl)
+        qf, kf = per_layer(qf, lr), per_layer(kf, lr)               # [Hq] / [n, Hq] ...
+        ls = _layer_shape(lr)
+        if kl.role == "qkv":
+            a_k, nq, nk, nv = qkv_sizes(kl)
+            axes = (len(ls) - 1,) if is_bias else (a_k,)
+            vec = jnp.concatenate([spread(qf, nq, f"the Q part of {path!r}"),
+                                   spread(kf, nk, f"the K part of {path!r}"),
+                                   jnp.ones(qf.shape[:-1] + (nv,), _F32)], axis=-1)
+            sizes = [ls[a] for a in axes]
+        else:
+            f = qf if kl.role in _Q_ROLES else kf
+            if not per_head:
+                axes, sizes, vec = (), [], f.reshape(f.shape[:-1])
+            else:
+                axes = out_axes(lr, is_bias)
+                sizes = [ls[a] for a in axes]
+                vec = spread(f, math.prod(sizes), f"the output of {path!r}")
+        factor = _place(vec, lr, axes, sizes)
+        out.append((x.astype(_F32) * factor).astype(x.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)

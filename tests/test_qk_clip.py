@@ -1,0 +1,173 @@
+"""Tests of jvitals.qk_clip against NumPy, and of the logits a forward pass gives after it."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jvitals.qk_clip import qk_clip
+from jvitals.reference_model import Decoder, ModelConfig, init_params, make_batch
+from jvitals.roles import path_str
+
+import hf_trees
+
+
+def _params(cfg, seed):
+    """Reference-model params of the right shapes, filled by NumPy (no init compile):
+    norm scales 1, other leaves N(0, 1 / fan_in)."""
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    rng = np.random.default_rng(seed)
+
+    def fill(p, s):
+        if path_str(p).endswith("scale"):
+            return np.ones(s.shape, np.float32)
+        fan_in = s.shape[-2] if len(s.shape) >= 2 else 1
+        return (rng.standard_normal(s.shape) / math.sqrt(fan_in)).astype(np.float32)
+    return jax.tree_util.tree_map_with_path(fill, shapes)
+
+
+def _f(m, tau):
+    return np.array([math.sqrt(tau / v) if v > tau else 1.0 for v in m])
+
+
+def _assert_only(got, want_changed, params):
+    """Leaves named in ``want_changed`` (path -> expected array) match; all others are unchanged."""
+    for (p, g), x in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(params)):
+        s = path_str(p)
+        assert g.dtype == x.dtype and g.shape == x.shape, s
+        if s in want_changed:
+            np.testing.assert_allclose(np.asarray(g, np.float64), want_changed.pop(s), rtol=1e-6, err_msg=s)
+        else:
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(x), err_msg=s)
+    assert not want_changed, f"not found: {sorted(want_changed)}"
+
+
+def test_fused_gqa_kernel_q_and_k_columns_only():
+    cfg = ModelConfig(n_layers=3)                      # qkv [D, (4 + 2*2) * 8]: Q 32, K 16, V 16 columns
+    params = _params(cfg, 0)
+    m, tau = np.array([250.0, 80.0, 120.0]), 100.0
+    got = jax.jit(qk_clip)(params, jnp.asarray(m), tau)
+    want = {}
+    for i, f in enumerate(_f(m, tau)):
+        k = np.asarray(params[f"layers_{i}"]["attn"]["qkv"]["kernel"], np.float64).copy()
+        k[:, :48] *= f                                  # Q (32) and K (16) columns
+        if f != 1.0:
+            want[f"layers_{i}/attn/qkv/kernel"] = k
+    _assert_only(got, want, params)
+
+
+def test_scan_stacked_fused_kernel_per_slice():
+    cfg = ModelConfig(n_layers=3, scan_layers=True, n_kv_heads=4)   # MHA: Q, K, V thirds of 96
+    params = _params(cfg, 1)
+    m, tau = np.array([10.0, 40.0, 20.0]), 10.0
+    got = qk_clip(params, m, tau)
+    k = np.asarray(params["layers"]["attn"]["qkv"]["kernel"], np.float64).copy()   # [L, D, 96]
+    k[:, :, :64] *= _f(m, tau)[:, None, None]
+    _assert_only(got, {"layers/attn/qkv/kernel": k}, params)
+
+
+def test_unfused_q_k_kernels_and_biases():
+    params = hf_trees.llama()                           # q_proj, k_proj with biases, v_proj, o_proj
+    m, tau = np.array([3.0, 1.0, 8.0]), 2.0
+    got = qk_clip(params, m, tau)
+    want = {}
+    for i, f in enumerate(_f(m, tau)):
+        if f == 1.0:
+            continue
+        for name in ("q_proj", "k_proj"):
+            for leaf in ("kernel", "bias"):
+                want[f"model/layers/{i}/self_attn/{name}/{leaf}"] = params["model"]["layers"][str(i)]["self_attn"][name][leaf] * f
+    _assert_only(got, want, params)
+
+
+def test_gpt2_fused_kernel_along_axis_0_with_its_bias():
+    params = hf_trees.gpt2()                            # c_attn kernel [3D, D], bias [3D]: Q, K, V thirds
+    m, tau = np.array([5.0, 5.0, 1.0]), 4.0
+    got = qk_clip(params, m, tau)
+    d = hf_trees.D
+    want = {}
+    for i, f in enumerate(_f(m, tau)):
+        if f == 1.0:
+            continue
+        a = params["transformer"]["h"][str(i)]["attn"]["c_attn"]
+        k, b = a["kernel"].astype(np.float64), a["bias"].astype(np.float64)
+        k[: 2 * d] *= f
+        b[: 2 * d] *= f
+        want[f"transformer/h/{i}/attn/c_attn/kernel"] = k
+        want[f"transformer/h/{i}/attn/c_attn/bias"] = b
+    _assert_only(got, want, params)
+
+
+@functools.cache
+def _apply(cfg):
+    return jax.jit(lambda p, t, k: Decoder(cfg).apply({"params": p}, t, mask=k, mutable=["intermediates"]))
+
+
+def _max_logits(cfg, params, batch, per_head=False):
+    """NumPy max |pre-softmax logit| over valid (causal, real-token) entries, per layer (and head)."""
+    _, sown = _apply(cfg)(params, batch["tokens"], batch["mask"])
+    mask = np.asarray(batch["mask"])
+    t = mask.shape[1]
+    valid = np.tril(np.ones((t, t), bool))[None, None] & mask[:, None, :, None] & mask[:, None, None, :]
+    out = []
+    for i in range(cfg.n_layers):
+        s = np.abs(np.asarray(sown["intermediates"][f"layers_{i}"]["attn"]["attn_logits"][0], np.float64))
+        s = np.where(valid, s, -np.inf)
+        out.append(s.max(axis=(0, 2, 3)) if per_head else s.max())
+    return np.array(out)
+
+
+@pytest.mark.parametrize("attention,heads", [("fused_qkv", 1), ("fused_qkv", 4), ("mla", 1)])
+def test_the_max_logit_after_one_forward_pass_is_tau(attention, heads):
+    cfg = ModelConfig(n_layers=2, n_heads=heads, n_kv_heads=min(heads, 2), head_dim=8, attention=attention)
+    params = _params(cfg, 2)
+    params = jax.tree.map(lambda x: 3.0 * x, params)   # large logits
+    batch = make_batch(0, cfg, batch=2, seq=12, pad_fraction=0.2)
+    m = _max_logits(cfg, params, batch)
+    tau = 0.5 * float(m[0])
+    after = _max_logits(cfg, jax.jit(qk_clip)(params, m, tau), batch)
+    # Layer 0's inputs do not depend on the clip, so its max is tau (float tolerance).
+    assert after[0] <= tau * (1 + 1e-5) and after[0] == pytest.approx(tau, rel=1e-5)
+
+
+def test_per_head_form_clips_each_head_to_tau_and_leaves_the_others():
+    cfg = ModelConfig(n_layers=1, n_heads=4, n_kv_heads=2)
+    params = jax.tree.map(lambda x: 3.0 * x, _params(cfg, 3))
+    batch = make_batch(1, cfg, batch=2, seq=12)
+    m = _max_logits(cfg, params, batch, per_head=True)          # [1, 4]
+    tau = float(np.median(m))
+    new = jax.jit(qk_clip)(params, m, tau)
+    after = _max_logits(cfg, new, batch, per_head=True)
+    np.testing.assert_allclose(after, np.minimum(m, tau), rtol=1e-5)
+    # K (shared by two Q heads) and V are untouched; each Q head scaled by tau / m_h (or 1).
+    k0, k1 = (np.asarray(p["layers_0"]["attn"]["qkv"]["kernel"], np.float64) for p in (params, new))
+    np.testing.assert_array_equal(k1[:, 32:], k0[:, 32:])
+    g = np.where(m[0] > tau, tau / m[0], 1.0)
+    np.testing.assert_allclose(k1[:, :32], k0[:, :32] * np.repeat(g, 8)[None], rtol=1e-6)
+
+
+def test_traced_maxima_and_tau_under_jit_and_nonfinite_left_alone():
+    params = hf_trees.llama()
+    m = jnp.array([jnp.nan, jnp.inf, 3.0])
+    got = jax.jit(qk_clip)(params, m, jnp.float32(1.5))
+    want = {f"model/layers/2/self_attn/{n}/{leaf}": params["model"]["layers"]["2"]["self_attn"][n][leaf] * math.sqrt(0.5)
+            for n in ("q_proj", "k_proj") for leaf in ("kernel", "bias")}
+    _assert_only(got, want, params)
+
+
+def test_bad_input_names_the_value():
+    params = hf_trees.llama()
+    for tau in (-1.0, 0.0, float("nan"), "big"):
+        with pytest.raises(ValueError, match=r"tau=.* must be a positive"):
+            qk_clip(params, np.ones(3), tau)
+    with pytest.raises(ValueError, match=r"attn_logits_max has shape \(2,\); expected \[3\]"):
+        qk_clip(params, np.ones(2), 1.0)
+    with pytest.raises(ValueError, match=r"shape \(3, 2, 2\)"):
+        qk_clip(params, np.ones((3, 2, 2)), 1.0)
+    with pytest.raises(ValueError, match="no Q/K projection found"):
+        qk_clip({"layers_0": {"mlp": {"up_proj": {"kernel": np.ones((2, 2))}}}}, np.ones(1), 1.0)
+    with pytest.raises(ValueError, match=r"per-head maxima for 3 heads.*8 output entries"):
+        qk_clip(params, np.ones((3, 3)), 1.0)
