@@ -1,4 +1,8 @@
-"""The monitor's policy: every threshold and window, defaults = METRICS.md §5."""
+"""The monitor's policy: every rule's thresholds and windows (METRICS.md §5).
+
+Imports nothing from the other monitor modules: the rules and trackers read
+a :class:`Policy`, it never reads them.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,14 @@ import re
 import types
 from typing import Any, Mapping
 
-from jvitals._monitor_trackers import BASELINES
+__all__ = ["BASELINE_KINDS", "Policy"]
 
-__all__ = ["Policy"]
+BASELINE_KINDS = ("fixed", "rolling", "ema")
+"""Values of ``Policy.baseline``."""
+
+
+def _default_group_bands() -> Mapping[str, float]:
+    return {"update/param_ratio": 2.0, "grad/share": 2.0, "param/norm": 1.5}
 
 
 def _default_ratio_rules() -> Mapping[str, tuple[float, float | None]]:
@@ -24,9 +33,24 @@ class Policy:
     works at any host cadence; ``red_after`` counts checks, as §5 does.
 
     Attributes:
-      warmup_steps: steps ignored by every rule but ``nonfinite``.
-      baseline_steps: fixed baseline = mean over the first ``baseline_steps``
-        steps after warm-up, per metric.
+      warmup_steps: baselines start at this step (model time); ``None``
+        (default): found from the run. With ``lr_metric`` logged, at the
+        first check where the learning rate stopped rising (``lr <= prev *
+        (1 + lr_plateau_tol)``: the warm-up's peak plateau was reached);
+        without it, once ``settle_metric`` has settled: the Theil-Sen slope
+        of its log over the last ``settle_window`` steps (at least
+        ``settle_min_samples`` samples) implies a change below
+        ``settle_tolerance`` over that window. Before the start only
+        ``nonfinite`` judges. ``settle_max_steps`` caps the wait; a run that
+        logs neither metric starts at its first check.
+      lr_metric, lr_plateau_tol: see ``warmup_steps``.
+      settle_metric, settle_window, settle_min_samples, settle_tolerance,
+        settle_max_steps: see ``warmup_steps`` (``settle_window`` ``None``:
+        ``baseline_steps // 2``; ``settle_max_steps`` ``None``: ``4 *
+        baseline_steps``).
+      baseline_steps: fixed baseline = median over the first
+        ``baseline_steps`` steps after the start, per metric (robust to a few
+        outliers).
       baseline_min_samples: at least this many samples make a fixed
         baseline (a sparse metric extends its window until it has them).
       baseline: baseline of the ratio rules: ``"fixed"`` (§5),
@@ -38,6 +62,9 @@ class Policy:
       ratio_rules: metric -> ``(yellow_ratio, orange_ratio or None)``:
         yellow when ``x / baseline > yellow_ratio``, orange when
         ``> orange_ratio``.
+      confirm_checks: a ratio rule's YELLOW opens only after this many
+        consecutive checks above its threshold (one noisy check is not an
+        alert; ORANGE needs no confirmation).
       hysteresis: an open ratio/throughput alert steps down only once the
         excess falls below ``hysteresis`` x its threshold's excess (e.g.
         grad norm: closes below ``1 + (2 - 1) * 0.9 = 1.9x``). 1 disables.
@@ -90,27 +117,82 @@ class Policy:
       periodic_escalate_min_spikes, periodic_shrink: ORANGE when at least
         this many spikes have strictly shrinking intervals and the last is
         ``<= periodic_shrink`` x the first.
+      trend_metric, trend_window, trend_buckets, trend_z, trend_min_rise,
+        trend_min_ratio: the creep rule. Samples after the baseline start are
+        averaged into ``trend_buckets`` buckets over the last
+        ``trend_window`` steps (log of ``trend_metric``, and the loss); YELLOW
+        when the Mann-Kendall z of the log grad norm exceeds ``trend_z``, its
+        Theil-Sen slope implies a rise of at least ``trend_min_rise`` x over
+        the window, the grad norm is at least ``trend_min_ratio`` x its
+        baseline and below the grad-norm rule's yellow ratio, and the loss's
+        Theil-Sen slope over the same buckets is negative.
+      group_bands: family -> band ratio of the group rule. Each group's
+        figure (``{family}/{group}``, group ``embedding``, ``lm_head`` or
+        ``layer_{i}``) is divided by the trunk's median of that family at the
+        same step (the global figure where no layer figure is logged), and
+        its log compared with its own baseline (median over the baseline
+        window): out of band when ``|log(x / b)| > max(group_z * mad,
+        log(band))`` (``mad`` the robust spread of the baseline samples).
+      group_z: see ``group_bands``.
+      group_confirm: consecutive out-of-band samples before the YELLOW.
+      group_global_ratio: the group rule fires only while
+        ``grad/global_norm`` and ``param/global_norm`` are below this x their
+        baselines (the global figures "have not moved").
+      vocab_size, vocab_metric: the vocabulary size (``None``: read
+        ``vocab_metric`` if logged), for the broken-model rule's chance level
+        ``log(vocab_size)``.
+      broken_chance_frac: the loss counts as "at chance" when ``loss >=
+        broken_chance_frac * log(vocab_size)`` while its pre-spike trend was
+        below ``broken_chance_frac ** 2 * log(vocab_size)``; without a
+        vocabulary size the first loss seen stands for the chance level.
+      broken_param_jump, broken_jump_window: the param norm "jumped" when it
+        is ``>= broken_param_jump`` x its value ``broken_jump_window`` steps
+        earlier (a recent reference, so slow healthy growth never counts).
+      broken_steps: a broken state (chance-level loss or param-norm jump) is
+        ORANGE at once and RED when it has not recovered after this many
+        steps (the loss back below the chance level, the param norm below
+        ``1 + (broken_param_jump - 1) / 2`` x its pre-jump value).
+      gap_z: noise model of the gap rule: the growth excess must also be
+        ``> gap_z`` x its standard deviation, from the gap's own first
+        second differences (``var(g) = E[(g_i - 2 g_{i-1} + g_{i-2})^2] / 6``,
+        propagated through the EMA and the three-point comparison).
+      gap_confirm: consecutive gap samples meeting the rule before the YELLOW.
       divergence_loss_ratio: "far above its pre-spike trend".
       red_after: consecutive divergent checks before RED.
       red_min_steps: and the divergence must have lasted this many steps.
       score_window: the spike scores' window (10,000 steps).
-      localize_pattern: regex selecting per-layer metrics for localization.
-      localize_window, localize_rows: per-layer history: ``localize_rows``
+      localize_pattern: regex selecting the candidate metrics of
+        localization (per layer, embedding, LM head).
+      localize_window, localize_rows: candidate history: ``localize_rows``
         rows, one per ``localize_window // localize_rows`` steps.
-      localize_z, localize_min_ratio: a metric has left its baseline when
-        ``|x - b| > max(localize_z * sd_b, localize_min_ratio * |b|)``.
+      localize_lookback, localize_reference, localize_z, localize_min_ratio:
+        a candidate departed when its own recent history changed: a line is
+        fitted to its samples in the ``localize_reference`` steps before the
+        lookback window ``[onset - localize_lookback, now]``, and the
+        departure is the first sample of the final run of same-sign samples
+        off that line's extrapolation by more than ``max(localize_z *
+        prediction sd, localize_min_ratio * |prediction|)``, the latest
+        sample included. Drift that the line extrapolates is no departure.
       localize_top: entries kept per alert.
       localize_max_metrics: per-layer metrics tracked at most.
       history_size, spikes_size: bounded lengths of ``Monitor.history``
         and ``Monitor.spikes``.
     """
 
-    warmup_steps: int = 0
+    warmup_steps: int | None = None
+    lr_metric: str = "opt/learning_rate"
+    lr_plateau_tol: float = 1e-3
+    settle_metric: str = "grad/global_norm"
+    settle_window: int | None = None
+    settle_min_samples: int = 5
+    settle_tolerance: float = 0.15
+    settle_max_steps: int | None = None
     baseline_steps: int = 500
     baseline_min_samples: int = 3
     baseline: str = "fixed"
     ratio_rules: Mapping[str, tuple[float, float | None]] = dataclasses.field(
         default_factory=_default_ratio_rules, hash=False)
+    confirm_checks: int = 2
     hysteresis: float = 0.9
     clear_steps: int = 100
     rolling_window: int = 128
@@ -147,15 +229,36 @@ class Policy:
     periodic_min_interval: int = 100
     periodic_escalate_min_spikes: int = 4
     periodic_shrink: float = 0.9
+    trend_metric: str = "grad/global_norm"
+    trend_window: int = 1000
+    trend_buckets: int = 24
+    trend_z: float = 3.5
+    trend_min_rise: float = 1.3
+    trend_min_ratio: float = 1.3
+    group_bands: Mapping[str, float] = dataclasses.field(
+        default_factory=_default_group_bands, hash=False)
+    group_z: float = 6.0
+    group_confirm: int = 2
+    group_global_ratio: float = 1.5
+    vocab_size: int | None = None
+    vocab_metric: str = "model/vocab_size"
+    broken_chance_frac: float = 0.9
+    broken_param_jump: float = 1.5
+    broken_jump_window: int = 200
+    broken_steps: int = 50
+    gap_z: float = 4.0
+    gap_confirm: int = 2
     divergence_loss_ratio: float = 1.25
     red_after: int = 3
     red_min_steps: int = 0
     score_window: int = 10_000
-    localize_pattern: str = r"/layer_\d+$"
+    localize_pattern: str = r"/(?:layer_\d+|embedding|lm_head)$"
     localize_window: int = 5000
     localize_rows: int = 512
-    localize_z: float = 3.0
-    localize_min_ratio: float = 0.2
+    localize_lookback: int = 500
+    localize_reference: int = 1000
+    localize_z: float = 5.0
+    localize_min_ratio: float = 0.1
     localize_top: int = 5
     localize_max_metrics: int = 4096
     history_size: int = 256
@@ -179,24 +282,46 @@ class Policy:
                     f"Policy.ratio_rules[{name!r}] expects 0 < yellow < orange, got ({y}, {o})")
             rules[name] = (y, o)
         object.__setattr__(self, "ratio_rules", types.MappingProxyType(rules))
+        bands = {}
+        for fam, r in dict(self.group_bands).items():
+            if not isinstance(fam, str) or not float(r) > 1:
+                raise ValueError(f"Policy.group_bands expects family name -> ratio > 1, got "
+                                 f"{fam!r}: {r!r}")
+            bands[fam] = float(r)
+        object.__setattr__(self, "group_bands", types.MappingProxyType(bands))
+        for f in ("warmup_steps", "settle_window", "settle_max_steps", "vocab_size"):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or int(v) < (1 if f == "vocab_size" else 0)):
+                raise ValueError(f"Policy.{f} expects None or an integer >= "
+                                 f"{1 if f == 'vocab_size' else 0}, got {v!r}")
         for f in ("nonfinite_metrics", "nonfinite_count_metrics", "throughput_metrics",
                   "spike_metrics", "spike_alert_metrics"):
             v = getattr(self, f)
             if isinstance(v, str):
                 raise TypeError(f"Policy.{f} expects a sequence of metric names, got the string {v!r}")
             object.__setattr__(self, f, tuple(v))
-        if self.baseline not in BASELINES:
-            raise ValueError(f"Policy.baseline expects one of {sorted(BASELINES)}, got {self.baseline!r}")
+        if self.baseline not in BASELINE_KINDS:
+            raise ValueError(f"Policy.baseline expects one of {sorted(BASELINE_KINDS)}, got {self.baseline!r}")
         for f in ("baseline_steps", "baseline_min_samples", "rolling_window", "adaptive_min_samples",
                   "val_gap_window", "red_after", "score_window", "localize_rows", "localize_window",
                   "history_size", "spikes_size", "periodic_min_spikes", "localize_top",
-                  "localize_max_metrics"):
+                  "localize_max_metrics", "confirm_checks", "trend_window", "group_confirm",
+                  "gap_confirm", "settle_min_samples", "broken_jump_window",
+                  "localize_lookback", "localize_reference"):
             if int(getattr(self, f)) < 1:
                 raise ValueError(f"Policy.{f} expects an integer >= 1, got {getattr(self, f)!r}")
-        for f in ("warmup_steps", "event_hold_steps", "physiological_steps", "pathological_steps",
+        if self.trend_buckets < 8:
+            raise ValueError(f"Policy.trend_buckets expects >= 8, got {self.trend_buckets}")
+        for f in ("trend_min_rise", "trend_min_ratio", "broken_param_jump"):
+            if not getattr(self, f) > 1:
+                raise ValueError(f"Policy.{f} expects a ratio > 1, got {getattr(self, f)!r}")
+        if not 0 < self.broken_chance_frac <= 1:
+            raise ValueError(f"Policy.broken_chance_frac expects a fraction in (0, 1], got "
+                             f"{self.broken_chance_frac}")
+        for f in ("event_hold_steps", "physiological_steps", "pathological_steps",
                   "post_window", "spike_forget_steps", "periodic_min_interval", "red_min_steps",
                   "clear_steps",
-                  "spike_min_samples"):
+                  "spike_min_samples", "broken_steps"):
             if int(getattr(self, f)) < 0:
                 raise ValueError(f"Policy.{f} expects an integer >= 0, got {getattr(self, f)!r}")
         if self.periodic_min_spikes < 3:
@@ -212,10 +337,21 @@ class Policy:
                              f"{self.trend_halflife} and {self.scale_halflife}")
         re.compile(self.localize_pattern)
 
+    @property
+    def settle_span(self) -> int:
+        """``settle_window``, or ``max(baseline_steps // 2, 1)``."""
+        return self.settle_window if self.settle_window is not None else max(self.baseline_steps // 2, 1)
+
+    @property
+    def settle_cap(self) -> int:
+        """``settle_max_steps``, or ``4 * baseline_steps``."""
+        return self.settle_max_steps if self.settle_max_steps is not None else 4 * self.baseline_steps
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (``Policy.from_dict`` inverts it)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["ratio_rules"] = {k: list(v) for k, v in self.ratio_rules.items()}
+        d["group_bands"] = dict(self.group_bands)
         for k, v in d.items():
             if isinstance(v, tuple):
                 d[k] = list(v)

@@ -1,19 +1,24 @@
-"""Per-metric state machines of the host-side monitor.
+"""Per-metric state machines of the host-side monitor (plain helpers).
 
 Each tracker is a small bounded-memory object with ``to_dict``/``from_dict``
-(JSON-safe, lossless) so that a resumed monitor continues bit-for-bit:
+(JSON-safe, lossless) so that a resumed monitor continues bit-for-bit. They
+import nothing from ``jvitals.monitor`` or the rules (no import circle):
 
-- :class:`FixedBaseline`: mean over the first ``baseline_steps`` after
-  warm-up (METRICS.md §5).
+- :func:`theil_sen`, :func:`mann_kendall_z`: robust slope and trend test.
+- :class:`BaselineStart`: when the baselines start (the end of the LR
+  warm-up, or the run having settled; an explicit ``warmup_steps`` wins).
+- :class:`FixedBaseline`: median over the first ``baseline_steps`` after the
+  start (METRICS.md §5, robust to a few outliers).
 - :class:`RollingBaseline`: OLMo-core style mean + k * std over a rolling
   window of steps.
 - :class:`EmaBaseline`: ZClip style EMA mean / variance with a z-score gate.
+- :class:`BucketSeries`: bucket means over a window of steps (the trend rule).
 - :class:`ScoreWindow`: fraction of checks flagged over the last N steps, in
   fixed buckets.
 - :class:`SpikeTracker`: trend / band, spike anatomy, periodicity.
 - :class:`GapSeries`: train/val gap history for the growth-rate rule.
-- :class:`LayerHistory`: NumPy ring buffer of per-layer metrics with their
-  own baselines, and the departure ranking used for localization.
+- :class:`LayerHistory`: NumPy ring buffer of the localization candidates
+  (per-layer / per-group metrics) with their own median baselines.
 
 Times: ``s`` is the caller's step; ``t`` is the monitor's model clock
 (``s`` minus the steps abandoned by rollbacks, see ``Monitor.note_rollback``).
@@ -26,12 +31,13 @@ from __future__ import annotations
 import bisect
 import collections
 import math
-from typing import TYPE_CHECKING, Any
+import warnings
+from typing import Any
 
 import numpy as np
 
+from jvitals._monitor_policy import Policy
 from jvitals._monitor_types import (
-    Localization,
     Spike,
     dec_float,
     dec_floats,
@@ -39,10 +45,134 @@ from jvitals._monitor_types import (
     enc_floats,
 )
 
-if TYPE_CHECKING:  # pragma: no cover
-    from jvitals.monitor import Policy
-
 _NAN = math.nan
+
+
+# --------------------------------------------------------------------------
+# Robust slope and trend test.
+# --------------------------------------------------------------------------
+
+
+def theil_sen(x: np.ndarray, y: np.ndarray) -> float:
+    """Theil-Sen slope: ``median((y_j - y_i) / (x_j - x_i))`` over ``i < j``
+    with ``x_i != x_j`` (NaN with fewer than two distinct ``x``)."""
+    i, j = np.triu_indices(len(x), 1)
+    dx = x[j] - x[i]
+    ok = dx != 0
+    if not ok.any():
+        return _NAN
+    return float(np.median((y[j] - y[i])[ok] / dx[ok]))
+
+
+def mann_kendall_z(y: np.ndarray) -> float:
+    """Mann-Kendall trend statistic (no ties correction)::
+
+        S = sum_{i<j} sign(y_j - y_i),  var = n (n - 1) (2n + 5) / 18
+        z = (S - sign(S)) / sqrt(var)
+
+    ``z > 0``: rising; ``|z| > 3`` is significant at p ~ 0.003 for
+    independent samples. 0 for fewer than 3 samples.
+    """
+    n = len(y)
+    if n < 3:
+        return 0.0
+    i, j = np.triu_indices(n, 1)
+    s = float(np.sign(y[j] - y[i]).sum())
+    var = n * (n - 1) * (2 * n + 5) / 18.0
+    return (s - math.copysign(1.0, s)) / math.sqrt(var) if s else 0.0
+
+
+# --------------------------------------------------------------------------
+# Baseline start.
+# --------------------------------------------------------------------------
+
+
+class BaselineStart:
+    """Model time at which the baselines start (``start``; ``None`` before).
+
+    ``Policy.warmup_steps`` set: that step. Else, with ``Policy.lr_metric``
+    logged: the first check where the learning rate stopped rising, ``lr <=
+    lr_prev * (1 + lr_plateau_tol)`` (the warm-up's peak plateau reached; a
+    schedule without warm-up starts at its second check). Else the run has
+    settled: over the samples of ``settle_metric`` of the last
+    ``settle_span`` steps (>= ``settle_min_samples`` of them, spanning at
+    least half the window), the Theil-Sen slope ``b`` of ``log(x)`` gives
+    ``|exp(b * settle_span) - 1| <= settle_tolerance``. ``settle_cap`` steps
+    after the first check it starts regardless; a run with neither metric
+    after ``settle_span`` steps starts at its first check.
+    """
+
+    def __init__(self) -> None:
+        self.start: int | None = None
+        self.first: int | None = None
+        self.lr_prev = _NAN
+        self.steps: collections.deque[int] = collections.deque()
+        self.vals: collections.deque[float] = collections.deque()
+        self.last_eval: int | None = None
+        self.reason = ""
+
+    def observe(self, t: int, lr: float | None, x: float | None, p: Policy) -> int | None:
+        """Feeds one check (``lr`` / ``x`` ``None`` when not logged)."""
+        if self.start is not None:
+            return self.start
+        if self.first is None:
+            self.first = t
+        if p.warmup_steps is not None:
+            if t >= p.warmup_steps:
+                self.start, self.reason = p.warmup_steps, "Policy.warmup_steps"
+            return self.start
+        if lr is not None and math.isfinite(lr):
+            prev, self.lr_prev = self.lr_prev, lr
+            if prev == prev and lr <= prev * (1.0 + p.lr_plateau_tol):
+                self.start, self.reason = t, "the learning rate stopped rising"
+            return self.start
+        if self.lr_prev == self.lr_prev:  # LR logged, not at this check: wait for it
+            return self._cap(t, p)
+        w = p.settle_span
+        if x is not None and math.isfinite(x) and x > 0:
+            self.steps.append(t)
+            self.vals.append(math.log(x))
+            while len(self.steps) > p.settle_min_samples and self.steps[0] < t - w:
+                self.steps.popleft()
+                self.vals.popleft()
+            n = len(self.steps)
+            if (n >= p.settle_min_samples and t - self.steps[0] >= w // 2
+                    and (self.last_eval is None or t - self.last_eval >= max(1, w // 8))):
+                self.last_eval = t
+                xs = np.fromiter(self.steps, np.float64, n)
+                ys = np.fromiter(self.vals, np.float64, n)
+                if n > 32:  # bucket means: Theil-Sen on <= 32 points
+                    k = -(-n // 32)
+                    m = n // k * k
+                    xs = xs[n - m:].reshape(-1, k).mean(1)
+                    ys = ys[n - m:].reshape(-1, k).mean(1)
+                b = theil_sen(xs, ys)
+                if b == b and abs(math.expm1(b * w)) <= p.settle_tolerance:
+                    self.start, self.reason = t, f"{p.settle_metric} settled"
+                    return self.start
+        elif not self.steps and t - self.first >= w:
+            self.start, self.reason = self.first, "no learning rate or settle metric logged"
+            return self.start
+        return self._cap(t, p)
+
+    def _cap(self, t: int, p: Policy) -> int | None:
+        if t - self.first >= p.settle_cap:
+            self.start, self.reason = t, f"settle_max_steps ({p.settle_cap}) reached"
+        return self.start
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"start": self.start, "first": self.first, "lr_prev": enc_float(self.lr_prev),
+                "steps": list(self.steps), "vals": enc_floats(self.vals),
+                "last_eval": self.last_eval, "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "BaselineStart":
+        b = cls()
+        b.start, b.first, b.last_eval, b.reason = d["start"], d["first"], d["last_eval"], d["reason"]
+        b.lr_prev = dec_float(d["lr_prev"])
+        b.steps.extend(int(x) for x in d["steps"])
+        b.vals.extend(dec_floats(d["vals"]))
+        return b
 
 
 # --------------------------------------------------------------------------
@@ -50,49 +180,54 @@ _NAN = math.nan
 # --------------------------------------------------------------------------
 
 
-class FixedBaseline:
-    """Mean over the first ``baseline_steps`` steps after warm-up.
+def _median(xs) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
 
-    ``baseline = mean(x_t for warmup <= t < warmup + baseline_steps)``; if
+
+class FixedBaseline:
+    """Median over the first ``baseline_steps`` steps after the start.
+
+    ``baseline = median(x_t for start <= t < start + baseline_steps)``; if
     fewer than ``baseline_min_samples`` finite samples fell in that window
-    (sparse cadence), the first ``baseline_min_samples`` samples after
-    warm-up are used. Ready once the window has passed and enough samples
-    were seen.
+    (sparse cadence), the first ``baseline_min_samples`` samples after the
+    start are used. Ready once the window has passed and enough samples were
+    seen. The median ignores a few outliers (a spike in the window).
     """
 
-    __slots__ = ("total", "count", "mean")
+    __slots__ = ("vals", "mean")
 
     def __init__(self) -> None:
-        self.total = 0.0
-        self.count = 0
+        self.vals: list[float] = []
         self.mean = _NAN
 
     @property
     def ready(self) -> bool:
         return self.mean == self.mean
 
-    def step(self, t: int, s: int, v: float, p: "Policy") -> tuple[float | None, bool]:
+    def step(self, t: int, s: int, v: float, p: Policy,
+             start: int | None) -> tuple[float | None, bool]:
         """Returns ``(baseline or None, gate)`` for ``v``, then learns from it."""
         del s
         if self.mean == self.mean:
             return self.mean, True
-        if t >= p.warmup_steps:
-            end = p.warmup_steps + p.baseline_steps
-            if t < end or self.count < p.baseline_min_samples:
-                self.total += v
-                self.count += 1
-            if self.count >= p.baseline_min_samples and t >= end - 1:
-                self.mean = self.total / self.count
+        if start is not None and t >= start:
+            end = start + p.baseline_steps
+            if t < end or len(self.vals) < p.baseline_min_samples:
+                self.vals.append(v)
+            if len(self.vals) >= p.baseline_min_samples and t >= end - 1:
+                self.mean = _median(self.vals)
+                self.vals = []
         return None, False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": "fixed", "total": enc_float(self.total), "count": self.count,
-                "mean": enc_float(self.mean)}
+        return {"kind": "fixed", "vals": enc_floats(self.vals), "mean": enc_float(self.mean)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "FixedBaseline":
         b = cls()
-        b.total, b.count, b.mean = dec_float(d["total"]), int(d["count"]), dec_float(d["mean"])
+        b.vals, b.mean = dec_floats(d["vals"]), dec_float(d["mean"])
         return b
 
 
@@ -112,8 +247,13 @@ class RollingBaseline:
         self.steps: collections.deque[int] = collections.deque()
         self.vals: collections.deque[float] = collections.deque()
 
-    def step(self, t: int, s: int, v: float, p: "Policy") -> tuple[float | None, bool]:
-        if t < p.warmup_steps:
+    @property
+    def mean(self) -> float:
+        return math.fsum(self.vals) / len(self.vals) if self.vals else _NAN
+
+    def step(self, t: int, s: int, v: float, p: Policy,
+             start: int | None) -> tuple[float | None, bool]:
+        if start is None or t < start:
             return None, False
         n = len(self.vals)
         ref, gate = None, False
@@ -164,8 +304,9 @@ class EmaBaseline:
         self.var = _NAN
         self.last_step = 0
 
-    def step(self, t: int, s: int, v: float, p: "Policy") -> tuple[float | None, bool]:
-        if t < p.warmup_steps:
+    def step(self, t: int, s: int, v: float, p: Policy,
+             start: int | None) -> tuple[float | None, bool]:
+        if start is None or t < start:
             return None, False
         if self.mean != self.mean:
             self.init.append(v)
@@ -202,6 +343,66 @@ BASELINES = {"fixed": FixedBaseline, "rolling": RollingBaseline, "ema": EmaBasel
 
 def baseline_from_dict(d: dict[str, Any]):
     return BASELINES[d["kind"]].from_dict(d)
+
+
+# --------------------------------------------------------------------------
+# Bucket means over a window (trend rule).
+# --------------------------------------------------------------------------
+
+
+class BucketSeries:
+    """Means of ``k`` parallel series in fixed step buckets, last ``n`` kept.
+
+    Bucket ``b = s // width``; ``add`` returns True when it closed a bucket
+    (the first sample of a later bucket arrived), so a caller recomputes its
+    statistics once per bucket, not per check.
+    """
+
+    def __init__(self, width: int, n: int, k: int) -> None:
+        self.width, self.n, self.k = max(1, width), n, k
+        self.ids: collections.deque[int] = collections.deque(maxlen=n)
+        self.means: collections.deque[list[float]] = collections.deque(maxlen=n)
+        self.cur: int | None = None
+        self.sums = [0.0] * k
+        self.cnt = 0
+
+    def add(self, s: int, xs: list[float]) -> bool:
+        b = s // self.width
+        closed = False
+        if self.cur is not None and b != self.cur:
+            if self.cnt:
+                self.ids.append(self.cur)
+                self.means.append([x / self.cnt for x in self.sums])
+                closed = True
+            self.sums, self.cnt = [0.0] * self.k, 0
+        self.cur = b
+        for i, x in enumerate(xs):
+            self.sums[i] += x
+        self.cnt += 1
+        return closed
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(bucket start steps, means[n, k])`` of the closed buckets."""
+        ids = np.fromiter(self.ids, np.float64, len(self.ids)) * self.width
+        return ids, np.asarray(list(self.means), np.float64).reshape(len(self.ids), self.k)
+
+    def clear(self) -> None:
+        self.ids.clear()
+        self.means.clear()
+        self.cur, self.sums, self.cnt = None, [0.0] * self.k, 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"width": self.width, "n": self.n, "k": self.k, "ids": list(self.ids),
+                "means": [enc_floats(m) for m in self.means], "cur": self.cur,
+                "sums": enc_floats(self.sums), "cnt": self.cnt}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "BucketSeries":
+        b = cls(int(d["width"]), int(d["n"]), int(d["k"]))
+        b.ids.extend(int(x) for x in d["ids"])
+        b.means.extend(dec_floats(m) for m in d["means"])
+        b.cur, b.sums, b.cnt = d["cur"], dec_floats(d["sums"]), int(d["cnt"])
+        return b
 
 
 # --------------------------------------------------------------------------
@@ -276,12 +477,6 @@ def _margin(trend: float, scale: float, z: float, ratio: float) -> float:
     return max(z * scale, (ratio - 1.0) * abs(trend))
 
 
-def _median(xs: list[float]) -> float:
-    ys = sorted(xs)
-    n = len(ys)
-    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
-
-
 class SpikeTracker:
     """Trend, band, spike anatomy and periodicity of one metric.
 
@@ -310,7 +505,7 @@ class SpikeTracker:
     to the settled level so new spikes are measured from there.
     """
 
-    def __init__(self, metric: str, p: "Policy") -> None:
+    def __init__(self, metric: str, p: Policy) -> None:
         self.metric = metric
         self.last_step: int | None = None
         self.trend = _NAN
@@ -331,7 +526,7 @@ class SpikeTracker:
     def scale(self) -> float:
         return math.sqrt(self.var / self.wsum) if self.wsum > 0 else 0.0
 
-    def _learn(self, s: int, v: float, p: "Policy", warm: bool = False) -> None:
+    def _learn(self, s: int, v: float, p: Policy, warm: bool = False) -> None:
         if self.trend != self.trend:
             self.trend = self.prev_learned = v
             return
@@ -345,7 +540,7 @@ class SpikeTracker:
             self.wsum = b * self.wsum + (1.0 - b)
         self.trend = a * self.trend + (1.0 - a) * v
 
-    def observe(self, s: int, v: float, warm: bool, p: "Policy") -> list[Spike]:
+    def observe(self, s: int, v: float, warm: bool, p: Policy) -> list[Spike]:
         """Feeds one finite sample; returns the spikes completed at this sample."""
         done: list[Spike] = []
         self.last_value = v
@@ -435,13 +630,13 @@ class SpikeTracker:
             rolled_back=rolled_back,
         )
 
-    def _finish(self, q: dict[str, Any], s: int, p: "Policy") -> Spike:
+    def _finish(self, q: dict[str, Any], s: int, p: Policy) -> Spike:
         rec = q["recovery_step"] - q["onset"]
         kind = ("physiological" if rec <= p.physiological_steps
                 else "slow" if rec <= p.pathological_steps else "pathological")
         return self._spike(q, q["recovery_step"], q["post_sum"] / q["post_n"], s, kind)
 
-    def _check_periodic(self, p: "Policy") -> None:
+    def _check_periodic(self, p: Policy) -> None:
         ons = list(self.onsets)
         iv = [b - a for a, b in zip(ons, ons[1:])]
         need = p.periodic_min_spikes - 1
@@ -466,7 +661,7 @@ class SpikeTracker:
                          "shrinking": shrinking, "last_onset": ons[-1], "first_onset": ons[-m - 1],
                          "intervals": run}
 
-    def rollback(self, s: int, p: "Policy") -> list[Spike]:
+    def rollback(self, s: int, p: Policy) -> list[Spike]:
         """Closes what a rollback abandons; returns the spikes it completes."""
         done = [self._finish(q, s, p) for q in self.pending]
         self.pending = []
@@ -505,7 +700,7 @@ class SpikeTracker:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], p: "Policy") -> "SpikeTracker":
+    def from_dict(cls, d: dict[str, Any], p: Policy) -> "SpikeTracker":
         float_keys = {"peak", "pre_trend", "pre_scale", "post_sum", "period", "last_interval"}
 
         def dec_map(m):
@@ -588,25 +783,15 @@ class GapSeries:
 # --------------------------------------------------------------------------
 
 
-def _fmt(name: str, x: float) -> str:
-    if not math.isfinite(x):
-        return str(x)
-    if "share" in name or "fraction" in name:
-        pct = 100.0 * x
-        if abs(pct) >= 10:
-            return f"{pct:.0f}%"
-        return f"{pct:.1f}".rstrip("0").rstrip(".") + "%"
-    return f"{x:.4g}"
-
-
 class LayerHistory:
-    """Fixed-size NumPy history of per-layer metrics and their own baselines.
+    """Fixed-size NumPy history of the localization candidates.
 
     One row per ``stride`` steps of model time (later samples within a stride
     are merged into the row), ``rows`` rows in a ring, one column per metric
     (at most ``max_columns``). Missing values are NaN; non-finite values are
-    stored as ``+inf``. Each column has a :class:`FixedBaseline`-style mean
-    and std over its baseline window, accumulated with vectorized sums.
+    stored as ``+inf``. Each column gets a median baseline over its baseline
+    window (from the rows, when the window closes; ``mean``), for
+    ``Monitor.baseline``.
     """
 
     def __init__(self, rows: int, stride: int) -> None:
@@ -619,11 +804,7 @@ class LayerHistory:
         self.ts = np.zeros(rows, np.int64)
         self.pos = 0
         self.n = 0
-        self.total = np.zeros(cap)
-        self.totsq = np.zeros(cap)
-        self.count = np.zeros(cap, np.int64)
         self.mean = np.full(cap, np.nan)
-        self.sd = np.full(cap, np.nan)
         self.pending = 0
 
     def column(self, name: str, max_columns: int) -> int:
@@ -639,56 +820,61 @@ class LayerHistory:
             data = np.full((self.data.shape[0], cap), np.nan)
             data[:, :c] = self.data
             self.data = data
-            for attr, fill in (("total", 0.0), ("totsq", 0.0), ("count", 0), ("mean", np.nan),
-                               ("sd", np.nan)):
-                old = getattr(self, attr)
-                new = np.full(cap, fill, dtype=old.dtype)
-                new[:c] = old
-                setattr(self, attr, new)
+            mean = np.full(cap, np.nan)
+            mean[:c] = self.mean[:c]
+            self.mean = mean
         self.names.append(name)
         self.index[name] = c
         self.pending += 1
         return c
 
-    def observe(self, s: int, t: int, cols: np.ndarray, vals: np.ndarray, p: "Policy") -> None:
+    def observe(self, s: int, t: int, cols: np.ndarray, vals: np.ndarray, p: Policy,
+                start: int | None) -> None:
         """Records one sample of the columns ``cols`` (values ``vals``)."""
         finite = np.isfinite(vals)
-        if self.pending and t >= p.warmup_steps:
-            sel = finite & np.isnan(self.mean[cols])
-            if sel.any():
-                c_all = cols[sel]
-                c, x = c_all, vals[sel]
-                end = p.warmup_steps + p.baseline_steps
-                if t >= end:
-                    keep = self.count[c] < p.baseline_min_samples
-                    c, x = c[keep], x[keep]
-                self.total[c] += x
-                self.totsq[c] += x * x
-                self.count[c] += 1
-                if t >= end - 1:
-                    ready = c_all[self.count[c_all] >= p.baseline_min_samples]
-                    if ready.size:
-                        k = self.count[ready]
-                        m = self.total[ready] / k
-                        self.mean[ready] = m
-                        self.sd[ready] = np.sqrt(np.maximum(self.totsq[ready] / k - m * m, 0.0))
-                        self.pending -= ready.size
         if not finite.all():
             vals = np.where(finite, vals, np.inf)
         if self.n and 0 <= t - int(self.ts[self.pos - 1]) < self.stride:
             self.data[self.pos - 1, cols] = vals
-            return
-        row = self.data[self.pos]
-        row.fill(np.nan)
-        row[cols] = vals
-        self.steps[self.pos] = s
-        self.ts[self.pos] = t
-        self.pos = (self.pos + 1) % self.data.shape[0]
-        self.n = min(self.n + 1, self.data.shape[0])
+        else:
+            row = self.data[self.pos]
+            row.fill(np.nan)
+            row[cols] = vals
+            self.steps[self.pos] = s
+            self.ts[self.pos] = t
+            self.pos = (self.pos + 1) % self.data.shape[0]
+            self.n = min(self.n + 1, self.data.shape[0])
+        if self.pending and start is not None and t >= start + p.baseline_steps - 1:
+            self._baselines(start, p)
+
+    def _baselines(self, start: int, p: Policy) -> None:
+        ncol = len(self.names)
+        todo = np.flatnonzero(np.isnan(self.mean[:ncol]))
+        order = self._chrono()
+        order = order[self.ts[order] >= start]
+        h = self.data[order][:, todo]
+        h = np.where(np.isfinite(h), h, np.nan)
+        ok = ~np.isnan(h)
+        rank = np.cumsum(ok, axis=0)
+        in_win = (self.ts[order] < start + p.baseline_steps)[:, None] | (rank <= p.baseline_min_samples)
+        h = np.where(in_win & ok, h, np.nan)
+        cnt = (~np.isnan(h)).sum(axis=0)
+        ready = cnt >= p.baseline_min_samples
+        if ready.any():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                med = np.nanmedian(h[:, ready], axis=0)
+            self.mean[todo[ready]] = med
+            self.pending = int(np.isnan(self.mean[:ncol]).sum())
 
     def _chrono(self) -> np.ndarray:
         r = self.data.shape[0]
         return (np.arange(self.pos - self.n, self.pos) % r)
+
+    def chrono(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(steps, model times, data[rows, columns])`` oldest first."""
+        order = self._chrono()
+        return self.steps[order], self.ts[order], self.data[order, :len(self.names)]
 
     def drop_after(self, t: int) -> None:
         """Forgets rows of model time > ``t`` (an abandoned trajectory)."""
@@ -701,67 +887,6 @@ class LayerHistory:
         self.n = k
         self.pos = k % self.data.shape[0]
 
-    def rank(self, onset: int, event: str, exclude: str, p: "Policy") -> list[Localization]:
-        """Ranks columns by departure step (earliest first), then by size.
-
-        A column counts when its latest value ``v`` is out of its band,
-        ``|v - b| > max(localize_z * sd, localize_min_ratio * |b|)``; its
-        departure step is the first sample after the last one on the
-        baseline (signed deviation ``(x - b) * sign(v - b) <= band / 2``).
-        """
-        ncol = len(self.names)
-        if not self.n or not ncol:
-            return []
-        order = self._chrono()
-        h = self.data[order, :ncol]
-        valid = ~np.isnan(h)
-        b, sd = self.mean[:ncol], self.sd[:ncol]
-        has = valid.any(axis=0) & ~np.isnan(b)
-        n = h.shape[0]
-        last = n - 1 - np.argmax(valid[::-1], axis=0)
-        v = h[last, np.arange(ncol)]
-        with np.errstate(invalid="ignore"):
-            dev = v - b
-            band = np.maximum(p.localize_z * sd, p.localize_min_ratio * np.abs(b))
-            out = has & (np.abs(dev) > band)
-        cand = np.flatnonzero(out)
-        if not cand.size:
-            return []
-        hc = h[:, cand]
-        vc = valid[:, cand]
-        sign = np.sign(dev[cand])
-        with np.errstate(invalid="ignore"):
-            same = (hc - b[cand]) * sign > 0.5 * band[cand]
-        rows = np.arange(n)[:, None]
-        other = vc & ~same & (rows <= last[cand])
-        idx = np.where(other, rows, -1).max(axis=0)
-        after = vc & (rows > idx)
-        dep = self.steps[order][np.argmax(after, axis=0)]
-        entries = []
-        for j, c in enumerate(cand):
-            name = self.names[c]
-            if name == exclude:
-                continue
-            bj, vj = float(b[c]), float(v[c])
-            size = abs(vj - bj) / band[c] if band[c] > 0 else math.inf
-            entries.append((int(dep[j]), -size, name, bj, vj))
-        entries.sort()
-        res = []
-        for dep_s, _, name, bj, vj in entries[: p.localize_top]:
-            lead = onset - dep_s
-            when = (f"{lead} steps before" if lead > 0 else f"{-lead} steps after" if lead < 0
-                    else "at the step")
-            if math.isfinite(vj):
-                verb = "rose" if vj > bj else "fell"
-                line = (f"{name} {verb} from {_fmt(name, bj)} to {_fmt(name, vj)} starting at "
-                        f"step {dep_s}, {when} {event}")
-            else:
-                line = (f"{name} went non-finite (baseline {_fmt(name, bj)}) starting at step "
-                        f"{dep_s}, {when} {event}")
-            ratio = vj / bj if bj != 0 else math.inf
-            res.append(Localization(name, dep_s, bj, vj, ratio, lead, line))
-        return res
-
     def to_dict(self) -> dict[str, Any]:
         order = self._chrono()
         ncol = len(self.names)
@@ -772,11 +897,7 @@ class LayerHistory:
             "steps": self.steps[order].tolist(),
             "ts": self.ts[order].tolist(),
             "data": [enc_floats(r) for r in self.data[order, :ncol].tolist()],
-            "total": enc_floats(self.total[:ncol].tolist()),
-            "totsq": enc_floats(self.totsq[:ncol].tolist()),
-            "count": self.count[:ncol].tolist(),
             "mean": enc_floats(self.mean[:ncol].tolist()),
-            "sd": enc_floats(self.sd[:ncol].tolist()),
         }
 
     @classmethod
@@ -785,11 +906,7 @@ class LayerHistory:
         for name in d["names"]:
             h.column(name, len(d["names"]))
         ncol = len(h.names)
-        h.total[:ncol] = dec_floats(d["total"])
-        h.totsq[:ncol] = dec_floats(d["totsq"])
-        h.count[:ncol] = d["count"]
         h.mean[:ncol] = dec_floats(d["mean"])
-        h.sd[:ncol] = dec_floats(d["sd"])
         h.pending = int(np.isnan(h.mean[:ncol]).sum())
         data = [dec_floats(r) for r in d["data"]][-rows:]
         k = len(data)

@@ -126,6 +126,23 @@ PRESCRIPTIONS: Mapping[str, Prescription] = types.MappingProxyType({
         "samples, or learning-rate restarts (non-smooth schedule points)",
         "check which data sources refresh on that period; lengthen the "
         "warm-up of each restart"),
+    # §6 first row, split by the group that moved (the group rule).
+    "group_embedding_lr": Prescription(
+        "one group (embedding / LM head) left its band while the global figures did not",
+        "embedding/LM-head LR mismatched with the trunk",
+        "embedding and LM head at 0.5x trunk LR (check their LR multiplier and weight decay)"),
+    "group_layer_lr": Prescription(
+        "one layer left its band while the global figures did not",
+        "shallow layers' LR too high",
+        "layer-wise LR decay (lr_i = lr_base * decay ** (N - 1 - i), decay 0.85-0.95, start "
+        "at 0.95)"),
+    # §5 red tier, fast path: the model is broken, not drifting.
+    "broken_model": Prescription(
+        "loss at chance level or param norm jumped, not recovering",
+        "one oversized update (an LR spike, a bad batch through an unclipped step) broke the "
+        "weights",
+        "restore the latest healthy checkpoint (params and optimizer state), cut the learning "
+        "rate by 10% (20-50% if it recurs); check clipping"),
     # §5 red tier.
     "divergence": Prescription(
         "divergence that does not recover for N consecutive checks",
@@ -142,6 +159,9 @@ PRESCRIPTIONS: Mapping[str, Prescription] = types.MappingProxyType({
 
 RULE_PRESCRIPTION: Mapping[str, str] = types.MappingProxyType({
     "grad_norm": "grad_norm_climb",
+    "grad_trend": "grad_norm_climb",
+    "group": "group_embedding_lr",
+    "broken_model": "broken_model",
     "param_norm": "param_norm_jump",
     "ratio": "generic",
     "nonfinite": "nan_loss",
@@ -166,10 +186,12 @@ class Localization:
     """One ranked entry of an alert's localization.
 
     Attributes:
-        metric: the per-layer metric, e.g. ``"grad/share/layer_1"``.
-        departure_step: first step of the metric's current excursion from its
-            own baseline (the step after it was last on the baseline's side).
-        baseline: the metric's own baseline (mean over its baseline window).
+        metric: the candidate metric, e.g. ``"grad/share/layer_1"``,
+            ``"update/param_ratio/embedding"``.
+        departure_step: the change point of the metric's own recent history:
+            the first step from which it stayed off the extrapolation of its
+            earlier samples (see ``jvitals._monitor_localize``).
+        baseline: the value that extrapolation predicted at the departure.
         value: its latest value when the alert was localized.
         ratio: ``value / baseline`` (``inf`` when the baseline is 0).
         lead_steps: ``alert.onset_step - departure_step``; positive = it left
@@ -223,7 +245,8 @@ class Alert:
     Attributes:
         id: unique per monitor, in opening order (kept across ``state_dict``).
         rule: short rule id: ``'grad_norm'``, ``'param_norm'``, ``'ratio'``
-            (a user-configured ratio rule), ``'nonfinite'``, ``'loss_spike'``,
+            (a user-configured ratio rule), ``'grad_trend'``, ``'group'``,
+            ``'broken_model'``, ``'nonfinite'``, ``'loss_spike'``,
             ``'periodic_spike'``, ``'val_gap'``, ``'throughput'``,
             ``'loss_scale'``, ``'divergence'``, ``'rollback'``.
         metric: the metric the rule watches (for ``'divergence'``: the metric

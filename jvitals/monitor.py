@@ -1,4 +1,4 @@
-"""Host-side monitor: baselines, spikes, gap tracking, tiered verdicts.
+"""Host-side monitor: a list of rules turning metrics into tiered verdicts.
 
 The monitor reads the flat metric dict the host fetched at its cadence and
 returns a :class:`Verdict` (a :class:`Level` and the open :class:`Alert` s,
@@ -7,28 +7,55 @@ localization). It never acts: saving, pausing and rolling back are the
 rollback module's job. Plain Python + NumPy; memory is bounded and
 ``update`` is O(1) amortized in the number of steps.
 
-Rules (METRICS.md §5 defaults; every number is a :class:`Policy` field)::
+``Monitor.update`` validates the step, reads the figures, finds when the
+baselines start (the end of the LR warm-up, read from ``opt/learning_rate``;
+else the grad norm settling; an explicit ``Policy.warmup_steps`` wins), runs
+its rules in order (each a small class of ``jvitals._monitor_rules`` that
+returns alert changes) and applies their changes; localization
+(``jvitals._monitor_localize``) is a service it calls when an alert opens or
+escalates. Rules (every number a :class:`Policy` field)::
 
-    rule            metric(s)                         level
-    nonfinite       loss, grad/global_norm non-finite;   ORANGE
+    rule            metric(s)                              level
+    nonfinite       loss, grad/global_norm non-finite;     ORANGE
                     grad/nonfinite_count > 0
-    grad_norm       grad/global_norm / baseline > 2, > 3 YELLOW, ORANGE
-    param_norm      param/global_norm / baseline > 1.5   YELLOW
-    throughput      sys/tokens_per_sec (else             YELLOW
+    grad_norm       grad/global_norm / baseline > 2        YELLOW (2 checks
+                    (> 3)                                  running), ORANGE
+    param_norm      param/global_norm / baseline > 1.5     YELLOW (2 checks)
+    grad_trend      grad norm rising (Mann-Kendall z >     YELLOW
+                    3.5, Theil-Sen rise >= 1.3x over 1000
+                    steps, >= 1.3x baseline) while the
+                    loss's Theil-Sen slope falls
+    group           update/param_ratio, grad/share or      YELLOW
+                    param/norm of embedding, lm_head or
+                    layer_i, relative to the trunk, out
+                    of its band (2x, 2x, 1.5x) at 2
+                    samples while the global figures are
+                    < 1.5x their baselines
+    throughput      sys/tokens_per_sec (else               YELLOW
                     sys/steps_per_sec) down > 30%
-    loss_scale      opt/loss_scale falls >= 2**4 between YELLOW
+    loss_scale      opt/loss_scale falls >= 2**4 between   YELLOW
                     two consecutive checks
-    val_gap         val/gap (or val/loss - loss trend):  YELLOW
-                    g(t) - g(t-W) > 1.5 (g(t-W) - g(t-2W)), W = 1000
-                    (samples after warm-up + baseline window)
-    loss_spike      a loss spike not back within its     YELLOW
+    val_gap         val/gap (or val/loss - loss trend):    YELLOW
+                    g(t) - g(t-W) > 1.5 (g(t-W) - g(t-2W))
+                    + max(floor, 4 sd of noise), W = 1000,
+                    2 samples running
+    loss_spike      a loss spike not back within its       YELLOW
                     recovery band after 300 steps
-    periodic_spike  >= 3 spikes at near-regular           YELLOW (ORANGE
-                    intervals (loss or grad norm)         when shrinking)
-    divergence      red_after consecutive checks with an  RED
+    periodic_spike  >= 3 spikes at near-regular            YELLOW (ORANGE
+                    intervals (loss or grad norm)          when shrinking)
+    broken_model    loss >= 0.9 log(vocab) (without a      ORANGE, RED after
+                    vocab size: 0.9x the first loss        50 steps not
+                    seen), or param norm >= 1.5x its       recovered
+                    value 200 steps before
+    divergence      red_after consecutive checks with an   RED
                     ORANGE grad-norm/non-finite condition
                     or the loss > 1.25x its pre-spike
                     trend after 500 steps
+
+Baselines are medians over ``baseline_steps`` steps from the start.
+Localization ranks the per-group candidates by the change point of their own
+recent history (drift the history extrapolates is no departure); without
+one before the onset the message says "no earlier sign found".
 
 Example::
 
@@ -40,6 +67,10 @@ Example::
             if verdict.level >= Level.ORANGE:
                 print(verdict.alerts[0].message)
     ckpt["monitor"] = monitor.state_dict()     # JSON-safe, resumes exactly
+
+A rule of your own: any object with a unique ``name`` and ``check(figures)
+-> list[Change]`` (``state_dict``/``load_state_dict``/``rollback``
+optional), e.g. ``Monitor(rules=default_rules(policy) + [MyRule()])``.
 """
 
 from __future__ import annotations
@@ -48,19 +79,14 @@ import collections
 import math
 import operator
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from jvitals._monitor_localize import lead_phrase, localize
 from jvitals._monitor_policy import Policy
-from jvitals._monitor_trackers import (
-    BASELINES,
-    FixedBaseline,
-    GapSeries,
-    LayerHistory,
-    SpikeTracker,
-    baseline_from_dict,
-)
+from jvitals._monitor_rules import Change, Figures, Plan, RatioRule, ThroughputRule, default_rules
+from jvitals._monitor_trackers import BaselineStart, LayerHistory
 from jvitals._monitor_types import (
     PRESCRIPTIONS,
     RULE_PRESCRIPTION,
@@ -70,12 +96,12 @@ from jvitals._monitor_types import (
     Prescription,
     Spike,
     Verdict,
-    dec_float,
-    enc_float,
 )
 
 __all__ = [
     "Alert",
+    "Change",
+    "Figures",
     "Level",
     "Localization",
     "Monitor",
@@ -85,13 +111,12 @@ __all__ = [
     "RULE_PRESCRIPTION",
     "Spike",
     "Verdict",
+    "default_rules",
 ]
 
 _NAN = math.nan
-_RATIO_RULE_IDS = {"grad/global_norm": "grad_norm", "param/global_norm": "param_norm"}
-_SCORE_NAMES = {"loss": "monitor/loss_spike_score",
-                "grad/global_norm": "monitor/grad_norm_spike_score"}
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
+_PLANS = 8  # key sets remembered (a loop alternates a few: per-layer families every N steps)
 
 
 def _as_step(step: Any, what: str = "step") -> int:
@@ -122,62 +147,60 @@ def _check_value(name: Any, v: Any) -> None:
                     f"0-d array), got {type(v).__name__} {v!r:.60}")
 
 
-def _level(ratio: float, y: float, o: float | None) -> Level:
-    if o is not None and ratio > o:
-        return Level.ORANGE
-    if ratio > y:
-        return Level.YELLOW
-    return Level.GREEN
-
-
-def _hysteresis_level(ratio: float, y: float, o: float | None, cur: Level, gate: bool,
-                      h: float) -> Level:
-    """Level of a ratio rule: opens/escalates on the thresholds (and the
-    gate), steps down only below ``1 + h * (threshold - 1)``."""
-    raw = _level(ratio, y, o) if gate else Level.GREEN
-    if raw >= cur:
-        return raw
-    held = _level(ratio, 1.0 + h * (y - 1.0), None if o is None else 1.0 + h * (o - 1.0))
-    return max(raw, min(cur, held))
-
-
 class Monitor:
     """Learns baselines from the run and turns metrics into verdicts.
 
-    ``update(step, metrics)`` reads the metrics it knows (see
-    :class:`Policy` and the module docstring) and every per-layer metric
+    ``update(step, metrics)`` reads the metrics its rules know (see
+    :class:`Policy` and the module docstring) and every candidate metric
     matching ``Policy.localize_pattern`` (e.g. ``grad/share/layer_1``,
-    ``grad/norm/layer_3``, ``param/norm/layer_0``,
-    ``act/hidden_states_rms/layer_2``); other names are ignored.
+    ``update/param_ratio/embedding``, ``param/norm/lm_head``); other names
+    are ignored.
 
-    Alerts: one object per ongoing condition ``(rule, metric)``, updated in
+    Alerts: one object per ongoing condition ``(rule, key)``, updated in
     place (same ``id``); level changes within it; it closes when the
     condition has been clear for ``Policy.clear_steps`` steps (ratio,
-    throughput, non-finite, divergence) or at once (spike, periodic, gap;
-    the loss-scale alert after ``event_hold_steps``), then moves to
-    :attr:`history`.
+    throughput, non-finite, group, trend, broken model, divergence) or at
+    once (spike, periodic, gap; the loss-scale alert after
+    ``event_hold_steps``), then moves to :attr:`history`.
 
     Missing metrics: a rule whose metric is absent at a step keeps its
     state (its alert neither updates nor closes). Steps must increase;
     gaps are fine (trends decay with the steps elapsed).
 
     Rollbacks: see :meth:`note_rollback`. Resuming: :meth:`state_dict` /
-    :meth:`from_state_dict`.
+    :meth:`from_state_dict` / :meth:`load_state_dict`.
+
+    Args:
+      policy: the :class:`Policy` (default: METRICS.md §5).
+      rules: the rule objects, run in this order (default:
+        ``default_rules(policy)``); names must be unique.
 
     Attributes:
       policy: the :class:`Policy`.
+      rules: the rule objects.
       alerts: the open alerts (most severe first).
       history: closed alerts, oldest first (``Policy.history_size`` kept).
       spikes: completed :class:`Spike` records (``Policy.spikes_size``).
       step: the last step seen (``None`` before the first update).
+      baseline_start: model step at which the baselines started (``None``
+        before), and :attr:`baseline_start_reason`.
     """
 
-    def __init__(self, policy: Policy | None = None) -> None:
+    def __init__(self, policy: Policy | None = None, rules: Sequence[Any] | None = None) -> None:
         if policy is None:
             policy = Policy()
         if not isinstance(policy, Policy):
             raise TypeError(f"Monitor expects a jvitals Policy, got {type(policy).__name__}")
         p = self.policy = policy
+        self.rules = list(default_rules(p) if rules is None else rules)
+        names = [getattr(r, "name", None) for r in self.rules]
+        for r, n in zip(self.rules, names):
+            if not isinstance(n, str) or not n or not callable(getattr(r, "check", None)):
+                raise TypeError(f"Monitor rules need a non-empty str `name` and a `check(figures)` "
+                                f"method; {type(r).__name__} has name={n!r}")
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"Monitor rules must have unique names; repeated: {dup}")
         self._pattern = re.compile(p.localize_pattern)
         self._last_step: int | None = None
         self._offset = 0
@@ -187,33 +210,13 @@ class Monitor:
         self._events: dict[int, str] = {}  # open alert id -> onset event phrase
         self._history: collections.deque[Alert] = collections.deque(maxlen=p.history_size)
         self._spikes: collections.deque[Spike] = collections.deque(maxlen=p.spikes_size)
-        self._consecutive = 0
-        self._div_start: int | None = None
-        self._div_keys: set[tuple[str, str]] = set()  # divergent at the last divergent check
-        self._ratio = {m: BASELINES[p.baseline]() for m in p.ratio_rules}
-        self._throughput = {m: FixedBaseline() for m in p.throughput_metrics}
-        self._spike = {m: SpikeTracker(m, p) for m in p.spike_metrics}
-        self._ls_prev = _NAN
-        self._ls_drop: dict[str, Any] | None = None
-        self._gap = GapSeries()
-        self._gap_ema = _NAN
-        self._gap_t = 0
-        self._last_loss = _NAN
+        self._start = BaselineStart()
         self._layers = LayerHistory(p.localize_rows, max(1, p.localize_window // p.localize_rows))
-        self._score_names = {m: _SCORE_NAMES.get(m, "monitor/" + m.replace("/", "_") + "_spike_score")
-                             for m in p.spike_metrics}
-        self._watched = (set(p.nonfinite_metrics) | set(p.nonfinite_count_metrics)
-                         | set(p.ratio_rules) | set(p.throughput_metrics) | set(p.spike_metrics)
-                         | {p.loss_scale_metric, "loss", "val/loss", "val/gap"})
-        self._plan_keys: tuple | None = None
-        self._plan_named: dict[str, int] = {}
-        self._plan_pos = np.zeros(0, np.intp)
-        self._plan_cols = np.zeros(0, np.intp)
+        self._watched = {p.lr_metric, p.settle_metric}
+        self._plans: collections.OrderedDict[tuple, Plan] = collections.OrderedDict()
         # Per-check scratch.
         self._new: list[Alert] = []
         self._closed: list[Alert] = []
-        self._div: list[tuple[tuple[str, str], Alert]] = []
-        self._touched: set[tuple[str, str]] = set()
 
     # ------------------------------------------------------------------
     # Public read-only views.
@@ -235,16 +238,30 @@ class Monitor:
     def step(self) -> int | None:
         return self._last_step
 
+    @property
+    def baseline_start(self) -> int | None:
+        return self._start.start
+
+    @property
+    def baseline_start_reason(self) -> str:
+        return self._start.reason
+
+    def rule(self, name: str) -> Any:
+        """The rule object called ``name`` (KeyError naming the known ones)."""
+        for r in self.rules:
+            if r.name == name:
+                return r
+        raise KeyError(f"no rule named {name!r}; rules: {[r.name for r in self.rules]}")
+
     def baseline(self, metric: str) -> float | None:
-        """The learned baseline of a ratio-rule, throughput or per-layer
+        """The learned baseline of a ratio-rule, throughput or candidate
         metric (``None`` while it is still being learned or unknown)."""
-        b = self._ratio.get(metric) or self._throughput.get(metric)
-        if b is not None:
-            m = getattr(b, "mean", None)
-            if m is None:  # rolling
-                vals = getattr(b, "vals", ())
-                m = math.fsum(vals) / len(vals) if len(vals) >= self.policy.adaptive_min_samples else _NAN
-            return None if m != m else float(m)
+        for r in self.rules:
+            if isinstance(r, RatioRule) and metric in r.baselines:
+                return r.baseline(metric)
+            if isinstance(r, ThroughputRule) and metric in r.baselines:
+                m = r.baselines[metric].mean
+                return None if m != m else float(m)
         c = self._layers.index.get(metric)
         if c is not None and not np.isnan(self._layers.mean[c]):
             return float(self._layers.mean[c])
@@ -254,30 +271,31 @@ class Monitor:
     # Reading metrics.
     # ------------------------------------------------------------------
 
-    def _make_plan(self, keys: tuple, metrics: Mapping[str, Any]) -> None:
+    def _make_plan(self, keys: tuple, metrics: Mapping[str, Any]) -> Plan:
         for k in keys:
             _check_value(k, metrics[k])
         named, pos, cols = {}, [], []
         for i, k in enumerate(keys):
-            if k in self._watched:
-                named[k] = i
+            named[k] = i
             if self._pattern.search(k):
                 c = self._layers.column(k, self.policy.localize_max_metrics)
                 if c >= 0:
                     pos.append(i)
                     cols.append(c)
-        self._plan_named = named
-        self._plan_pos = np.asarray(pos, np.intp)
-        self._plan_cols = np.asarray(cols, np.intp)
-        self._plan_keys = keys
+        plan = Plan(keys, named, np.asarray(pos, np.intp), np.asarray(cols, np.intp))
+        self._plans[keys] = plan
+        while len(self._plans) > _PLANS:
+            self._plans.popitem(last=False)
+        return plan
 
-    def _read(self, metrics: Mapping[str, Any]) -> np.ndarray:
+    def _read(self, metrics: Mapping[str, Any]) -> tuple[Plan, np.ndarray]:
         if not isinstance(metrics, Mapping):
             raise TypeError(f"Monitor.update expects a mapping of metric name -> scalar, got "
                             f"{type(metrics).__name__}")
         keys = tuple(metrics)
-        if keys != self._plan_keys:
-            self._make_plan(keys, metrics)
+        plan = self._plans.get(keys)
+        if plan is None:
+            plan = self._make_plan(keys, metrics)
         try:
             vals = np.fromiter(metrics.values(), np.float64, len(keys))
         except (TypeError, ValueError) as e:
@@ -287,79 +305,83 @@ class Monitor:
         if np.isnan(vals).any():  # NumPy reads None as NaN: check those values.
             for i in np.flatnonzero(np.isnan(vals)):
                 _check_value(keys[i], metrics[keys[i]])
-        return vals
+        return plan, vals
 
     # ------------------------------------------------------------------
     # Alert bookkeeping.
     # ------------------------------------------------------------------
 
-    def _set(self, rule: str, metric: str, level: Level, s: int, value: float, baseline: float,
-             ratio: float, headline: str, event: str, onset: int | None = None,
-             details: dict[str, Any] | None = None, key: str | None = None) -> Alert:
-        """Opens or updates the alert ``(rule, key or metric)``."""
-        k = (rule, metric if key is None else key)
-        self._touched.add(k)
-        pres = PRESCRIPTIONS[RULE_PRESCRIPTION.get(rule, "generic")]
+    def _apply(self, c: Change, f: Figures) -> None:
+        k = (c.rule, c.key)
+        f.touched.add(k)
+        s = f.step
+        if c.op == "release":
+            a = self._open.get(k)
+            if a is None:
+                return
+            if a.clearing_since is None:
+                a.clearing_since = s
+            if s - a.clearing_since >= self.policy.clear_steps:
+                self._close(k, s)
+            return
+        if c.op == "clear":
+            self._close(k, s)
+            return
+        if c.op != "set":
+            raise ValueError(f"rule change {c!r}: op must be 'set', 'release' or 'clear'")
+        level = Level(c.level)
+        pres = PRESCRIPTIONS[c.prescription or RULE_PRESCRIPTION.get(c.rule, "generic")]
         a = self._open.get(k)
         if a is None:
-            a = Alert(id=self._next_id, rule=rule, metric=metric, level=level, step=s,
-                      value=value, baseline=baseline, ratio=ratio,
-                      onset_step=s if onset is None else onset, opened_step=s, message="",
+            a = Alert(id=self._next_id, rule=c.rule, metric=c.metric, level=level, step=s,
+                      value=c.value, baseline=c.baseline, ratio=c.ratio,
+                      onset_step=s if c.onset is None else c.onset, opened_step=s, message="",
                       cause=pres.cause, prescription=pres.prescription, localization=[],
-                      peak_level=level, details=dict(details or {}))
+                      peak_level=level, details=dict(c.details or {}))
             self._next_id += 1
             self._open[k] = a
             self._new.append(a)
-            self._events[a.id] = event
-            a.localization = self._localize(a, event)
+            self._events[a.id] = c.event
+            a.localization = self._localize(a, c.event)
         else:
             a.metric, a.level, a.step, a.value, a.baseline, a.ratio = (
-                metric, level, s, value, baseline, ratio)
-            if onset is not None:
-                a.onset_step = onset
-            if details is not None:
-                a.details = dict(details)
+                c.metric, level, s, c.value, c.baseline, c.ratio)
+            if c.onset is not None:
+                a.onset_step = c.onset
+            if c.details is not None:
+                a.details = dict(c.details)
             a.clearing_since = None
             if level > a.peak_level:
                 a.peak_level = level
                 # Leads are measured to the onset, so keep the onset's event.
-                a.localization = self._localize(a, self._events.get(a.id, event))
-        lead = f" Lead: {a.localization[0].line}." if a.localization else ""
-        a.message = (f"[{a.level.name}] {headline} Likely cause: {pres.cause}. "
+                a.localization = self._localize(a, self._events.get(a.id, c.event))
+        lead = lead_phrase(a.localization, self.policy.localize_lookback) if (
+            a.localization or self._layers.names) else ""
+        a.message = (f"[{a.level.name}] {c.headline} Likely cause: {pres.cause}. "
                      f"Prescription: {pres.prescription}.{lead}")
-        if level >= Level.ORANGE and rule not in ("periodic_spike", "divergence"):
-            self._div.append((k, a))
-        return a
+        diverging = c.diverging
+        if diverging is None:
+            diverging = level >= Level.ORANGE and c.rule not in ("periodic_spike", "divergence")
+        if diverging:
+            f.diverging.append((k, a))
 
-    def _clear(self, rule: str, key: str, s: int) -> None:
-        self._touched.add((rule, key))
-        a = self._open.pop((rule, key), None)
+    def _close(self, k: tuple[str, str], s: int) -> None:
+        a = self._open.pop(k, None)
         if a is not None:
             self._events.pop(a.id, None)
             a.closed_step = s
             self._history.append(a)
             self._closed.append(a)
 
-    def _release(self, rule: str, key: str, s: int) -> None:
-        """The condition of ``(rule, key)`` did not hold at this check: close
-        its alert once that has lasted ``Policy.clear_steps`` steps."""
-        self._touched.add((rule, key))
-        a = self._open.get((rule, key))
-        if a is None:
-            return
-        if a.clearing_since is None:
-            a.clearing_since = s
-        if s - a.clearing_since >= self.policy.clear_steps:
-            self._clear(rule, key, s)
-
     def _localize(self, a: Alert, event: str) -> list[Localization]:
-        if a.rule == "divergence":
-            lead = a.details.get("lead_alert")
+        lead = a.details.get("lead_alert")
+        if lead is not None:
             for b in self._open.values():
                 if b.id == lead:
                     return list(b.localization)
             return []
-        return self._layers.rank(a.onset_step, event, a.metric, self.policy)
+        return localize(self._layers, a.onset_step, event, self.policy,
+                        t_onset=a.onset_step - self._offset_at(a.onset_step))
 
     # ------------------------------------------------------------------
     # The check.
@@ -390,222 +412,28 @@ class Monitor:
                              f"{self._last_step}. Merge metrics of one step into one dict; after a "
                              "restart restore the monitor saved with the checkpoint "
                              "(Monitor.from_state_dict).")
-        vals = self._read(metrics)
+        plan, vals = self._read(metrics)
         p = self.policy
         t = s - self._offset
-        warm = t < p.warmup_steps
-        self._new, self._closed, self._div = [], [], []
-        self._touched = set()
-        named = self._plan_named
-
-        def get(name: str) -> float | None:
-            i = named.get(name)
-            return None if i is None else float(vals[i])
-
-        if self._plan_pos.size:
-            self._layers.observe(s, t, self._plan_cols, vals[self._plan_pos], p)
-
-        # Non-finite loss / gradients.
-        for m in p.nonfinite_metrics:
-            v = get(m)
-            if v is None:
-                continue
-            if math.isfinite(v):
-                self._release("nonfinite", m, s)
-            else:
-                self._set("nonfinite", m, Level.ORANGE, s, v, _NAN, _NAN,
-                          f"{m} is non-finite ({v}).", f"{m} went non-finite")
-        for m in p.nonfinite_count_metrics:
-            v = get(m)
-            if v is None:
-                continue
-            if v == 0:
-                self._release("nonfinite", m, s)
-            else:
-                self._set("nonfinite", m, Level.ORANGE, s, v, 0.0, _NAN,
-                          f"{m} = {v:g}: gradients hold non-finite elements.",
-                          "gradients went non-finite")
-
-        # Spike trackers (trend, anatomy, periodicity, score).
-        seen: dict[str, float] = {}
-        for m, tr in self._spike.items():
-            v = get(m)
-            if v is None or not math.isfinite(v):
-                continue
-            seen[m] = v
-            self._spikes.extend(tr.observe(s, v, warm, p))
-        for m in p.spike_alert_metrics:
-            tr = self._spike.get(m)
-            if tr is None or m not in seen:
-                continue
-            v = seen[m]
-            o, e = tr.open, tr.elevated
-            if o is not None and s - o["onset"] >= p.physiological_steps:
-                ref, onset = o["pre_trend"], o["onset"]
-            elif o is None and e is not None:
-                ref, onset = e["pre_trend"], e["onset"]
-            else:
-                if o is None:
-                    self._clear("loss_spike", m, s)
-                continue
-            ratio = v / ref if ref > 0 else _NAN
-            a = self._set("loss_spike", m, Level.YELLOW, s, v, ref, ratio,
-                          f"{m} spike at step {onset} not back to trend after {s - onset} steps: "
-                          f"{v:.4g} vs pre-spike trend {ref:.4g} ({ratio:.2f}x).",
-                          f"{m} spiked", onset=onset)
-            if o is None and ref > 0 and v > p.divergence_loss_ratio * ref:
-                self._div.append((("loss_spike", m), a))
-        for m, tr in self._spike.items():
-            if m not in seen:
-                continue
-            per = tr.periodic
-            if per is None:
-                self._clear("periodic_spike", m, s)
-                continue
-            lvl = Level.ORANGE if per["shrinking"] else Level.YELLOW
-            shrink = ", intervals shrinking" if per["shrinking"] else ""
-            self._set("periodic_spike", m, lvl, s, float(per["period"]), _NAN, _NAN,
-                      f"{per['count']} {m} spikes at near-regular intervals, period ~"
-                      f"{per['period']:.0f} steps{shrink} (intervals {per['intervals']}); last "
-                      f"onset at step {per['last_onset']}.",
-                      f"{m} spikes turned periodic", onset=per["first_onset"],
-                      details={"period": float(per["period"]), "count": per["count"],
-                               "intervals": list(per["intervals"]),
-                               "shrinking": per["shrinking"], "last_onset": per["last_onset"]})
-
-        # Ratio rules (grad norm, param norm, user-configured).
-        for m, (y, o) in p.ratio_rules.items():
-            v = get(m)
-            if v is None:
-                continue
-            if not math.isfinite(v):
-                continue
-            ref, gate = self._ratio[m].step(t, s, v, p)
-            if ref is None or not ref > 0:
-                continue
-            ratio = v / ref
-            rule = _RATIO_RULE_IDS.get(m, "ratio")
-            cur = self._open.get((rule, m))
-            lvl = _hysteresis_level(ratio, y, o, cur.level if cur else Level.GREEN, gate,
-                                    p.hysteresis)
-            if lvl == Level.GREEN:
-                self._release(rule, m, s)
-                continue
-            thr = o if lvl == Level.ORANGE else y
-            orange = f", orange > {o:g}x" if o is not None else ""
-            self._set(rule, m, lvl, s, v, ref, ratio,
-                      f"{m} = {v:.4g} is {ratio:.2f}x its baseline {ref:.4g} (yellow > {y:g}x"
-                      f"{orange}).", f"{m} crossed {thr:g}x")
-
-        # Throughput.
-        judged = False
-        for m in p.throughput_metrics:
-            v = get(m)
-            if v is None or not math.isfinite(v):
-                continue
-            ref, _ = self._throughput[m].step(t, s, v, p)
-            if judged or ref is None or not ref > 0:
-                continue
-            judged = True
-            drop = 1.0 - v / ref
-            is_open = ("throughput", m) in self._open
-            if drop > p.throughput_drop or (is_open and drop > p.hysteresis * p.throughput_drop):
-                self._set("throughput", m, Level.YELLOW, s, v, ref, v / ref,
-                          f"{m} = {v:.4g} is {100 * drop:.0f}% below its baseline {ref:.4g} "
-                          f"(yellow when down > {100 * p.throughput_drop:.0f}%).",
-                          f"{m} fell {100 * p.throughput_drop:.0f}%")
-            else:
-                self._release("throughput", m, s)
-
-        # Loss scale.
-        m = p.loss_scale_metric
-        v = get(m)
-        if v is not None and math.isfinite(v) and v > 0:
-            prev = self._ls_prev
-            if not warm and prev == prev and prev / v >= p.loss_scale_drop:
-                first = self._ls_drop["onset"] if self._ls_drop else s
-                self._ls_drop = {"step": s, "onset": first}
-                self._set("loss_scale", m, Level.YELLOW, s, v, prev, v / prev,
-                          f"{m} fell {prev / v:g}x in one check ({prev:g} -> {v:g}) at step {s}: "
-                          "gradients overflowed.", f"{m} fell {prev / v:g}x", onset=first)
-            self._ls_prev = v
-        if self._ls_drop is not None and s - self._ls_drop["step"] >= p.event_hold_steps:
-            self._clear("loss_scale", m, s)
-            self._ls_drop = None
-
-        # Train/val gap growth.
-        loss = get("loss")
-        if loss is not None and math.isfinite(loss):
-            self._last_loss = loss
-        tr = self._spike.get("loss")
-        loss_ref = tr.trend if tr is not None and tr.trend == tr.trend else self._last_loss
-        g = get("val/gap")
-        vl = get("val/loss")
-        if g is None and vl is not None:
-            g = vl - loss_ref if loss_ref == loss_ref else None
-        if g is not None and math.isfinite(g) and t >= p.warmup_steps + p.baseline_steps:
-            w = p.val_gap_window
-            if self._gap_ema != self._gap_ema or p.val_gap_halflife == 0:
-                self._gap_ema = g
-            else:
-                a = 0.5 ** (max(t - self._gap_t, 1) / p.val_gap_halflife)
-                self._gap_ema = a * self._gap_ema + (1.0 - a) * g
-            self._gap_t = t
-            g = self._gap_ema
-            self._gap.add(t, g, 2 * w)
-            if self._gap.covers(t - 2 * w):
-                g1, g2 = self._gap.at(t - w), self._gap.at(t - 2 * w)
-                recent, before = g - g1, g1 - g2
-                level_ref = abs(loss_ref) if loss_ref == loss_ref else (
-                    abs(vl) if vl is not None and math.isfinite(vl) else 0.0)
-                floor = p.val_gap_min_growth * level_ref
-                if recent > p.val_gap_ratio * max(before, 0.0) + floor:
-                    ratio = recent / before if before > 0 else math.inf
-                    self._set("val_gap", "val/gap", Level.YELLOW, s, g, g1, ratio,
-                              f"the train/val gap grew by {recent:.4g} over the last {w} steps vs "
-                              f"{before:.4g} over the {w} before (> {p.val_gap_ratio:g}x); gap now "
-                              f"{g:.4g}.", "the train/val gap accelerated",
-                              details={"recent_growth": recent, "previous_growth": before})
-                else:
-                    self._clear("val_gap", "val/gap", s)
-
-        # Divergence -> RED. A check counts as divergent when it confirmed an
-        # ORANGE condition (or the loss far above its pre-spike trend); it
-        # breaks the run only if it re-observed every condition that was
-        # divergent and found none (a check that did not see them holds).
-        recovered = False
-        if self._div:
-            self._consecutive += 1
-            if self._consecutive == 1:
-                self._div_start = s
-            self._div_keys = {k for k, _ in self._div}
-        elif self._div_keys and self._div_keys <= self._touched:
-            self._consecutive = 0
-            self._div_start = None
-            self._div_keys = set()
-            recovered = True
-        red_open = ("divergence", "") in self._open
-        if self._div and (red_open or (self._consecutive >= p.red_after
-                                       and s - self._div_start >= p.red_min_steps)):
-            lead = min((a for _, a in self._div), key=lambda a: (a.onset_step, a.id))
-            self._set("divergence", lead.metric, Level.RED, s, lead.value, lead.baseline,
-                      lead.ratio,
-                      f"unrecovered divergence for {self._consecutive} consecutive checks since "
-                      f"step {self._div_start} (lead: {lead.rule} on {lead.metric}, onset step "
-                      f"{lead.onset_step}).", f"{lead.metric} diverged",
-                      onset=lead.onset_step, key="",
-                      details={"consecutive_checks": self._consecutive,
-                               "first_divergent_step": self._div_start,
-                               "lead_alert": lead.id, "lead_rule": lead.rule})
-        elif red_open and not self._div and (recovered or not self._div_keys):
-            self._release("divergence", "", s)
-
+        named = plan.named
+        start = self._start.start
+        if start is None:
+            i, j = named.get(p.lr_metric), named.get(p.settle_metric)
+            start = self._start.observe(t, None if i is None else float(vals[i]),
+                                        None if j is None else float(vals[j]), p)
+        self._new, self._closed = [], []
+        if plan.pos.size:
+            self._layers.observe(s, t, plan.cols, vals[plan.pos], p, start)
+        f = Figures(s, t, start, plan, vals, self._open, p)
+        for rule in self.rules:
+            for c in rule.check(f):
+                self._apply(c, f)
+        self._spikes.extend(f.spikes)
         self._last_step = s
         alerts = self.alerts
         level = alerts[0].level if alerts else Level.GREEN
         scores = {"monitor/level": float(level), "monitor/open_alerts": float(len(alerts))}
-        for m, tr in self._spike.items():
-            scores[self._score_names[m]] = tr.score.score
+        scores.update(f.scores)
         return Verdict(s, level, alerts, self._new, self._closed, scores)
 
     # ------------------------------------------------------------------
@@ -629,7 +457,7 @@ class Monitor:
         - closes every open alert (``details['closed_by'] = 'rollback'``),
           records a ``'rollback'`` alert in :attr:`history`, resets the
           consecutive-divergence count, and ends open spikes (recorded as
-          ``rolled_back``) and periodic patterns;
+          ``rolled_back``) and periodic patterns (each rule's ``rollback``);
         - keeps every baseline (fixed, rolling, EMA, per-layer) and the
           loss/grad-norm trends (frozen at their pre-spike values while a
           spike was open);
@@ -658,9 +486,8 @@ class Monitor:
         if self._last_step is not None and s < self._last_step:
             raise ValueError(f"note_rollback expects step >= the last checked step "
                              f"{self._last_step}, got {s}")
-        p = self.policy
         closed_ids, lead_metric = [], ""
-        red = self._open.get(("divergence", ""))
+        red = self._open.get(("divergence", "")) or self._open.get(("broken_model", ""))
         if red is not None:
             lead_metric = red.metric
         for a in self.alerts:
@@ -670,17 +497,11 @@ class Monitor:
             closed_ids.append(a.id)
         self._open.clear()
         self._events.clear()
-        for tr in self._spike.values():
-            self._spikes.extend(tr.rollback(s, p))
-        self._consecutive = 0
-        self._div_start = None
-        self._div_keys = set()
-        self._ls_drop = None
-        self._ls_prev = _NAN
         t_to = to - self._offset_at(to)
-        self._gap.drop_after(t_to)
-        self._gap_ema = self._gap.gs[-1] if self._gap.gs else _NAN
-        self._gap_t = self._gap.ts[-1] if self._gap.ts else 0
+        for r in self.rules:
+            fn = getattr(r, "rollback", None)
+            if fn is not None:
+                self._spikes.extend(fn(s, t_to) or [])
         self._layers.drop_after(t_to)
         self._offset = s - t_to
         self._segments.append((s, self._offset))
@@ -710,8 +531,14 @@ class Monitor:
         Only str/int/float/bool/list/dict/None; non-finite floats are the
         strings ``"nan"``, ``"inf"``, ``"-inf"``. ``json.dumps`` /
         ``json.loads`` / :meth:`from_state_dict` give a monitor whose
-        following verdicts equal the uninterrupted one's exactly.
+        following verdicts equal the uninterrupted one's exactly. Each rule's
+        state is under ``rules[name]`` (``None`` for a rule without
+        ``state_dict``).
         """
+        rules = {}
+        for r in self.rules:
+            fn = getattr(r, "state_dict", None)
+            rules[r.name] = fn() if fn is not None else None
         return {
             "format": "jvitals.Monitor",
             "version": _FORMAT_VERSION,
@@ -724,23 +551,14 @@ class Monitor:
                      for k, a in self._open.items()],
             "history": [a.to_dict() for a in self._history],
             "spikes": [x.to_dict() for x in self._spikes],
-            "consecutive": self._consecutive,
-            "div_start": self._div_start,
-            "div_keys": sorted([list(k) for k in self._div_keys]),
-            "ratio": {m: b.to_dict() for m, b in self._ratio.items()},
-            "throughput": {m: b.to_dict() for m, b in self._throughput.items()},
-            "spike": {m: tr.to_dict() for m, tr in self._spike.items()},
-            "ls_prev": enc_float(self._ls_prev),
-            "ls_drop": self._ls_drop,
-            "gap": self._gap.to_dict(),
-            "gap_ema": enc_float(self._gap_ema),
-            "gap_t": self._gap_t,
-            "last_loss": enc_float(self._last_loss),
+            "start": self._start.to_dict(),
             "layers": self._layers.to_dict(),
+            "rules": rules,
         }
 
     @classmethod
-    def from_state_dict(cls, d: Mapping[str, Any], policy: Policy | None = None) -> "Monitor":
+    def from_state_dict(cls, d: Mapping[str, Any], policy: Policy | None = None,
+                        rules: Sequence[Any] | None = None) -> "Monitor":
         """Rebuilds a monitor from :meth:`state_dict` (after a JSON round trip).
 
         Args:
@@ -749,45 +567,57 @@ class Monitor:
             Trackers of metrics the new policy no longer watches are dropped;
             new ones start empty; a changed ``baseline`` kind restarts the
             ratio baselines.
+          rules: the rule objects (``None``: ``default_rules(policy)``); each
+            loads the saved state of the rule of its name, if any.
 
         Raises:
           ValueError: ``d`` is not a monitor state of a known version.
         """
-        if not isinstance(d, Mapping) or d.get("format") != "jvitals.Monitor":
-            raise ValueError("Monitor.from_state_dict expects the dict of Monitor.state_dict(), got "
-                             f"{type(d).__name__} with keys {sorted(d)[:8] if isinstance(d, Mapping) else '-'}")
-        if d.get("version") != _FORMAT_VERSION:
-            raise ValueError(f"Monitor state version {d.get('version')!r} is not supported "
-                             f"(expected {_FORMAT_VERSION})")
+        _check_state(d)
         p = policy if policy is not None else Policy.from_dict(d["policy"])
-        m = cls(p)
-        m._last_step = d["last_step"]
-        m._offset = int(d["offset"])
-        m._segments = [(int(a), int(b)) for a, b in d["segments"]]
-        m._next_id = int(d["next_id"])
-        for rule, key, a, event in d["open"]:
-            alert = m._open[(rule, key)] = Alert.from_dict(a)
-            m._events[alert.id] = event
-        m._history.extend(Alert.from_dict(a) for a in d["history"])
-        m._spikes.extend(Spike.from_dict(x) for x in d["spikes"])
-        m._consecutive = int(d["consecutive"])
-        m._div_start = d["div_start"]
-        m._div_keys = {(a, b) for a, b in d["div_keys"]}
-        for name, b in d["ratio"].items():
-            if name in m._ratio and b["kind"] == p.baseline:
-                m._ratio[name] = baseline_from_dict(b)
-        for name, b in d["throughput"].items():
-            if name in m._throughput:
-                m._throughput[name] = FixedBaseline.from_dict(b)
-        for name, tr in d["spike"].items():
-            if name in m._spike:
-                m._spike[name] = SpikeTracker.from_dict(tr, p)
-        m._ls_prev = dec_float(d["ls_prev"])
-        m._ls_drop = None if d["ls_drop"] is None else dict(d["ls_drop"])
-        m._gap = GapSeries.from_dict(d["gap"])
-        m._gap_ema = dec_float(d["gap_ema"])
-        m._gap_t = int(d["gap_t"])
-        m._last_loss = dec_float(d["last_loss"])
-        m._layers = LayerHistory.from_dict(d["layers"], p.localize_rows,
-                                           max(1, p.localize_window // p.localize_rows))
+        m = cls(p, rules)
+        m._load(d)
         return m
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        """Loads :meth:`state_dict`'s output into this monitor (its policy and
+        rule objects kept)."""
+        _check_state(d)
+        fresh = type(self)(self.policy, self.rules)
+        fresh._load(d)
+        self.__dict__.update(fresh.__dict__)
+
+    def _load(self, d: Mapping[str, Any]) -> None:
+        p = self.policy
+        self._last_step = d["last_step"]
+        self._offset = int(d["offset"])
+        self._segments = [(int(a), int(b)) for a, b in d["segments"]]
+        self._next_id = int(d["next_id"])
+        self._open, self._events = {}, {}
+        for rule, key, a, event in d["open"]:
+            alert = self._open[(rule, key)] = Alert.from_dict(a)
+            self._events[alert.id] = event
+        self._history.clear()
+        self._history.extend(Alert.from_dict(a) for a in d["history"])
+        self._spikes.clear()
+        self._spikes.extend(Spike.from_dict(x) for x in d["spikes"])
+        self._start = BaselineStart.from_dict(d["start"])
+        self._layers = LayerHistory.from_dict(d["layers"], p.localize_rows,
+                                              max(1, p.localize_window // p.localize_rows))
+        self._plans.clear()
+        saved = d["rules"]
+        for r in self.rules:
+            st = saved.get(r.name)
+            fn = getattr(r, "load_state_dict", None)
+            if st is not None and fn is not None:
+                fn(st)
+
+
+def _check_state(d: Any) -> None:
+    if not isinstance(d, Mapping) or d.get("format") != "jvitals.Monitor":
+        raise ValueError("Monitor.from_state_dict expects the dict of Monitor.state_dict(), got "
+                         f"{type(d).__name__} with keys {sorted(d)[:8] if isinstance(d, Mapping) else '-'}")
+    if d.get("version") != _FORMAT_VERSION:
+        raise ValueError(f"Monitor state version {d.get('version')!r} is not supported (expected "
+                         f"{_FORMAT_VERSION}; version 1 states, from before the rule-based "
+                         "monitor, cannot be resumed: start a fresh Monitor)")

@@ -1,0 +1,1034 @@
+"""The monitor's rules: one small class per condition.
+
+A rule reads one check's :class:`Figures` and returns the alert
+:class:`Change` s it makes (open/update at a level, release, close). Its
+parameters come from the :class:`~jvitals._monitor_policy.Policy`; its state
+has ``state_dict`` / ``load_state_dict`` (plain JSON). ``Monitor.update``
+runs the rules in order and applies each one's changes before the next
+runs, so a later rule sees what an earlier one published in
+``Figures.notes`` (the loss trend, the global ratios) and the divergence
+rule, last, sees the check's divergent alerts.
+
+A user rule is any object with a ``name`` (unique) and ``check(figures) ->
+list[Change]``; ``state_dict``/``load_state_dict``/``rollback`` are optional.
+
+Rule table (every number a Policy field)::
+
+    class               rule id          level    condition
+    NonFiniteRule       nonfinite        ORANGE   loss / grad norm non-finite, nonfinite count > 0
+    SpikeRule           loss_spike       YELLOW   a loss spike not back in its band after 300 steps
+                        periodic_spike   YELLOW/  >= 3 spikes at near-regular intervals
+                                         ORANGE   (intervals shrinking)
+    RatioRule           grad_norm,       YELLOW,  x / baseline > 2 (2 checks running), > 3;
+                        param_norm,      ORANGE   param norm > 1.5; user ratio rules
+                        ratio
+    TrendRule           grad_trend       YELLOW   grad norm rising (Mann-Kendall z > 3.5, Theil-Sen
+                                                  rise >= 1.3x over 1000 steps, >= 1.3x baseline)
+                                                  while the loss's Theil-Sen slope falls
+    GroupRule           group            YELLOW   one group's update/param ratio, grad share or
+                                                  param norm (relative to the trunk) left its band
+                                                  while the global figures did not
+    ThroughputRule      throughput       YELLOW   tokens/s (else steps/s) down > 30%
+    LossScaleRule       loss_scale       YELLOW   loss scale falls >= 2**4 between two checks
+    GapRule             val_gap          YELLOW   gap growth > 1.5x the growth before, above
+                                                  the noise (4 sd) and a floor, 2 samples running
+    BrokenModelRule     broken_model     ORANGE,  loss at chance level (log vocab) or param norm
+                                         RED      1.5x its value 200 steps before; RED when not
+                                                  recovered after 50 steps
+    DivergenceRule      divergence       RED      red_after consecutive checks with an ORANGE
+                                                  condition (or the loss > 1.25x its pre-spike trend
+                                                  after the pathological window)
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import re
+from typing import Any, Mapping, NamedTuple, Protocol, runtime_checkable
+
+import numpy as np
+
+from jvitals._monitor_policy import Policy
+from jvitals._monitor_trackers import (
+    BASELINES,
+    BucketSeries,
+    FixedBaseline,
+    GapSeries,
+    RollingBaseline,
+    SpikeTracker,
+    baseline_from_dict,
+    mann_kendall_z,
+    theil_sen,
+)
+from jvitals._monitor_types import Alert, Level, Spike, dec_float, enc_float
+
+__all__ = [
+    "BrokenModelRule",
+    "Change",
+    "DivergenceRule",
+    "Figures",
+    "GapRule",
+    "GroupRule",
+    "LossScaleRule",
+    "NonFiniteRule",
+    "RatioRule",
+    "Rule",
+    "SpikeRule",
+    "ThroughputRule",
+    "TrendRule",
+    "default_rules",
+]
+
+_NAN = math.nan
+_RATIO_RULE_IDS = {"grad/global_norm": "grad_norm", "param/global_norm": "param_norm"}
+_SCORE_NAMES = {"loss": "monitor/loss_spike_score",
+                "grad/global_norm": "monitor/grad_norm_spike_score"}
+
+
+# --------------------------------------------------------------------------
+# What rules read and return.
+# --------------------------------------------------------------------------
+
+
+class Plan:
+    """Where the watched names sit in one key set (cached per key set)."""
+
+    __slots__ = ("keys", "named", "pos", "cols", "cache")
+
+    def __init__(self, keys: tuple, named: dict[str, int], pos: np.ndarray, cols: np.ndarray):
+        self.keys, self.named, self.pos, self.cols = keys, named, pos, cols
+        self.cache: dict[str, Any] = {}  # per-rule data derived from the key set
+
+
+class Figures:
+    """One check's figures as the rules see them.
+
+    Attributes:
+      step: the caller's step ``s``.
+      t: model time (``s`` minus the steps abandoned by rollbacks).
+      start: model time at which the baselines started (``None`` before).
+      warm: ``start is None or t < start``.
+      plan: the key set's :class:`Plan` (``plan.keys``, ``plan.cache`` for a
+        rule's own per-key-set data).
+      vals: the values, ``float64``, in ``plan.keys`` order.
+      open: the open alerts, ``{(rule, key): Alert}`` (read only).
+      notes: what earlier rules published this check.
+      diverging: ``[(key, alert)]`` of this check's divergent alerts.
+      touched: the ``(rule, key)`` pairs some change named this check.
+      scores: floats to log, filled by the rules.
+      spikes: spikes completed this check (the monitor keeps them).
+      policy: the :class:`Policy`.
+    """
+
+    __slots__ = ("step", "t", "start", "warm", "plan", "vals", "open", "notes", "diverging",
+                 "touched", "scores", "spikes", "policy")
+
+    def __init__(self, step: int, t: int, start: int | None, plan: Plan, vals: np.ndarray,
+                 open_: Mapping[tuple[str, str], Alert], policy: Policy) -> None:
+        self.step, self.t, self.start = step, t, start
+        self.warm = start is None or t < start
+        self.plan, self.vals, self.open, self.policy = plan, vals, open_, policy
+        self.notes: dict[str, Any] = {}
+        self.diverging: list[tuple[tuple[str, str], Alert]] = []
+        self.touched: set[tuple[str, str]] = set()
+        self.scores: dict[str, float] = {}
+        self.spikes: list[Spike] = []
+
+    def get(self, name: str) -> float | None:
+        """The value of ``name`` at this check (``None`` when not logged)."""
+        i = self.plan.named.get(name)
+        if i is None:
+            i = _index(self.plan, name)
+            if i is None:
+                return None
+        return float(self.vals[i])
+
+
+def _index(plan: Plan, name: str) -> int | None:
+    idx = plan.cache.get("_index")
+    if idx is None:
+        idx = plan.cache["_index"] = {k: i for i, k in enumerate(plan.keys)}
+    return idx.get(name)
+
+
+class Change(NamedTuple):
+    """One alert change a rule returns.
+
+    ``op``: ``"set"`` opens or updates the alert ``(rule, key)`` at
+    ``level``; ``"release"`` says its condition did not hold (it closes after
+    ``Policy.clear_steps`` clear steps); ``"clear"`` closes it now.
+    ``diverging``: counts toward the divergence rule (``None``: every
+    ORANGE-or-worse set does). ``prescription``: a key of ``PRESCRIPTIONS``
+    overriding the rule's own.
+    """
+
+    op: str
+    rule: str
+    key: str
+    metric: str = ""
+    level: Level = Level.GREEN
+    value: float = _NAN
+    baseline: float = _NAN
+    ratio: float = _NAN
+    headline: str = ""
+    event: str = ""
+    onset: int | None = None
+    details: dict[str, Any] | None = None
+    diverging: bool | None = None
+    prescription: str | None = None
+
+
+def set_(rule: str, metric: str, level: Level, value: float, baseline: float, ratio: float,
+         headline: str, event: str, *, key: str | None = None, **kw: Any) -> Change:
+    """A ``"set"`` change (``key`` defaults to the metric)."""
+    return Change("set", rule, metric if key is None else key, metric, level, value, baseline,
+                  ratio, headline, event, **kw)
+
+
+def release(rule: str, key: str) -> Change:
+    return Change("release", rule, key)
+
+
+def clear(rule: str, key: str) -> Change:
+    return Change("clear", rule, key)
+
+
+@runtime_checkable
+class Rule(Protocol):
+    """What the monitor needs of a rule (the others are optional)."""
+
+    name: str
+
+    def check(self, f: Figures) -> list[Change]:
+        ...
+
+
+class _Base:
+    """Default state/rollback behaviour: stateless."""
+
+    name = ""
+
+    def __init__(self, policy: Policy) -> None:
+        self.p = policy
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        del d
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        del step, t_to
+        return []
+
+
+# --------------------------------------------------------------------------
+# Rules.
+# --------------------------------------------------------------------------
+
+
+class NonFiniteRule(_Base):
+    """ORANGE while ``nonfinite_metrics`` are non-finite or
+    ``nonfinite_count_metrics`` are > 0 (judged from the first check)."""
+
+    name = "nonfinite"
+
+    def check(self, f: Figures) -> list[Change]:
+        out = []
+        for m in self.p.nonfinite_metrics:
+            v = f.get(m)
+            if v is None:
+                continue
+            if math.isfinite(v):
+                out.append(release("nonfinite", m))
+            else:
+                out.append(set_("nonfinite", m, Level.ORANGE, v, _NAN, _NAN,
+                                f"{m} is non-finite ({v}).", f"{m} went non-finite"))
+        for m in self.p.nonfinite_count_metrics:
+            v = f.get(m)
+            if v is None:
+                continue
+            if v == 0:
+                out.append(release("nonfinite", m))
+            else:
+                out.append(set_("nonfinite", m, Level.ORANGE, v, 0.0, _NAN,
+                                f"{m} = {v:g}: gradients hold non-finite elements.",
+                                "gradients went non-finite"))
+        return out
+
+
+class SpikeRule(_Base):
+    """Spike anatomy, the unrecovered-spike YELLOW, periodic spikes, scores.
+
+    Publishes ``notes['loss_trend']`` (the loss EMA trend) and
+    ``notes['loss_pre']`` (the pre-spike trend while a loss spike is open or
+    its elevated reference holds, else the trend).
+    """
+
+    name = "spike"
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.trackers = {m: SpikeTracker(m, policy) for m in policy.spike_metrics}
+        self.score_names = {m: _SCORE_NAMES.get(m, "monitor/" + m.replace("/", "_") + "_spike_score")
+                            for m in policy.spike_metrics}
+
+    def check(self, f: Figures) -> list[Change]:
+        p, s, out = self.p, f.step, []
+        seen: dict[str, float] = {}
+        for m, tr in self.trackers.items():
+            v = f.get(m)
+            if v is None or not math.isfinite(v):
+                continue
+            seen[m] = v
+            f.spikes.extend(tr.observe(s, v, f.warm, p))
+        for m in p.spike_alert_metrics:
+            tr = self.trackers.get(m)
+            if tr is None or m not in seen:
+                continue
+            v = seen[m]
+            o, e = tr.open, tr.elevated
+            if o is not None and s - o["onset"] >= p.physiological_steps:
+                ref, onset = o["pre_trend"], o["onset"]
+            elif o is None and e is not None:
+                ref, onset = e["pre_trend"], e["onset"]
+            else:
+                if o is None:
+                    out.append(clear("loss_spike", m))
+                continue
+            ratio = v / ref if ref > 0 else _NAN
+            out.append(set_(
+                "loss_spike", m, Level.YELLOW, v, ref, ratio,
+                f"{m} spike at step {onset} not back to trend after {s - onset} steps: "
+                f"{v:.4g} vs pre-spike trend {ref:.4g} ({ratio:.2f}x).", f"{m} spiked",
+                onset=onset,
+                diverging=bool(o is None and ref > 0 and v > p.divergence_loss_ratio * ref)))
+        for m, tr in self.trackers.items():
+            f.scores[self.score_names[m]] = tr.score.score
+            if m not in seen:
+                continue
+            per = tr.periodic
+            if per is None:
+                out.append(clear("periodic_spike", m))
+                continue
+            lvl = Level.ORANGE if per["shrinking"] else Level.YELLOW
+            shrink = ", intervals shrinking" if per["shrinking"] else ""
+            out.append(set_(
+                "periodic_spike", m, lvl, float(per["period"]), _NAN, _NAN,
+                f"{per['count']} {m} spikes at near-regular intervals, period ~"
+                f"{per['period']:.0f} steps{shrink} (intervals {per['intervals']}); last onset at "
+                f"step {per['last_onset']}.", f"{m} spikes turned periodic",
+                onset=per["first_onset"], diverging=False,
+                details={"period": float(per["period"]), "count": per["count"],
+                         "intervals": list(per["intervals"]), "shrinking": per["shrinking"],
+                         "last_onset": per["last_onset"]}))
+        tr = self.trackers.get("loss")
+        if tr is not None:
+            f.notes["loss_trend"] = tr.trend
+            ref = tr.trend
+            if tr.open is not None:
+                ref = tr.open["pre_trend"]
+            elif tr.elevated is not None:
+                ref = tr.elevated["pre_trend"]
+            f.notes["loss_pre"] = ref
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {m: tr.to_dict() for m, tr in self.trackers.items()}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        for m, tr in d.items():
+            if m in self.trackers:
+                self.trackers[m] = SpikeTracker.from_dict(tr, self.p)
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        done = []
+        for tr in self.trackers.values():
+            done.extend(tr.rollback(step, self.p))
+        return done
+
+
+def _level(ratio: float, y: float, o: float | None) -> Level:
+    if o is not None and ratio > o:
+        return Level.ORANGE
+    if ratio > y:
+        return Level.YELLOW
+    return Level.GREEN
+
+
+def _hysteresis_level(ratio: float, y: float, o: float | None, cur: Level, gate: bool,
+                      h: float) -> Level:
+    """Level of a ratio rule: opens/escalates on the thresholds (and the
+    gate), steps down only below ``1 + h * (threshold - 1)``."""
+    raw = _level(ratio, y, o) if gate else Level.GREEN
+    if raw >= cur:
+        return raw
+    held = _level(ratio, 1.0 + h * (y - 1.0), None if o is None else 1.0 + h * (o - 1.0))
+    return max(raw, min(cur, held))
+
+
+class RatioRule(_Base):
+    """``x / baseline`` against ``(yellow, orange)`` per ``Policy.ratio_rules``.
+
+    A new YELLOW needs ``confirm_checks`` consecutive checks above the yellow
+    ratio (onset = the first of them); ORANGE opens at once. Publishes
+    ``notes['ratio']`` = ``{metric: latest x / baseline}``.
+    """
+
+    name = "ratio"
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.baselines = {m: BASELINES[policy.baseline]() for m in policy.ratio_rules}
+        self.above: dict[str, list[int]] = {}  # metric -> [count, first step]
+        self.last_ratio: dict[str, float] = {}
+
+    def check(self, f: Figures) -> list[Change]:
+        p, s, out = self.p, f.step, []
+        for m, (y, o) in p.ratio_rules.items():
+            v = f.get(m)
+            if v is None or not math.isfinite(v):
+                continue
+            ref, gate = self.baselines[m].step(f.t, s, v, p, f.start)
+            if ref is None or not ref > 0:
+                continue
+            ratio = v / ref
+            self.last_ratio[m] = ratio
+            rule = _RATIO_RULE_IDS.get(m, "ratio")
+            cur = f.open.get((rule, m))
+            lvl = _hysteresis_level(ratio, y, o, cur.level if cur else Level.GREEN, gate,
+                                    p.hysteresis)
+            onset = None
+            if cur is None:
+                if gate and ratio > y:
+                    run = self.above.setdefault(m, [0, s])
+                    run[0] += 1
+                    onset = run[1]
+                    if lvl == Level.YELLOW and run[0] < p.confirm_checks:
+                        lvl = Level.GREEN
+                else:
+                    self.above.pop(m, None)
+            if lvl == Level.GREEN:
+                out.append(release(rule, m))
+                continue
+            self.above.pop(m, None)
+            thr = o if lvl == Level.ORANGE else y
+            orange = f", orange > {o:g}x" if o is not None else ""
+            out.append(set_(rule, m, lvl, v, ref, ratio,
+                            f"{m} = {v:.4g} is {ratio:.2f}x its baseline {ref:.4g} (yellow > "
+                            f"{y:g}x{orange}).", f"{m} crossed {thr:g}x", onset=onset))
+        f.notes["ratio"] = self.last_ratio
+        return out
+
+    def baseline(self, metric: str) -> float | None:
+        """The learned baseline of ``metric`` (``None`` while learning)."""
+        b = self.baselines.get(metric)
+        if b is None:
+            return None
+        if isinstance(b, RollingBaseline) and len(b.vals) < self.p.adaptive_min_samples:
+            return None
+        m = b.mean
+        return None if m != m else float(m)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"baselines": {m: b.to_dict() for m, b in self.baselines.items()},
+                "above": dict(self.above),
+                "last_ratio": {m: enc_float(r) for m, r in self.last_ratio.items()}}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        for m, b in d["baselines"].items():
+            if m in self.baselines and b["kind"] == self.p.baseline:
+                self.baselines[m] = baseline_from_dict(b)
+        self.above = {m: list(v) for m, v in d["above"].items() if m in self.baselines}
+        self.last_ratio = {m: dec_float(r) for m, r in d["last_ratio"].items()
+                           if m in self.baselines}
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        self.above = {}
+        return []
+
+
+class TrendRule(_Base):
+    """Creep: the grad norm's robust trend rises while the loss's falls.
+
+    Bucket means (``trend_buckets`` over ``trend_window`` steps) of ``log x``
+    and of the loss, after the baseline start; at each closed bucket with a
+    full window::
+
+        z    = Mann-Kendall z of the log-x bucket means
+        rise = exp(Theil-Sen slope of log x * trend_window)
+        YELLOW when z > trend_z, rise >= trend_min_rise,
+             x / baseline >= trend_min_ratio, and the loss's Theil-Sen slope < 0
+
+    while no grad-norm ratio alert is open (that one already says it). It is
+    released (``clear_steps``) at the first evaluation where it fails.
+    """
+
+    name = "trend"
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.buckets = BucketSeries(policy.trend_window // policy.trend_buckets,
+                                    policy.trend_buckets, 2)
+        self.onset: int | None = None
+
+    def check(self, f: Figures) -> list[Change]:
+        p = self.p
+        m = p.trend_metric
+        x, loss = f.get(m), f.get("loss")
+        if f.warm or x is None or loss is None or not (math.isfinite(x) and x > 0
+                                                        and math.isfinite(loss)):
+            return []
+        if not self.buckets.add(f.step, [math.log(x), loss]):
+            return []
+        ids, means = self.buckets.arrays()
+        if len(ids) < p.trend_buckets:
+            return []
+        ratio = f.notes.get("ratio", {}).get(m, _NAN)
+        z = mann_kendall_z(means[:, 0])
+        slope = theil_sen(ids, means[:, 0])
+        lslope = theil_sen(ids, means[:, 1])
+        rise = math.exp(slope * p.trend_window) if slope == slope else _NAN
+        key = (_RATIO_RULE_IDS.get(m, "ratio"), m)
+        holds = (z > p.trend_z and rise >= p.trend_min_rise and ratio >= p.trend_min_ratio
+                 and lslope < 0)
+        is_open = ("grad_trend", m) in f.open
+        if not holds:
+            return [release("grad_trend", m)] if is_open else []
+        if key in f.open:
+            return []  # the ratio rule speaks for the grad norm now
+        return [set_("grad_trend", m, Level.YELLOW, x, x / ratio, ratio,
+                     f"{m} has been climbing while the loss still falls: Mann-Kendall z = "
+                     f"{z:.1f}, robust (Theil-Sen) rise {rise:.2f}x over the last "
+                     f"{p.trend_window} steps, now {ratio:.2f}x its baseline.", f"{m} started climbing",
+                     details={"mann_kendall_z": z, "rise": rise,
+                              "loss_slope_per_step": lslope})]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"buckets": self.buckets.to_dict()}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        self.buckets = BucketSeries.from_dict(d["buckets"])
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        self.buckets.clear()
+        return []
+
+
+_GLOBAL_OF = {"update/param_ratio": "update/param_ratio", "param/norm": "param/global_norm"}
+
+
+class GroupRule(_Base):
+    """One group's figures left their band while the global figures did not.
+
+    Groups: ``embedding``, ``lm_head``, ``layer_{i}``; figures
+    ``{family}/{group}`` for the families of ``Policy.group_bands``. Each
+    value is divided by the trunk's median of the family at the same check
+    (the global figure where no layer figure is logged; grad shares as they
+    are) so a schedule moving every group together is not a departure; its
+    log is compared with its own baseline (median of the baseline window)::
+
+        out = |log(x / trunk) - b| > max(group_z * 1.4826 * MAD, log(band))
+
+    ``group_confirm`` consecutive out samples open a YELLOW naming the group
+    (embedding / LM head: "0.5x trunk LR"; a layer: "layer-wise LR decay"),
+    if ``grad/global_norm`` and ``param/global_norm`` are below
+    ``group_global_ratio`` x their baselines. Released when the group is back
+    in band.
+    """
+
+    name = "group"
+    _GROUP = re.compile(r"^(?P<fam>.+)/(?P<g>embedding|lm_head|layer_(?P<i>\d+))$")
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.cols: dict[str, list] = {}  # name -> [samples, b, mad, run, first out step, sign]
+
+    def _plan(self, f: Figures):
+        got = f.plan.cache.get(self.name)
+        if got is None:
+            fams: dict[str, list[tuple[str, str, bool, int]]] = {}
+            for i, k in enumerate(f.plan.keys):
+                mt = self._GROUP.match(k)
+                if mt and mt["fam"] in self.p.group_bands:
+                    fams.setdefault(mt["fam"], []).append((k, mt["g"], mt["i"] is not None, i))
+            got = f.plan.cache[self.name] = fams
+        return got
+
+    def check(self, f: Figures) -> list[Change]:
+        fams = self._plan(f)
+        if not fams or f.warm:
+            return []
+        p, s = self.p, f.step
+        start_end = f.start + p.baseline_steps
+        out_groups: dict[str, tuple[float, str, float, float, float, int]] = {}
+        seen_groups = set()
+        for fam, items in fams.items():
+            vals = [(k, g, is_layer, float(f.vals[i])) for k, g, is_layer, i in items]
+            layer_vals = [v for _, _, is_layer, v in vals if is_layer and v > 0 and math.isfinite(v)]
+            if len(layer_vals) >= 2:
+                trunk = float(np.median(layer_vals))
+            elif fam in _GLOBAL_OF:
+                trunk = f.get(_GLOBAL_OF[fam]) or _NAN
+            else:
+                trunk = 1.0
+            if not (trunk > 0 and math.isfinite(trunk)):
+                continue
+            lband = math.log(p.group_bands[fam])
+            for k, g, _, v in vals:
+                if not (v > 0 and math.isfinite(v)):
+                    continue
+                seen_groups.add(g)
+                y = math.log(v / trunk)
+                c = self.cols.get(k)
+                if c is None:
+                    c = self.cols[k] = [[], _NAN, _NAN, 0, s, 0]
+                if c[1] != c[1]:
+                    if f.t < start_end or len(c[0]) < p.baseline_min_samples:
+                        c[0].append(y)
+                    if len(c[0]) >= p.baseline_min_samples and f.t >= start_end - 1:
+                        b = float(np.median(c[0]))
+                        c[1], c[2] = b, 1.4826 * float(np.median(np.abs(np.asarray(c[0]) - b)))
+                        c[0] = []
+                    continue
+                d = y - c[1]
+                band = max(p.group_z * c[2], lband)
+                sign = 1 if d > 0 else -1
+                if abs(d) > band:
+                    if c[3] and c[5] == sign:
+                        c[3] += 1
+                    else:
+                        c[3], c[4], c[5] = 1, s, sign
+                    if c[3] >= p.group_confirm:
+                        size = abs(d) / band
+                        prev = out_groups.get(g)
+                        if prev is None or size > prev[0]:
+                            out_groups[g] = (size, k, v, trunk * math.exp(c[1]), math.exp(d), c[4])
+                else:
+                    c[3] = 0
+        changes = []
+        ratios = f.notes.get("ratio", {})
+        calm = all(ratios.get(m, 1.0) < p.group_global_ratio
+                   for m in ("grad/global_norm", "param/global_norm"))
+        for g in sorted(seen_groups):
+            hit = out_groups.get(g)
+            is_open = ("group", g) in f.open
+            if hit is None:
+                if is_open:
+                    changes.append(release("group", g))
+                continue
+            if not is_open and not calm:
+                continue
+            size, k, v, ref, r, onset = hit
+            fam = k[: -len(g) - 1]
+            layer = g.startswith("layer_")
+            what = "layer-wise LR decay" if layer else "embedding and LM head at 0.5x trunk LR"
+            changes.append(set_(
+                "group", k, Level.YELLOW, v, ref, r,
+                f"the {g} group left its band while the global figures did not: {k} = {v:.4g} is "
+                f"{r:.2f}x its baseline relative to the trunk (band {p.group_bands[fam]:g}x); "
+                f"suggests {what}.", f"{k} left its band", key=g,
+                onset=None if is_open else onset,
+                prescription="group_layer_lr" if layer else "group_embedding_lr",
+                details={"group": g, "family": fam}))
+        return changes
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cols": {k: [list(map(enc_float, c[0])), enc_float(c[1]), enc_float(c[2]), c[3],
+                             c[4], c[5]] for k, c in self.cols.items()}}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        self.cols = {k: [[dec_float(x) for x in c[0]], dec_float(c[1]), dec_float(c[2]), int(c[3]),
+                         int(c[4]), int(c[5])] for k, c in d["cols"].items()}
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        for c in self.cols.values():
+            c[3] = 0
+        return []
+
+
+class ThroughputRule(_Base):
+    """YELLOW when the first present ``throughput_metrics`` is down more than
+    ``throughput_drop`` from its fixed baseline."""
+
+    name = "throughput"
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.baselines = {m: FixedBaseline() for m in policy.throughput_metrics}
+
+    def check(self, f: Figures) -> list[Change]:
+        p, out, judged = self.p, [], False
+        for m in p.throughput_metrics:
+            v = f.get(m)
+            if v is None or not math.isfinite(v):
+                continue
+            ref, _ = self.baselines[m].step(f.t, f.step, v, p, f.start)
+            if judged or ref is None or not ref > 0:
+                continue
+            judged = True
+            drop = 1.0 - v / ref
+            is_open = ("throughput", m) in f.open
+            if drop > p.throughput_drop or (is_open and drop > p.hysteresis * p.throughput_drop):
+                out.append(set_("throughput", m, Level.YELLOW, v, ref, v / ref,
+                                f"{m} = {v:.4g} is {100 * drop:.0f}% below its baseline {ref:.4g} "
+                                f"(yellow when down > {100 * p.throughput_drop:.0f}%).",
+                                f"{m} fell {100 * p.throughput_drop:.0f}%"))
+            else:
+                out.append(release("throughput", m))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {m: b.to_dict() for m, b in self.baselines.items()}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        for m, b in d.items():
+            if m in self.baselines:
+                self.baselines[m] = FixedBaseline.from_dict(b)
+
+
+class LossScaleRule(_Base):
+    """YELLOW when the loss scale falls ``>= loss_scale_drop`` x between two
+    consecutive checks; closes ``event_hold_steps`` after the last drop."""
+
+    name = "loss_scale"
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.prev = _NAN
+        self.drop: dict[str, Any] | None = None
+
+    def check(self, f: Figures) -> list[Change]:
+        p, s, out = self.p, f.step, []
+        m = p.loss_scale_metric
+        v = f.get(m)
+        if v is not None and math.isfinite(v) and v > 0:
+            prev = self.prev
+            if not f.warm and prev == prev and prev / v >= p.loss_scale_drop:
+                first = self.drop["onset"] if self.drop else s
+                self.drop = {"step": s, "onset": first}
+                out.append(set_("loss_scale", m, Level.YELLOW, v, prev, v / prev,
+                                f"{m} fell {prev / v:g}x in one check ({prev:g} -> {v:g}) at step "
+                                f"{s}: gradients overflowed.", f"{m} fell {prev / v:g}x",
+                                onset=first))
+            self.prev = v
+        if self.drop is not None and s - self.drop["step"] >= p.event_hold_steps:
+            out.append(clear("loss_scale", m))
+            self.drop = None
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"prev": enc_float(self.prev), "drop": self.drop}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        self.prev = dec_float(d["prev"])
+        self.drop = None if d["drop"] is None else dict(d["drop"])
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        self.prev, self.drop = _NAN, None
+        return []
+
+
+class GapRule(_Base):
+    """Train/val gap growing faster than before, beyond its noise.
+
+    The gap ``g`` is ``val/gap`` or ``val/loss`` minus the loss trend; its
+    samples (from ``start + baseline_steps`` on) are smoothed by an EMA of
+    half-life ``val_gap_halflife`` steps. With ``W = val_gap_window``::
+
+        recent = g(t) - g(t-W),  before = g(t-W) - g(t-2W)
+        excess = recent - val_gap_ratio * max(before, 0)
+        YELLOW when excess > max(val_gap_min_growth * |loss|, gap_z * sd(excess))
+               at gap_confirm consecutive samples
+
+    ``sd(excess)``: the raw samples' noise ``var = EMA((g_i - 2 g_{i-1} +
+    g_{i-2})^2 / 6)`` (second differences: blind to a steady trend; learned
+    while the rule does not hold) through the EMA, ``var_e = var * (1 - a) / (1 + a)`` (``a``
+    its per-sample decay), and the three independent window ends,
+    ``var_e * (1 + (1 + r)^2 + r^2)`` (``r = val_gap_ratio`` when ``before >
+    0``, else ``2 var_e``).
+    """
+
+    name = "val_gap"
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.gap = GapSeries()
+        self.ema = _NAN
+        self.t_last = 0
+        self.raw_prev = [_NAN, _NAN]
+        self.var = _NAN
+        self.decay = _NAN
+        self.run = 0
+        self.onset: int | None = None
+        self.last_loss = _NAN
+
+    def check(self, f: Figures) -> list[Change]:
+        p, s, t = self.p, f.step, f.t
+        loss = f.get("loss")
+        if loss is not None and math.isfinite(loss):
+            self.last_loss = loss
+        trend = f.notes.get("loss_trend", _NAN)
+        loss_ref = trend if trend == trend else self.last_loss
+        g = f.get("val/gap")
+        vl = f.get("val/loss")
+        if g is None and vl is not None:
+            g = vl - loss_ref if loss_ref == loss_ref else None
+        if g is None or not math.isfinite(g) or f.start is None or t < f.start + p.baseline_steps:
+            return []
+        w = p.val_gap_window
+        r0, r1 = self.raw_prev
+        if r1 == r1 and self.run == 0:  # the noise: learned while the rule does not hold
+            d2 = (g - 2.0 * r0 + r1) ** 2 / 6.0
+            self.var = d2 if self.var != self.var else 0.9 * self.var + 0.1 * d2
+        self.raw_prev = [g, r0]
+        if self.ema != self.ema or p.val_gap_halflife == 0:
+            self.ema = g
+            a = 0.0
+        else:
+            a = 0.5 ** (max(t - self.t_last, 1) / p.val_gap_halflife)
+            self.ema = a * self.ema + (1.0 - a) * g
+        self.decay = a
+        self.t_last = t
+        g = self.ema
+        self.gap.add(t, g, 2 * w)
+        if not self.gap.covers(t - 2 * w):
+            return []
+        g1, g2 = self.gap.at(t - w), self.gap.at(t - 2 * w)
+        recent, before = g - g1, g1 - g2
+        level_ref = abs(loss_ref) if loss_ref == loss_ref else (
+            abs(vl) if vl is not None and math.isfinite(vl) else 0.0)
+        var_e = (self.var if self.var == self.var else 0.0) * (1.0 - a) / (1.0 + a)
+        r = p.val_gap_ratio
+        var_x = var_e * (1.0 + (1.0 + r) ** 2 + r * r) if before > 0 else 2.0 * var_e
+        floor = max(p.val_gap_min_growth * level_ref, p.gap_z * math.sqrt(var_x))
+        if recent > r * max(before, 0.0) + floor:
+            self.run += 1
+            if self.run == 1:
+                self.onset = s
+            if self.run < p.gap_confirm and ("val_gap", "val/gap") not in f.open:
+                return []
+            ratio = recent / before if before > 0 else math.inf
+            return [set_("val_gap", "val/gap", Level.YELLOW, g, g1, ratio,
+                         f"the train/val gap grew by {recent:.4g} over the last {w} steps vs "
+                         f"{before:.4g} over the {w} before (> {r:g}x, noise sd "
+                         f"{math.sqrt(var_x):.2g}); gap now {g:.4g}.",
+                         "the train/val gap accelerated", onset=self.onset,
+                         details={"recent_growth": recent, "previous_growth": before,
+                                  "noise_sd": math.sqrt(var_x)})]
+        self.run = 0
+        return [clear("val_gap", "val/gap")]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"gap": self.gap.to_dict(), "ema": enc_float(self.ema), "t_last": self.t_last,
+                "raw_prev": [enc_float(x) for x in self.raw_prev], "var": enc_float(self.var),
+                "decay": enc_float(self.decay), "run": self.run, "onset": self.onset,
+                "last_loss": enc_float(self.last_loss)}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        self.gap = GapSeries.from_dict(d["gap"])
+        self.ema, self.t_last = dec_float(d["ema"]), int(d["t_last"])
+        self.raw_prev, self.var = [dec_float(x) for x in d["raw_prev"]], dec_float(d["var"])
+        self.decay, self.run, self.onset = dec_float(d["decay"]), int(d["run"]), d["onset"]
+        self.last_loss = dec_float(d["last_loss"])
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        self.gap.drop_after(t_to)
+        self.ema = self.gap.gs[-1] if self.gap.gs else _NAN
+        self.t_last = self.gap.ts[-1] if self.gap.ts else 0
+        self.raw_prev, self.run, self.onset = [_NAN, _NAN], 0, None
+        return []
+
+
+class BrokenModelRule(_Base):
+    """A broken model goes RED fast (METRICS.md §5 red tier, fast path).
+
+    Broken at a check (after the baseline start) when
+
+    - the loss is at chance level: ``loss >= broken_chance_frac * C`` while
+      its pre-spike trend was below ``broken_chance_frac ** 2 * C``, with
+      ``C = log(V)`` (``V`` = ``Policy.vocab_size`` or the ``vocab_metric``
+      figure) or, without ``V``, the first loss the monitor saw (a run from
+      scratch starts at chance; a resumed one at its starting point, which a
+      broken model also falls back to); or
+    - the param norm jumped: ``>= broken_param_jump`` x its value
+      ``broken_jump_window`` steps earlier.
+
+    A param-norm jump is ORANGE at once, a chance-level loss once it has held
+    for ``broken_steps // 2`` steps (a physiological spike recovers sooner);
+    either is RED once it has held at every check for ``broken_steps``
+    steps. It clears when the loss is back
+    below its threshold and the param norm below ``1 + (broken_param_jump -
+    1) / 2`` x its pre-jump value.
+    """
+
+    name = "broken_model"
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.pn: collections.deque[tuple[int, float]] = collections.deque()
+        self.vocab = _NAN
+        self.first_loss = _NAN
+        self.state: dict[str, Any] | None = None  # {"since", "checks", "pn_ref", "kind"}
+
+    def check(self, f: Figures) -> list[Change]:
+        p, s = self.p, f.step
+        if p.vocab_size is None:
+            v = f.get(p.vocab_metric)
+            if v is not None and v > 1 and math.isfinite(v):
+                self.vocab = v
+        vocab = float(p.vocab_size) if p.vocab_size is not None else self.vocab
+        loss, pn = f.get("loss"), f.get("param/global_norm")
+        if loss is not None and math.isfinite(loss) and self.first_loss != self.first_loss:
+            self.first_loss = loss
+        if f.warm:
+            return []
+        chance = math.log(vocab) if vocab == vocab else self.first_loss
+        st = self.state
+        pre = st["pre"] if st is not None else f.notes.get("loss_pre", _NAN)
+        loss_bad = None
+        if loss is not None and math.isfinite(loss) and chance == chance and chance > 0:
+            loss_bad = (loss >= p.broken_chance_frac * chance
+                        and pre < p.broken_chance_frac ** 2 * chance)
+        pn_bad, pn_ref = None, _NAN
+        if pn is not None and math.isfinite(pn) and pn > 0:
+            if st is not None and st["pn_ref"] is not None:
+                pn_bad = pn >= (1.0 + 0.5 * (p.broken_param_jump - 1.0)) * st["pn_ref"]
+            else:
+                q = self.pn
+                while len(q) > 1 and q[1][0] <= s - p.broken_jump_window:
+                    q.popleft()
+                if q:
+                    pn_ref = q[0][1]
+                    pn_bad = pn >= p.broken_param_jump * pn_ref
+                q.append((s, pn))
+        if st is None:
+            if not (loss_bad or pn_bad):
+                return [release("broken_model", "")] if ("broken_model", "") in f.open else []
+            st = self.state = {"since": s, "checks": 0, "pn_ref": pn_ref if pn_bad else None,
+                               "kind": "param" if pn_bad else "loss", "pre": pre}
+        else:
+            if pn_bad and st["pn_ref"] is None:
+                st["pn_ref"], st["kind"] = pn_ref, "param"
+            seen = [x for x in (loss_bad, pn_bad) if x is not None]
+            if not seen:
+                return []  # neither figure at this check: hold
+            if not any(seen):
+                self.state = None
+                return [release("broken_model", "")]
+        st["checks"] += 1
+        held = s - st["since"]
+        if held >= p.broken_steps:
+            lvl = Level.RED
+        elif st["kind"] == "param" or held >= p.broken_steps // 2:
+            lvl = Level.ORANGE
+        else:
+            return []  # a loss at chance level must hold a while (a physiological spike does not)
+        if st["kind"] == "param":
+            metric, value, ref = "param/global_norm", pn, st["pn_ref"]
+            what = (f"param/global_norm jumped to {value:.4g} from {ref:.4g} "
+                    f"({value / ref:.2f}x within {p.broken_jump_window} steps)"
+                    if value is not None else "param/global_norm jumped")
+        else:
+            metric, value, ref = "loss", loss, chance
+            src_ = "log vocab" if vocab == vocab else "the first loss seen"
+            what = ("loss is at chance level" if value is None else
+                    f"loss {value:.4g} is back at chance level ({src_} = {ref:.4g}; pre-spike "
+                    f"trend {st['pre']:.4g})")
+        value = _NAN if value is None else float(value)
+        ratio = value / ref if ref and ref == ref else _NAN
+        tail = (f"not recovered after {held} steps: the model is broken, roll back."
+                if lvl == Level.RED else
+                f"RED if it has not recovered by step {st['since'] + p.broken_steps}.")
+        return [set_("broken_model", metric, lvl, value, ref, ratio, f"{what}; {tail}",
+                     f"{metric} broke", key="", onset=st["since"], diverging=False,
+                     details={"since": st["since"], "kind": st["kind"]})]
+
+    def state_dict(self) -> dict[str, Any]:
+        st = None
+        if self.state is not None:
+            st = {k: (enc_float(v) if isinstance(v, float) else v) for k, v in self.state.items()}
+        return {"pn": [[a, enc_float(b)] for a, b in self.pn], "vocab": enc_float(self.vocab),
+                "first_loss": enc_float(self.first_loss), "state": st}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        self.pn = collections.deque((int(a), dec_float(b)) for a, b in d["pn"])
+        self.vocab = dec_float(d["vocab"])
+        self.first_loss = dec_float(d["first_loss"])
+        st = d["state"]
+        if st is not None:
+            st = dict(st)
+            st["pre"] = dec_float(st["pre"])
+            if st.get("pn_ref") is not None:
+                st["pn_ref"] = dec_float(st["pn_ref"])
+        self.state = st
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        self.pn.clear()
+        self.state = None
+        return []
+
+
+class DivergenceRule(_Base):
+    """RED after ``red_after`` consecutive divergent checks lasting at least
+    ``red_min_steps`` steps. A check is divergent when it confirmed an ORANGE
+    condition (or the loss far above its pre-spike trend); it breaks the run
+    only if it re-observed every condition that was divergent and found none
+    (a check that did not see them holds)."""
+
+    name = "divergence"
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.consecutive = 0
+        self.start: int | None = None
+        self.keys: set[tuple[str, str]] = set()
+
+    def check(self, f: Figures) -> list[Change]:
+        p, s = self.p, f.step
+        recovered = False
+        div = f.diverging
+        if div:
+            self.consecutive += 1
+            if self.consecutive == 1:
+                self.start = s
+            self.keys = {k for k, _ in div}
+        elif self.keys and self.keys <= f.touched:
+            self.consecutive, self.start, self.keys = 0, None, set()
+            recovered = True
+        red_open = ("divergence", "") in f.open
+        if div and (red_open or (self.consecutive >= p.red_after
+                                 and s - self.start >= p.red_min_steps)):
+            lead = min((a for _, a in div), key=lambda a: (a.onset_step, a.id))
+            return [set_("divergence", lead.metric, Level.RED, lead.value, lead.baseline,
+                         lead.ratio,
+                         f"unrecovered divergence for {self.consecutive} consecutive checks since "
+                         f"step {self.start} (lead: {lead.rule} on {lead.metric}, onset step "
+                         f"{lead.onset_step}).", f"{lead.metric} diverged",
+                         onset=lead.onset_step, key="",
+                         details={"consecutive_checks": self.consecutive,
+                                  "first_divergent_step": self.start,
+                                  "lead_alert": lead.id, "lead_rule": lead.rule})]
+        if red_open and not div and (recovered or not self.keys):
+            return [release("divergence", "")]
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consecutive": self.consecutive, "start": self.start,
+                "keys": sorted([list(k) for k in self.keys])}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        self.consecutive, self.start = int(d["consecutive"]), d["start"]
+        self.keys = {(a, b) for a, b in d["keys"]}
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        self.consecutive, self.start, self.keys = 0, None, set()
+        return []
+
+
+def default_rules(policy: Policy) -> list[Any]:
+    """The default rule list, in the order ``Monitor.update`` runs it."""
+    return [NonFiniteRule(policy), SpikeRule(policy), RatioRule(policy), TrendRule(policy),
+            GroupRule(policy), ThroughputRule(policy), LossScaleRule(policy), GapRule(policy),
+            BrokenModelRule(policy), DivergenceRule(policy)]
