@@ -65,11 +65,17 @@ LEVEL_NAMES = ("GREEN", "YELLOW", "ORANGE", "RED")
 LEVEL_COLORS = {"GREEN": "#2e9d4f", "YELLOW": "#f2c12e", "ORANGE": "#f08a24", "RED": "#d62d20"}
 PHASES = ("start-up", "middle", "late")
 STARTUP_END = 1000  # the guide: start-up is steps 0-1000.
-ALERTS_TAG = "vitals/alerts_json"
-EVENTS_TAG = "vitals/events_json"
-ALERTS_MD_TAG = "vitals/alerts"  # the same alerts as markdown: shown only without the JSON
-LEVEL_TAG = "vitals/level"
-ROLLBACKS_TAG = "vitals/rollbacks"
+# The names the library writes, read by the same constants (jvitals.writers defines them).
+from jvitals.writers import (  # noqa: E402
+    ALERTS_MD_TAG,  # the same alerts as markdown: shown only without the JSON
+    ALERTS_TAG,
+    EVENTS_TAG,
+    LEVEL_TAG,
+    ROLLBACK_COUNT as ROLLBACKS_TAG,
+    ROLLBACK_LR_SCALE as LR_SCALE_TAG,
+)
+_GENERIC_DIRS = frozenset({"logs", "log", "tb", "tensorboard", "events", "summaries", "summary",
+                           "train", "metrics", "runs"})
 _TOTAL_STEP_HPARAMS = ("total_steps", "num_steps", "num_train_steps", "train_steps", "steps")
 _LAYER_RE = re.compile(r"layer_(\d+)$")
 
@@ -138,7 +144,7 @@ class Run:
         return sorted(out)
 
     def rollbacks(self) -> list[dict[str, Any]]:
-        """Rollbacks: the ``rollback`` events, else the steps where ``vitals/rollbacks`` rose."""
+        """Rollbacks: the ``rollback`` events, else the steps where ``rollback/count`` rose."""
         rb = [e for e in self.events if e.get("event") == "rollback" and _is_int(e.get("step"))]
         if rb:
             return rb
@@ -268,6 +274,19 @@ def _normalize_alert(d: Mapping[str, Any], logged_step: int) -> dict[str, Any]:
     return out
 
 
+_PEAK_FIELDS = ("message", "cause", "prescription", "value", "baseline", "ratio", "metric")
+"""Fields an alert row shows from the record logged at its peak level."""
+
+
+def run_name(logdir: str | os.PathLike) -> str:
+    """The run's name from its log directory: the folder's name, or its parent's when
+    the folder has a generic name (``runs/quickstart/logs`` -> ``quickstart``)."""
+    parts = [p for p in os.path.abspath(os.fspath(logdir)).split(os.sep) if p]
+    while len(parts) > 1 and parts[-1].lower() in _GENERIC_DIRS:
+        parts.pop()
+    return parts[-1] if parts else os.fspath(logdir)
+
+
 def _level_rank(name: str) -> int:
     return LEVEL_NAMES.index(name) if name in LEVEL_NAMES else -1
 
@@ -384,13 +403,22 @@ def read_run(logdir: str | os.PathLike) -> Run:
             logged_peak = a["level"]
         a["peak_level"] = max(logged_peak.upper(), a["level"], key=_level_rank)
         prev = alerts.get(key)
+        at_peak = {k: a[k] for k in _PEAK_FIELDS}
         if prev is None:
+            a["peak"] = at_peak if a["level"] == a["peak_level"] else None
             alerts[key] = a
         else:
             peak = max(prev["peak_level"], a["peak_level"], key=_level_rank)
             a["logged_step"] = prev["logged_step"]
             a["peak_level"] = peak
+            # The record logged at the peak level (the latest one at that level).
+            a["peak"] = at_peak if a["level"] == peak else prev.get("peak")
             alerts[key] = a
+    for a in alerts.values():
+        if a.get("peak"):
+            a.update(a.pop("peak"))
+        else:
+            a.pop("peak", None)
     alert_list = sorted(alerts.values(), key=lambda a: (a["logged_step"], -_level_rank(a["peak_level"])))
 
     events, seen = [], set()
@@ -484,7 +512,7 @@ FAMILIES: tuple[Family, ...] = (
         Family("throughput", "Throughput", ("sys/tokens_per_sec",), ("sys/steps_per_sec",), logy=False),
         Family("memory", "Device memory (bytes)",
                ("sys/device_memory_bytes", "sys/device_memory_peak_bytes"), logy=False),
-        Family("lr_scale", "Learning-rate scale (rollbacks cut it)", ("vitals/lr_scale",), logy=False),
+        Family("lr_scale", "Learning-rate scale (rollbacks cut it)", (LR_SCALE_TAG,), logy=False),
 )
 _FAMILY_BY_KEY = {f.key: f for f in FAMILIES}
 _SHARE_PREFIX = "grad/share/"
@@ -549,6 +577,9 @@ def plot_family(run: Run, family: str | Family, ax=None, *, shade: bool = True):
     import matplotlib.transforms as mtransforms
 
     handles = []
+    # A figure computed every N steps is drawn at its own steps, as points (never
+    # forward-filled onto the steps of denser figures).
+    densest = max((len(s) for s, _ in run.scalars.values()), default=0)
     for k, (a, group) in enumerate(axes):
         if not group:
             continue
@@ -558,11 +589,13 @@ def plot_family(run: Run, family: str | Family, ax=None, *, shade: bool = True):
 
             cmap = matplotlib.colormaps["viridis"]
         for j, tag in enumerate(group):
-            steps, vals = run.scalars[tag]
+            steps, vals = run.scalars[tag]          # only the steps it was written at
             color = cmap(j / max(1, len(group) - 1)) if cmap else None
             style = "-" if k == 0 else ":"
             label = tag if not fam.layer_prefix or len(group) <= 10 or j in (0, len(group) - 1) else None
-            (h,) = a.plot(steps, vals, style, lw=1.3, color=color, label=label, marker="." if len(steps) < 40 else None)
+            sparse = len(steps) < 40 or len(steps) * 3 < densest
+            (h,) = a.plot(steps, vals, style, lw=1.0 if sparse else 1.3, color=color, label=label,
+                          marker="." if sparse else None, ms=4)
             if label:
                 handles.append(h)
             if tag in run.superseded:
@@ -1195,11 +1228,21 @@ def _num(x) -> str:
     return _e(_fmt(x)) if isinstance(x, (int, float, np.floating)) else _e(x)
 
 
+def _lr_scale_text(run: Run) -> str:
+    """``'1 -> 0.9 (from step 420)'``, or 'not measured' without ``rollback/lr_scale``."""
+    s = run.series(LR_SCALE_TAG)
+    if s is None or not np.isfinite(s[1]).any():
+        return "not measured (no rollback/lr_scale: pass writer= to vitals.Rollback)"
+    steps, vals = s[0][np.isfinite(s[1])], s[1][np.isfinite(s[1])]
+    changes = [f"{_fmt(vals[i])} from step {steps[i]}" for i in range(1, len(vals)) if vals[i] != vals[i - 1]]
+    return f"{_fmt(vals[0])}" + (" -> " + ", ".join(changes) if changes else " throughout")
+
+
 def build_html(run: Run, *, title: str | None = None, phase: str | None = None,
                total_steps: int | None = None, all_phases: bool = True,
                checkpoint_every: int = 500) -> str:
     """The self-contained HTML report (PNG plots as ``data:`` URIs, every logged string escaped)."""
-    title = title or f"jvitals report: {os.path.basename(os.path.abspath(run.logdir))}"
+    title = title or f"jvitals report: {run_name(run.logdir)}"
     cur_phase = phase or run_phase(run, total_steps)
     alerts = run.alerts
     by_level = {n: sum(a["peak_level"] == n for a in alerts) for n in ("YELLOW", "ORANGE", "RED")}
@@ -1217,6 +1260,7 @@ def build_html(run: Run, *, title: str | None = None, phase: str | None = None,
                  ("alerts", " ".join(f"<span class='lv {n}'>{n} {c}</span>" for n, c in by_level.items())
                   + f" <span class='muted'>({len(alerts)} in all)</span>"),
                  ("rollbacks", _e(run.num_rollbacks)),
+                 ("LR scale", _e(_lr_scale_text(run))),
                  ("phase", _e(cur_phase) + (" <span class='muted'>(given)</span>" if phase else
                                             " <span class='muted'>(from the steps; see the rule below)</span>")),
                  ("metrics logged", _e(len(run.scalars)) + " scalar tags, " + _e(len(run.texts)) + " text tags")):
@@ -1234,10 +1278,16 @@ def build_html(run: Run, *, title: str | None = None, phase: str | None = None,
     plot_timeline(run, fig.add_subplot())
     p.append(_img(fig, "level timeline"))
     if rbs:
-        p.append("<table><tr><th>rollback at step</th><th>restored step</th><th>lr scale</th><th>reason</th></tr>")
+        p.append("<table><tr><th>rollback at step</th><th>restored step</th><th>earliest sign</th>"
+                 "<th>lr scale</th><th>actions</th><th>reason</th></tr>")
         for r in rbs:
+            acts = r.get("actions") or []
+            acts = "; ".join(", ".join(f"{k}={v}" for k, v in a.items()) if isinstance(a, Mapping) else str(a)
+                             for a in acts) if isinstance(acts, list) else str(acts)
             p.append(f"<tr><td class='num'>{_e(r.get('step'))}</td><td class='num'>{_e(r.get('to_step', ''))}</td>"
-                     f"<td class='num'>{_num(r.get('lr_scale', ''))}</td><td>{_e(r.get('reason', ''))}</td></tr>")
+                     f"<td class='num'>{_e(r.get('onset_step', ''))}</td>"
+                     f"<td class='num'>{_num(r.get('lr_scale', ''))}</td><td>{_e(acts)}</td>"
+                     f"<td>{_e(r.get('reason', ''))}</td></tr>")
         p.append("</table>")
 
     p.append("<h2>Vital signs</h2><p class='muted'>Shaded: the monitor's yellow/orange/red periods; "

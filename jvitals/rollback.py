@@ -34,19 +34,20 @@ Decisions (each is tested):
 - **The target** is the newest *healthy* checkpoint (saved at a level in
   ``healthy_levels`` with no open alert that had reached ORANGE, not quarantined,
   restores on every process, finite) saved before the fault's **earliest sign**
-  minus one host cadence: ``step < E - k``. ``E`` is the earliest of the onsets
+  minus one host cadence ``k``. ``E`` is the earliest of the onsets
   and localization change points (``Localization.departure_step``) of the chain
   of alerts that escalated to the red: the open alerts whose peak reached ORANGE
   or RED, the open spike alerts (a spike's onset), the alerts they name (``details['lead_alert']``), and the ORANGE+
   alerts that closed since the last calm check. An alert that closed without
   escalating is not in the chain; an alert the guard saw stop holding (its
   ``clearing_since`` set) and hold again counts from the check it held again, so a
-  closed noise YELLOW never moves the target. ``k`` is the host cadence at ``E``
-  (when ``E`` is one of the guard's checks, the interval back to the previous
-  check: the metrics seen at a check may come from any update since the
-  previous check, that check's own included, so the checkpoint of the previous
-  check may hold a faulty update and the one before is taken; otherwise the
-  monitor saw step ``E`` itself and the margin is ``onset_margin``, 1). ``rewind_steps=N`` also requires
+  closed noise YELLOW never moves the target. ``k``, the margin of one host
+  cadence, takes the target older than the last check before ``E``: the metrics
+  seen at a check may come from any update since the previous check (that
+  check's own included: its effect shows from the next step), so the checkpoint
+  of that check may hold a faulty update and the one before is taken; this also
+  holds when ``E`` lies between the guard's checks (a change point, or a monitor
+  fed more often than the guard acts). ``rewind_steps=N`` also requires
   ``step <= E - N``. Corrupt candidates are quarantined (one log line each,
   ``checkpoint_corrupt`` alerts) and the next older one is tried.
 - **Pins**: the newest healthy checkpoint, every rollback target, and the newest
@@ -83,7 +84,7 @@ Decisions (each is tested):
   (``vitals/events_json``: rollback, save, pause, checkpoint_skipped) through
   :func:`jvitals.write`, at the call's step.
 - **Multi-host**: every process calls ``respond``; process 0's level, earliest
-  sign and cadence decide for all (``process_allgather``, which also checks that
+  sign and cutoff decide for all (``process_allgather``, which also checks that
   all processes are at the same step). Restores are agreed on. Each process's
   data position is saved and given back to it.
 
@@ -307,9 +308,8 @@ class _AlertLog:
             peak = int(max(int(getattr(a, "peak_level", a.level)), int(a.level)))
             lead = (getattr(a, "details", None) or {}).get("lead_alert")
             if rec is None or rec.closed is not None:
-                # An id seen closed and open again counts from now (never from its old onset).
                 rec = self.seen[i] = _Seen(i, str(getattr(a, "rule", "")), int(a.onset_step), deps,
-                                           peak, step, revived=None if rec is None else step)
+                                           peak, step)
             else:
                 if rec.clearing and not clearing:
                     rec.revived = step
@@ -559,8 +559,8 @@ class Rollback:
         leave the restored one).
       sync_save: wait for each save to land (errors at the save call; slower).
       check_finite: reject targets holding non-finite values.
-      onset_margin: the least margin in steps before the earliest sign (the host
-        cadence is used when larger).
+      onset_margin: the least margin in steps before the earliest sign (one host
+        cadence, back to the last check before it, is used when larger).
       rewind_steps: restore a checkpoint at least this many steps before the
         earliest sign (the guide: "roll back 10-100 steps before the spike"; None:
         the newest healthy one).
@@ -804,7 +804,7 @@ class Rollback:
                             "an int, or skip_data=False and skip in your loader.")
         self._log.observe(step, verdict)
         self._checks.append(step)
-        level, sign, cadence = self._decide(step, verdict)
+        level, sign, cutoff = self._decide(step, verdict)
         self._check_lr_scale(state)
         if not self._resumed and self._found_at_open is not None and not self._warned_no_resume:
             self._warned_no_resume = True
@@ -817,7 +817,7 @@ class Rollback:
         open_peak = max(self._log.open_peak(verdict), level)
         self.position = position
         if level >= Level.RED:
-            response = self._rollback(step, state, verdict, position, sign, cadence, alerts)
+            response = self._rollback(step, state, verdict, position, sign, cutoff, alerts)
         elif level == Level.ORANGE:
             saved = None
             if not self._orange_saved:
@@ -918,11 +918,10 @@ class Rollback:
         return "not needed"
 
     def _decide(self, step: int, verdict: Any) -> tuple[int, int, int]:
-        """Process 0's (level, earliest sign, host cadence), the same on every process."""
+        """Process 0's (level, earliest sign, cutoff), the same on every process."""
         level = int(getattr(verdict, "level", Level.GREEN)) if verdict is not None else int(Level.GREEN)
         sign = self._log.chain_sign(verdict, step) if level >= Level.RED else step
-        cadence = self._cadence_at(sign)
-        rows = allgather_ints([step, level, sign, cadence])
+        rows = allgather_ints([step, level, sign, self._cutoff(sign)])
         if (rows[:, 0] != rows[0, 0]).any():
             raise RuntimeError(
                 f"Rollback: processes called respond at different steps {rows[:, 0].tolist()}; "
@@ -930,22 +929,21 @@ class Rollback:
                 "every process.")
         return int(rows[0, 1]), int(rows[0, 2]), int(rows[0, 3])
 
-    def _cadence_at(self, sign: int) -> int:
-        """The host cadence at step ``sign``: the margin a target keeps before it.
+    def _cutoff(self, sign: int) -> int:
+        """A target's step must be below this: one host cadence before the earliest sign.
 
-        When ``sign`` is one of the guard's checks, the metrics seen there may come
-        from any update since the previous check (that check's own included), so
-        the margin is the interval back to the previous check. Otherwise the
-        monitor saw step ``sign`` itself (it is fed more often than the guard
-        acts, or ``sign`` is a change point, the step after a check on the
-        baseline's side): ``onset_margin``.
+        The metrics seen at a check may come from any update since the previous
+        check, that check's own included (its effect shows from the next step), so
+        the target must be older than the last check before ``sign``: with ``sign``
+        at a check, the previous check; with ``sign`` between checks (a change
+        point, or a monitor fed more often than the guard acts), the check before
+        it. Without an earlier check: ``sign - onset_margin``.
         """
-        k = 0
-        if sign in self._checks:
-            before = [c for c in self._checks if c < sign]
-            if before:
-                k = sign - max(before)
-        return max(k, self.onset_margin)
+        before = [c for c in self._checks if c < sign]
+        cutoff = sign - self.onset_margin
+        if before:
+            cutoff = min(cutoff, max(before))
+        return cutoff
 
     def _cadence_due(self, step: int) -> bool:
         last = self._last_regular
@@ -985,11 +983,13 @@ class Rollback:
         pins: dict[int, str] = {}
         for h in self.history:
             pins.setdefault(int(h["to_step"]), f"rollback target (restored at step {h['step']})")
+            if h.get("source_step") is not None:
+                pins.setdefault(int(h["source_step"]), f"params of a rollback target (step {h['step']})")
         recs = [r for r in self._all_records() if self._store_of(r).is_healthy(r)]
         if recs:
             pins.setdefault(recs[0].step, "newest healthy")
         for i, sign in sorted(self._log.open_signs(verdict).items()):
-            cut = sign - self._cadence_at(sign)
+            cut = self._cutoff(sign)
             before = [r for r in recs if r.step < cut]
             if before:
                 pins.setdefault(before[0].step, f"newest healthy before the onset {sign} of open alert "
@@ -1004,9 +1004,8 @@ class Rollback:
     # ------------------------------------------------------------------
 
     def _rollback(self, step: int, state: Any, verdict: Any, position: Any, sign: int,
-                  cadence: int, alerts: list[Alert]) -> Response:
+                  cutoff: int, alerts: list[Alert]) -> Response:
         verdict_alerts = list(getattr(verdict, "alerts", []) or [])
-        cutoff = sign - cadence
         not_after = None if self.rewind_steps is None else sign - self.rewind_steps
         for s in self._stores():
             s.wait()
@@ -1017,8 +1016,10 @@ class Rollback:
             prev = self.history[-1]
             reason = (f"relapse: red again at step {step} without a healthy check since the "
                       f"rollback at step {prev['step']} to step {prev['to_step']}")
+            source = prev.get("source_step", prev["to_step"])
             for r in self._all_records():
-                if r.quarantined is None and (r.step == prev["to_step"] or r.restored_from == prev["to_step"]):
+                if r.quarantined is None and (r.step == prev["to_step"]
+                                              or r.restored_from in (prev["to_step"], source)):
                     self._store_of(r).quarantine(r.step, reason)
         found = self._first_restorable(cutoff, state, finite=self.check_finite, not_after=not_after)
         if found is None:
@@ -1029,7 +1030,7 @@ class Rollback:
                 s.write_quarantine()
             bound = f"step {cutoff}" + (f" and at most step {not_after}" if not_after is not None else "")
             raise RollbackError(
-                f"Rollback: red at step {step} (earliest sign {sign}, host cadence {cadence}) but no "
+                f"Rollback: red at step {step} (earliest sign {sign}) but no "
                 f"healthy checkpoint before {bound} in {str(self.directory)!r}; expected one saved at "
                 f"a level in {sorted(level_name(x) for x in self.healthy_levels)} with no open "
                 f"ORANGE/RED alert that restores. On disk: {listing}. Alerts: "
@@ -1038,6 +1039,7 @@ class Rollback:
         rec, restored, meta = found
         alerts.extend(self._drain())            # corrupt candidates skipped on the way
         target = rec.step
+        source = rec.restored_from if rec.restored_from is not None else target   # whose params
         for r in self._all_records():
             if target < r.step <= step and r.quarantined is None:
                 self._store_of(r).quarantine(
@@ -1070,7 +1072,8 @@ class Rollback:
                             "position": new_position})
         self.lr_scale = new_scale
         self.position = new_position
-        self.history.append({"step": step, "to_step": target, "onset_step": sign, "cutoff": cutoff,
+        self.history.append({"step": step, "to_step": target, "source_step": source,
+                             "onset_step": sign, "cutoff": cutoff,
                              "lr_scale": new_scale, "position": _jsonable(new_position),
                              "actions": actions,
                              "alerts": [_alert_lines([a]) for a in verdict_alerts[:5]]})
@@ -1093,7 +1096,7 @@ class Rollback:
         self._orange_saved = False
         saved = None
         if self.save_on_rollback:
-            saved = self._save(step, restored, new_position, rec.level, ROLLBACK_SAVE, restored_from=target)
+            saved = self._save(step, restored, new_position, rec.level, ROLLBACK_SAVE, restored_from=source)
         metrics = {**self.metrics(), "rollback/from_step": float(step), "rollback/to_step": float(target)}
         return Response(Action.ROLLBACK, restored, step, saved, target, new_scale,
                         tuple(alerts + self._drain()), metrics, tuple(self._drain_events()), new_position)

@@ -177,7 +177,8 @@ def test_red_restores_newest_healthy_before_onset_not_the_newest(tmp_path):
 def test_save_after_rollback_lands_on_disk_and_steps_go_forward(tmp_path):
     guard = Rollback(tmp_path, save_every=10, keep_last=10, save_on_rollback=False)
     drive(guard, [0, 10, 20, 30])
-    r = guard.act(33, make_state(33), verdict(33, Level.RED, onset=25), 34)
+    # Onset 32: the target is older than the last check before it (30).
+    r = guard.act(33, make_state(33), verdict(33, Level.RED, onset=32), 34)
     assert r.target_step == 20 and r.saved_step is None
     out = drive(guard, [35, 40, 45, 50])
     assert out[40].saved_step == 40 and out[50].saved_step == 50
@@ -193,13 +194,14 @@ def test_lr_scale_compounds_and_limit_error_names_steps_and_alerts(tmp_path):
     r1 = guard.act(25, make_state(25), verdict(25, Level.RED, onset=22), 26)
     drive(guard, [30, 40])                                  # healthy checks: no relapse
     r2 = guard.act(45, make_state(45), verdict(45, Level.RED, onset=43), 46)
-    assert (r1.target_step, r2.target_step) == (20, 40)
+    # Older than the last check before each onset (20, 40).
+    assert (r1.target_step, r2.target_step) == (10, 30)
     assert get_lr_scale(r2.state) == pytest.approx(0.81) and guard.lr_scale == pytest.approx(0.81)
     drive(guard, [50])
     with pytest.raises(RollbackLimitError) as info:
         guard.act(55, make_state(55), verdict(55, Level.RED, onset=52, message="[RED] loss 9x"), 56)
     msg = str(info.value)
-    assert "2 rollback(s) already (steps 25->20, 45->40" in msg
+    assert "2 rollback(s) already (steps 25->10, 45->30" in msg
     assert "red again at step 55" in msg and "[RED] loss 9x" in msg and "position 56" in msg
     assert info.value.step == 55 and len(info.value.history) == 2
     guard.close()
@@ -207,20 +209,20 @@ def test_lr_scale_compounds_and_limit_error_names_steps_and_alerts(tmp_path):
 
 def test_relapse_quarantines_the_previous_target(tmp_path):
     guard = Rollback(tmp_path, save_every=10)
-    drive(guard, [0, 10, 20])
-    r1 = guard.act(25, make_state(25), verdict(25, Level.RED, onset=22), 26)
+    drive(guard, [0, 10, 20, 30])
+    r1 = guard.act(35, make_state(35), verdict(35, Level.RED, onset=35), 36)
     assert r1.target_step == 20
     # Red again with no healthy check in between: step 20 itself is suspect.
-    r2 = guard.act(28, make_state(28), verdict(28, Level.RED, onset=26), 29)
+    r2 = guard.act(38, make_state(38), verdict(38, Level.RED, onset=36), 39)
     assert r2.target_step == 10 and value_of(r2.state) == 10.0
-    assert guard.quarantined[20].startswith("relapse") and guard.quarantined[25].startswith("relapse")
+    assert guard.quarantined[20].startswith("relapse") and guard.quarantined[35].startswith("relapse")
     guard.close()
 
 
 def test_no_healthy_checkpoint_is_a_clear_error(tmp_path):
     guard = Rollback(tmp_path, save_every=10)
     drive(guard, [0], levels={0: Level.ORANGE})
-    with pytest.raises(RollbackError, match="no healthy checkpoint before step 4"):
+    with pytest.raises(RollbackError, match="no healthy checkpoint before step 0"):
         guard.act(7, make_state(7), verdict(7, Level.RED, onset=5), 8)
     guard.close()
 
@@ -241,7 +243,7 @@ def test_state_types_survive_and_lr_scale_is_required(tmp_path):
 
     for i, fn in enumerate((ts, nt)):
         guard = Rollback(tmp_path / str(i), save_every=10)
-        for s in (0, 10):
+        for s in (0, 10, 12):
             guard.act(s, fn(s), verdict(s, 0), s)
         r = guard.act(15, fn(15), verdict(15, Level.RED, onset=13), 16)
         assert type(r.state) is type(fn(0)) and r.target_step == 10
@@ -270,7 +272,7 @@ def test_sharded_state_restored_onto_the_callers_mesh(tmp_path, devices):
         return {"params": p, "opt_state": o, "step": jax.device_put(jnp.asarray(v + 1), rep)}
 
     guard = Rollback(tmp_path, save_every=10)
-    for s in (0, 10):
+    for s in (0, 10, 12):
         guard.act(s, st(s), None, s)
     r = guard.act(20, st(20), verdict(20, Level.RED, onset=15), 21)
     assert r.target_step == 10
@@ -688,13 +690,15 @@ def test_persistent_fault_limit_keeps_targets_and_restart_resumes_healthy(tmp_pa
     guard, err = run["guard"], run["error"]
     assert len(run["rollbacks"]) == 2 and isinstance(err, RollbackLimitError)
     targets = [r.target_step for r in run["rollbacks"]]
-    assert all(t < fault for t in targets), targets
-    # Every restored target is still on disk (pinned), and holds the fault-free run's params.
+    # Every restored target is still on disk (pinned), and holds the params of a
+    # pre-fault step of the fault-free run (a rollback checkpoint holds its target's).
     on_disk = steps_on_disk(tmp_path)
     assert set(targets) <= set(on_disk), (targets, on_disk)
     for t in targets:
         restored, meta = guard.restore(t, _fresh_state())
-        _assert_tree_equal(restored.params, _reference(t)[0])
+        source = t if meta["restored_from"] is None else meta["restored_from"]
+        assert source < fault, (t, source)
+        _assert_tree_equal(restored.params, _reference(source)[0])
         assert meta["level_name"] in ("GREEN", "YELLOW")
     assert all("rollback target" in guard.pins[t] for t in targets)
     # The error names checkpoints that exist and are healthy.
@@ -721,20 +725,36 @@ def test_persistent_fault_limit_keeps_targets_and_restart_resumes_healthy(tmp_pa
 
 
 def test_fault_at_a_cadence_save_with_a_late_onset_restores_no_faulty_update(tmp_path):
-    """Checks every 5 steps, saves every 10; the fault's first faulty update is the
-    one of step 60, which the checkpoint of step 60 holds, and it grows slowly
-    (the LR x1.35 per step), so the monitor sees it only at a later check."""
+    """Checks every 5 steps, saves every 10; the fault (the LR x30 from then on) begins
+    with the update of step 60, which the checkpoint of step 60 holds; the monitor
+    sees it only at a later check."""
     fault, every = 60, 5
-    run = _loop(tmp_path, 160, lr_mult=lambda s: min(1.35 ** (s - fault + 1), 300.0) if s >= fault else 1.0,
-                check_every=every)
+    run = _loop(tmp_path, 130, lr_mult=lambda s: 30.0 if s >= fault else 1.0, check_every=every,
+                max_rollbacks=1)
     assert run["rollbacks"], "the fault never went red"
     r = run["rollbacks"][0]
-    assert r.target_step < fault
-    _assert_tree_equal(r.state.params, _reference(r.target_step)[0])
     sign = run["guard"].history[0]["onset_step"]
     assert sign > fault                                       # the onset is late ...
-    assert r.target_step < _cut(sign, every)                  # ... and the margin held
+    assert r.target_step < fault                              # ... and no faulty update restored
+    _assert_tree_equal(r.state.params, _reference(r.target_step)[0])
     run["guard"].close()
+
+
+def test_late_onset_between_checks_takes_the_checkpoint_before(tmp_path):
+    """The onset 3 steps after the cadence save of step 60, between the checks 60 and 65:
+    the save of 60 may hold the first faulty update; the target is 50, with the
+    fault-free run's params."""
+    guard = Rollback(tmp_path, save_every=10, keep_last=10, keep_every=None)
+    state = _fresh_state()
+    for step in range(0, 71):
+        state, _ = _train_step(state, _batch_at(step), jnp.float32(30.0 if step >= 60 else 1.0),
+                               jnp.float32(1.0))
+        if step % 5 == 0 and step < 70:
+            guard.act(step, state, None, step + 1)
+    r = guard.act(70, state, verdict(70, Level.RED, onset=63), 71)
+    assert r.target_step == 50
+    _assert_tree_equal(r.state.params, _reference(50)[0])
+    guard.close()
 
 
 def _alert(id_, level, step, onset, rule="grad_norm", clearing=None, closed=None, deps=(), lead=None):
@@ -769,7 +789,8 @@ def test_closed_noise_yellow_and_a_revived_alert_do_not_move_the_target(tmp_path
         guard.act(s, make_state(s), v, s + 1)
     # The fault: #3 opens at 60 (ORANGE at 65), #2 holds again at 65 with its old onset 20,
     # and the red at 70 names #3 as its lead; a localization change point at 58.
-    guard.act(60, make_state(60), _v(60, _alert(3, Level.YELLOW, 60, 60)), 61)
+    guard.act(60, make_state(60), _v(60, _alert(3, Level.YELLOW, 60, 60),
+                                     _alert(2, Level.YELLOW, 60, 20, clearing=25)), 61)
     guard.act(65, make_state(65), _v(65, _alert(3, Level.ORANGE, 65, 60, deps=(58,)),
                                      _alert(2, Level.ORANGE, 65, 20)), 66)
     r = guard.act(70, make_state(70), _v(70, _alert(9, Level.RED, 70, 60, rule="divergence", lead=3),

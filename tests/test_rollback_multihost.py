@@ -57,9 +57,9 @@ for step in range(0, 60, 5):
     out["levels"].append(int(v.level))
     out["actions"].append(r.action.value)
 out["saved_levels"] = {c.step: c.level for c in guard.checkpoints}
-r = guard.act(60, state(60), red(60, pid == 1, 42), {"pid": pid, "i": 61})    # only process 1 red
+r = guard.act(60, state(60), red(60, pid == 1, 47), {"pid": pid, "i": 61})    # only process 1 red
 out["a60"] = r.action.value
-r = guard.act(65, state(65), red(65, pid == 0, 42), {"pid": pid, "i": 66})    # only process 0 red
+r = guard.act(65, state(65), red(65, pid == 0, 47), {"pid": pid, "i": 66})    # only process 0 red
 out["a65"] = [r.action.value, r.target_step, local(r.state["params"]["w"]),
               get_lr_scale(r.state), r.state["params"]["w"].sharding == shard,
               int(np.asarray(r.state["step"].addressable_shards[0].data))]
