@@ -171,3 +171,16 @@ def test_bad_input_names_the_value():
         qk_clip({"layers_0": {"mlp": {"up_proj": {"kernel": np.ones((2, 2))}}}}, np.ones(1), 1.0)
     with pytest.raises(ValueError, match=r"per-head maxima for 3 heads.*8 output entries"):
         qk_clip(params, np.ones((3, 3)), 1.0)
+
+
+def test_sharded_params_on_a_mesh(devices):
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    P = jax.sharding.PartitionSpec
+    params = hf_trees.llama()
+    shard = jax.tree.map(lambda x: jax.sharding.NamedSharding(mesh, P("data") if x.shape[0] % 8 == 0 else P()),
+                         params)
+    got = jax.jit(qk_clip, out_shardings=shard)(jax.device_put(params, shard), jnp.array([4.0, 1.0, 1.0]), 1.0)
+    q = got["model"]["layers"]["0"]["self_attn"]["q_proj"]["kernel"]
+    assert q.sharding == shard["model"]["layers"]["0"]["self_attn"]["q_proj"]["kernel"]
+    np.testing.assert_allclose(np.asarray(q), 0.5 * params["model"]["layers"]["0"]["self_attn"]["q_proj"]["kernel"],
+                               rtol=1e-6)
