@@ -194,28 +194,25 @@ def merge_qkv(q: jax.Array, k: jax.Array, v: jax.Array, split: "QKVSplit | None"
     Args:
       q, k, v: the parts, as :func:`split_qkv` returns them.
       split, path, layout, q_size, stack_axis: as for :func:`split_qkv`.
-      fused_shape: the fused kernel's shape (default: the parts concatenated
-        along the one axis on which their sizes differ, else along the axis
-        :func:`qkv_layout` picks for three equal parts).
+      fused_shape: the fused kernel's shape; needed when Q, K and V have equal
+        sizes (default: the parts concatenated along the one axis on which their
+        sizes differ, grouped-query).
 
     Returns:
       The fused kernel.
     """
     q, k, v = (jnp.asarray(t) for t in (q, k, v))
+    if split is None:
+        from jvitals.roles import QKVSplit
+        split = QKVSplit()
     if fused_shape is None:
         diff = [i for i in range(q.ndim) if not q.shape[i] == k.shape[i] == v.shape[i]]
-        cands = diff or list(range(q.ndim))
-        fused_shape = None
-        for d in cands:
-            shp = q.shape[:d] + (q.shape[d] + k.shape[d] + v.shape[d],) + q.shape[d + 1:]
-            lshp = shp if stack_axis is None else shp[:stack_axis] + shp[stack_axis + 1:]
-            a = qkv_layout(lshp, split, path=path, layout=layout, q_size=q_size).axis
-            if (a + 1 if stack_axis is not None and a >= stack_axis else a) == d:
-                fused_shape = shp
-                break
-        if fused_shape is None:
-            raise ValueError(f"merge_qkv: cannot tell the split axis of parts of shapes {q.shape}, "
-                             f"{k.shape}, {v.shape}; pass fused_shape=")
+        if len(diff) != 1:
+            raise ValueError(
+                f"merge_qkv: parts of shapes {q.shape}, {k.shape}, {v.shape} do not say which axis was "
+                f"split (equal Q, K and V sizes fit several); pass fused_shape= (the fused kernel's shape).")
+        d = diff[0]
+        fused_shape = q.shape[:d] + (q.shape[d] + k.shape[d] + v.shape[d],) + q.shape[d + 1:]
     fused_shape = tuple(fused_shape)
     layer_shape = fused_shape if stack_axis is None else fused_shape[:stack_axis] + fused_shape[stack_axis + 1:]
     lay = qkv_layout(layer_shape, split, path=path, layout=layout, q_size=q_size)
