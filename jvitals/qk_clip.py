@@ -180,11 +180,23 @@ def qk_clip(params: Any, attn_logits_max: Any, tau: Any, *, roles: Roles | None 
             return q if 0 < q < n and (n - q) % 2 == 0 else None
 
         split = roles.qkv_split
+
+        def fits(a: int) -> bool:
+            n = shape[a]
+            if split.num_heads is None:
+                return q_size_on(a) is not None
+            h = split.num_heads
+            parts = h + 2 * (split.num_kv_heads if split.num_kv_heads is not None else h)
+            if parts <= 0 or n % parts:
+                return False
+            d_in = math.prod(shape) // n
+            return o is None or o == h * (n // parts) * d_in
+
         a = split.resolve_axis(shape)
-        if split.axis is None and split.num_heads is None and q_size_on(a) is None:
+        if split.axis is None and not fits(a):
             # The shape alone can mislead ([D, 3*Dh] with D > 3*Dh for one head): take
-            # the last axis on which the output projection's size fits as Q.
-            a = next((b for b in reversed(range(len(shape))) if q_size_on(b) is not None), a)
+            # the last axis the head counts or the output projection's size fit.
+            a = next((b for b in reversed(range(len(shape))) if fits(b)), a)
         n = shape[a]
         q_size = q_size_on(a)
         nq, nk, nv = roles.qkv_split.sizes(n, lr.path, f"axis {a} of its per-layer shape {shape}", q_size)

@@ -133,6 +133,19 @@ def test_the_max_logit_after_one_forward_pass_is_tau(attention, heads):
     assert after[0] <= tau * (1 + 1e-5) and after[0] == pytest.approx(tau, rel=1e-5)
 
 
+def test_one_head_fused_kernel_with_head_counts_given():
+    """[D, 3*Dh] = [32, 24]: the shape alone points at the wrong axis; the counts (or O) fix it."""
+    from jvitals.roles import QKVSplit, Roles
+
+    cfg = ModelConfig(n_layers=1, n_heads=1, n_kv_heads=1)
+    params = _params(cfg, 4)
+    k = np.asarray(params["layers_0"]["attn"]["qkv"]["kernel"], np.float64).copy()
+    k[:, :16] *= 0.5
+    for roles in (None, Roles(qkv_split=QKVSplit(num_heads=1, num_kv_heads=1))):
+        _assert_only(qk_clip(params, np.array([4.0]), 1.0, roles=roles), {"layers_0/attn/qkv/kernel": k.copy()},
+                     params)
+
+
 def test_per_head_form_clips_each_head_to_tau_and_leaves_the_others():
     cfg = ModelConfig(n_layers=1, n_heads=4, n_kv_heads=2)
     params = jax.tree.map(lambda x: 3.0 * x, _params(cfg, 3))
