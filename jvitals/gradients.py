@@ -13,6 +13,8 @@ into one collective. Then summaries are merged per role, per layer and globally:
     global_norm        = sqrt(sum over leaves of sum g^2)
     norm/layer_i       = sqrt(sum over layer i's elements of g^2)
     share/layer_i      = ||g_i||^2 / ||g||^2
+    norm/{group}       = sqrt(sum over the group's elements of g^2)   (embedding, lm_head)
+    share/{group}      = ||g_group||^2 / ||g||^2
     {role}_rms         = sqrt(sum_role g^2 / n_role)       (all layers of the role)
     {role}_abs.max     = max_role |g|
     nonfinite_count    = #(g is NaN or Inf)
@@ -43,6 +45,7 @@ from jvitals.roles import LeafRole, Roles, assign_roles
 from jvitals.stats import Summary, check_axes, reduce, reduction_axes, summarize_many, summarize_sumsq
 
 __all__ = [
+    "GROUP_ROLES",
     "global_norm",
     "global_norm_metrics",
     "gradient_metrics",
@@ -50,6 +53,11 @@ __all__ = [
 ]
 
 _F32 = jnp.float32
+
+GROUP_ROLES: Mapping[str, str] = {"embedding": "embedding", "lm_head": "lm_head"}
+"""Role (of :mod:`jvitals.roles`) -> the non-layer group its leaves are reported in,
+beside the per-layer families (``grad/norm/embedding``, ``update/param_ratio/lm_head``).
+A head tied to the embedding has no leaf of its own, so no ``lm_head`` group."""
 
 
 # ----------------------------------------------------------------------------------
@@ -160,7 +168,7 @@ class _TreeStats:
             spec = sp[i] if sp is not None else None
             red = reduction_axes(x, axes, spec, sp is not None)
             if infos is None:  # the global norm only: one reduction per leaf, one cond per group
-                sq_groups.setdefault((red, None, None), []).append(x)
+                sq_groups.setdefault((red, None, None, None), []).append(x)
                 continue
             lr = infos[i]
             if lr.stack is not None:
@@ -168,7 +176,9 @@ class _TreeStats:
             if not by_role:  # norms only: one sum of squares per leaf, one cond per layer
                 key = ("stack", lr.stack) if lr.stack is not None else (
                     ("layer", lr.layer) if lr.layer is not None else None)
-                sq_groups.setdefault((red, key, lr.stack_axis if lr.stack is not None else None), []).append(x)
+                group = GROUP_ROLES.get(lr.role) if by_layer else None
+                sq_groups.setdefault((red, key, lr.stack_axis if lr.stack is not None else None, group),
+                                     []).append(x)
                 continue
             if lr.role == "qkv":
                 parts = _qkv_pieces(x, lr, roles, spec, axes, o_sizes.get(_attn_module(lr.path)))
@@ -184,6 +194,8 @@ class _TreeStats:
                 merged = merged.merge(s)
             stacked = lr.stack is not None
             acc.add(red, "all", merged.total() if stacked else merged)
+            if by_layer and lr.role in GROUP_ROLES:
+                acc.add(red, ("group", GROUP_ROLES[lr.role]), merged.total() if stacked else merged)
             if by_layer:
                 if stacked:
                     acc.add(red, ("stack", lr.stack), merged)
@@ -197,14 +209,17 @@ class _TreeStats:
                     acc.add(red, ("role_stack", name, lr.stack), s)
                 elif by_layer and lr.layer is not None:
                     acc.add(red, ("role_layer", name, lr.layer), s)
-        for (red, key, ax), xs in sq_groups.items():
+        for (red, key, ax, group), xs in sq_groups.items():
             s = summarize_sumsq(xs, axis=ax)
             acc.add(red, "all", s.total() if ax is not None else s)
             if key is not None:
                 acc.add(red, key, s)
+            if group is not None:
+                acc.add(red, ("group", group), s.total() if ax is not None else s)
         res = acc.result()
         self.all: Summary = res.get("all", Summary.empty())
         self.layers: dict[int, Summary] = {}
+        self.groups: dict[str, Summary] = {}
         self.roles: dict[str, Summary] = {}
         self.role_layers: dict[str, dict[int, Summary]] = {}
         for key, s in res.items():
@@ -213,6 +228,8 @@ class _TreeStats:
             kind = key[0]
             if kind == "layer":
                 _put(self.layers, key[1], s)
+            elif kind == "group":
+                self.groups[key[1]] = s
             elif kind == "stack":
                 first = self.stack_first[key[1]]
                 for j in range(s.count.shape[0]):
@@ -304,8 +321,9 @@ def update_metrics(updates: Any, params: Any = None, *, specs: Any = None, axes:
     return out
 
 
-def gradient_metrics(grads: Any, *, params: Any = None, roles: Roles | None = None, specs: Any = None,
-                     axes: Sequence[str] | str = (), prefix: str = "grad", param_prefix: str = "param",
+def gradient_metrics(grads: Any, *, params: Any = None, updates: Any = None, roles: Roles | None = None,
+                     specs: Any = None, axes: Sequence[str] | str = (), prefix: str = "grad",
+                     param_prefix: str = "param", update_prefix: str = "update",
                      per_layer: bool = True, per_role: bool = True) -> dict[str, jax.Array]:
     """Every ``grad/*`` and ``param/*`` vital of METRICS.md §2-§3, in one pass per leaf.
 
@@ -322,7 +340,17 @@ def gradient_metrics(grads: Any, *, params: Any = None, roles: Roles | None = No
       ``{p}/{base}_rms = sqrt(mean g^2)`` over all its elements (all layers),
       ``{p}/{base}.nonfinite``; and per layer ``{p}/{base}_rms/layer_{i}``,
       ``{p}/{base}_abs.max/layer_{i}``;
-    * with ``params``: ``{param_prefix}/global_norm``, ``{param_prefix}/norm/layer_{i}``.
+    * per group ``G`` of :data:`GROUP_ROLES` (``per_layer``; the leaves of role
+      ``embedding`` / ``lm_head``; a group without leaves, e.g. a head tied to the
+      embedding, is omitted): ``{p}/norm/{G} = ||g_G||``,
+      ``{p}/share/{G} = ||g_G||^2 / ||g||^2``;
+    * with ``params``: ``{param_prefix}/global_norm``, ``{param_prefix}/norm/layer_{i}``,
+      ``{param_prefix}/norm/{G}``;
+    * with ``updates`` (and ``params``): ``{update_prefix}/global_norm = ||u||``,
+      ``{update_prefix}/param_ratio = ||u|| / ||p||``, and per layer and group
+      ``{update_prefix}/param_ratio/layer_{i} = ||u_i|| / ||p_i||``,
+      ``{update_prefix}/param_ratio/{G} = ||u_G|| / ||p_G||`` (``per_layer``);
+      scan-stacked leaves per slice, as every per-layer figure.
 
     Leaves no role matches still count in the global and per-layer figures.
 
@@ -330,13 +358,15 @@ def gradient_metrics(grads: Any, *, params: Any = None, roles: Roles | None = No
       grads: gradient pytree (after loss-scale unscaling; pre- or post-clip as the
         caller decides; name the family with ``prefix``).
       params: optional parameter pytree (same structure) for ``param/*``.
+      updates: optional final updates (what ``optax.apply_updates`` adds; same
+        structure) for ``update/*``; needs ``params``.
       roles: :class:`~jvitals.roles.Roles` (default patterns if None).
       specs: optional pytree of ``PartitionSpec`` (a prefix of ``grads``; None =
         replicated): the mesh axes each leaf is sharded along. Without it, inside
         ``shard_map``, the axes each leaf varies along (JAX's type system).
       axes: mesh axes bound by the enclosing ``shard_map``; ``()`` under ``jit``
         with global (``NamedSharding``) arrays.
-      prefix, param_prefix: name prefixes.
+      prefix, param_prefix, update_prefix: name prefixes.
       per_layer, per_role: emit the per-layer / per-role families.
 
     Returns:
@@ -344,13 +374,17 @@ def gradient_metrics(grads: Any, *, params: Any = None, roles: Roles | None = No
 
     Raises:
       ValueError: a required role is unmatched, a fused QKV kernel does not split,
-        ``specs`` does not match, or an axis is not bound.
+        ``specs`` does not match, an axis is not bound, or ``updates`` come without
+        ``params``.
 
     Example:
       >>> m = gradient_metrics(grads, params=params)          # doctest: +SKIP
       >>> m["grad/global_norm"], m["grad/Wq_abs.max"], m["grad/share/layer_0"]  # doctest: +SKIP
     """
     roles = Roles() if roles is None else roles
+    if updates is not None and params is None:
+        raise ValueError("gradient_metrics(updates=...): the update/param ratios need the parameters the "
+                         "updates apply to; pass params= too")
     t = _TreeStats(grads, roles=roles, specs=specs, axes=axes, by_layer=per_layer, by_role=per_role,
                    what="grads")
     p = prefix
@@ -366,6 +400,11 @@ def gradient_metrics(grads: Any, *, params: Any = None, roles: Roles | None = No
             sq = jnp.where(s.nonfinite > 0, jnp.nan, s.sumsq)
             out[f"{p}/share/layer_{i}"] = (sq / total_sq).astype(_F32)
             out[f"{p}/nonfinite_count/layer_{i}"] = _nonfinite(s)
+        for g in sorted(t.groups):
+            s = t.groups[g]
+            out[f"{p}/norm/{g}"] = s.norm
+            sq = jnp.where(s.nonfinite > 0, jnp.nan, s.sumsq)
+            out[f"{p}/share/{g}"] = (sq / total_sq).astype(_F32)
     if per_role:
         for name in sorted(t.roles):
             s = t.roles[name]
@@ -383,4 +422,26 @@ def gradient_metrics(grads: Any, *, params: Any = None, roles: Roles | None = No
         if per_layer:
             for i in sorted(tp.layers):
                 out[f"{param_prefix}/norm/layer_{i}"] = tp.layers[i].norm
+            for g in sorted(tp.groups):
+                out[f"{param_prefix}/norm/{g}"] = tp.groups[g].norm
+        if updates is not None:
+            out.update(_update_ratios(updates, tp, roles=roles, specs=specs, axes=axes, per_layer=per_layer,
+                                      prefix=update_prefix))
+    return out
+
+
+def _update_ratios(updates: Any, tp: _TreeStats, *, roles: Roles, specs: Any, axes: Sequence[str] | str,
+                   per_layer: bool, prefix: str) -> dict[str, jax.Array]:
+    """``||u||``, ``||u|| / ||p||`` globally, per layer and per group (``tp``: the params' stats)."""
+    tu = _TreeStats(updates, roles=roles, specs=specs, axes=axes, by_layer=per_layer, by_role=False,
+                    what="updates")
+    out = {f"{prefix}/global_norm": tu.all.norm,
+           f"{prefix}/param_ratio": (tu.all.norm / tp.all.norm).astype(_F32)}
+    if per_layer:
+        for i in sorted(tu.layers):
+            if i in tp.layers:
+                out[f"{prefix}/param_ratio/layer_{i}"] = (tu.layers[i].norm / tp.layers[i].norm).astype(_F32)
+        for g in sorted(tu.groups):
+            if g in tp.groups:
+                out[f"{prefix}/param_ratio/{g}"] = (tu.groups[g].norm / tp.groups[g].norm).astype(_F32)
     return out

@@ -72,7 +72,23 @@ def _flat(arrs):
     return np.concatenate([np.asarray(a, np.float64).ravel() for a in arrs]) if arrs else np.zeros(0)
 
 
-def reference(metas, prefix="grad", param_metas=None):
+GROUP_OF_BASE = {"word_embeddings": "embedding", "output_layer": "lm_head"}  # the non-layer groups
+
+
+def _by_layer_and_group(metas):
+    by_layer, by_group = {}, {}
+    for _, arr, base, layer in metas:
+        for _, i, a in _pieces(arr, None, layer):
+            if i is not None:
+                by_layer.setdefault(i, []).append(a)
+        g = GROUP_OF_BASE.get(base) if isinstance(base, str) else None
+        if g is not None:
+            by_group.setdefault(g, []).append(arr)
+    return by_layer, by_group
+
+
+def reference(metas, prefix="grad", param_metas=None, update_metas=None):
+    """Every figure from NumPy on the labelled arrays (the labels, not jvitals' roles)."""
     out = {}
     all_x = _flat([m[1] for m in metas])
     sq = np.sum(all_x ** 2)
@@ -92,6 +108,10 @@ def reference(metas, prefix="grad", param_metas=None):
         out[f"{prefix}/norm/layer_{i}"] = np.sqrt(np.sum(x ** 2))
         out[f"{prefix}/share/layer_{i}"] = np.sum(x ** 2) / sq
         out[f"{prefix}/nonfinite_count/layer_{i}"] = np.sum(~np.isfinite(x))
+    for g, arrs in _by_layer_and_group(metas)[1].items():
+        x = _flat(arrs)
+        out[f"{prefix}/norm/{g}"] = np.sqrt(np.sum(x ** 2))
+        out[f"{prefix}/share/{g}"] = np.sum(x ** 2) / sq
     for name, arrs in by_role.items():
         x = _flat(arrs)
         out[f"{prefix}/{name}_abs.max"] = np.max(np.abs(x))
@@ -111,6 +131,18 @@ def reference(metas, prefix="grad", param_metas=None):
                     pl.setdefault(i, []).append(a)
         for i, arrs in pl.items():
             out[f"param/norm/layer_{i}"] = np.sqrt(np.sum(_flat(arrs) ** 2))
+        p_layer, p_group = _by_layer_and_group(param_metas)
+        for g, arrs in p_group.items():
+            out[f"param/norm/{g}"] = np.sqrt(np.sum(_flat(arrs) ** 2))
+    if update_metas is not None:
+        ux = _flat([m[1] for m in update_metas])
+        out["update/global_norm"] = np.sqrt(np.sum(ux ** 2))
+        out["update/param_ratio"] = out["update/global_norm"] / out["param/global_norm"]
+        u_layer, u_group = _by_layer_and_group(update_metas)
+        for i, arrs in u_layer.items():
+            out[f"update/param_ratio/layer_{i}"] = np.sqrt(np.sum(_flat(arrs) ** 2)) / out[f"param/norm/layer_{i}"]
+        for g, arrs in u_group.items():
+            out[f"update/param_ratio/{g}"] = np.sqrt(np.sum(_flat(arrs) ** 2)) / out[f"param/norm/{g}"]
     return out
 
 
@@ -309,6 +341,27 @@ def test_update_and_global_norm_metrics_match_optax():
     assert set(m2) == {"grad/global_norm", "grad/nonfinite_count"}
 
 
+@pytest.mark.parametrize("name", ["reference_unscanned_default_roles", "reference_scanned_mla_moe",
+                                  "maxtext_scanned_axis1", "gpt2_hf_conv1d"])
+def test_group_and_update_ratio_figures_match_numpy(name):
+    """grad/norm|share/{embedding,lm_head}, param/norm/{group}, update/param_ratio/{layer_i,group}
+    from NumPy on the labelled arrays; scan-stacked leaves per slice (axis 0 and MaxText's axis 1);
+    GPT-2's head is tied (no lm_head leaf): no lm_head figures."""
+    fn, roles = TREES[name]
+    grads, gm = build(fn(), seed=11)
+    params, pm = build(fn(), seed=12)
+    updates, um = build(fn(), seed=13)
+    got = jax.jit(lambda g, p, u: gradient_metrics(g, params=p, updates=u, roles=roles))(grads, params, updates)
+    assert_matches(got, reference(gm, param_metas=pm, update_metas=um))
+    assert ("grad/norm/lm_head" in got) == (name != "gpt2_hf_conv1d")
+    assert "update/param_ratio/embedding" in got and "update/param_ratio/layer_1" in got
+    # cross-check the group norms against optax.global_norm on the sub-trees
+    emb = [m[1] for m in gm if m[2] == "word_embeddings"]
+    np.testing.assert_allclose(float(got["grad/norm/embedding"]), float(optax.tree.norm(emb)), rtol=1e-6)
+    with pytest.raises(ValueError, match="pass params= too"):
+        gradient_metrics(grads, updates=updates)
+
+
 def test_bad_inputs():
     grads, _ = build(reference_unscanned(num_layers=1))  # 16 columns
     with pytest.raises(ValueError, match=r"has 16 entries on axis 1.*\(H \+ 2\*KVH\) = \(4 \+ 2\*3\) = 10"):
@@ -355,6 +408,7 @@ def test_shard_map_expert_parallel_equals_one_device():
     mesh = _mesh()
     grads, gm = build(_scanned_moe_with_qkv(), seed=7)
     params, pm = build(_scanned_moe_with_qkv(), seed=8)
+    updates, um = build(_scanned_moe_with_qkv(), seed=9)
     # one NaN in an expert shard that is not the first: pmax must not drop it
     path = "params/layers/moe/experts/down_proj"
     bad = [m for m in gm if m[0] == path][0][1].copy()
@@ -363,9 +417,10 @@ def test_shard_map_expert_parallel_equals_one_device():
     roles = Roles()  # the GQA split of the column-sharded QKV is inferred from o_proj
     specs = _specs_for(grads)
     want = reference(gm, param_metas=pm)
+    want_u = reference(gm, param_metas=pm, update_metas=um)
 
     put = lambda t: jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, specs)
-    gs, ps = put(grads), put(params)
+    gs, ps, us = put(grads), put(params), put(updates)
 
     def body(use_specs):
         def f(g, p):
@@ -375,6 +430,11 @@ def test_shard_map_expert_parallel_equals_one_device():
 
     with_specs = jax.jit(jax.shard_map(body(True), mesh=mesh, in_specs=(specs, specs), out_specs=P()))(gs, ps)
     assert_matches(with_specs, want)
+    # Group and per-layer update figures, expert leaves sharded: psum-ed where sharded only.
+    upd = jax.jit(jax.shard_map(
+        lambda g, p, u: gradient_metrics(g, params=p, updates=u, roles=roles, specs=specs, axes=("data", "expert")),
+        mesh=mesh, in_specs=(specs, specs, specs), out_specs=P()))(gs, ps, us)
+    assert_matches(upd, want_u)
     # Without specs, JAX's varying-axes types drive the reduction (a column-sharded
     # fused QKV needs specs to be split right, so leave it out here).
     no_qkv = lambda t: {"params": {k: v for k, v in t["params"].items() if k != "layers"} |
@@ -385,8 +445,8 @@ def test_shard_map_expert_parallel_equals_one_device():
     typed = jax.jit(jax.shard_map(body(False), mesh=mesh, in_specs=(s2, s2), out_specs=P()))(g2, p2)
     assert_matches(typed, reference(gm2, param_metas=pm2))
     # jit over NamedSharding arrays (global view): same figures, no axes.
-    glob = jax.jit(lambda g, p: gradient_metrics(g, params=p, roles=roles))(gs, ps)
-    assert_matches(glob, want)
+    glob = jax.jit(lambda g, p, u: gradient_metrics(g, params=p, updates=u, roles=roles))(gs, ps, us)
+    assert_matches(glob, want_u)
 
 
 def test_second_call_does_not_recompile():
