@@ -31,7 +31,9 @@ the ``loss_scale=`` argument. ``opt/skipped_steps`` is the sum of
 ``optax.apply_if_finite``'s ``total_notfinite`` (steps whose update was non-finite;
 past ``max_consecutive_errors`` optax applies them anyway), with
 ``opt/consecutive_nonfinite`` beside it. ``opt/learning_rate`` is read from
-``inject_hyperparams`` when present.
+``inject_hyperparams`` when present (``hyperparams['learning_rate']``, times every
+``lr_scale`` of :func:`jvitals.with_lr_scale` in the state: the global scales, not
+per-group ones), as the recorder logs it.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from jvitals.gradients import Accumulator, flat_specs
 from jvitals.roles import path_str
 from jvitals.stats import Summary, check_axes, make_varying, psum_over, reduction_axes, summarize_max
 
-__all__ = ["NU_BINS", "log_histogram", "histogram_quantile", "optimizer_metrics", "search_quantile"]
+__all__ = ["NU_BINS", "injected_hyperparams", "log_histogram", "histogram_quantile", "optimizer_metrics",
+           "search_quantile"]
 
 _F32 = jnp.float32
 NU_BINS = 1 << 15
@@ -317,9 +320,33 @@ def optimizer_metrics(opt_state: Any, *, specs: Any = None, axes: Sequence[str] 
         out[f"{p}/skipped_steps"] = sum(jnp.asarray(n.total_notfinite).astype(jnp.int32) for n in aif)
         out[f"{p}/consecutive_nonfinite"] = sum(jnp.asarray(n.notfinite_count).astype(jnp.int32) for n in aif)
 
-    # Injected learning rate.
-    for n in find(_is_inject):
-        if isinstance(n.hyperparams, dict) and "learning_rate" in n.hyperparams:
-            out[f"{p}/learning_rate"] = jnp.asarray(n.hyperparams["learning_rate"]).astype(_F32)
-            break
+    # Injected learning rate, times every LR scale injected (jvitals.with_lr_scale).
+    lrs = injected_hyperparams(opt_state, "learning_rate")
+    if lrs:
+        lr = jnp.asarray(lrs[0], _F32).reshape(())
+        for s in injected_hyperparams(opt_state, "lr_scale"):
+            lr = lr * jnp.asarray(s, _F32).reshape(())
+        out[f"{p}/learning_rate"] = lr
     return out
+
+
+def injected_hyperparams(tree: Any, key: str) -> list[jax.Array]:
+    """Every ``hyperparams[key]`` of an ``optax.inject_hyperparams`` state in ``tree``.
+
+    Outer states first (an inject state nested in another's ``inner_state`` comes
+    after it).
+
+    Args:
+      tree: an optimizer state (or any pytree holding one).
+      key: the hyperparameter, e.g. ``"learning_rate"`` or ``"lr_scale"``.
+
+    Returns:
+      The values found (arrays or tracers), possibly empty.
+    """
+    found = []
+    for n in jax.tree.leaves(tree, is_leaf=_is_inject):
+        if _is_inject(n) and isinstance(n.hyperparams, Mapping):
+            if key in n.hyperparams:
+                found.append(n.hyperparams[key])
+            found.extend(injected_hyperparams(n.inner_state, key))
+    return found

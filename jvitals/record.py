@@ -2,9 +2,10 @@
 
 ::
 
-    tx = optax.chain(vitals.record(), optax.clip_by_global_norm(1.0), optax.adamw(lr))
-    tx = optax.chain(vitals.record(optax.clip_by_global_norm(1.0)), optax.adamw(lr))
-    tx = vitals.record(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr)))
+    tx = vitals.with_lr_scale(vitals.record(                   # the placement that gives every figure
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule)), schedule=schedule))
+    tx = optax.chain(vitals.record(), optax.clip_by_global_norm(1.0), optax.adamw(lr))   # gradients only
+    tx = optax.chain(vitals.record(optax.clip_by_global_norm(1.0)), optax.adamw(lr))   # + post-clip
     ...
     metrics = vitals.recorded(opt_state)     # {'grad/global_norm': ..., ...}
 
@@ -13,18 +14,36 @@ outputs and state are exactly those of ``inner`` alone) and keeps the latest
 metrics in its state, a flat ``{name: float32 scalar}`` dict, so
 ``optax.tree.get(opt_state, 'grad/global_norm')`` works too.
 
+**Placement.** Wrapping the whole optimizer, clip first
+(``record(optax.chain(clip, opt))``), gives every figure: the clip first in the
+chain is recognised (``optax.clip_by_global_norm``, or any transform whose state
+has a ``clip_threshold`` field, such as :func:`jvitals.adaptive_clip`), so the
+pre-clip figures are those of the gradients it receives and the post-clip ones
+are known from them (``min(||g||, max_norm)``); the final updates are the
+chain's outputs. Inside :func:`jvitals.with_lr_scale`, the update receives
+``vitals_lr_scale`` (the global scale in force), which multiplies the update
+figures and ``opt/learning_rate``: they are those of the updates applied
+(per-group scales, ``with_lr_scale(groups=...)``, act after the recorder and are
+not in them). Wrapping only the clip (``chain(record(clip), opt)``) gives no
+update figures.
+
 Families and their cadence (``every``, in optimizer updates):
 
 - ``"global"`` (default every update): ``grad/global_norm`` (pre-clip: the
   updates the recorder receives), ``grad/nonfinite_count``,
-  ``param/global_norm`` (with ``params``); with ``inner`` also
-  ``grad/global_norm_post_clip``, ``grad/clip_ratio`` (post / pre) and
-  ``grad/clipped`` (1.0 when the clip fired) — or, when ``inner`` is a whole
-  optimizer, ``update/global_norm`` and ``update/param_ratio``
-  (``||update|| / ||params||``).
-- ``"layers"`` (default every 50 updates): every per-role and per-layer figure of
-  :func:`jvitals.gradient_metrics` — ``grad/Wq_abs.max`` ..., ``grad/norm/layer_i``,
-  ``grad/share/layer_i``, ``param/norm/layer_i``.
+  ``param/global_norm`` (with ``params``); with a clip, ``grad/global_norm_post_clip``,
+  ``grad/clip_ratio`` (post / pre), ``grad/clipped`` (1.0 when the clip fired)
+  and, for a clip with a threshold state, ``grad/clip_threshold``; with the
+  final updates, ``update/global_norm`` and ``update/param_ratio``
+  (``||update|| / ||params||``); ``opt/learning_rate`` (``schedule=``, or an
+  ``optax.inject_hyperparams`` learning rate inside ``inner``, times the LR
+  scales).
+- ``"layers"`` (default every 50 updates): every per-role, per-layer and
+  per-group figure of :func:`jvitals.gradient_metrics` — ``grad/Wq_abs.max`` ...,
+  ``grad/norm/layer_i``, ``grad/share/layer_i``, ``param/norm/layer_i``,
+  ``grad/norm/embedding``, ``grad/share/embedding``, ``param/norm/embedding``
+  (and ``lm_head``, unless the head is tied to the embedding); with the final
+  updates ``update/param_ratio/layer_i`` and ``update/param_ratio/{embedding,lm_head}``.
 
 On a step where a family is not due, its figures keep their previous values and
 are not computed: the choice is a ``lax.cond``/``lax.switch`` on the step counter, so
@@ -49,9 +68,10 @@ once by XLA for these figures and for an ``optax.clip_by_global_norm`` in the
 same step. The post-clip norm of a wrapped ``optax.clip_by_global_norm(max_norm)``
 is ``min(||g||, max_norm)`` (NaN if ``||g||`` is), known without reading the
 clipped gradients; any other wrapped transform's outputs (an optimizer's
-updates) cost one more pass, made outside any conditional (a conditional would
-force XLA to materialise them) and kept only when the pre-clip figures are
-fresh. ``RecordState.last_step`` records, per family, the update at which its
+updates) cost one more pass for their global norm, made outside any conditional
+and kept only when the pre-clip figures are fresh; their per-layer figures are
+in the per-layer pass (with the ``lax.cond`` cadence the updates then enter the
+conditional). ``RecordState.last_step`` records, per family, the update at which its
 figures were last computed (-1: never).
 
 Placement:
@@ -79,6 +99,8 @@ from jax import lax
 
 from jvitals import gradients as _gradients
 from jvitals import stats as _stats
+from jvitals.lr_scale import LR_SCALE_ARG
+from jvitals.optimizer import injected_hyperparams
 from jvitals.packed import PackedMetrics
 from jvitals.roles import Roles
 
@@ -121,14 +143,35 @@ def _has_state(tree: Any) -> bool:
     return bool(jax.tree.leaves(tree))
 
 
+class _Plan(NamedTuple):
+    """What the recorder reports beside the gradient figures (decided at trace time).
+
+    clip: how ``grad/global_norm_post_clip`` is known: ``"max_norm"`` (a leading
+      ``optax.clip_by_global_norm``: ``min(||g||, max_norm)``), ``"threshold"`` (a
+      leading transform whose state has ``clip_threshold``: ``min(||g||,
+      threshold)``), ``"measured"`` (the norm of ``inner``'s outputs), or None.
+    update: ``inner``'s outputs are the final updates (``update/*`` figures).
+    lr: ``opt/learning_rate`` is known (``schedule=`` or an injected learning rate).
+    """
+
+    clip: str | None
+    update: bool
+    lr: bool
+
+
 def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | None = None,
            every: Mapping[str, int] | None = None, specs: Any = None, axes: Sequence[str] = (),
-           post: Literal["auto", "clip", "update"] = "auto") -> optax.GradientTransformationExtraArgs:
+           post: Literal["auto", "clip", "update"] = "auto",
+           schedule: optax.ScalarOrSchedule | None = None) -> optax.GradientTransformationExtraArgs:
     """Record gradient vitals in the optimizer state (see the module docstring).
 
     Args:
-      inner: an optional transform to wrap (a clip, or the whole optimizer). Its
-        outputs and state are passed through untouched.
+      inner: an optional transform to wrap (a clip, or the whole optimizer, e.g.
+        ``optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr))``). Its
+        outputs and state are passed through untouched. A clip first in it (an
+        ``optax.clip_by_global_norm``, or a transform whose state has a
+        ``clip_threshold`` field, such as :func:`jvitals.adaptive_clip`) is
+        recognised: its post-clip figures come from the pre-clip norm.
       roles: parameter roles for the per-role/per-layer family (default
         ``Roles()``, which recognises common Flax naming).
       every: cadence per family, e.g. ``{"global": 1, "layers": 500}``.
@@ -138,32 +181,63 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
       post: what ``inner``'s outputs are: ``"clip"`` (clipped gradients:
         ``grad/global_norm_post_clip``, ``grad/clip_ratio``, ``grad/clipped``) or
         ``"update"`` (final updates: ``update/global_norm``,
-        ``update/param_ratio``). ``"auto"``: ``"update"`` if ``inner`` keeps any
+        ``update/param_ratio``, and in the per-layer family
+        ``update/param_ratio/layer_{i}`` and per group). ``"auto"``: ``"clip"`` if
+        ``inner`` is a recognised clip; ``"update"`` (plus the clip figures) if it
+        is a chain starting with one; else ``"update"`` if ``inner`` keeps any
         state (an optimizer), else ``"clip"``. Plain SGD keeps no state: pass
         ``post="update"``.
+      schedule: the learning rate (a float or an optax schedule of the update
+        count), logged as ``opt/learning_rate`` at each update, times the
+        ``vitals_lr_scale`` the update receives. Without it the learning rate is
+        read from an ``optax.inject_hyperparams`` state inside ``inner``
+        (``hyperparams['learning_rate']``), if any.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
-      :class:`RecordState` (wrapping ``inner``'s). Its update takes one extra
-      keyword argument, ``vitals_layers`` (a Python bool: the per-layer family
+      :class:`RecordState` (wrapping ``inner``'s). Its update takes the extra
+      keyword arguments ``vitals_layers`` (a Python bool: the per-layer family
       this update or not, decided at trace time; a traced bool: the
-      conditional's predicate; None: ``every``); other extra arguments are
-      passed to ``inner``.
+      conditional's predicate; None: ``every``; not passed on) and
+      ``vitals_lr_scale`` (the global learning-rate scale in force, which
+      :func:`jvitals.with_lr_scale` passes: it multiplies ``opt/learning_rate``
+      and the update figures; 1.0 if absent); every extra argument but
+      ``vitals_layers`` is passed to ``inner``.
     """
     cadence = _check_every(every)
     roles = roles if roles is not None else Roles()
     axes = tuple(axes)
-    clip_max = _clip_max_norm(inner)
+    lead_path, lead_max, lead_whole = _leading_clip(inner)
     inner = optax.with_extra_args_support(inner) if inner is not None else None
+
+    def plan(inner_state: Any) -> _Plan:
+        lr = schedule is not None or _injected_lr(inner_state) is not None
+        if inner is None:
+            return _Plan(None, False, lr)
+        if post not in ("auto", "clip", "update"):
+            raise ValueError(f"record(post={post!r}): expected 'auto', 'clip' or 'update'")
+        lead_state = _at(inner_state, lead_path)
+        known = ("threshold" if _has_threshold(lead_state) else
+                 "max_norm" if lead_max is not None else None)
+        if post == "clip":
+            return _Plan(known if lead_whole and known else "measured", False, lr)
+        if post == "update":
+            return _Plan(known if known and not lead_whole else None, True, lr)
+        if known:
+            return _Plan(known, not lead_whole, lr)
+        return _Plan(None, True, lr) if _has_state(inner_state) else _Plan("measured", False, lr)
 
     def init_fn(params: Any) -> RecordState:
         inner_state = inner.init(params) if inner is not None else optax.EmptyState()
-        kind = _post_kind(post, inner, inner_state)
+        pl = plan(inner_state)
 
         def names(p: Any) -> dict[str, jax.Array]:  # global view: no mesh axes are bound at init
-            m = _gradients.gradient_metrics(p, params=p, roles=roles)
-            m.update(_post_metrics(m["grad/global_norm"], m["grad/global_norm"],
-                                   m.get("param/global_norm"), kind))
+            m = _gradients.gradient_metrics(p, params=p, updates=p if pl.update else None, roles=roles)
+            one = m["grad/global_norm"]
+            m.update(_clip_metrics(one, one, one if pl.clip == "threshold" else None) if pl.clip else {})
+            m.update(_update_metrics(one, one) if pl.update else {})
+            if pl.lr:
+                m[LR_NAME] = one
             return m
 
         keys = list(jax.eval_shape(names, params))
@@ -183,7 +257,9 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
             out, inner_state = inner.update(updates, state.inner_state, params, **extra)
         else:
             out, inner_state = updates, state.inner_state
-        kind = _post_kind(post, inner, inner_state)
+        pl = plan(inner_state)
+        outer = extra.get(LR_SCALE_ARG)
+        outer = None if outer is None else jnp.asarray(outer, jnp.float32).reshape(())
         count = state.count
         due = {f: (count % cadence[f]) == 0 for f in _FAMILIES}
         static = None  # the per-layer family decided at trace time (a Python bool)
@@ -195,6 +271,7 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
         names = state.metrics.names
         prev = state.metrics.vector  # the figures cross the conditional as one vector
         index = {k: i for i, k in enumerate(names)}
+        with_updates = pl.update and params is not None
 
         def fill(m: dict[str, jax.Array], base: jax.Array) -> jax.Array:
             m = _replicated(m, axes)
@@ -211,12 +288,17 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
             return fill(_global(updates, params), v)
 
         def heavy(v: jax.Array) -> jax.Array:
-            return fill(_gradients.gradient_metrics(updates, params=params, roles=roles, specs=specs,
-                                                    axes=axes), v)
+            m = _gradients.gradient_metrics(updates, params=params, updates=out if with_updates else None,
+                                            roles=roles, specs=specs, axes=axes)
+            if outer is not None:  # the updates applied are outer * out (jvitals.with_lr_scale)
+                m = {k: v * outer if k.startswith("update/") else v for k, v in m.items()}
+            return fill(m, v)
 
-        # Only the gradients and params enter a conditional (never the inner
-        # transform's outputs, which XLA would then have to materialise).
-        if static is True or (static is None and vitals_layers is None and cadence["layers"] == 1):
+        # Only the gradients and params enter a conditional (and, for the
+        # per-layer update figures, the inner transform's outputs; never for the
+        # light family, which XLA would then have to materialise them for).
+        heavy_static = static is True or (static is None and vitals_layers is None and cadence["layers"] == 1)
+        if heavy_static:
             vec = heavy(prev)  # one pass gives every family
             due["layers"] = jnp.asarray(True)
         elif static is False:
@@ -233,23 +315,37 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
             which = jnp.where(due["layers"], 2, jnp.where(due["global"], 1, 0))
             vec = lax.switch(which, (keep, light, heavy), prev)
         fresh = due["global"] | due["layers"]
-        if kind is not None:
-            pre = vec[index["grad/global_norm"]]
-            if kind == "clip" and clip_max is not None:
-                # optax.clip_by_global_norm scales by max_norm / ||g|| when ||g|| >=
-                # max_norm: its output's norm is min(||g||, max_norm) (NaN stays NaN).
-                post_norm = jnp.where(jnp.isnan(pre), jnp.nan, jnp.minimum(pre, jnp.asarray(clip_max, pre.dtype)))
+
+        # Figures outside any conditional, kept only when the pre-clip figures
+        # they are compared with are fresh.
+        pm: dict[str, jax.Array] = {}
+        pre = vec[index["grad/global_norm"]]
+        out_norm = None
+        if pl.clip == "measured" or (pl.update and not (heavy_static and with_updates)):
+            # One norm of the outputs (outside any conditional).
+            out_norm = _replicated({"n": _gradients.global_norm(out, specs=specs, axes=axes)},
+                                   axes)["n"].astype(jnp.float32)
+        if pl.clip is not None:
+            threshold = None
+            if pl.clip == "max_norm":
+                post_norm = _min_keep_nan(pre, jnp.asarray(lead_max, jnp.float32))
+            elif pl.clip == "threshold":
+                threshold = jnp.asarray(_at(inner_state, lead_path).clip_threshold, jnp.float32).reshape(())
+                post_norm = _min_keep_nan(pre, threshold)
             else:
-                # One norm of the outputs, outside any conditional, kept only when
-                # the pre-clip figures it is compared with are fresh.
-                post_norm = _replicated({"n": _gradients.global_norm(out, specs=specs, axes=axes)}, axes)["n"]
+                post_norm = out_norm
+            pm.update(_clip_metrics(pre, post_norm, threshold))
+        if pl.update and out_norm is not None:
+            scaled = out_norm * outer if outer is not None else out_norm
             param_norm = vec[index["param/global_norm"]] if "param/global_norm" in index else None
-            pm = _post_metrics(pre, post_norm.astype(jnp.float32), param_norm, kind)
-            pm = {k: v for k, v in pm.items() if k in index}
-            if pm:
-                at = jnp.array([index[k] for k in pm])
-                vec = vec.at[at].set(jnp.where(fresh, jnp.stack([v.astype(jnp.float32) for v in pm.values()]),
-                                               prev[at]))
+            pm.update(_update_metrics(scaled, param_norm))
+        if pl.lr:
+            pm[LR_NAME] = _learning_rate(schedule, count, inner_state, outer)
+        pm = {k: v for k, v in pm.items() if k in index}
+        if pm:
+            at = jnp.array([index[k] for k in pm])
+            vec = vec.at[at].set(jnp.where(fresh, jnp.stack([v.astype(jnp.float32) for v in pm.values()]),
+                                           prev[at]))
         metrics = PackedMetrics(names, vec)
         last = {"global": jnp.where(fresh, count, state.last_step["global"]),
                 "layers": jnp.where(due["layers"], count, state.last_step["layers"])}
@@ -259,25 +355,49 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _post_metrics(pre: jax.Array, post_norm: jax.Array, param_norm: jax.Array | None,
-                  kind: str | None) -> dict[str, jax.Array]:
-    """The figures comparing the inner transform's outputs with its inputs.
+LR_NAME = "opt/learning_rate"
 
-    ``kind == "clip"``: ``grad/global_norm_post_clip = ||out||``,
-    ``grad/clip_ratio = ||out|| / ||g||``, ``grad/clipped = ||out|| < ||g||``;
-    ``kind == "update"``: ``update/global_norm = ||out||``,
-    ``update/param_ratio = ||out|| / ||params||``.
-    """
-    if kind is None:
-        return {}
-    if kind == "clip":
-        return {"grad/global_norm_post_clip": post_norm,
-                "grad/clip_ratio": post_norm / pre,
-                "grad/clipped": (post_norm < pre * (1 - 1e-6)).astype(jnp.float32)}
-    m = {"update/global_norm": post_norm}
-    if param_norm is not None:
-        m["update/param_ratio"] = post_norm / param_norm
+
+def _min_keep_nan(pre: jax.Array, limit: jax.Array) -> jax.Array:
+    """``min(||g||, limit)``, NaN if ``||g||`` is NaN (the norm a clip at ``limit`` outputs)."""
+    return jnp.where(jnp.isnan(pre), jnp.nan, jnp.minimum(pre, limit.astype(pre.dtype)))
+
+
+def _clip_metrics(pre: jax.Array, post_norm: jax.Array, threshold: jax.Array | None) -> dict[str, jax.Array]:
+    """``grad/global_norm_post_clip = ||out||``, ``grad/clip_ratio = ||out|| / ||g||``,
+    ``grad/clipped = ||out|| < ||g||``, and ``grad/clip_threshold`` when the clip has one."""
+    m = {"grad/global_norm_post_clip": post_norm,
+         "grad/clip_ratio": post_norm / pre,
+         "grad/clipped": (post_norm < pre * (1 - 1e-6)).astype(jnp.float32)}
+    if threshold is not None:
+        m["grad/clip_threshold"] = threshold
     return m
+
+
+def _update_metrics(upd_norm: jax.Array, param_norm: jax.Array | None) -> dict[str, jax.Array]:
+    """``update/global_norm = ||u||``, ``update/param_ratio = ||u|| / ||params||``."""
+    m = {"update/global_norm": upd_norm}
+    if param_norm is not None:
+        m["update/param_ratio"] = upd_norm / param_norm
+    return m
+
+
+def _injected_lr(tree: Any) -> jax.Array | None:
+    found = injected_hyperparams(tree, "learning_rate")
+    return found[0] if found else None
+
+
+def _learning_rate(schedule: Any, count: jax.Array, inner_state: Any, outer: jax.Array | None) -> jax.Array:
+    """The learning rate applied at update ``count``: ``schedule(count)`` (or the injected
+    ``learning_rate``) x every ``lr_scale`` injected inside ``inner`` x ``outer``."""
+    if schedule is not None:
+        lr = schedule(count) if callable(schedule) else schedule
+    else:
+        lr = _injected_lr(inner_state)
+    lr = jnp.asarray(lr, jnp.float32).reshape(())
+    for s in injected_hyperparams(inner_state, "lr_scale"):
+        lr = lr * jnp.asarray(s, jnp.float32).reshape(())
+    return lr if outer is None else lr * outer
 
 
 def _replicated(m: dict[str, jax.Array], axes: tuple[str, ...]) -> dict[str, jax.Array]:
@@ -303,6 +423,38 @@ def _replicated(m: dict[str, jax.Array], axes: tuple[str, ...]) -> dict[str, jax
     return {**m, **{k: vec[i] for i, k in enumerate(keys)}}
 
 
+def _closure(fn: Any) -> dict[str, Any]:
+    try:
+        return {k: c.cell_contents for k, c in zip(fn.__code__.co_freevars, fn.__closure__ or ())}
+    except (AttributeError, ValueError):
+        return {}
+
+
+def _is_optax_fn(fn: Any, qualname: str) -> bool:
+    return (getattr(fn, "__qualname__", None) == qualname
+            and str(getattr(fn, "__module__", "")).startswith("optax"))
+
+
+def _unwrap(fn: Any) -> Any:
+    """The update function inside ``optax.with_extra_args_support`` wrappers."""
+    for _ in range(32):
+        if not _is_optax_fn(fn, "with_extra_args_support.<locals>.update"):
+            break
+        tx = _closure(fn).get("tx")
+        if tx is None:
+            break
+        fn = tx.update
+    return fn
+
+
+def _max_norm_of(fn: Any) -> Any:
+    """``max_norm`` if ``fn`` is the update of ``optax.clip_by_global_norm(max_norm)``, else None."""
+    if not _is_optax_fn(fn, "clip_by_global_norm.<locals>.update_fn"):
+        return None
+    value = _closure(fn).get("max_norm")
+    return value if isinstance(value, (int, float)) or getattr(value, "shape", None) == () else None
+
+
 def _clip_max_norm(inner: Any) -> Any:
     """``max_norm`` if ``inner`` is ``optax.clip_by_global_norm(max_norm)``, else None.
 
@@ -311,26 +463,52 @@ def _clip_max_norm(inner: Any) -> Any:
     ``min(||g||, max_norm)``, known from the pre-clip norm without another pass
     over the clipped gradients; any other transform's output is measured.
     """
-    fn = getattr(inner, "update", None)
-    if (getattr(fn, "__qualname__", None) != "clip_by_global_norm.<locals>.update_fn"
-            or not str(getattr(fn, "__module__", "")).startswith("optax")):
-        return None
-    try:
-        cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
-        value = cells["max_norm"].cell_contents
-    except (AttributeError, KeyError, ValueError):
-        return None
-    return value if isinstance(value, (int, float)) or getattr(value, "shape", None) == () else None
+    return _max_norm_of(getattr(inner, "update", None))
 
 
-def _post_kind(post: str, inner: Any, inner_state: Any) -> str | None:
+def _leading_clip(inner: Any) -> tuple[tuple[int, ...], Any, bool]:
+    """Where the first transform applied by ``inner`` sits, and whether it is a known clip.
+
+    Follows ``optax.chain``'s first element (through nested chains and
+    ``with_extra_args_support`` wrappers), reading optax's closures.
+
+    Returns:
+      ``(path, max_norm, whole)``: ``path``, the indices of its state inside
+      ``inner``'s state (``()``: ``inner`` itself; ``(0,)``: a chain's first
+      element...); ``max_norm`` if it is an ``optax.clip_by_global_norm``, else
+      None (a clip with a ``clip_threshold`` state field is recognised from the
+      state); ``whole``: ``inner`` is that transform alone (every chain on the
+      way has one element).
+    """
     if inner is None:
-        return None
-    if post == "auto":
-        return "update" if _has_state(inner_state) else "clip"
-    if post not in ("clip", "update"):
-        raise ValueError(f"record(post={post!r}): expected 'auto', 'clip' or 'update'")
-    return post
+        return (), None, True
+    fn = _unwrap(getattr(inner, "update", None))
+    path: tuple[int, ...] = ()
+    whole = True
+    for _ in range(32):
+        if not _is_optax_fn(fn, "chain.<locals>.update_fn"):
+            break
+        fns = _closure(fn).get("update_fns")
+        if not fns:
+            break
+        whole = whole and len(fns) == 1
+        path += (0,)
+        fn = _unwrap(fns[0])
+    return path, _max_norm_of(fn), whole
+
+
+def _at(state: Any, path: tuple[int, ...]) -> Any:
+    """``state[path[0]][path[1]]...`` (None where the state has no such element)."""
+    for i in path:
+        if not isinstance(state, tuple) or hasattr(state, "_fields") or len(state) <= i:
+            return None
+        state = state[i]
+    return state
+
+
+def _has_threshold(state: Any) -> bool:
+    """A clip's state: a NamedTuple with a ``clip_threshold`` field (e.g. ``AdaptiveClipState``)."""
+    return "clip_threshold" in getattr(state, "_fields", ())
 
 
 def _states(opt_state: Any) -> list[RecordState]:

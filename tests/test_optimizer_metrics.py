@@ -215,3 +215,17 @@ def test_median_methods_agree(name):
         assert float(got["search"][k]) == float(got["histogram"][k]) == float(got["auto"][k]), k
     with pytest.raises(ValueError, match="median='sort'"):
         optimizer_metrics(state, median="sort")
+
+
+def test_learning_rate_includes_the_lr_scale():
+    """opt/learning_rate = the injected learning rate x every with_lr_scale scale, as the recorder logs it."""
+    import jvitals as vitals
+
+    params = {"w": jnp.ones((3,))}
+    schedule = optax.linear_schedule(1e-3, 2e-3, 4)
+    tx = vitals.with_lr_scale(optax.inject_hyperparams(optax.adamw)(learning_rate=schedule))
+    state = vitals.set_lr_scale(tx.init(params), 0.5)
+    for k in range(2):
+        _, state = tx.update({"w": jnp.ones((3,))}, state, params)
+        np.testing.assert_allclose(float(optimizer_metrics(state)["opt/learning_rate"]),
+                                   0.5 * float(schedule(k)), rtol=1e-6)

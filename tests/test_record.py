@@ -100,7 +100,16 @@ def test_wrapping_the_whole_optimizer_records_the_update():
     m = vitals.recorded(state)
     np.testing.assert_allclose(float(m["update/global_norm"]), float(optax.tree.norm(ref_updates)), rtol=1e-6)
     np.testing.assert_allclose(float(m["update/param_ratio"]), np_norm(ref_updates) / np_norm(params), rtol=1e-5)
-    assert "grad/global_norm_post_clip" not in m
+    # The clip first in the chain is recognised: its post-clip figures come out too.
+    pre = np_norm(grads)
+    np.testing.assert_allclose(float(m["grad/global_norm_post_clip"]), min(pre, 1.0), rtol=1e-6)
+    np.testing.assert_allclose(float(m["grad/clip_ratio"]), min(pre, 1.0) / pre, rtol=1e-6)
+    assert float(m["grad/clipped"]) == float(pre > 1.0)
+    # A chain without a leading clip (adamw first) gives the update figures only.
+    tx = vitals.record(optax.chain(optax.adamw(1e-2), optax.clip_by_global_norm(1.0)))
+    _, state = tx.update(grads, tx.init(params), params)
+    assert "update/global_norm" in vitals.recorded(state)
+    assert "grad/global_norm_post_clip" not in vitals.recorded(state)
 
 
 def test_post_kind_can_be_forced_for_stateless_sgd():
@@ -261,9 +270,12 @@ def test_sharded_equals_unsharded():
 
     s2 = step(put(grads), sharded.init(params), put(params))
     got = vitals.recorded(s2)
-    for k in ("grad/global_norm", "grad/global_norm_post_clip", "param/global_norm", "grad/norm/layer_0"):
+    for k in ("grad/global_norm", "grad/global_norm_post_clip", "param/global_norm", "grad/norm/layer_0",
+              "grad/norm/lm_head", "grad/share/lm_head", "param/norm/lm_head"):
         np.testing.assert_allclose(float(got[k]), float(ref[k]), rtol=1e-6, err_msg=k)
     np.testing.assert_allclose(float(got["grad/global_norm"]), np_norm(grads), rtol=1e-6)
+    np.testing.assert_allclose(float(got["grad/share/lm_head"]),
+                               np_norm(grads["lm_head"]) ** 2 / np_norm(grads) ** 2, rtol=1e-5)
 
     # GSPMD: jit over NamedSharding arrays, axes=()
     g3 = jax.jit(lambda g, s, p: one.update(g, s, p)[1])(put(grads), one.init(params), put(params))
@@ -413,3 +425,115 @@ def test_light_step_shares_the_clip_sum_of_squares():
     n_bare = reductions(bare)
     assert n_bare >= n  # the clip's own sum of squares, one per leaf
     assert reductions(rec, vitals_layers=False) <= n_bare + 3 * n
+
+
+# ---------------------------------------------------------------------------------- group figures, LR
+
+
+def _np_layer(tree, i, scan):
+    return jax.tree.map(lambda a: np.asarray(a)[i], tree["layers"]) if scan else tree[f"layers_{i}"]
+
+
+def _np_group_and_layer_figures(grads, params, updates, n_layers, scan):
+    """update/param_ratio per layer and group, grad/param group figures, from NumPy."""
+    out = {}
+    for i in range(n_layers):
+        out[f"update/param_ratio/layer_{i}"] = (np_norm(_np_layer(updates, i, scan))
+                                                / np_norm(_np_layer(params, i, scan)))
+    for g, key in (("embedding", "embed"), ("lm_head", "lm_head")):
+        out[f"grad/norm/{g}"] = np_norm(grads[key])
+        out[f"grad/share/{g}"] = np_norm(grads[key]) ** 2 / np_norm(grads) ** 2
+        out[f"param/norm/{g}"] = np_norm(params[key])
+        out[f"update/param_ratio/{g}"] = np_norm(updates[key]) / np_norm(params[key])
+    out["update/global_norm"] = np_norm(updates)
+    out["update/param_ratio"] = np_norm(updates) / np_norm(params)
+    return out
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_readme_placement_gives_group_update_figures_and_the_learning_rate(scan):
+    """with_lr_scale(record(chain(clip, adamw(schedule)), schedule=schedule)): every figure
+    against NumPy on the updates the step really applies (lr_scale included)."""
+    cfg = ModelConfig(scan_layers=scan)
+    params = init_params(cfg, jax.random.key(0))
+    schedule = optax.linear_schedule(1e-3, 3e-3, 4)
+    tx = vitals.with_lr_scale(vitals.record(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule)),
+                                            schedule=schedule))
+    step = jax.jit(lambda g, s, p: tx.update(g, s, p, vitals_layers=True))
+    state = vitals.set_lr_scale(tx.init(params), 0.5)
+    for k in range(2):
+        grads = jax.tree.map(lambda p: p * (0.3 + k) + 0.01, params)
+        updates, state = step(grads, state, params)
+        m = jax.device_get(vitals.recorded(state))
+        want = _np_group_and_layer_figures(grads, params, updates, cfg.n_layers, scan)
+        for name, v in want.items():
+            np.testing.assert_allclose(float(m[name]), v, rtol=2e-5, err_msg=name)
+        pre = np_norm(grads)
+        np.testing.assert_allclose(float(m["grad/global_norm"]), pre, rtol=1e-6)
+        np.testing.assert_allclose(float(m["grad/global_norm_post_clip"]), min(pre, 1.0), rtol=1e-6)
+        np.testing.assert_allclose(float(m["opt/learning_rate"]), 0.5 * float(schedule(k)), rtol=1e-6)
+        params = optax.apply_updates(params, updates)
+    # The light step (vitals_layers=False): no per-layer pass, but the every-update figures.
+    light = jax.jit(lambda g, s, p: tx.update(g, s, p, vitals_layers=False))
+    updates, state = light(grads, state, params)
+    m = jax.device_get(vitals.recorded(state))
+    np.testing.assert_allclose(float(m["update/global_norm"]), np_norm(updates), rtol=1e-5)
+    np.testing.assert_allclose(float(m["opt/learning_rate"]), 0.5 * float(schedule(2)), rtol=1e-6)
+
+
+def test_tied_head_has_no_lm_head_figures():
+    params = tree(0)
+    del params["lm_head"]
+    tx = vitals.record(optax.adamw(1e-3), every={"layers": 1})
+    grads = {k: v for k, v in tree(1).items() if k != "lm_head"}
+    updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    m = vitals.recorded(state)
+    assert "grad/norm/embedding" in m and not [k for k in m if k.endswith("/lm_head")]
+    np.testing.assert_allclose(float(m["update/param_ratio/embedding"]),
+                               np_norm(updates["embed_tokens"]) / np_norm(params["embed_tokens"]), rtol=1e-5)
+    np.testing.assert_allclose(float(m["grad/share/embedding"]),
+                               np_norm(grads["embed_tokens"]) ** 2 / np_norm(grads) ** 2, rtol=1e-5)
+
+
+def test_learning_rate_from_inject_hyperparams_and_the_scale_argument():
+    params, grads = tree(0), tree(1)
+    schedule = optax.cosine_decay_schedule(2e-3, 10)
+    tx = vitals.record(optax.inject_hyperparams(optax.adamw)(learning_rate=schedule))
+    state = tx.init(params)
+    step = jax.jit(lambda g, s, p, scale: tx.update(g, s, p, vitals_lr_scale=scale))
+    for k, scale in enumerate([1.0, 0.25, 0.25]):
+        _, state = step(grads, state, params, jnp.float32(scale))
+        np.testing.assert_allclose(float(vitals.recorded(state)["opt/learning_rate"]),
+                                   scale * float(schedule(k)), rtol=1e-6)
+    # absent: a factor 1; a constant schedule=
+    tx = vitals.record(optax.sgd(0.1), post="update", schedule=0.1)
+    _, state = tx.update(grads, tx.init(params), params)
+    np.testing.assert_allclose(float(vitals.recorded(state)["opt/learning_rate"]), 0.1, rtol=1e-6)
+    # nothing to read it from: no figure
+    tx = vitals.record(optax.adamw(1e-3))
+    assert "opt/learning_rate" not in tx.init(params).metrics.names
+
+
+def test_group_and_update_figures_on_a_mesh():
+    """jit over NamedSharding arrays (8 devices): the figures of the gathered arrays."""
+    cfg = ModelConfig(scan_layers=True)
+    params = init_params(cfg, jax.random.key(1))
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def spec(path, x):
+        s = jax.tree_util.keystr(path, simple=True, separator="/")
+        if s.endswith("embed/embedding"):
+            return P("data", None)
+        if s.endswith("lm_head/kernel"):
+            return P(None, "data")
+        return P()
+
+    specs = jax.tree_util.tree_map_with_path(spec, params)
+    put = lambda t: jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), t, specs)  # noqa: E731
+    grads = jax.tree.map(lambda p: p * 2.0 + 0.05, params)
+    tx = vitals.record(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), every={"layers": 1})
+    updates, state = jax.jit(tx.update)(put(grads), tx.init(put(params)), put(params))
+    m = jax.device_get(vitals.recorded(state))
+    updates = jax.device_get(updates)
+    for name, v in _np_group_and_layer_figures(grads, params, updates, cfg.n_layers, True).items():
+        np.testing.assert_allclose(float(m[name]), v, rtol=2e-5, err_msg=name)
