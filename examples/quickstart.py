@@ -1,6 +1,6 @@
 """jvitals quickstart: train a small MoE transformer, break it, watch jvitals catch and fix it.
 
-    python examples/quickstart.py                 # CPU, a few hundred steps, < 3 minutes
+    python examples/quickstart.py                 # CPU, a few hundred steps (its wall time: see the README)
     python examples/quickstart.py --fault none    # the same run, healthy
     python examples/quickstart.py --fault lr      # a learning-rate blow-up instead of bad data
 
@@ -30,6 +30,9 @@ from typing import Any, NamedTuple
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+_T0 = time.perf_counter()
+if __name__ == "__main__":
+    print("jvitals quickstart: importing JAX, optax and jvitals ...", flush=True)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -134,15 +137,24 @@ class Progress:
         print(("\n" if self.tty else "") + text, flush=True)
 
 
+def say(text: str, t0: float | None = None) -> float:
+    """Prints what the demo does now (and, given ``t0``, how long the last thing took)."""
+    now = time.perf_counter()
+    print(f"[{now - _T0:6.1f} s] {text}" + (f" ({now - t0:.1f} s)" if t0 is not None else ""), flush=True)
+    return now
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    t_start = time.perf_counter()
+    t_start = _T0
     workdir = Path(args.workdir).absolute()
     if workdir.exists() and not args.keep:
         shutil.rmtree(workdir)
     logdir, ckptdir = workdir / "logs", workdir / "checkpoints"
 
+    t = say("importing the TensorBoard writer (clu imports TensorFlow) ...")
     from clu import metric_writers  # imports tensorflow: after the argument parsing
+    say("imported", t)
 
     cfg = make_config()
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup_steps=20, decay_steps=args.steps,
@@ -164,8 +176,11 @@ def main(argv=None) -> int:
         warmup_steps=20, baseline_steps=60, red_after=3, clear_steps=20, event_hold_steps=30,
         trend_halflife=20, scale_halflife=60, spike_min_samples=10, post_window=20,
         physiological_steps=20, pathological_steps=30, periodic_min_interval=20, val_gap_window=100))
-    guard = vitals.Rollback(ckptdir, save_every=25, keep_last=5, keep_every=100, lr_factor=0.9, max_rollbacks=3)
     writer = metric_writers.create_default_writer(str(logdir), just_logging=False)
+    # The guard writes rollback/count, rollback/lr_scale and its events (save, pause,
+    # rollback) through vitals.write at each of its calls.
+    guard = vitals.Rollback(ckptdir, save_every=25, keep_last=5, keep_every=100, lr_factor=0.9,
+                            max_rollbacks=3, writer=writer)
     timer = vitals.StepTimer(tokens_per_step=args.batch * args.seq)
 
     position = 0
@@ -178,10 +193,14 @@ def main(argv=None) -> int:
     losses: dict[int, float] = {}
     levels: dict[int, str] = {}
     level = "GREEN"
+    t = say("compiling the train step (the first call; every vital is inside it) ...")
     for step in range(start, args.steps):
         mult = args.fault_mult if (args.fault == "lr" and args.fault_step <= position < args.fault_step + args.fault_len) else 1.0
         state, metrics = train_step(state, batch_at(position, cfg, args), jnp.float32(mult))
         position += 1                      # the data position only ever moves forward
+        if step == start:
+            jax.block_until_ready(metrics)
+            t = say("compiled; training", t)
         timer.step()
         if step % args.check_every and step + 1 != args.steps:
             continue
@@ -195,29 +214,30 @@ def main(argv=None) -> int:
         state = resp.state
         level = verdict.level.name
         losses[step], levels[step] = float(host["loss"]), level
-        events = []
         note = ""
         if resp.action == vitals.Action.ROLLBACK:
-            events.append({"event": "rollback", "step": step, "to_step": resp.target_step,
-                           "lr_scale": resp.lr_scale, "reason": verdict.alerts[0].message if verdict.alerts else ""})
-            note = f"ROLLBACK -> checkpoint {resp.target_step}, lr x{resp.lr_scale:.2f}"
+            h = guard.history[-1]
+            note = (f"ROLLBACK -> checkpoint {resp.target_step} (earliest sign of the fault: step "
+                    f"{h['onset_step']}), lr x{resp.lr_scale:.2f}")
         elif resp.action == vitals.Action.PAUSE and resp.saved_step is not None:
-            events.append({"event": "pause", "step": step})
             note = f"ORANGE: checkpoint {resp.saved_step} saved; paused 1 s"
-        if resp.saved_step is not None:
-            events.append({"event": "save", "step": resp.saved_step, "level": level})
         for a in verdict.new_alerts:
             bar.event(f"  {a.level.name:<6} step {step}: {a.message.splitlines()[0][:150]}")
-        vitals.write(writer, step, {**host, **resp.metrics}, verdict, events=events)
+        vitals.write(writer, step, host, verdict)
         bar.show(step, float(host["loss"]), level, note)
         if note:
             bar.event("  " + note)
+        if (step // args.check_every) % 10 == 0:
+            writer.flush()                 # drain the asynchronous TensorBoard writer as we go
+    if bar.tty:
+        print()
+    t = say(f"training done in {time.perf_counter() - t:.1f} s; waiting for the last checkpoint save ...")
     guard.wait()
+    t = say("saved; flushing the TensorBoard writer ...", t)
     writer.flush()
     guard.close()
     writer.close()
-    if bar.tty:
-        print()
+    say("flushed", t)
 
     # The end: did it recover?
     steps = sorted(losses)
@@ -239,13 +259,14 @@ def main(argv=None) -> int:
               f"lr scale {r.get('lr_scale', float('nan')):.3f}")
     if not rollbacks:
         print("  none")
-    print(f"\nFinal loss {final:.3f} (before the fault {pre_fault:.3f}); final level {level}; "
-          f"{time.perf_counter() - t_start:.0f} s")
+    print(f"\nFinal loss {final:.3f} (before the fault {pre_fault:.3f}); final level {level}")
     report = workdir / "report.html"
     if not args.no_report:
+        t = say("writing the HTML report (reads the event files back, draws the plots) ...")
         from jvitals import report as report_mod
 
         report_mod.write_report(str(logdir), str(report), total_steps=args.steps)
+        say("written", t)
         print(f"Report:      {report}")
     print(f"TensorBoard: tensorboard --logdir {logdir}")
     print(f"Checkpoints: {ckptdir}")
@@ -254,6 +275,7 @@ def main(argv=None) -> int:
         ok = not rollbacks and level in ("GREEN", "YELLOW")
     else:
         ok = bool(rollbacks) and level in ("GREEN", "YELLOW") and final <= pre_fault * 1.1 + 0.05
+    print(f"Wall time:   {time.perf_counter() - t_start:.0f} s (from the start of the script)")
     print("RECOVERED" if ok and args.fault != "none" else ("HEALTHY" if ok else "DID NOT RECOVER"))
     return 0 if ok else 1
 

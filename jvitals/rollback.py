@@ -656,6 +656,7 @@ class Rollback:
         self._warned_no_resume = False
         self._checks: collections.deque[int] = collections.deque(maxlen=4096)
         self._log = _AlertLog()
+        self._open_peak = int(Level.GREEN)
 
         self.store = CheckpointStore(directory, keep_last=keep_last, keep_every=keep_every,
                                      keep_green=keep_green, keep_quarantined=keep_quarantined,
@@ -814,7 +815,7 @@ class Rollback:
         for s in self._stores():
             s.poll()
         alerts = self._drain()
-        open_peak = max(self._log.open_peak(verdict), level)
+        open_peak = max(self._open_peak, level)
         self.position = position
         if level >= Level.RED:
             response = self._rollback(step, state, verdict, position, sign, cutoff, alerts)
@@ -918,15 +919,17 @@ class Rollback:
         return "not needed"
 
     def _decide(self, step: int, verdict: Any) -> tuple[int, int, int]:
-        """Process 0's (level, earliest sign, cutoff), the same on every process."""
+        """Process 0's (level, earliest sign, cutoff), the same on every process (and its
+        open peak level, in ``_open_peak``)."""
         level = int(getattr(verdict, "level", Level.GREEN)) if verdict is not None else int(Level.GREEN)
         sign = self._log.chain_sign(verdict, step) if level >= Level.RED else step
-        rows = allgather_ints([step, level, sign, self._cutoff(sign)])
+        rows = allgather_ints([step, level, sign, self._cutoff(sign), self._log.open_peak(verdict)])
         if (rows[:, 0] != rows[0, 0]).any():
             raise RuntimeError(
                 f"Rollback: processes called respond at different steps {rows[:, 0].tolist()}; "
                 "expected every process at the same step. Call respond at the same steps on "
                 "every process.")
+        self._open_peak = int(rows[0, 4])
         return int(rows[0, 1]), int(rows[0, 2]), int(rows[0, 3])
 
     def _cutoff(self, sign: int) -> int:

@@ -60,8 +60,8 @@ def _scalars(step):
             "moe/maxvio.max": 0.6,
             "moe/dead_expert_ratio": 0.0 if step < 1000 else 0.125,
             "vitals/level": float(_level(step)),
-            "vitals/rollbacks": 0.0 if step < ROLLBACK_STEP else 1.0,
-            "vitals/lr_scale": 1.0 if step < ROLLBACK_STEP else 0.9,
+            "rollback/count": 0.0 if step < ROLLBACK_STEP else 1.0,
+            "rollback/lr_scale": 1.0 if step < ROLLBACK_STEP else 0.9,
             "custom/unknown_tag": 7.0,
     }
     for i, s in enumerate(_share(step)):
@@ -338,3 +338,158 @@ def test_checkup_failures_late_phase():
     assert items["The loss descent rate matches the learning-rate schedule"].status == "NOT MEASURED"
     doc = report.build_html(run, total_steps=5000)
     assert "late <span class='muted'>(this run&#x27;s phase; window steps 2500-4000)" in doc
+
+
+# ----------------------------------------------------------------------------
+# Issue 18/20: the guard's figures, peak messages, the run's name, own cadences.
+# ----------------------------------------------------------------------------
+
+
+def test_alert_row_shows_its_peak_message_and_the_title_names_the_run(tmp_path):
+    logdir = tmp_path / "my_run" / "logs"
+    w = metric_writers.create_default_writer(str(logdir), asynchronous=False)
+    a = {"id": 4, "rule": "grad_norm", "metric": "grad/global_norm", "onset_step": 10}
+    steps = {10: ("YELLOW", "[YELLOW] 2.2x"), 15: ("ORANGE", "[ORANGE] 3.5x"), 20: ("YELLOW", "[YELLOW] 2.1x")}
+    for step, (lvl, msg) in steps.items():
+        w.write_scalars(step, {"loss": 1.0})
+        w.write_texts(step, {"vitals/alerts_json": json.dumps([dict(a, step=step, level=lvl, message=msg,
+                                                                    peak_level="ORANGE" if step > 10 else lvl)])})
+    w.close()
+    run = report.read_run(str(logdir))
+    (alert,) = run.alerts
+    assert alert["peak_level"] == "ORANGE" and alert["message"] == "[ORANGE] 3.5x"
+    assert alert["step"] == 20 and alert["logged_step"] == 10
+    doc = report.build_html(run)
+    assert "<title>jvitals report: my_run</title>" in doc
+    assert "[ORANGE] 3.5x" in doc and "[YELLOW] 2.1x" not in doc
+    assert report.run_name("/x/runs/quickstart/logs") == "quickstart"
+    assert report.run_name("/x/exp7") == "exp7"
+
+
+def test_per_layer_figures_drawn_at_their_own_steps(tmp_path):
+    """Per-layer figures written every 10 steps beside a loss written every step: each
+    is drawn at exactly its own steps (points), never filled in between."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from jvitals.writers import write
+
+    w = metric_writers.create_default_writer(str(tmp_path), asynchronous=False)
+    for step in range(0, 101):
+        m = {"loss": 3.0 - step / 100}
+        if step % 10 == 0:
+            m |= {f"grad/norm/layer_{i}": 1.0 + i + step / 100 for i in range(3)}
+        write(w, step, m, events=None)
+    w.close()
+    run = report.read_run(str(tmp_path))
+    ax = report.plot_family(run, "layer_grad_norm")
+    lines = [ln for ln in ax.get_lines() if ln.get_label().startswith("grad/norm/")]
+    assert len(lines) == 3
+    for i, ln in enumerate(sorted(lines, key=lambda ln: ln.get_label())):
+        np.testing.assert_array_equal(ln.get_xdata(), np.arange(0, 101, 10))
+        np.testing.assert_allclose(ln.get_ydata(), [1.0 + i + s / 100 for s in range(0, 101, 10)])
+        assert ln.get_marker() == "."
+    layers, steps, mat, _ = report._share_matrix(run)
+    np.testing.assert_array_equal(steps, np.arange(0, 101, 10))
+    norms = np.array([[1.0 + i + s / 100 for s in range(0, 101, 10)] for i in range(3)])
+    np.testing.assert_allclose(mat, norms ** 2 / (norms ** 2).sum(0), rtol=1e-6)
+    loss = [ln for ln in report.plot_family(run, "loss").get_lines() if ln.get_label() == "loss"][0]
+    assert len(loss.get_xdata()) == 101 and loss.get_marker() in (None, "None", "")
+
+
+README_LOOP = """
+import functools, jax, jax.numpy as jnp, optax
+import jvitals as vitals
+from clu import metric_writers
+from jvitals import reference_model as rm
+from jvitals.rollback import Rollback
+
+cfg = rm.ModelConfig(vocab=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64,
+                     moe=True, n_experts=4, top_k=2, d_expert=32, sow_attn_logits=False)
+model = rm.Decoder(cfg)
+schedule = optax.constant_schedule(3e-3)
+num_steps, FAULT = 120, 80
+
+class State(NamedTuple):
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    def replace(self, **kw):
+        return self._replace(**kw)
+
+class Loader:
+    def batch(self, position):
+        return rm.make_batch(position, cfg, 8, 16)
+loader = Loader()
+
+def cross_entropy(logits, batch):
+    return rm.cross_entropy(logits, batch["labels"], batch["mask"])
+
+tx = vitals.with_lr_scale(optax.chain(            # the scale a rollback turns down, any schedule
+    vitals.record(optax.clip_by_global_norm(1.0)),  # grad vitals before and after the clip
+    optax.adamw(schedule)))
+
+@functools.partial(jax.jit, static_argnames="full")
+def train_step(state, batch, full=False, fault=1.0):
+    def loss_fn(params):
+        logits, sown = model.apply({"params": params}, batch["tokens"], mutable=["intermediates"])
+        return cross_entropy(logits, batch), sown["intermediates"]
+    (loss, inter), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params, vitals_layers=full)
+    updates = jax.tree.map(lambda u: u * fault, updates)          # the injected fault
+    metrics = {"loss": loss, **vitals.moe_metrics(inter, top_k=2)}
+    if full:
+        metrics |= vitals.activation_metrics(inter, mask=batch["mask"]) | vitals.optimizer_metrics(opt_state)
+    return state.replace(params=optax.apply_updates(state.params, updates),
+                         opt_state=opt_state, step=state.step + 1), metrics
+
+params = rm.init_params(cfg, jax.random.key(0))
+state = State(jnp.zeros([], jnp.int32), params, tx.init(params))
+position = 0
+
+writer = metric_writers.create_default_writer(logdir)
+monitor = vitals.Monitor(vitals.Policy(warmup_steps=10, baseline_steps=30))
+guard = Rollback(ckpt_dir, writer=writer, save_every=20)
+state, position = guard.resume(state, position, monitor)   # after a crash or a restart
+for step in range(int(state.step), num_steps):
+    fault = 300.0 if step == FAULT else 1.0
+    state, metrics = train_step(state, loader.batch(position), full=step % 10 == 0, fault=fault); position += 1
+    if step % 2 == 0:                             # the host looks only at its cadence
+        host = jax.device_get({**metrics, **vitals.recorded(state.opt_state)})  # one packed vector
+        verdict = monitor.update(step, host)
+        vitals.write(writer, step, host, verdict)
+        state = guard.respond(step, state, verdict, position)   # save / pause / roll back
+guard.close()
+writer.close()
+print("ROLLBACKS", len(guard.history), guard.lr_scale)
+"""
+
+
+def test_readme_loop_as_written_report_shows_the_rollback_and_lr_scale(tmp_path):
+    """The README's Usage loop (its lines, with a tiny reference model and a fault at
+    step 80) in a fresh process; the report of its log directory shows the rollback
+    and the LR scale the guard wrote."""
+    logdir, ckpt = tmp_path / "readme_run" / "logs", tmp_path / "ckpt"
+    script = tmp_path / "loop.py"
+    script.write_text("from typing import Any, NamedTuple\n"
+                      f"logdir, ckpt_dir = {str(logdir)!r}, {str(ckpt)!r}\n" + README_LOOP)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("ROLLBACKS")][0]
+    n, scale = int(line.split()[1]), float(line.split()[2])
+    assert n >= 1 and scale == pytest.approx(0.9 ** n)
+    run = report.read_run(str(logdir))
+    steps, counts = run.scalars["rollback/count"]
+    assert counts.max() == n and run.num_rollbacks == n
+    s_lr, lr = run.scalars["rollback/lr_scale"]
+    assert lr[0] == 1.0 and lr[-1] == pytest.approx(0.9 ** n, rel=1e-6)
+    rb = run.rollbacks()
+    assert len(rb) == n and all(r.get("to_step") is not None and r["to_step"] < 80 for r in rb)
+    assert rb[0]["step"] > 80 and steps[np.argmax(counts > 0)] == rb[0]["step"]
+    doc = report.build_html(run)
+    assert "<td>rollbacks</td><td>%d</td>" % n in doc
+    assert "LR scale</td><td>1 -&gt; 0.9 from step %d" % rb[0]["step"] in doc
+    assert "not measured (no rollback/lr_scale" not in doc
+    assert f"<td class='num'>{rb[0]['step']}</td><td class='num'>{rb[0]['to_step']}</td>" in doc
+    assert "<title>jvitals report: readme_run</title>" in doc

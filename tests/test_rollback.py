@@ -725,11 +725,11 @@ def test_persistent_fault_limit_keeps_targets_and_restart_resumes_healthy(tmp_pa
 
 
 def test_fault_at_a_cadence_save_with_a_late_onset_restores_no_faulty_update(tmp_path):
-    """Checks every 5 steps, saves every 10; the fault (the LR x30 from then on) begins
-    with the update of step 60, which the checkpoint of step 60 holds; the monitor
-    sees it only at a later check."""
+    """Checks every 5 steps, saves every 10; the fault (the LR x300 from then on) begins
+    with the update of step 60, which the checkpoint of step 60 holds; its first
+    effect is in the metrics of step 61, which the monitor sees at the check of 65."""
     fault, every = 60, 5
-    run = _loop(tmp_path, 130, lr_mult=lambda s: 30.0 if s >= fault else 1.0, check_every=every,
+    run = _loop(tmp_path, 100, lr_mult=lambda s: 300.0 if s >= fault else 1.0, check_every=every,
                 max_rollbacks=1)
     assert run["rollbacks"], "the fault never went red"
     r = run["rollbacks"][0]

@@ -71,6 +71,25 @@ s, pos = guard2.resume(state(0), None, Monitor(Policy(warmup_steps=0, baseline_s
 out["resume"] = [guard2.resumed_step, pos, local(s["params"]["w"]), get_lr_scale(s),
                  s["params"]["w"].sharding == shard, sorted(guard2.quarantined)]
 guard2.close()
+
+# The earliest sign is each process's own (its alert chain), but process 0's decides:
+# process 1 saw an extra ORANGE alert from step 12, process 0's chain starts at 22.
+def alert(id_, level, step, onset):
+    return Alert(id=id_, rule="grad_norm", metric="grad/global_norm", level=Level(level), step=step,
+                 value=9.0, baseline=1.0, ratio=9.0, onset_step=onset, opened_step=onset,
+                 message=f"[{Level(level).name}] #{id_}", cause="c", prescription="p",
+                 localization=[], peak_level=Level(level))
+
+guard3 = Rollback(os.environ["CKPT_DIR"] + "_chain", save_every=10, keep_last=10)
+for step in range(0, 30, 5):
+    guard3.act(step, state(step), None, {"pid": pid, "i": step + 1})
+mine = [alert(1, Level.ORANGE, 25, 22)] + ([alert(2, Level.ORANGE, 25, 12)] if pid == 1 else [])
+guard3.act(25, state(25), Verdict(25, Level.ORANGE, mine, mine, [], {}), {"pid": pid, "i": 26})
+red_alerts = [alert(3, Level.RED, 30, 22)] + mine
+r = guard3.act(30, state(30), Verdict(30, Level.RED, red_alerts, [], [], {}), {"pid": pid, "i": 31})
+out["chain"] = [r.target_step, guard3.history[0]["onset_step"], local(r.state["params"]["w"]),
+                sorted(guard3.pins)]
+guard3.close()
 print("RESULT " + json.dumps(out))
 """
 
@@ -102,3 +121,6 @@ def test_two_processes_take_process_0s_decision(tmp_path):
         assert (step, value, same_sharding) == (70, 40.0, True)
         assert pos == {"pid": pid, "i": 71}
         assert abs(lr - 0.9) < 1e-6 and quarantined == [50, 60]
+    # The same target from process 0's chain (sign 22: older than the check of 20), on both.
+    assert p0["chain"] == p1["chain"]
+    assert p0["chain"][:3] == [10, 22, 10.0]

@@ -105,3 +105,45 @@ def test_one_write_per_name_per_step():
 def test_non_numeric_metric_is_a_clear_error():
     with pytest.raises(TypeError, match="metric 'note' must be numeric"):
         vitals.write(RecordingWriter(), 0, {"note": "hello"})
+
+
+def test_events_none_and_the_guard_writes_its_figures(tmp_path):
+    """``write(..., events=None)`` works; ``Rollback(writer=)`` writes ``rollback/count``,
+    ``rollback/lr_scale`` and its events at each call, read back from the event files."""
+    import optax
+
+    from jvitals.monitor import Alert, Level, Verdict
+    from jvitals.rollback import Rollback
+    from jvitals.writers import EVENTS_TAG, ROLLBACK_COUNT, ROLLBACK_LR_SCALE
+
+    tx = vitals.with_lr_scale(optax.sgd(0.1))
+
+    def state(v):
+        p = {"w": jnp.full((3,), float(v))}
+        return {"params": p, "opt_state": tx.init(p), "step": jnp.asarray(v)}
+
+    logdir = tmp_path / "logs"
+    w = metric_writers.create_default_writer(str(logdir), asynchronous=False)
+    vitals.write(w, 0, {"loss": 1.0}, None, events=None)
+    guard = Rollback(tmp_path / "ck", save_every=10, writer=w)
+    for s in (0, 5, 10, 15):
+        guard.act(s, state(s), None, s + 1)
+    red = Alert(id=1, rule="divergence", metric="loss", level=Level.RED, step=20, value=9.0, baseline=1.0,
+                ratio=9.0, onset_step=20, opened_step=20, message="[RED] diverged", cause="c",
+                prescription="p", localization=[], peak_level=Level.RED)
+    r = guard.act(20, state(20), Verdict(20, Level.RED, [red], [red], [], {}), 21)
+    guard.act(25, r.state, None, 26)
+    guard.close()
+    w.close()
+    got = read_events(logdir)
+    assert {s: float(v) for s, v in got[ROLLBACK_COUNT].items()} == {0: 0.0, 5: 0.0, 10: 0.0, 15: 0.0,
+                                                                    20: 1.0, 25: 1.0}
+    np.testing.assert_allclose([float(got[ROLLBACK_LR_SCALE][s]) for s in (15, 20, 25)], [1.0, 0.9, 0.9],
+                               rtol=1e-6)
+    events = {s: json.loads(v.item().decode()) for s, v in got[EVENTS_TAG].items()}
+    assert [e["event"] for e in events[0]] == ["save"] and [e["event"] for e in events[10]] == ["save"]
+    rb = [e for e in events[20] if e["event"] == "rollback"][0]
+    assert rb["to_step"] == 10 and rb["lr_scale"] == pytest.approx(0.9)     # older than the check of 15
+    assert "save" in [e["event"] for e in events[20]]                      # the rollback checkpoint
+    assert [a["action"] for a in rb["actions"]] == ["restore", "lr_scale"]
+    assert got["loss"][0] == 1.0
