@@ -9,9 +9,10 @@ the weights after an optimizer step: for each layer whose max pre-softmax logit
 
 so ``q . k`` (hence every logit of that layer) shrinks by ``gamma_i``; other
 layers are untouched. Q and K are found by :mod:`jvitals.roles`: separate ``q``/
-``k`` kernels, or the Q and K parts of a fused QKV kernel (split as
-:class:`~jvitals.roles.QKVSplit` does, the Q width inferred from the output
-projection as for the gradient metrics). A layer with a Q projection but no K
+``k`` kernels, or the Q and K parts of a fused QKV kernel (split by
+:func:`jvitals.qkv.split_qkv` as the gradient metrics split it: contiguous
+``[Q | K | V]`` or per-head interleaved, the Q width inferred from the output
+projection). A layer with a Q projection but no K
 (MLA's ``q_up``, whose K comes from a shared low-rank path) scales Q by the whole
 ``gamma_i``. A bias is the ``bias`` leaf next to a kernel.
 
@@ -30,6 +31,7 @@ the norm's scale instead).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Sequence
 
@@ -37,7 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jvitals.roles import LeafRole, Roles, assign_roles
+from jvitals.qkv import QKVLayout, merge_qkv, qkv_layout, split_qkv
+from jvitals.roles import LeafRole, QKVSplit, Roles, assign_roles
 
 __all__ = ["qk_clip"]
 
@@ -166,10 +169,12 @@ def qk_clip(params: Any, attn_logits_max: Any, tau: Any, *, roles: Roles | None 
             return tuple(range(nd))
         return (nd - 2, nd - 1) if nd >= 3 else (nd - 1,)
 
-    def qkv_sizes(lr: LeafRole) -> tuple[int, int, int, int]:
-        """(split axis of one layer's kernel, nq, nk, nv)."""
+    def qkv_plan(lr: LeafRole) -> tuple[QKVSplit, str, int | None, QKVLayout]:
+        """How one layer's fused kernel splits: (split with its axis, layout, q_size, QKVLayout)."""
         shape = _layer_shape(lr)
         o = o_numel.get(_parent(_module(lr.path) or lr.path))
+        layout = roles.qkv_layout_of(lr.path)
+        split = roles.qkv_split
 
         def q_size_on(a: int) -> int | None:
             n = shape[a]
@@ -178,8 +183,6 @@ def qk_clip(params: Any, attn_logits_max: Any, tau: Any, *, roles: Roles | None 
                 return None
             q = o // d_in
             return q if 0 < q < n and (n - q) % 2 == 0 else None
-
-        split = roles.qkv_split
 
         def fits(a: int) -> bool:
             n = shape[a]
@@ -197,10 +200,9 @@ def qk_clip(params: Any, attn_logits_max: Any, tau: Any, *, roles: Roles | None 
             # The shape alone can mislead ([D, 3*Dh] with D > 3*Dh for one head): take
             # the last axis the head counts or the output projection's size fit.
             a = next((b for b in reversed(range(len(shape))) if fits(b)), a)
-        n = shape[a]
-        q_size = q_size_on(a)
-        nq, nk, nv = roles.qkv_split.sizes(n, lr.path, f"axis {a} of its per-layer shape {shape}", q_size)
-        return a, nq, nk, nv
+        split = dataclasses.replace(split, axis=a)
+        q_size = q_size_on(a) if split.num_heads is None else None
+        return split, layout, q_size, qkv_layout(shape, split, path=lr.path, layout=layout, q_size=q_size)
 
     # Which layers have a K side, and (per head) each attention module's Q and K widths.
     has_k = np.zeros(n_layers, bool)
@@ -208,7 +210,7 @@ def qk_clip(params: Any, attn_logits_max: Any, tau: Any, *, roles: Roles | None 
     for mod, lr in kernels.items():
         attn = _parent(mod)
         if lr.role == "qkv":
-            _, nq, nk, _ = qkv_sizes(lr)
+            nq, nk, _ = qkv_plan(lr)[3].sizes
             widths.setdefault(attn, {}).update(q=nq, k=nk)
         else:
             ls = _layer_shape(lr)
@@ -270,20 +272,26 @@ def qk_clip(params: Any, attn_logits_max: Any, tau: Any, *, roles: Roles | None 
         qf, kf = per_layer(qf, lr), per_layer(kf, lr)               # [Hq] / [n, Hq] ...
         ls = _layer_shape(lr)
         if kl.role == "qkv":
-            a_k, nq, nk, nv = qkv_sizes(kl)
-            axes = (len(ls) - 1,) if is_bias else (a_k,)
-            vec = jnp.concatenate([spread(qf, nq, f"the Q part of {path!r}"),
-                                   spread(kf, nk, f"the K part of {path!r}"),
-                                   jnp.ones(qf.shape[:-1] + (nv,), _F32)], axis=-1)
-            sizes = [ls[a] for a in axes]
+            # Split as the roles do (jvitals.qkv: contiguous or per-head interleaved),
+            # scale the Q and K parts (heads in model order), merge back.
+            split, layout, q_size, lay = qkv_plan(kl)
+            if is_bias:
+                split = dataclasses.replace(split, axis=len(ls) - 1)
+            nq, nk, _ = lay.sizes
+            q, k, v = split_qkv(x, split, path=kl.path, layout=layout, q_size=q_size, stack_axis=lr.stack_axis)
+            ax = (split.axis,)
+            q = (q.astype(_F32) * _place(spread(qf, nq, f"the Q part of {path!r}"), lr, ax, [nq])).astype(x.dtype)
+            k = (k.astype(_F32) * _place(spread(kf, nk, f"the K part of {path!r}"), lr, ax, [nk])).astype(x.dtype)
+            out.append(merge_qkv(q, k, v, split, path=kl.path, layout=layout, q_size=q_size,
+                                 stack_axis=lr.stack_axis, fused_shape=x.shape))
+            continue
+        f = qf if kl.role in _Q_ROLES else kf
+        if not per_head:
+            axes, sizes, vec = (), [], f.reshape(f.shape[:-1])
         else:
-            f = qf if kl.role in _Q_ROLES else kf
-            if not per_head:
-                axes, sizes, vec = (), [], f.reshape(f.shape[:-1])
-            else:
-                axes = out_axes(lr, is_bias)
-                sizes = [ls[a] for a in axes]
-                vec = spread(f, math.prod(sizes), f"the output of {path!r}")
+            axes = out_axes(lr, is_bias)
+            sizes = [ls[a] for a in axes]
+            vec = spread(f, math.prod(sizes), f"the output of {path!r}")
         factor = _place(vec, lr, axes, sizes)
         out.append((x.astype(_F32) * factor).astype(x.dtype))
     return jax.tree_util.tree_unflatten(treedef, out)

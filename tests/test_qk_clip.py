@@ -197,3 +197,25 @@ def test_sharded_params_on_a_mesh(devices):
     assert q.sharding == shard["model"]["layers"]["0"]["self_attn"]["q_proj"]["kernel"]
     np.testing.assert_allclose(np.asarray(q), 0.5 * params["model"]["layers"]["0"]["self_attn"]["q_proj"]["kernel"],
                                rtol=1e-6)
+
+
+def test_interleaved_per_head_fused_kernel_bloom_layout():
+    """Bloom/GPT-NeoX ``query_key_value``: columns ``[H, 3, Dh]`` (jvitals.qkv's interleaved split)."""
+    from jvitals.roles import QKVSplit, Roles
+
+    h, dh, d = 2, 4, 8
+    rng = np.random.default_rng(5)
+    params = {"transformer": {"h": {str(i): {"self_attention": {
+        "query_key_value": {"kernel": rng.standard_normal((d, 3 * h * dh)).astype(np.float32),
+                            "bias": rng.standard_normal((3 * h * dh,)).astype(np.float32)},
+        "dense": {"kernel": rng.standard_normal((h * dh, d)).astype(np.float32)}}} for i in range(2)}}}
+    roles = Roles(qkv_split=QKVSplit(num_heads=h))
+    m, tau = np.array([9.0, 1.0]), 4.0
+    got = qk_clip(params, m, tau, roles=roles)
+    a = params["transformer"]["h"]["0"]["self_attention"]["query_key_value"]
+    k = a["kernel"].astype(np.float64).reshape(d, h, 3, dh).copy()
+    b = a["bias"].astype(np.float64).reshape(h, 3, dh).copy()
+    k[:, :, :2] *= 2 / 3
+    b[:, :2] *= 2 / 3
+    _assert_only(got, {"transformer/h/0/self_attention/query_key_value/kernel": k.reshape(d, -1),
+                       "transformer/h/0/self_attention/query_key_value/bias": b.reshape(-1)}, params)
