@@ -28,6 +28,7 @@ threshold applied at the latest update) is what :func:`jvitals.record` reports a
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -68,7 +69,7 @@ def global_norm_f32(tree: Any) -> jax.Array:
 
 def _check(alpha: Any, z: Any, warmup_steps: Any, max_norm: Any) -> None:
     def real(x: Any) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
     if not (real(alpha) and 0.0 < alpha < 1.0):
         raise ValueError(f"adaptive_clip: alpha={alpha!r} must be a number in (0, 1) (the EMA's "
@@ -76,7 +77,8 @@ def _check(alpha: Any, z: Any, warmup_steps: Any, max_norm: Any) -> None:
     if not (real(z) and z > 0):
         raise ValueError(f"adaptive_clip: z={z!r} must be a positive number (the clip is at "
                          "mu + z * sigma; ZClip's default 2.5)")
-    if not (isinstance(warmup_steps, int) and not isinstance(warmup_steps, bool) and warmup_steps >= 1):
+    if not (isinstance(warmup_steps, numbers.Integral) and not isinstance(warmup_steps, bool)
+            and warmup_steps >= 1):
         raise ValueError(f"adaptive_clip: warmup_steps={warmup_steps!r} must be an int >= 1 (the "
                          "updates whose norms start the statistics; ZClip's default 25)")
     if max_norm is not None and not (real(max_norm) and max_norm > 0):
@@ -110,6 +112,7 @@ def adaptive_clip(alpha: float = 0.97, z: float = 2.5, warmup_steps: int = 25,
     """
     _check(alpha, z, warmup_steps, max_norm)
     cap = jnp.inf if max_norm is None else float(max_norm)
+    alpha, z, warmup_steps = float(alpha), float(z), int(warmup_steps)
 
     def init_fn(params):
         del params

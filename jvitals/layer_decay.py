@@ -34,9 +34,13 @@ _EMBEDDINGS = ("embedding", "position_embedding")
 
 
 def _check_decay(decay: Any) -> float:
-    ok = isinstance(decay, (int, float, np.floating, np.integer)) and not isinstance(decay, bool)
-    d = float(decay) if ok else math.nan
-    if not (ok and 0.0 < d <= 1.0):
+    d = math.nan
+    if not isinstance(decay, (bool, str, jax.core.Tracer)) and decay is not None:
+        try:
+            d = float(np.asarray(decay)) if np.ndim(decay) == 0 else math.nan
+        except (TypeError, ValueError):
+            d = math.nan
+    if not 0.0 < d <= 1.0:
         raise ValueError(f"layerwise_lr_decay: decay={decay!r} must be a number in (0, 1] "
                          "(METRICS.md §6: 0.85-0.95, start at 0.95; 1.0 = no decay)")
     return d
