@@ -6,14 +6,15 @@ The candidates are the columns of a :class:`~jvitals._monitor_trackers.LayerHist
 ``update/param_ratio/embedding``, ...).
 
 A candidate *departed* when its own recent history changed: a line is
-fitted (least squares) to its samples in the ``localize_reference`` steps
-before the lookback window ``[onset - localize_lookback, now]`` (at least
-its last 3 samples); the slope is kept only when significant (``|b|
+fitted (least squares; to the log of a positive figure) to its samples in
+the ``localize_reference`` steps before the lookback window ``[onset -
+localize_lookback, now]`` (at least 3 samples, none from before the
+baselines' start: the warm-up's dynamics are not a reference); the slope is kept only when significant (``|b|
 sqrt(S_uu) / sigma > 3``), else the reference is its mean level. A window
 sample is off when::
 
     |x - prediction| > max(localize_z * sigma * sqrt(1 + 1/n + (u - u_mean)^2 / S_uu),
-                           localize_min_ratio * |prediction|)
+                           localize_min_ratio * |prediction|)     (log space: log1p(min_ratio))
 
 (``sigma``: 1.4826 x the median absolute residual, ``n`` the reference
 samples; the root is the least-squares prediction interval). The latest
@@ -57,47 +58,11 @@ def _fmt(name: str, x: float) -> str:
     return f"{x:.4g}"
 
 
-def _departure(u: np.ndarray, x: np.ndarray, lo: float, p: Policy) -> tuple[int, float, float] | None:
-    """(index of the departure sample, prediction there, size) of one
-    column's samples ``x`` (finite or inf) at model times ``u``, or None."""
-    finite = np.isfinite(x)
-    ref = np.flatnonzero((u < lo) & finite)
-    ref = ref[max(0, min(len(ref) - 3, int(np.searchsorted(u[ref], lo - p.localize_reference)))):]
-    m = len(ref)
-    win = np.flatnonzero(u >= lo)
-    if m < 3 or not len(win):
-        return None
-    ur, xr = u[ref], x[ref]
-    um, xm = ur.mean(), xr.mean()
-    suu = float(((ur - um) ** 2).sum())
-    b = float(((ur - um) * (xr - xm)).sum() / suu) if suu > 0 else 0.0
-    floor = 1e-12 * max(abs(xm), 1.0)
-    sigma = max(1.4826 * float(np.median(np.abs(xr - (xm + b * (ur - um))))), floor)
-    if suu > 0 and abs(b) * math.sqrt(suu) < _SLOPE_T * sigma:
-        b, suu = 0.0, 0.0  # no significant drift: the reference is a level
-        sigma = max(1.4826 * float(np.median(np.abs(xr - xm))), floor)
-    uw = u[win]
-    pred = xm + b * (uw - um)
-    psd = sigma * np.sqrt(1.0 + 1.0 / m + ((uw - um) ** 2 / suu if suu > 0 else 0.0))
-    band = np.maximum(p.localize_z * psd, p.localize_min_ratio * np.abs(pred))
-    with np.errstate(invalid="ignore"):
-        dev = x[win] - pred
-    last = dev[-1]
-    if not abs(last) > band[-1]:
-        return None
-    sign = 1.0 if last > 0 else -1.0
-    if (x[win][-1] - xm) * sign <= 0:
-        return None  # a drift that slowed or stopped, not a move away from the reference
-    out = dev * sign > band
-    back = np.flatnonzero(~out)
-    k = int(back[-1]) + 1 if len(back) else 0
-    size = float(abs(last) / band[-1]) if band[-1] > 0 else math.inf
-    return int(win[k]), float(pred[k]), size
-
-
 def localize(hist: LayerHistory, onset: int, event: str, p: Policy, exclude: str = "",
-             t_onset: int | None = None) -> list[Localization]:
+             t_onset: int | None = None, start: int | None = None) -> list[Localization]:
     """Ranks the candidates of ``hist`` that departed (see the module doc).
+
+    Vectorized over the candidate columns (one least-squares fit each).
 
     Args:
       hist: the candidate history.
@@ -107,6 +72,8 @@ def localize(hist: LayerHistory, onset: int, event: str, p: Policy, exclude: str
       exclude: a metric name left out.
       t_onset: the onset in model time (``None``: ``onset``); the windows are
         in model time, so after a rollback the abandoned steps do not count.
+      start: the baselines' start (model time): reference samples from before
+        it (the warm-up's dynamics) are not used.
 
     Returns:
       Up to ``localize_top`` :class:`Localization` entries, earliest
@@ -116,32 +83,68 @@ def localize(hist: LayerHistory, onset: int, event: str, p: Policy, exclude: str
     if not len(steps) or not data.shape[1]:
         return []
     lo = (onset if t_onset is None else t_onset) - p.localize_lookback
-    if not (ts >= lo).any():
+    ref_lo = max(lo - p.localize_reference, -math.inf if start is None else start)
+    wr = ts >= lo
+    rr = (ts >= ref_lo) & ~wr
+    if not wr.any() or not rr.any():
         return []
-    valid = ~np.isnan(data)
-    win = ts >= lo
-    has_win = (valid & win[:, None]).any(axis=0)
-    last_i = len(steps) - 1 - np.argmax(valid[::-1], axis=0)
-    latest = data[last_i, np.arange(data.shape[1])]
-    # Prefilter: the latest value moved by localize_min_ratio of the level the
-    # window opened at (or went non-finite).
-    first_i = np.argmax(valid & win[:, None], axis=0)
-    opening = data[first_i, np.arange(data.shape[1])]
+    W, R = data[wr], data[rr]
+    uw, ur = ts[wr].astype(np.float64), ts[rr].astype(np.float64)
     with np.errstate(invalid="ignore"):
-        moved = ~np.isfinite(latest) | (np.abs(latest - opening) > p.localize_min_ratio * np.abs(opening))
-    cand = np.flatnonzero(has_win & moved)
+        finite_r = np.isfinite(R)
+        n = finite_r.sum(axis=0)
+        valid_w = ~np.isnan(W)
+        has_w = valid_w.any(axis=0)
+        # Positive figures (norms, ratios, shares) are judged in log space: a decay
+        # extrapolates as a decay, never below 0, and the band is relative.
+        logs = (np.where(finite_r, R > 0, True).all(axis=0)
+                & np.where(valid_w & np.isfinite(W), W > 0, True).all(axis=0))
+        cand = np.flatnonzero((n >= 3) & has_w)
+        if exclude in hist.index:
+            cand = cand[cand != hist.index[exclude]]
+        if not cand.size:
+            return []
+        R, W, finite_r, valid_w, logs, n = (R[:, cand], W[:, cand], finite_r[:, cand],
+                                            valid_w[:, cand], logs[cand], n[cand])
+        Rt = np.where(finite_r, np.where(logs, np.log(np.where(R > 0, R, 1.0)), R), np.nan)
+        Wt = np.where(np.isfinite(W), np.where(logs, np.log(np.where(W > 0, W, 1.0)), W),
+                      np.where(valid_w, np.inf, np.nan))
+        uu = np.where(finite_r, ur[:, None], np.nan)
+        um = np.nanmean(uu, axis=0)
+        xm = np.nanmean(Rt, axis=0)
+        du = uu - um
+        suu = np.nansum(du * du, axis=0)
+        b = np.where(suu > 0, np.nansum(du * (Rt - xm), axis=0) / np.where(suu > 0, suu, 1.0), 0.0)
+        floor = 1e-12 * np.maximum(np.abs(xm), 1.0)
+        sig = np.maximum(1.4826 * np.nanmedian(np.abs(Rt - (xm + b * du)), axis=0), floor)
+        flat = ~(np.abs(b) * np.sqrt(suu) >= _SLOPE_T * sig)  # no significant drift: a level
+        b = np.where(flat, 0.0, b)
+        suu = np.where(flat, 0.0, suu)
+        sig = np.where(flat, np.maximum(1.4826 * np.nanmedian(np.abs(Rt - xm), axis=0), floor), sig)
+        dw = uw[:, None] - um
+        pred = xm + b * dw
+        psd = sig * np.sqrt(1.0 + 1.0 / n + np.where(suu > 0, dw * dw / np.where(suu > 0, suu, 1.0),
+                                                      0.0))
+        rel = np.where(logs, math.log1p(p.localize_min_ratio), p.localize_min_ratio * np.abs(pred))
+        band = np.maximum(p.localize_z * psd, rel)
+        dev = Wt - pred
+        rows = np.arange(len(uw))[:, None]
+        last = np.where(valid_w, rows, -1).max(axis=0)
+        col = np.arange(len(cand))
+        dl, bl = dev[last, col], band[last, col]
+        sign = np.where(dl > 0, 1.0, -1.0)
+        ok = (np.abs(dl) > bl) & ((Wt[last, col] - xm) * sign > 0)  # moved away from the reference
+        out = dev * sign > band
+        back = np.where(valid_w & ~out, rows, -1).max(axis=0)
+        first = np.where(valid_w & (rows > back), rows, len(uw)).min(axis=0)
     entries = []
-    u_all = ts.astype(np.float64)
-    for c in cand:
-        name = hist.names[c]
-        if name == exclude:
-            continue
-        ok = valid[:, c]
-        got = _departure(u_all[ok], data[ok, c], lo, p)
-        if got is None:
-            continue
-        k, pred, size = got
-        entries.append((int(steps[ok][k]), -size, name, pred, float(data[ok, c][-1])))
+    wsteps = steps[wr]
+    for j in np.flatnonzero(ok):
+        k = int(first[j])
+        c = cand[j]
+        before = float(np.exp(pred[k, j]) if logs[j] else pred[k, j])
+        size = float(abs(dl[j]) / bl[j]) if bl[j] > 0 else math.inf
+        entries.append((int(wsteps[k]), -size, hist.names[c], before, float(W[last[j], j])))
     entries.sort()
     res = []
     for dep_s, _, name, before, vj in entries[: p.localize_top]:

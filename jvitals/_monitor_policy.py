@@ -21,6 +21,10 @@ def _default_group_bands() -> Mapping[str, float]:
     return {"update/param_ratio": 2.0, "grad/share": 2.0, "param/norm": 1.5}
 
 
+def _default_router_bands() -> Mapping[str, float]:
+    return {"moe/maxvio.max": 0.5, "moe/dead_expert_ratio": 0.2}
+
+
 def _default_ratio_rules() -> Mapping[str, tuple[float, float | None]]:
     return {"grad/global_norm": (2.0, 3.0), "param/global_norm": (1.5, None)}
 
@@ -138,6 +142,10 @@ class Policy:
       group_global_ratio: the group rule fires only while
         ``grad/global_norm`` and ``param/global_norm`` are below this x their
         baselines (the global figures "have not moved").
+      router_bands, router_z, router_steps: the router rule: metric -> least
+        excess over its baseline (median of the baseline window); YELLOW when
+        ``x - b > max(router_z * 1.4826 * MAD, excess)`` at every check for
+        ``router_steps`` steps.
       vocab_size, vocab_metric: the vocabulary size (``None``: read
         ``vocab_metric`` if logged), for the broken-model rule's chance level
         ``log(vocab_size)``.
@@ -162,7 +170,7 @@ class Policy:
       red_min_steps: and the divergence must have lasted this many steps.
       score_window: the spike scores' window (10,000 steps).
       localize_pattern: regex selecting the candidate metrics of
-        localization (per layer, embedding, LM head).
+        localization (per layer, embedding, LM head, router).
       localize_window, localize_rows: candidate history: ``localize_rows``
         rows, one per ``localize_window // localize_rows`` steps.
       localize_lookback, localize_reference, localize_z, localize_min_ratio:
@@ -184,7 +192,7 @@ class Policy:
     lr_plateau_tol: float = 1e-3
     settle_metric: str = "grad/global_norm"
     settle_window: int | None = None
-    settle_min_samples: int = 5
+    settle_min_samples: int = 4
     settle_tolerance: float = 0.15
     settle_max_steps: int | None = None
     baseline_steps: int = 500
@@ -240,6 +248,10 @@ class Policy:
     group_z: float = 6.0
     group_confirm: int = 2
     group_global_ratio: float = 1.5
+    router_bands: Mapping[str, float] = dataclasses.field(
+        default_factory=_default_router_bands, hash=False)
+    router_z: float = 6.0
+    router_steps: int = 50
     vocab_size: int | None = None
     vocab_metric: str = "model/vocab_size"
     broken_chance_frac: float = 0.9
@@ -252,12 +264,12 @@ class Policy:
     red_after: int = 3
     red_min_steps: int = 0
     score_window: int = 10_000
-    localize_pattern: str = r"/(?:layer_\d+|embedding|lm_head)$"
+    localize_pattern: str = r"/(?:layer_\d+|embedding|lm_head)$|^moe/"
     localize_window: int = 5000
     localize_rows: int = 512
-    localize_lookback: int = 500
+    localize_lookback: int = 250
     localize_reference: int = 1000
-    localize_z: float = 5.0
+    localize_z: float = 6.0
     localize_min_ratio: float = 0.1
     localize_top: int = 5
     localize_max_metrics: int = 4096
@@ -289,6 +301,13 @@ class Policy:
                                  f"{fam!r}: {r!r}")
             bands[fam] = float(r)
         object.__setattr__(self, "group_bands", types.MappingProxyType(bands))
+        rb = {}
+        for m, r in dict(self.router_bands).items():
+            if not isinstance(m, str) or not float(r) > 0:
+                raise ValueError(f"Policy.router_bands expects metric name -> excess > 0, got "
+                                 f"{m!r}: {r!r}")
+            rb[m] = float(r)
+        object.__setattr__(self, "router_bands", types.MappingProxyType(rb))
         for f in ("warmup_steps", "settle_window", "settle_max_steps", "vocab_size"):
             v = getattr(self, f)
             if v is not None and (isinstance(v, bool) or int(v) < (1 if f == "vocab_size" else 0)):
@@ -321,7 +340,7 @@ class Policy:
         for f in ("event_hold_steps", "physiological_steps", "pathological_steps",
                   "post_window", "spike_forget_steps", "periodic_min_interval", "red_min_steps",
                   "clear_steps",
-                  "spike_min_samples", "broken_steps"):
+                  "spike_min_samples", "broken_steps", "router_steps"):
             if int(getattr(self, f)) < 0:
                 raise ValueError(f"Policy.{f} expects an integer >= 0, got {getattr(self, f)!r}")
         if self.periodic_min_spikes < 3:
@@ -352,6 +371,7 @@ class Policy:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["ratio_rules"] = {k: list(v) for k, v in self.ratio_rules.items()}
         d["group_bands"] = dict(self.group_bands)
+        d["router_bands"] = dict(self.router_bands)
         for k, v in d.items():
             if isinstance(v, tuple):
                 d[k] = list(v)

@@ -28,6 +28,8 @@ Rule table (every number a Policy field)::
     GroupRule           group            YELLOW   one group's update/param ratio, grad share or
                                                   param norm (relative to the trunk) left its band
                                                   while the global figures did not
+    RouterRule          router           YELLOW   moe/maxvio.max (+0.5) or moe/dead_expert_ratio
+                                                  (+0.2) above its baseline for 50 steps
     ThroughputRule      throughput       YELLOW   tokens/s (else steps/s) down > 30%
     LossScaleRule       loss_scale       YELLOW   loss scale falls >= 2**4 between two checks
     GapRule             val_gap          YELLOW   gap growth > 1.5x the growth before, above
@@ -59,6 +61,7 @@ from jvitals._monitor_trackers import (
     SpikeTracker,
     baseline_from_dict,
     mann_kendall_z,
+    median,
     theil_sen,
 )
 from jvitals._monitor_types import Alert, Level, Spike, dec_float, enc_float
@@ -73,6 +76,7 @@ __all__ = [
     "LossScaleRule",
     "NonFiniteRule",
     "RatioRule",
+    "RouterRule",
     "Rule",
     "SpikeRule",
     "ThroughputRule",
@@ -92,7 +96,10 @@ _SCORE_NAMES = {"loss": "monitor/loss_spike_score",
 
 
 class Plan:
-    """Where the watched names sit in one key set (cached per key set)."""
+    """Where each name sits in one key set (cached per key set).
+
+    ``vals`` of a check is a list of Python floats in ``keys`` order.
+    """
 
     __slots__ = ("keys", "named", "pos", "cols", "cache")
 
@@ -111,7 +118,7 @@ class Figures:
       warm: ``start is None or t < start``.
       plan: the key set's :class:`Plan` (``plan.keys``, ``plan.cache`` for a
         rule's own per-key-set data).
-      vals: the values, ``float64``, in ``plan.keys`` order.
+      vals: the values as Python floats, in ``plan.keys`` order.
       open: the open alerts, ``{(rule, key): Alert}`` (read only).
       notes: what earlier rules published this check.
       diverging: ``[(key, alert)]`` of this check's divergent alerts.
@@ -124,7 +131,7 @@ class Figures:
     __slots__ = ("step", "t", "start", "warm", "plan", "vals", "open", "notes", "diverging",
                  "touched", "scores", "spikes", "policy")
 
-    def __init__(self, step: int, t: int, start: int | None, plan: Plan, vals: np.ndarray,
+    def __init__(self, step: int, t: int, start: int | None, plan: Plan, vals: list[float],
                  open_: Mapping[tuple[str, str], Alert], policy: Policy) -> None:
         self.step, self.t, self.start = step, t, start
         self.warm = start is None or t < start
@@ -138,18 +145,7 @@ class Figures:
     def get(self, name: str) -> float | None:
         """The value of ``name`` at this check (``None`` when not logged)."""
         i = self.plan.named.get(name)
-        if i is None:
-            i = _index(self.plan, name)
-            if i is None:
-                return None
-        return float(self.vals[i])
-
-
-def _index(plan: Plan, name: str) -> int | None:
-    idx = plan.cache.get("_index")
-    if idx is None:
-        idx = plan.cache["_index"] = {k: i for i, k in enumerate(plan.keys)}
-    return idx.get(name)
+        return None if i is None else self.vals[i]
 
 
 class Change(NamedTuple):
@@ -568,7 +564,7 @@ class GroupRule(_Base):
             vals = [(k, g, is_layer, float(f.vals[i])) for k, g, is_layer, i in items]
             layer_vals = [v for _, _, is_layer, v in vals if is_layer and v > 0 and math.isfinite(v)]
             if len(layer_vals) >= 2:
-                trunk = float(np.median(layer_vals))
+                trunk = median(layer_vals)
             elif fam in _GLOBAL_OF:
                 trunk = f.get(_GLOBAL_OF[fam]) or _NAN
             else:
@@ -588,8 +584,8 @@ class GroupRule(_Base):
                     if f.t < start_end or len(c[0]) < p.baseline_min_samples:
                         c[0].append(y)
                     if len(c[0]) >= p.baseline_min_samples and f.t >= start_end - 1:
-                        b = float(np.median(c[0]))
-                        c[1], c[2] = b, 1.4826 * float(np.median(np.abs(np.asarray(c[0]) - b)))
+                        b = median(c[0])
+                        c[1], c[2] = b, 1.4826 * median([abs(z - b) for z in c[0]])
                         c[0] = []
                     continue
                 d = y - c[1]
@@ -645,6 +641,73 @@ class GroupRule(_Base):
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         for c in self.cols.values():
             c[3] = 0
+        return []
+
+
+class RouterRule(_Base):
+    """MoE router collapse: a router figure far above its own baseline.
+
+    For each ``(metric, excess)`` of ``Policy.router_bands`` (e.g.
+    ``moe/maxvio.max``, ``moe/dead_expert_ratio``): baseline ``b`` = median
+    over the baseline window, spread ``mad`` = 1.4826 x its median absolute
+    deviation; out when ``x - b > max(router_z * mad, excess)`` at every check
+    for ``router_steps`` steps -> YELLOW (METRICS.md §6 has no row: the
+    prescription is the §2 router one). Released when back within the band.
+    """
+
+    name = "router"
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.cols: dict[str, list] = {}  # metric -> [samples, b, mad, first out step]
+
+    def check(self, f: Figures) -> list[Change]:
+        if f.warm:
+            return []
+        p, s, out = self.p, f.step, []
+        end = f.start + p.baseline_steps
+        for m, excess in p.router_bands.items():
+            v = f.get(m)
+            if v is None or not math.isfinite(v):
+                continue
+            c = self.cols.get(m)
+            if c is None:
+                c = self.cols[m] = [[], _NAN, _NAN, None]
+            if c[1] != c[1]:
+                if f.t < end or len(c[0]) < p.baseline_min_samples:
+                    c[0].append(v)
+                if len(c[0]) >= p.baseline_min_samples and f.t >= end - 1:
+                    b = median(c[0])
+                    c[1], c[2] = b, 1.4826 * median([abs(z - b) for z in c[0]])
+                    c[0] = []
+                continue
+            band = max(p.router_z * c[2], excess)
+            is_open = ("router", m) in f.open
+            if v - c[1] > (p.hysteresis * band if is_open else band):
+                if c[3] is None:
+                    c[3] = s
+                if is_open or s - c[3] >= p.router_steps:
+                    out.append(set_("router", m, Level.YELLOW, v, c[1], v / c[1] if c[1] else _NAN,
+                                    f"{m} = {v:.4g} has been above its baseline {c[1]:.4g} by more "
+                                    f"than {band:.3g} since step {c[3]}: the router is collapsing "
+                                    "onto a few experts.", f"{m} rose", onset=c[3],
+                                    prescription="router_collapse"))
+            else:
+                c[3] = None
+                out.append(release("router", m))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cols": {k: [[enc_float(x) for x in c[0]], enc_float(c[1]), enc_float(c[2]), c[3]]
+                         for k, c in self.cols.items()}}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        self.cols = {k: [[dec_float(x) for x in c[0]], dec_float(c[1]), dec_float(c[2]), c[3]]
+                     for k, c in d["cols"].items()}
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        for c in self.cols.values():
+            c[3] = None
         return []
 
 
@@ -1030,5 +1093,5 @@ class DivergenceRule(_Base):
 def default_rules(policy: Policy) -> list[Any]:
     """The default rule list, in the order ``Monitor.update`` runs it."""
     return [NonFiniteRule(policy), SpikeRule(policy), RatioRule(policy), TrendRule(policy),
-            GroupRule(policy), ThroughputRule(policy), LossScaleRule(policy), GapRule(policy),
+            GroupRule(policy), RouterRule(policy), ThroughputRule(policy), LossScaleRule(policy), GapRule(policy),
             BrokenModelRule(policy), DivergenceRule(policy)]

@@ -136,6 +136,13 @@ PRESCRIPTIONS: Mapping[str, Prescription] = types.MappingProxyType({
         "shallow layers' LR too high",
         "layer-wise LR decay (lr_i = lr_base * decay ** (N - 1 - i), decay 0.85-0.95, start "
         "at 0.95)"),
+    # METRICS.md §2 router rows (no §6 row).
+    "router_collapse": Prescription(
+        "router load concentrating on a few experts",
+        "the expert-selection bias or router logits drifting (balancing too weak or its "
+        "update rate too high), or a data shift",
+        "check the aux-loss-free bias update rate / the balancing loss weight; inspect the "
+        "per-expert counts"),
     # §5 red tier, fast path: the model is broken, not drifting.
     "broken_model": Prescription(
         "loss at chance level or param norm jumped, not recovering",
@@ -162,6 +169,7 @@ RULE_PRESCRIPTION: Mapping[str, str] = types.MappingProxyType({
     "grad_trend": "grad_norm_climb",
     "group": "group_embedding_lr",
     "broken_model": "broken_model",
+    "router": "router_collapse",
     "param_norm": "param_norm_jump",
     "ratio": "generic",
     "nonfinite": "nan_loss",

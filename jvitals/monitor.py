@@ -381,7 +381,8 @@ class Monitor:
                     return list(b.localization)
             return []
         return localize(self._layers, a.onset_step, event, self.policy,
-                        t_onset=a.onset_step - self._offset_at(a.onset_step))
+                        t_onset=a.onset_step - self._offset_at(a.onset_step),
+                        start=self._start.start)
 
     # ------------------------------------------------------------------
     # The check.
@@ -424,7 +425,7 @@ class Monitor:
         self._new, self._closed = [], []
         if plan.pos.size:
             self._layers.observe(s, t, plan.cols, vals[plan.pos], p, start)
-        f = Figures(s, t, start, plan, vals, self._open, p)
+        f = Figures(s, t, start, plan, vals.tolist(), self._open, p)
         for rule in self.rules:
             for c in rule.check(f):
                 self._apply(c, f)

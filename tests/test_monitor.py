@@ -143,8 +143,9 @@ def grad_climb_stream(seed, layer_every=1):
 @pytest.mark.parametrize("cadence,layer_every", [(1, 1), (50, 500)])
 def test_grad_norm_climb_levels_onset_localization(cadence, layer_every):
     # A lookback long enough for the lead of this stream (layer 1 moves 1500+
-    # steps before the grad norm); the default's 500 steps say "no earlier sign".
-    m = Monitor(Policy(localize_lookback=3000))
+    # steps before the grad norm; the reference covers 3+ samples at 500-step
+    # cadence); the default's 250 steps say "no earlier sign".
+    m = Monitor(Policy(localize_lookback=3000, localize_reference=2000))
     vs = run(m, grad_climb_stream(0, layer_every), range(0, 11000, cadence))
     y_step, y = first(vs, "grad_norm", Level.YELLOW)
     o_step, _ = first(vs, "grad_norm", Level.ORANGE)
@@ -192,7 +193,7 @@ def test_grad_norm_climb_levels_onset_localization(cadence, layer_every):
 
 
 def test_default_lookback_says_no_earlier_sign():
-    """With the default 500-step lookback the layer-1 change (1500 steps
+    """With the default 250-step lookback the layer-1 change (1500 steps
     before) is out of reach: the grad-norm alert says so instead of naming
     the drift of other metrics."""
     m = Monitor()
