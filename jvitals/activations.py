@@ -72,8 +72,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jvitals.probes import LogitsRows, LogitsSummary, attention_valid_mask, summarize_logits, vary_along
-from jvitals.stats import (Summary, TokenSummary, check_axes, reduce, sharded_axes, summarize, summarize_max,
-                           varying_axes)
+from jvitals.stats import (Summary, TokenSummary, check_axes, eager_jit, reduce, sharded_axes, summarize,
+                           summarize_max, varying_axes)
 
 __all__ = ["activation_metrics", "bos_value_grad_metrics", "mtp_metrics"]
 
@@ -375,6 +375,7 @@ def _indicator_mean(hit: jax.Array, valid: jax.Array, red: tuple[str, ...]) -> j
     return _reduce(summarize(hit.astype(_F32), valid), red).mean
 
 
+@eager_jit(static_argnames=("axes",))
 def mtp_metrics(main_argmax: jax.Array, mtp_argmax: Sequence[jax.Array], *,
                 labels: jax.Array | None = None, mask: jax.Array | None = None,
                 axes: Sequence[str] | str = ()) -> dict[str, jax.Array]:
@@ -428,6 +429,7 @@ def mtp_metrics(main_argmax: jax.Array, mtp_argmax: Sequence[jax.Array], *,
 # Entry points.
 
 
+@eager_jit(static_argnames=("axes", "names", "accuracy"))
 def activation_metrics(
     intermediates: Any,
     *,
@@ -581,6 +583,7 @@ def _emit_generic(out: dict, base: str, s: Summary) -> None:
             out[f"{base}.nonfinite/layer_{i}"] = s.nonfinite[i]
 
 
+@eager_jit(static_argnames=("bos_id", "axes", "name"))
 def bos_value_grad_metrics(
     perturbation_grads: Any,
     tokens: jax.Array | None = None,

@@ -164,15 +164,17 @@ def _logical_path(state: _State, module: Any) -> str:
     own = "/".join(str(p) for p in module.path) if getattr(module, "scope", None) is not None else ""
     root = _scope_root(module)
     if root is not None and id(root) not in state.prefixes:
-        # The root of an apply: the outermost one has no prefix; a nested one
-        # (``self.lm_head.apply(...)`` with the tied embedding) takes its caller's
-        # path plus its own name.
-        if state.stack:
-            parent = state.stack[-1].path
+        if not state.stack:
+            state.prefixes[id(root)] = ""  # the outermost apply
+        elif not own:
+            # The root of a nested apply (``self.lm_head.apply(...)`` with the tied
+            # embedding): its caller's path plus its own name.
             name = getattr(module, "name", None)
-            state.prefixes[id(root)] = "/".join(p for p in (parent, name) if p)
+            state.prefixes[id(root)] = "/".join(p for p in (state.stack[-1].path, name) if p)
         else:
-            state.prefixes[id(root)] = ""
+            # A lifted transform's scope (nn.scan, nn.remat...): paths stay absolute.
+            top = _scope_root(state.stack[-1].module)
+            state.prefixes[id(root)] = state.prefixes.get(id(top), "") if top is not None else ""
     prefix = state.prefixes.get(id(root), "") if root is not None else ""
     return "/".join(p for p in (prefix, own) if p)
 
@@ -204,7 +206,11 @@ def _direct_params(module: Any) -> list[str]:
 
 
 def _is_block(roles: Roles, path: str) -> bool:
-    """A transformer block: the module's path ends at a layer index (``h/0``, ``layers_3``)."""
+    """A transformer block: the module's path ends at a layer index (``h/0``, ``layers_3``),
+    or is an ``nn.scan``-stacked subtree itself (``layers``: its body runs once per layer)."""
+    stack = roles.stack_of(path + "/") if path else None
+    if stack is not None and stack[0] == path:
+        return True
     for rx in roles.layer_patterns:
         for m in re.finditer(rx, path, re.IGNORECASE):
             if m.end(1) == len(path):
@@ -410,7 +416,7 @@ def _attn_wrapper(state: _State, orig: Callable[..., Any]) -> Callable[..., Any]
             s = jnp.moveaxis(s, -2, -3)
             valid = jnp.moveaxis(valid, -2, -3)
             _sow(state, frame.module, frame.path, "attn_logits",
-                 summarize_tokens(s, token_ndim=s.ndim - 2, valid=valid, max_only=True))
+                 summarize_tokens(s, valid, token_ndim=s.ndim - 2, max_only=True))
         return orig(query, key, bias, mask, *args, **kwargs)
 
     dot_product_attention_weights.__wrapped__ = orig  # type: ignore[attr-defined]

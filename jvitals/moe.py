@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jvitals.gradients import flat_specs
 from jvitals.roles import Roles, path_str
-from jvitals.stats import check_axes, psum_over, reduction_axes
+from jvitals.stats import check_axes, eager_jit, psum_over, reduction_axes
 
 __all__ = ["MoEWindowState", "moe_metrics", "moe_window_init", "moe_window_update"]
 
@@ -62,6 +62,7 @@ def moe_window_init(num_layers: int, num_experts: int, dtype: Any = jnp.int32) -
     return MoEWindowState(counts=jnp.zeros((num_layers, num_experts), dtype), steps=jnp.zeros([], jnp.int32))
 
 
+@eager_jit(static_argnames=("axes",))
 def moe_window_update(state: MoEWindowState, expert_counts: Any, *, axes: Sequence[str] | str = (),
                       reset: Any = False, mask: Any = None) -> MoEWindowState:
     """Add one step's counts to the window (``reset``: start a new window with them).
@@ -188,6 +189,7 @@ def _masked_max(x: jax.Array, valid: jax.Array) -> jax.Array:
     return jnp.where(jnp.any(valid), m, jnp.nan).astype(_F32)
 
 
+@eager_jit(static_argnames=("top_k", "axes", "prefix", "per_layer"))
 def moe_metrics(expert_counts: Any, *, expert_bias: Any = None, top_k: int, axes: Sequence[str] | str = (),
                 bias_specs: Any = None, prefix: str = "moe", per_layer: bool = True,
                 mask: Any = None) -> dict[str, jax.Array]:

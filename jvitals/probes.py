@@ -35,7 +35,8 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from jvitals.stats import Summary, make_varying, pmax_over, reduce, summarize, summarize_many, summarize_max
+from jvitals.stats import (Summary, eager_jit, make_varying, pmax_over, reduce, summarize, summarize_many,
+                           summarize_max)
 
 __all__ = [
     "LogitsRows",
@@ -193,6 +194,7 @@ def _chunk_rows(rows: int, v: int, chunk_elements: int | None) -> int:
     return max(d for d in range(1, min(rows, target) + 1) if rows % d == 0)
 
 
+@eager_jit(static_argnames=("chunk_elements",))
 def summarize_logits(logits: jax.Array, mask: jax.Array | None = None, *,
                      chunk_elements: int | None = None) -> LogitsSummary:
     """Reduce ``[..., V]`` logits to a :class:`LogitsSummary` (float32).
@@ -285,6 +287,7 @@ class LogitsRows:
                              self.nonfinite, self.argmax, valid, self.vocab)
 
 
+@eager_jit(static_argnames=("chunk_elements",))
 def logits_rows(logits: jax.Array, *, chunk_elements: int | None = None) -> LogitsRows:
     """Per-position :class:`LogitsRows` of ``[..., V]`` logits (no mask; see
     :func:`summarize_logits` for the statistics and the chunking)."""

@@ -49,6 +49,7 @@ __all__ = [
     "sharded_axes",
     "psum_over",
     "pmax_over",
+    "eager_jit",
 ]
 
 _F32 = jnp.float32
@@ -57,6 +58,60 @@ _F32 = jnp.float32
 def _nan_rule(value: jax.Array, count: jax.Array, nonfinite: jax.Array) -> jax.Array:
     """NaN where the input held a non-finite value or nothing at all."""
     return jnp.where((nonfinite > 0) | (count <= 0), jnp.nan, value).astype(_F32)
+
+
+# ----------------------------------------------------------------------------------
+# Eager calls compile once.
+
+
+def _eager(tree: Any) -> bool:
+    """True when no leaf of ``tree`` is a tracer (called eagerly, outside jit/grad/shard_map)."""
+    return not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
+
+
+def eager_jit(static_argnames: Sequence[str] = ()) -> Any:
+    """Decorator: called eagerly, run ``fn`` through one cached ``jax.jit`` of it.
+
+    A device function called outside ``jit`` runs op by op, and each of its
+    ``lax.cond``/``lax.map`` is traced and compiled anew on every call (their
+    branches are fresh closures): a notebook user paid a compile (0.1-0.14 s) per
+    ``summarize``. Called eagerly with hashable ``static_argnames``, the wrapped
+    function goes through ``jax.jit(fn, static_argnames=...)`` instead, which
+    compiles once per input shapes; inside a trace (any tracer among the
+    arguments: ``jit``, ``grad``, ``shard_map``, ``scan``...) it is ``fn`` itself.
+
+    Args:
+      static_argnames: keyword arguments that are Python values (axes, names,
+        flags); an unhashable value there falls back to the plain call.
+    """
+    static = tuple(static_argnames)
+
+    def deco(fn: Any) -> Any:
+        jitted = jax.jit(fn, static_argnames=static)
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            dyn = {k: v for k, v in kwargs.items() if k not in static}
+            if not _eager((args, dyn)):
+                return fn(*args, **kwargs)
+            try:
+                for k in static:
+                    if k in kwargs:
+                        hash(kwargs[k])
+                jax.tree.map(_check_leaf, (args, dyn))
+            except TypeError:
+                return fn(*args, **kwargs)
+            return jitted(*args, **kwargs)
+
+        wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+        return wrapper
+
+    return deco
+
+
+def _check_leaf(x: Any) -> None:
+    if not (hasattr(x, "dtype") or isinstance(x, (int, float, bool, complex))):
+        raise TypeError(f"not an array leaf: {type(x).__name__}")
 
 
 @struct.dataclass
@@ -196,7 +251,8 @@ class TokenSummary:
                        abs_max=_nan_rule(amax, count, nonfinite), nonfinite=nonfinite)
 
 
-def summarize_tokens(x: jax.Array, token_ndim: int = 2, valid: jax.Array | None = None, *,
+@eager_jit(static_argnames=("token_ndim", "max_only"))
+def summarize_tokens(x: jax.Array, valid: jax.Array | None = None, *, token_ndim: int = 2,
                      max_only: bool = False) -> TokenSummary:
     """Per-position statistics of ``x`` over every axis after the first ``token_ndim``.
 
@@ -371,6 +427,27 @@ def summarize(x: jax.Array, mask: jax.Array | None = None, *, axis: int | None =
 
 
 def summarize_many(items: Sequence[tuple[jax.Array, jax.Array | None, int | None]]) -> list[Summary]:
+    """:func:`summarize` of several arrays, with one ``lax.cond`` for them all on the CPU.
+
+    See :func:`_summarize_many` (the implementation) for the details. Called
+    eagerly it compiles once per shapes (a cached ``jax.jit``).
+    """
+    items = [tuple(it) for it in items]
+    if items and _eager([(x, m) for x, m, _ in items]):
+        axes = tuple(a for _, _, a in items)
+        try:
+            return list(_summarize_many_jit([(x, m) for x, m, _ in items], axes))
+        except TypeError:
+            pass
+    return _summarize_many(items)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _summarize_many_jit(arrays: Any, axes: tuple[int | None, ...]) -> list[Summary]:
+    return _summarize_many([(x, m, a) for (x, m), a in zip(arrays, axes)])
+
+
+def _summarize_many(items: Sequence[tuple[jax.Array, jax.Array | None, int | None]]) -> list[Summary]:
     """:func:`summarize` of several arrays, with one ``lax.cond`` for them all on the CPU
     (one per set of mesh axes they vary along, inside ``shard_map``).
 
@@ -461,6 +538,7 @@ def _count_and_valid(mask: jax.Array | None, shape: tuple[int, ...], red: tuple[
     return _broadcast_count(m, shape, red, axis), jnp.broadcast_to(m, shape)
 
 
+@eager_jit(static_argnames=("axis",))
 def summarize_sumsq(x: jax.Array | Sequence[jax.Array], *, axis: int | None = None) -> Summary:
     """A :class:`Summary` that measures only ``count``, ``sumsq`` and ``nonfinite``.
 
@@ -518,6 +596,7 @@ def _broadcast_count(mask: jax.Array, shape: tuple[int, ...], red: tuple[int, ..
     return count
 
 
+@eager_jit(static_argnames=("axis",))
 def summarize_max(x: jax.Array | Sequence[jax.Array], mask: jax.Array | None = None, *,
                   axis: int | None = None) -> Summary:
     """A :class:`Summary` that measures only ``count``, ``abs_max`` and ``nonfinite``.
