@@ -156,15 +156,24 @@ class Policy:
       broken_param_jump, broken_jump_window: the param norm "jumped" when it
         is ``>= broken_param_jump`` x its value ``broken_jump_window`` steps
         earlier (a recent reference, so slow healthy growth never counts).
-      broken_steps: a broken state (chance-level loss or param-norm jump) is
-        ORANGE at once and RED when it has not recovered after this many
-        steps (the loss back below the chance level, the param norm below
-        ``1 + (broken_param_jump - 1) / 2`` x its pre-jump value).
+      broken_steps: a param-norm jump is ORANGE at once and RED when it has
+        not recovered after this many steps (below ``1 + (broken_param_jump -
+        1) / 2`` x its pre-jump value); a chance-level loss alone is ORANGE
+        after ``broken_steps // 2`` steps.
+      broken_loss_steps: ... and RED after this many (a bad-data stretch puts
+        a healthy model's loss at chance too, and is over sooner).
       gap_z: noise model of the gap rule: the growth excess must also be
         ``> gap_z`` x its standard deviation, from the gap's own first
         second differences (``var(g) = E[(g_i - 2 g_{i-1} + g_{i-2})^2] / 6``,
         propagated through the EMA and the three-point comparison).
-      gap_confirm: consecutive gap samples meeting the rule before the YELLOW.
+      gap_confirm: consecutive gap (and val-rise) samples meeting the rule
+        before the YELLOW.
+      val_rise_window, val_rise_min_samples, val_rise_z, val_rise_min: the
+        val-rise rule (§6 "val loss up, train loss down"): over the
+        ``val/loss`` samples of the last ``val_rise_window`` steps (at least
+        ``val_rise_min_samples``), Mann-Kendall z > ``val_rise_z``, a
+        Theil-Sen rise >= ``val_rise_min`` of its median, and the loss trend's
+        Theil-Sen slope < 0.
       divergence_loss_ratio: "far above its pre-spike trend".
       red_after: consecutive divergent checks before RED.
       red_min_steps: and the divergence must have lasted this many steps.
@@ -258,8 +267,13 @@ class Policy:
     broken_param_jump: float = 1.5
     broken_jump_window: int = 200
     broken_steps: int = 50
+    broken_loss_steps: int = 100
     gap_z: float = 4.0
     gap_confirm: int = 2
+    val_rise_window: int = 500
+    val_rise_min_samples: int = 8
+    val_rise_z: float = 3.0
+    val_rise_min: float = 0.02
     divergence_loss_ratio: float = 1.25
     red_after: int = 3
     red_min_steps: int = 0
@@ -326,7 +340,8 @@ class Policy:
                   "history_size", "spikes_size", "periodic_min_spikes", "localize_top",
                   "localize_max_metrics", "confirm_checks", "trend_window", "group_confirm",
                   "gap_confirm", "settle_min_samples", "broken_jump_window",
-                  "localize_lookback", "localize_reference"):
+                  "localize_lookback", "localize_reference", "val_rise_window",
+                  "val_rise_min_samples"):
             if int(getattr(self, f)) < 1:
                 raise ValueError(f"Policy.{f} expects an integer >= 1, got {getattr(self, f)!r}")
         if self.trend_buckets < 8:
@@ -340,7 +355,7 @@ class Policy:
         for f in ("event_hold_steps", "physiological_steps", "pathological_steps",
                   "post_window", "spike_forget_steps", "periodic_min_interval", "red_min_steps",
                   "clear_steps",
-                  "spike_min_samples", "broken_steps", "router_steps"):
+                  "spike_min_samples", "broken_steps", "router_steps", "broken_loss_steps"):
             if int(getattr(self, f)) < 0:
                 raise ValueError(f"Policy.{f} expects an integer >= 0, got {getattr(self, f)!r}")
         if self.periodic_min_spikes < 3:

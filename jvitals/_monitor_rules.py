@@ -34,6 +34,8 @@ Rule table (every number a Policy field)::
     LossScaleRule       loss_scale       YELLOW   loss scale falls >= 2**4 between two checks
     GapRule             val_gap          YELLOW   gap growth > 1.5x the growth before, above
                                                   the noise (4 sd) and a floor, 2 samples running
+    ValRiseRule         val_rise         YELLOW   val loss rising (Mann-Kendall z > 3, Theil-Sen rise
+                                                  >= 2% over 500 steps) while the loss trend falls
     BrokenModelRule     broken_model     ORANGE,  loss at chance level (log vocab) or param norm
                                          RED      1.5x its value 200 steps before; RED when not
                                                   recovered after 50 steps
@@ -81,6 +83,7 @@ __all__ = [
     "SpikeRule",
     "ThroughputRule",
     "TrendRule",
+    "ValRiseRule",
     "default_rules",
 ]
 
@@ -182,12 +185,26 @@ def set_(rule: str, metric: str, level: Level, value: float, baseline: float, ra
                   ratio, headline, event, **kw)
 
 
+_CACHED: dict[tuple[str, str, str], Change] = {}
+
+
+def _cached(op: str, rule: str, key: str) -> Change:
+    c = _CACHED.get((op, rule, key))
+    if c is None:
+        if len(_CACHED) > 4096:
+            _CACHED.clear()
+        c = _CACHED[(op, rule, key)] = Change(op, rule, key)
+    return c
+
+
 def release(rule: str, key: str) -> Change:
-    return Change("release", rule, key)
+    """A ``"release"`` change (immutable, so one object per (rule, key) is reused)."""
+    return _cached("release", rule, key)
 
 
 def clear(rule: str, key: str) -> Change:
-    return Change("clear", rule, key)
+    """A ``"clear"`` change."""
+    return _cached("clear", rule, key)
 
 
 @runtime_checkable
@@ -904,6 +921,89 @@ class GapRule(_Base):
         return []
 
 
+class ValRiseRule(_Base):
+    """Val loss rising while the train loss falls (METRICS.md §6, fourth row).
+
+    Over the ``val_rise_window`` steps before each ``val/loss`` sample (at
+    least ``val_rise_min_samples`` samples, after the baseline start)::
+
+        YELLOW when Mann-Kendall z(val) > val_rise_z, the val loss's Theil-Sen
+               rise over the window >= val_rise_min (relative), and the loss
+               trend (``notes['loss_trend']`` at those samples) has a negative
+               Theil-Sen slope
+
+    at ``gap_confirm`` consecutive val samples. Quicker than the gap rule's
+    two 1000-step windows, which an early overfit outruns. Released when the
+    condition fails.
+    """
+
+    name = "val_rise"
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.ts: collections.deque[int] = collections.deque()
+        self.val: collections.deque[float] = collections.deque()
+        self.trend: collections.deque[float] = collections.deque()
+        self.run = 0
+        self.onset: int | None = None
+
+    def check(self, f: Figures) -> list[Change]:
+        p = self.p
+        v = f.get("val/loss")
+        trend = f.notes.get("loss_trend", _NAN)
+        if f.warm or v is None or not math.isfinite(v) or trend != trend:
+            return []
+        t, s = f.t, f.step
+        self.ts.append(t)
+        self.val.append(v)
+        self.trend.append(trend)
+        while self.ts and self.ts[0] < t - p.val_rise_window:
+            self.ts.popleft()
+            self.val.popleft()
+            self.trend.popleft()
+        n = len(self.ts)
+        if n < p.val_rise_min_samples:
+            return []
+        u = np.fromiter(self.ts, np.float64, n)
+        y = np.fromiter(self.val, np.float64, n)
+        z = mann_kendall_z(y)
+        rise = theil_sen(u, y) * (u[-1] - u[0]) / abs(float(np.median(y)))
+        lslope = theil_sen(u, np.fromiter(self.trend, np.float64, n))
+        is_open = ("val_rise", "val/loss") in f.open
+        if z > p.val_rise_z and rise >= p.val_rise_min and lslope < 0:
+            self.run += 1
+            if self.run == 1:
+                self.onset = s
+            if self.run < p.gap_confirm and not is_open:
+                return []
+            return [set_("val_rise", "val/loss", Level.YELLOW, v, float(y[0]), v / float(y[0]),
+                         f"val/loss has been rising ({100 * rise:.1f}% over the last "
+                         f"{int(u[-1] - u[0])} steps, Mann-Kendall z = {z:.1f}) while the train "
+                         "loss still falls.", "val/loss started rising", onset=self.onset,
+                         details={"mann_kendall_z": z, "rise": rise})]
+        self.run = 0
+        return [release("val_rise", "val/loss")] if is_open else []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ts": list(self.ts), "val": [enc_float(x) for x in self.val],
+                "trend": [enc_float(x) for x in self.trend], "run": self.run,
+                "onset": self.onset}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        self.ts = collections.deque(int(x) for x in d["ts"])
+        self.val = collections.deque(dec_float(x) for x in d["val"])
+        self.trend = collections.deque(dec_float(x) for x in d["trend"])
+        self.run, self.onset = int(d["run"]), d["onset"]
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        while self.ts and self.ts[-1] > t_to:
+            self.ts.pop()
+            self.val.pop()
+            self.trend.pop()
+        self.run, self.onset = 0, None
+        return []
+
+
 class BrokenModelRule(_Base):
     """A broken model goes RED fast (METRICS.md §5 red tier, fast path).
 
@@ -918,10 +1018,12 @@ class BrokenModelRule(_Base):
     - the param norm jumped: ``>= broken_param_jump`` x its value
       ``broken_jump_window`` steps earlier.
 
-    A param-norm jump is ORANGE at once, a chance-level loss once it has held
-    for ``broken_steps // 2`` steps (a physiological spike recovers sooner);
-    either is RED once it has held at every check for ``broken_steps``
-    steps. It clears when the loss is back
+    A param-norm jump is ORANGE at once and RED once it has held at every
+    check for ``broken_steps`` steps; a chance-level loss alone is ORANGE once
+    it has held ``broken_steps // 2`` steps (a physiological spike recovers
+    sooner) and RED after ``broken_loss_steps`` (a stretch of bad data, whose
+    loss is at chance however healthy the model, is over sooner; the weights
+    did not move). It clears when the loss is back
     below its threshold and the param norm below ``1 + (broken_param_jump -
     1) / 2`` x its pre-jump value.
     """
@@ -982,7 +1084,7 @@ class BrokenModelRule(_Base):
                 return [release("broken_model", "")]
         st["checks"] += 1
         held = s - st["since"]
-        if held >= p.broken_steps:
+        if held >= (p.broken_steps if st["kind"] == "param" else p.broken_loss_steps):
             lvl = Level.RED
         elif st["kind"] == "param" or held >= p.broken_steps // 2:
             lvl = Level.ORANGE
@@ -1001,9 +1103,9 @@ class BrokenModelRule(_Base):
                     f"trend {st['pre']:.4g})")
         value = _NAN if value is None else float(value)
         ratio = value / ref if ref and ref == ref else _NAN
+        red_at = st["since"] + (p.broken_steps if st["kind"] == "param" else p.broken_loss_steps)
         tail = (f"not recovered after {held} steps: the model is broken, roll back."
-                if lvl == Level.RED else
-                f"RED if it has not recovered by step {st['since'] + p.broken_steps}.")
+                if lvl == Level.RED else f"RED if it has not recovered by step {red_at}.")
         return [set_("broken_model", metric, lvl, value, ref, ratio, f"{what}; {tail}",
                      f"{metric} broke", key="", onset=st["since"], diverging=False,
                      details={"since": st["since"], "kind": st["kind"]})]
@@ -1093,5 +1195,6 @@ class DivergenceRule(_Base):
 def default_rules(policy: Policy) -> list[Any]:
     """The default rule list, in the order ``Monitor.update`` runs it."""
     return [NonFiniteRule(policy), SpikeRule(policy), RatioRule(policy), TrendRule(policy),
-            GroupRule(policy), RouterRule(policy), ThroughputRule(policy), LossScaleRule(policy), GapRule(policy),
-            BrokenModelRule(policy), DivergenceRule(policy)]
+            GroupRule(policy), RouterRule(policy), ThroughputRule(policy),
+            LossScaleRule(policy), GapRule(policy), ValRiseRule(policy), BrokenModelRule(policy),
+            DivergenceRule(policy)]

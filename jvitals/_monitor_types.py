@@ -177,6 +177,7 @@ RULE_PRESCRIPTION: Mapping[str, str] = types.MappingProxyType({
     "loss_spike": "loss_spike_unrecovered",
     "periodic_spike": "periodic_spikes",
     "val_gap": "val_up_train_down",
+    "val_rise": "val_up_train_down",
     "throughput": "low_throughput",
     "divergence": "divergence",
     "rollback": "divergence",

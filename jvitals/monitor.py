@@ -39,14 +39,17 @@ escalates. Rules (every number a :class:`Policy` field)::
                     g(t) - g(t-W) > 1.5 (g(t-W) - g(t-2W))
                     + max(floor, 4 sd of noise), W = 1000,
                     2 samples running
+    val_rise        val/loss rising (Mann-Kendall z > 3,   YELLOW
+                    Theil-Sen +2% over 500 steps, 2
+                    samples running) while the loss falls
     loss_spike      a loss spike not back within its       YELLOW
                     recovery band after 300 steps
     periodic_spike  >= 3 spikes at near-regular            YELLOW (ORANGE
                     intervals (loss or grad norm)          when shrinking)
-    broken_model    loss >= 0.9 log(vocab) (without a      ORANGE, RED after
-                    vocab size: 0.9x the first loss        50 steps not
-                    seen), or param norm >= 1.5x its       recovered
-                    value 200 steps before
+    broken_model    param norm >= 1.5x its value 200       ORANGE, RED after
+                    steps before, or the loss >= 0.9       50 (param) / 100
+                    log(vocab) (without a vocab size:      (loss) steps not
+                    0.9x the first loss seen)              recovered
     divergence      red_after consecutive checks with an   RED
                     ORANGE grad-norm/non-finite condition
                     or the loss > 1.25x its pre-spike
