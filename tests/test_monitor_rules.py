@@ -370,3 +370,46 @@ def test_localization_ignores_drift_and_finds_the_change_point():
     for s in range(0, 3400, 50):
         h2.observe(s, s, cols2, np.asarray([10.0 * (1 + 2e-4 * s)]), p, 0)
     assert localize(h2, 3300, "the anomaly", p) == []
+
+
+# --------------------------------------------------------------------------
+# Val rise (overfitting) and the router.
+# --------------------------------------------------------------------------
+
+
+def test_val_loss_rising_while_train_falls_is_a_yellow_within_a_few_hundred_steps():
+    rng = np.random.default_rng(14)
+    base = warmup_stream(14, warm=200)
+
+    def stream(s):
+        d = base(s)
+        if s % 50 == 0:
+            over = 0.0 if s < 1500 else 2e-3 * (s - 1500)     # net +0.7 nats per 500 steps
+            d["val/loss"] = power_loss(s) + 0.1 + over + 0.01 * rng.standard_normal()
+        return d
+
+    vs = feed(Monitor(), stream, range(0, 2600, 10))
+    hits = [a for v in vs for a in v.new_alerts]
+    assert [a.rule for a in hits] == ["val_rise"], [(a.rule, a.opened_step) for a in hits]
+    assert 1500 < hits[0].opened_step <= 1900, hits[0].opened_step
+    assert "early stop" in hits[0].prescription
+
+
+def test_router_collapse_is_a_yellow():
+    rng = np.random.default_rng(15)
+    base = warmup_stream(15, warm=200)
+
+    def stream(s):
+        d = base(s)
+        push = max(0.0, (s - 1500) / 200.0)
+        d["moe/maxvio.max"] = 0.15 + 0.03 * rng.standard_normal() + push
+        d["moe/dead_expert_ratio"] = 0.0 if push < 1.0 else 0.5
+        return d
+
+    vs = feed(Monitor(), stream, range(0, 2200, 10))
+    hits = [a for v in vs for a in v.new_alerts]
+    assert {a.rule for a in hits} == {"router"}, [(a.rule, a.metric, a.opened_step) for a in hits]
+    first = min(hits, key=lambda a: a.opened_step)
+    # maxvio 0.5 above its ~0.15 baseline from step 1600 (push 0.5), held 50 steps.
+    assert 1640 <= first.opened_step <= 1700 and first.metric == "moe/maxvio.max"
+    assert first.localization and first.localization[0].metric.startswith("moe/")
