@@ -30,8 +30,11 @@ trust:
   non-finite loss or gradient norm.
 
 The lead over a baseline is ``(baseline step - fault step) / (jvitals step - fault
-step)``, each delay floored at one cadence; a fault the baseline never catches
-has an infinite lead. A markdown table (per fault: levels, baselines, leads, the
+step)``, jvitals' step being its first alert (any level) at or after the fault and
+the baseline's its first firing at or after it, each delay floored at one cadence;
+a fault the baseline never catches has an infinite lead. The baselines are scored
+twice: fed the same checks as the monitor (the table's lead), and fed every step (in
+brackets), as they run inside their own trainers. A markdown table (per fault: levels, baselines, leads, the
 first alert's top localization item and its departure step, PASS/FAIL) goes to
 stdout and ``--table``.
 
@@ -694,9 +697,10 @@ class Score:
     name: str
     cadence: int
     fault_step: int | None
-    first: dict[str, int | None]            # level name -> first step the verdict reached it
+    first: dict[str, int | None]            # level -> first check at/after the fault at that level or above
     peak: str
-    olmo: int | None                        # the baselines fed the same checks as jvitals
+    olmo: int | None                        # the baselines fed the same checks as jvitals (first firing
+                                            # at/after the fault)
     megatron: int | None
     olmo_every_step: int | None             # ... fed every step, as they run in their own trainers
     megatron_every_step: int | None
@@ -705,8 +709,8 @@ class Score:
     loc_group: str
     loc_line: str
     early_departures: list[tuple[str, int]]  # localization items departing > 50 steps before the fault
-    pre_fault_alerts: list[tuple[int, str, str, str]]   # (step, level, rule, metric) opened before the fault
-    alerts: list[tuple[int, str, str, str]]             # every alert opened: (step, level, rule, metric)
+    pre_fault_alerts: list[tuple[int, str, str, str]]   # (step, peak level, rule, metric) opened before the fault
+    alerts: list[tuple[int, str, str, str]]             # every alert: (opening step, peak level, rule, metric)
     update_us: float
 
 
@@ -732,6 +736,7 @@ def score_stream(stream: Stream, cadence: int = 10, monitor_factory: Callable[[]
     pre: list[tuple[int, str, str, str]] = []
     opened: list[tuple[int, str, str, str]] = []
     seen_levels: dict[int, int] = {}
+    where: dict[int, tuple[int, int | None]] = {}
     cost = 0.0
     n = 0
     for s, m in replay(stream, cadence):
@@ -741,12 +746,15 @@ def score_stream(stream: Stream, cadence: int = 10, monitor_factory: Callable[[]
         n += 1
         lv = int(v.level)
         peak = max(peak, lv)
+        after = fs is None or s >= fs      # steps before the fault are false alarms, not detections
         for i in range(1, lv + 1):
-            if first[LEVELS[i]] is None:
+            if after and first[LEVELS[i]] is None:
                 first[LEVELS[i]] = s
-        if o_step is None and olmo.update(s, m):
+        # The baselines see every check (their state needs it); their detection is the first
+        # firing at or after the fault.
+        if olmo.update(s, m) and after and o_step is None:
             o_step = s
-        if m_step is None and mega.update(s, m):
+        if mega.update(s, m) and after and m_step is None:
             m_step = s
         # Every alert at every level it reaches: its localization (if any) is judged.
         for a in v.alerts:
@@ -758,10 +766,16 @@ def score_stream(stream: Stream, cadence: int = 10, monitor_factory: Callable[[]
             seen_levels[key] = alv
             rec = (s, _level_name(a.level), str(getattr(a, "rule", "")), str(getattr(a, "metric", "")))
             if new:
+                where[key] = (len(opened), len(pre) if fs is not None and s < fs else None)
                 opened.append(rec)
-            if fs is not None and s < fs:
-                if new:
+                if fs is not None and s < fs:
                     pre.append(rec)
+            else:   # escalated: the alert is recorded at its opening step with its peak level
+                i, j = where[key]
+                opened[i] = (opened[i][0], rec[1], *opened[i][2:])
+                if j is not None:
+                    pre[j] = (pre[j][0], rec[1], *pre[j][2:])
+            if fs is not None and s < fs:
                 continue
             locs = list(getattr(a, "localization", []) or [])
             for item in locs:
@@ -786,11 +800,12 @@ def _baselines_every_step(stream: Stream) -> tuple[int | None, int | None]:
     loss, gn = stream.dense("loss"), stream.dense("grad/global_norm")
     olmo, mega = OlmoLossSpike(), MegatronLarge()
     o = m = None
+    f = stream.meta.get("fault_step") or 0
     for s in range(stream.steps):
         fig = {"loss": float(loss[s]), "grad/global_norm": float(gn[s])}
-        if o is None and olmo.update(s, fig):
+        if olmo.update(s, fig) and o is None and s >= f:
             o = s
-        if m is None and mega.update(s, fig):
+        if mega.update(s, fig) and m is None and s >= f:
             m = s
         if o is not None and m is not None:
             break
@@ -814,9 +829,7 @@ def judge(stream: Stream, sc: Score) -> tuple[bool, list[str]]:
     fs, want = meta["fault_step"], meta["level"]
     got = sc.first.get(want)
     if got is None:
-        why.append(f"never reached {want} (peak {sc.peak})")
-    elif got < fs:
-        why.append(f"{want} at {got}, before the fault")
+        why.append(f"never reached {want} after the fault (peak {sc.peak})")
     elif meta.get("max_delay") is not None and got - fs > meta["max_delay"]:
         why.append(f"{want} {got - fs} steps after the fault (> {meta['max_delay']})")
     if sc.pre_fault_alerts:
@@ -858,7 +871,7 @@ def score_all(streams: Sequence[Stream], cadence: int) -> tuple[str, bool, dict[
         sc = score_stream(st, cadence)
         fs = st.meta["fault_step"]
         want = st.meta["level"]
-        jv = sc.first.get(want)
+        jv = sc.first["YELLOW"]            # detection: the first alert of any level after the fault
         lo, lm = lead(sc.olmo, jv, fs, cadence), lead(sc.megatron, jv, fs, cadence)
         leads.append(lo)
         ok, why = judge(st, sc)

@@ -303,6 +303,6 @@ def test_median_lead_over_the_loss_only_rule():
     leads = []
     for name in FAULTS:
         st, sc = stream(name), score(name)
-        leads.append(fs.lead(sc.olmo, sc.first[st.meta["level"]], st.meta["fault_step"], CADENCE))
+        leads.append(fs.lead(sc.olmo, sc.first["YELLOW"], st.meta["fault_step"], CADENCE))
     finite = [x for x in leads if not math.isnan(x)]
     assert statistics.median(finite) >= 1.5, dict(zip(FAULTS, leads))
