@@ -113,9 +113,11 @@ def main(argv=None) -> None:
     print(f"per-step time: (a) checkpoints only {a * 1e3:.2f} ms, (b) + snapshots {b * 1e3:.2f} ms, "
           f"ratio (b)/(a) = {b / a:.3f}   (blocks: a {[round(x * 1e3, 2) for x in times['a']]}, "
           f"b {[round(x * 1e3, 2) for x in times['b']]} ms)")
+    per = disk["snapshots"] / max(disk["n_snapshots"], 1)
     print(f"disk: snapshots {disk['snapshots'] / 2**20:.2f} MiB ({disk['n_snapshots']} kept) = "
-          f"{disk['snapshots'] / one_ckpt:.2f} x one cadence checkpoint ({one_ckpt / 2**20:.2f} MiB) = "
-          f"{disk['snapshots'] / state_bytes:.2f} x the train state in memory")
+          f"{disk['snapshots'] / state_bytes:.2f} x the train state in memory; one snapshot "
+          f"{per / 2**20:.2f} MiB = {per / state_bytes:.2f} x the state (the step-0 checkpoint, "
+          f"{one_ckpt / 2**20:.2f} MiB, is smaller: its zero Adam moments compress)")
     if args.workdir is None:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -137,9 +137,11 @@ class _OrbaxNoise(logging.Filter):
         while tb is not None:
             files.append(tb.tb_frame.f_code.co_filename)
             tb = tb.tb_next
-        if "Task exception was never retrieved" in text or "Event loop is closed" in text \
-                or any("orbax" in f for f in files) or ("orbax" in text and record.levelno >= logging.ERROR
-                                                        and "Traceback" in text):
+        exc_text = str(record.exc_info[1]) if record.exc_info and record.exc_info[1] is not None else ""
+        if any("orbax" in f or "tensorstore" in f for f in files) \
+                or ("orbax" in text and record.levelno >= logging.ERROR) \
+                or ("Task exception was never retrieved" in text and "orbax" in text + exc_text) \
+                or "Event loop is closed" in text + exc_text and any("asyncio" in f for f in files):
             self.dropped += 1
             _log.debug("orbax: %s", text.splitlines()[0][:200] if text else "(no message)")
             return False
@@ -183,6 +185,15 @@ def _install_excepthook() -> None:
 
     hook._jvitals_quiet = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def _install_log_filter() -> None:
+    """Keeps :class:`_OrbaxNoise` on the ``asyncio`` and ``absl`` loggers (orbax's
+    background threads log there after the call that started them returned)."""
+    for name in _NOISE_LOGGERS:
+        lg = logging.getLogger(name)
+        if _NOISE not in lg.filters:
+            lg.addFilter(_NOISE)
 
 
 @contextlib.contextmanager
@@ -361,6 +372,7 @@ class CheckpointStore:
                 "one can be created); pass another directory.",
                 directory=str(self.directory), step=None) from e
         _install_excepthook()
+        _install_log_filter()
         self._load_records()
         _register_exit_wait(self)
 

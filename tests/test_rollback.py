@@ -811,8 +811,12 @@ def test_closed_noise_yellow_before_a_fault_does_not_move_the_target_real_monito
     def lr(s):
         return 300.0 if s == fault else 1.0
 
-    clean = _loop(tmp_path / "clean", 150, lr_mult=lr)
-    noisy = _loop(tmp_path / "noisy", 150, lr_mult=lr, weight=lambda s: 2.4 if s == 45 else 1.0)
+    def monitor():   # a YELLOW from one check above 2x; closes 10 steps after it stops
+        return Monitor(Policy(warmup_steps=5, baseline_steps=20, confirm_checks=1, clear_steps=10))
+
+    clean = _loop(tmp_path / "clean", 150, lr_mult=lr, monitor=monitor())
+    noisy = _loop(tmp_path / "noisy", 150, lr_mult=lr, weight=lambda s: 2.4 if s == 45 else 1.0,
+                  monitor=monitor())
     levels = {s: int(v.level) for s, v in noisy["verdicts"].items() if 40 <= s < fault}
     assert Level.YELLOW in levels.values() and max(levels.values()) < Level.ORANGE
     assert int(noisy["verdicts"][fault - 1].level) == Level.GREEN     # the noise alert closed
