@@ -231,17 +231,24 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
         inner_state = inner.init(params) if inner is not None else optax.EmptyState()
         pl = plan(inner_state)
 
-        def names(p: Any) -> dict[str, jax.Array]:  # global view: no mesh axes are bound at init
+        def names(p: Any) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+            # global view: no mesh axes are bound at init
             m = _gradients.gradient_metrics(p, params=p, updates=p if pl.update else None, roles=roles)
+            g = dict(_gradients.global_norm_metrics(p))
+            g["param/global_norm"] = m["param/global_norm"]
             one = m["grad/global_norm"]
-            m.update(_clip_metrics(one, one, one if pl.clip == "threshold" else None) if pl.clip else {})
-            m.update(_update_metrics(one, one) if pl.update else {})
+            g.update(_clip_metrics(one, one, one if pl.clip == "threshold" else None) if pl.clip else {})
+            g.update(_update_metrics(one, one) if pl.update else {})
             if pl.lr:
-                m[LR_NAME] = one
-            return m
+                g[LR_NAME] = one
+            return m, g
 
-        keys = list(jax.eval_shape(names, params))
-        metrics = PackedMetrics(keys, jnp.full((len(keys),), jnp.nan, jnp.float32))
+        heavy_names, light_names = jax.eval_shape(names, params)
+        keys = list({**heavy_names, **light_names})
+        families = ["global" if k in light_names else "layers" for k in keys]
+        n_flags = len(dict.fromkeys(families))
+        metrics = PackedMetrics(keys, jnp.concatenate([jnp.full((len(keys),), jnp.nan, jnp.float32),
+                                                       jnp.zeros((n_flags,), jnp.float32)]), families)
         last = {f: jnp.full((), -1, jnp.int32) for f in _FAMILIES}
         return RecordState(jnp.zeros([], jnp.int32), metrics, last, inner_state)
 
@@ -269,7 +276,7 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
         elif vitals_layers is not None:
             due["layers"] = jnp.asarray(vitals_layers, bool).reshape(())
         names = state.metrics.names
-        prev = state.metrics.vector  # the figures cross the conditional as one vector
+        prev = state.metrics.vector[:len(names)]  # the figures cross the conditional as one vector
         index = {k: i for i, k in enumerate(names)}
         with_updates = pl.update and params is not None
 
@@ -346,7 +353,9 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
             at = jnp.array([index[k] for k in pm])
             vec = vec.at[at].set(jnp.where(fresh, jnp.stack([v.astype(jnp.float32) for v in pm.values()]),
                                            prev[at]))
-        metrics = PackedMetrics(names, vec)
+        # One flag per family (1.0: computed at this update) ends the vector.
+        flags = PackedMetrics.flag_vector(state.metrics.flags, {"global": fresh, "layers": due["layers"]})
+        metrics = PackedMetrics(names, jnp.concatenate([vec, flags]), state.metrics.families)
         last = {"global": jnp.where(fresh, count, state.last_step["global"]),
                 "layers": jnp.where(due["layers"], count, state.last_step["layers"])}
         new_state = RecordState(count + 1, metrics, last, inner_state)
@@ -522,8 +531,19 @@ def _states(opt_state: Any) -> list[RecordState]:
     return found
 
 
-def recorded(opt_state: Any) -> dict[str, jax.Array]:
-    """The latest metrics of every recorder anywhere in ``opt_state``, as one flat dict.
+def recorded(opt_state: Any) -> PackedMetrics:
+    """The metrics every recorder anywhere in ``opt_state`` computed at the latest update.
+
+    Read it on the host at the logging cadence::
+
+        host = jax.device_get(vitals.recorded(state.opt_state))   # one packed vector
+        dict(host)   # only the figures computed at the latest update
+
+    The result is a :class:`~jvitals.packed.PackedMetrics`: a read-only dict of
+    the *fresh* figures (a per-layer figure appears only at the updates where the
+    per-layer family ran; ``.latest()`` gives every figure's last value,
+    :func:`recorded_steps` when each family last ran), one vector as a pytree, so
+    ``jax.device_get`` moves it in one transfer.
 
     Args:
       opt_state: an optimizer state holding one or more :class:`RecordState`
@@ -531,21 +551,25 @@ def recorded(opt_state: Any) -> dict[str, jax.Array]:
         ``apply_if_finite``, or nested recorders).
 
     Returns:
-      ``{name: float32 scalar}``; ``{}`` if there is no recorder.
+      ``{name: float32 scalar}`` as a :class:`PackedMetrics` (several recorders'
+      vectors concatenated into one); empty if there is no recorder.
 
     Raises:
       ValueError: if two recorders record the same name (e.g. two
         ``record(clip)``), which would make the figure ambiguous.
     """
-    out: dict[str, jax.Array] = {}
-    for st in _states(opt_state):
-        clash = sorted(set(out) & set(st.metrics))
+    states = _states(opt_state)
+    seen: set[str] = set()
+    for st in states:
+        clash = sorted(seen & set(st.metrics.names))
         if clash:
             raise ValueError(
                 f"recorded(): two recorders in the optimizer state both record {clash[:4]}; "
                 "keep one recorder per position (one first in the chain, or one wrapping the clip)")
-        out.update(st.metrics.items())
-    return out
+        seen |= set(st.metrics.names)
+    if not states:
+        return PackedMetrics((), np.zeros([0], np.float32))
+    return PackedMetrics.merge(st.metrics for st in states)
 
 
 def recorded_steps(opt_state: Any) -> dict[str, jax.Array]:

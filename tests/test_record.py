@@ -2,6 +2,7 @@
 
 import functools
 import importlib
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -166,7 +167,9 @@ def test_multisteps_inside_records_the_accumulated_gradient_at_the_boundary():
     norms = []
     for g in micro:
         _, state = step(g, state, params)
-        norms.append(float(vitals.recorded(state)["grad/global_norm"]))
+        m = jax.device_get(vitals.recorded(state))
+        norms.append(float(m.latest()["grad/global_norm"]))
+        assert ("grad/global_norm" in m) == (len(norms) == 3)  # fresh only once an update is applied
     mean_grad = jax.tree.map(lambda *g: sum(g) / 3, *micro)
     assert np.isnan(norms[0]) and np.isnan(norms[1])  # nothing applied yet: nothing recorded
     np.testing.assert_allclose(norms[2], np_norm(mean_grad), rtol=1e-5)
@@ -192,9 +195,13 @@ def test_cadence_values_and_last_steps():
     for i in range(7):
         g = tree(30 + i)
         _, state = step(g, state, params)
-        m, last = vitals.recorded(state), vitals.recorded_steps(state)
+        rec, last = jax.device_get(vitals.recorded(state)), vitals.recorded_steps(state)
+        m = rec.latest()
         seen.append((i, float(m["grad/global_norm"]), float(m["grad/norm/layer_0"]),
                      int(last["global"]), int(last["layers"])))
+        # only what was computed at this update is shown
+        assert ("grad/norm/layer_0" in rec) == (i % 3 == 0), i
+        assert ("grad/global_norm" in rec) == (i % 2 == 0 or i % 3 == 0), i
     grads = [tree(30 + i) for i in range(7)]
     for i, gnorm, l0, last_global, last_layers in seen:
         lg = max(j for j in range(i + 1) if j % 2 == 0 or j % 3 == 0)  # layers steps refresh globals too
@@ -330,7 +337,9 @@ def test_packed_metrics_reads_as_a_flat_dict_and_is_one_leaf():
     _, state = jax.jit(tx.update)(grads, state, params)
     rec = state[0]
     assert isinstance(rec.metrics, vitals.PackedMetrics)
-    assert len(jax.tree.leaves(rec.metrics)) == 1 and rec.metrics.vector.shape == (len(rec.metrics),)
+    assert len(jax.tree.leaves(rec.metrics)) == 1
+    assert rec.metrics.vector.shape == (len(rec.metrics.names) + len(rec.metrics.flags),)
+    assert rec.metrics.flags == ("global",)  # no layer, no role: the per-layer family is empty
     want = float(optax.tree.norm(grads))
     on_device = vitals.recorded(state)
     on_host = vitals.recorded(jax.device_get(state))  # NumPy-backed after device_get
@@ -366,7 +375,9 @@ def test_static_vitals_layers_flag_picks_the_family_at_trace_time(monkeypatch):
     grads = [tree(60 + i, scale=0.3) for i in range(len(flags))]
     for i, (g, full) in enumerate(zip(grads, flags)):
         _, state = step(g, state, params, full=full)
-        m, last = vitals.recorded(state), vitals.recorded_steps(state)
+        rec, last = vitals.recorded(state), vitals.recorded_steps(state)
+        m = rec.latest()
+        assert ("grad/norm/layer_1" in rec) == full
         ll = max(j for j in range(i + 1) if flags[j])
         assert (int(last["global"]), int(last["layers"])) == (i, ll), i
         np.testing.assert_allclose(float(m["grad/global_norm"]), np_norm(g), rtol=1e-6)
@@ -381,6 +392,8 @@ def test_static_vitals_layers_flag_picks_the_family_at_trace_time(monkeypatch):
     assert int(vitals.recorded_steps(state)["layers"]) == 6
     np.testing.assert_allclose(float(vitals.recorded(state)["grad/norm/layer_0"]),
                                np_norm(grads[1]["layers_0"]), rtol=1e-6)
+    _, state = dyn(grads[0], state, params, jnp.asarray(False))
+    assert "grad/norm/layer_0" not in vitals.recorded(state) and "grad/global_norm" in vitals.recorded(state)
 
 
 def test_wrapped_optax_clip_post_norm_is_known_without_a_pass():
@@ -537,3 +550,156 @@ def test_group_and_update_figures_on_a_mesh():
     updates = jax.device_get(updates)
     for name, v in _np_group_and_layer_figures(grads, params, updates, cfg.n_layers, True).items():
         np.testing.assert_allclose(float(m[name]), v, rtol=2e-5, err_msg=name)
+
+
+# ---------------------------------------------------------------------------------- freshness
+
+
+def test_only_fresh_figures_reach_the_host_and_a_real_writer(tmp_path):
+    """Per-layer figures appear exactly at the cadence updates: in dict(device_get(recorded))
+    and in what vitals.write sends through a real clu writer (read back from the event files)."""
+    metric_writers = pytest.importorskip("clu.metric_writers")
+    from test_writers import read_events
+
+    params = tree(0)
+    tx = vitals.record(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), every={"layers": 4})
+    state = tx.init(params)
+    step = jax.jit(tx.update)  # the lax.cond cadence
+    layer_names = {k for k, f in zip(state.metrics.names, state.metrics.families) if f == "layers"}
+    assert {"grad/norm/layer_0", "update/param_ratio/layer_1", "grad/share/embedding"} <= layer_names
+    writer = metric_writers.create_default_writer(str(tmp_path), asynchronous=False)
+    for i in range(9):
+        grads = tree(70 + i)
+        updates, state = step(grads, state, params)
+        rec = vitals.recorded(state)
+        host = dict(jax.device_get(rec))
+        due = i % 4 == 0
+        assert (set(host) & layer_names) == (layer_names if due else set()), i
+        assert "grad/global_norm" in host and "update/param_ratio" in host
+        np.testing.assert_allclose(float(host["grad/global_norm"]), np_norm(grads), rtol=1e-6)
+        if due:
+            np.testing.assert_allclose(float(host["grad/norm/layer_0"]), np_norm(grads["layers_0"]), rtol=1e-6)
+            np.testing.assert_allclose(float(host["update/param_ratio/layer_1"]),
+                                       np_norm(updates["layers_1"]) / np_norm(params["layers_1"]), rtol=1e-5)
+        # the device-side PackedMetrics (write fetches it) and the host copy say the same
+        vitals.write(writer, i, rec if i % 2 else jax.device_get(rec))
+    writer.flush()
+    ev = read_events(tmp_path)
+    assert sorted(ev["grad/norm/layer_0"]) == [0, 4, 8]
+    assert sorted(ev["update/param_ratio/embedding"]) == [0, 4, 8]
+    assert sorted(ev["grad/global_norm"]) == list(range(9))
+    assert sorted(ev["grad/norm/by_layer"]) == [0, 4, 8]
+
+
+def test_packed_metrics_freshness_survives_jit_device_get_pickle_and_merge():
+    import pickle
+
+    from jvitals.packed import PackedMetrics
+
+    names = ("a", "b/layer_0", "c")
+    fams = ("global", "layers", "global")
+    vec = np.array([1.0, 2.0, 3.0, 1.0, 0.0], np.float32)  # figures, then flags: global, layers
+    m = PackedMetrics(names, vec, fams)
+    assert m.flags == ("global", "layers") and m.fresh == {"global": True, "layers": False}
+    assert dict(m) == {"a": 1.0, "c": 3.0} and len(m) == 2 and "b/layer_0" not in m and m.get("b/layer_0") is None
+    assert m.latest()["b/layer_0"] == 2.0
+    with pytest.raises(KeyError, match="not computed at the latest update"):
+        m["b/layer_0"]
+    on_device = jax.jit(lambda x: x)(PackedMetrics(names, jnp.asarray(vec), fams))
+    assert isinstance(on_device, PackedMetrics) and on_device.families == fams
+    assert sorted(on_device) == ["a", "c"]
+    back = jax.device_get(on_device)
+    assert isinstance(back.vector, np.ndarray) and dict(back) == {"a": 1.0, "c": 3.0}
+    assert dict(pickle.loads(pickle.dumps(m))) == dict(m)
+    inside = jax.jit(lambda x: jnp.stack([x[k] for k in x]))(on_device)  # traced: every name
+    assert inside.shape == (3,)
+    other = PackedMetrics(("d",), np.array([4.0, 0.0], np.float32), ("global",))  # not fresh
+    merged = PackedMetrics.merge([m, other])
+    assert dict(merged) == {"a": 1.0, "c": 3.0} and merged.latest()["d"] == 4.0
+    assert {**merged, "loss": 1.0} == {"a": 1.0, "c": 3.0, "loss": 1.0}
+    with pytest.raises(ValueError, match="one family label per name"):
+        PackedMetrics(names, vec, fams[:2])
+
+
+# ---------------------------------------------------------------------------------- clips with a threshold state
+
+
+class _StandInClipState(NamedTuple):
+    count: jax.Array
+    clip_threshold: jax.Array
+
+
+def _stand_in_clip(thresholds):
+    """Clips the global norm to thresholds[count % len] (inf: no clip); its state names the threshold."""
+    table = jnp.asarray(thresholds, jnp.float32)
+
+    def init(params):
+        return _StandInClipState(jnp.zeros([], jnp.int32), jnp.full([], jnp.inf, jnp.float32))
+
+    def update(updates, state, params=None):
+        thr = table[state.count % table.shape[0]]
+        norm = optax.tree.norm(updates)
+        scale = jnp.where(norm > thr, thr / norm, 1.0)
+        return jax.tree.map(lambda g: g * scale, updates), _StandInClipState(state.count + 1, thr)
+
+    return optax.GradientTransformation(init, update)
+
+
+
+def _check_threshold_clip(tx, grads_seq, params, *, clip_state_of):
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    for g in grads_seq:
+        out, state = step(g, state, params)
+        m = jax.device_get(vitals.recorded(state))
+        thr = float(clip_state_of(state).clip_threshold)
+        pre = np_norm(g)
+        want_post = min(pre, thr) if np.isfinite(pre) else np.nan
+        np.testing.assert_allclose(float(m["grad/clip_threshold"]), thr, rtol=1e-6)
+        np.testing.assert_allclose(float(m["grad/global_norm_post_clip"]), want_post, rtol=1e-5)
+        if np.isfinite(pre):
+            np.testing.assert_allclose(float(m["grad/clip_ratio"]), want_post / pre, rtol=1e-5)
+            assert float(m["grad/clipped"]) == float(pre > thr * (1 + 1e-5))
+    return state
+
+
+def test_a_clip_with_a_threshold_state_is_recognised_alone_and_first_in_a_chain():
+    params = tree(0)
+    grads_seq = [tree(80 + i, scale=s) for i, s in enumerate([5.0, 0.1, 5.0, 0.1])]
+    clip = _stand_in_clip([2.0, 2.0, np.inf, 0.5])
+    # alone: its outputs are the clipped gradients; check them against optax.tree.norm too
+    rec = vitals.record(clip)
+    state = rec.init(params)
+    assert "grad/clip_threshold" in state.metrics.names and "update/global_norm" not in state.metrics.names
+    for g in grads_seq:
+        out, state = jax.jit(rec.update)(g, state, params)
+        np.testing.assert_allclose(float(vitals.recorded(state)["grad/global_norm_post_clip"]),
+                                   float(optax.tree.norm(out)), rtol=1e-5)
+    _check_threshold_clip(rec, grads_seq, params, clip_state_of=lambda s: s.inner_state)
+    # first in the whole optimizer: clip figures and update figures
+    tx = vitals.record(optax.chain(clip, optax.adamw(1e-3)))
+    st = _check_threshold_clip(tx, grads_seq, params, clip_state_of=lambda s: s.inner_state[0])
+    assert "update/param_ratio" in vitals.recorded(st)
+    # a NaN gradient: the post-clip norm is NaN, never the threshold
+    bad = tree(90)
+    bad["lm_head"]["kernel"] = bad["lm_head"]["kernel"].at[0, 0].set(jnp.nan)
+    _, st = jax.jit(tx.update)(bad, st, params)
+    assert np.isnan(float(vitals.recorded(st)["grad/global_norm_post_clip"]))
+
+
+def test_the_real_adaptive_clip_is_recognised_as_a_clip():
+    clipping = pytest.importorskip("jvitals.clipping")
+    params = tree(0)
+    scales = [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0, 20.0, 1.0, 1.0]  # a spike after the warm-up
+    grads_seq = [tree(100 + i, scale=s) for i, s in enumerate(scales)]
+    tx = vitals.with_lr_scale(vitals.record(optax.chain(clipping.adaptive_clip(warmup_steps=4),
+                                                        optax.adamw(1e-3)), schedule=1e-3))
+    inner = lambda s: record_module._states(s)[0].inner_state[0]  # noqa: E731
+    state = _check_threshold_clip(tx, grads_seq, params, clip_state_of=inner)
+    m = jax.device_get(vitals.recorded(state))
+    assert float(m["grad/clipped"]) == 0.0  # the last step is back to normal
+    # the spike was clipped: replay up to it and look
+    state = _check_threshold_clip(tx, grads_seq[:8], params, clip_state_of=inner)
+    m = jax.device_get(vitals.recorded(state))
+    assert float(m["grad/clipped"]) == 1.0 and np.isfinite(float(m["grad/clip_threshold"]))
+    np.testing.assert_allclose(float(m["opt/learning_rate"]), 1e-3, rtol=1e-6)
