@@ -518,3 +518,27 @@ def test_other_bad_inputs(runs):
         activation_metrics(r["inter"], mask=r["batch"]["mask"], axes=("data",))
     with pytest.raises(TypeError, match=r"expected the sown 'intermediates' dict"):
         activation_metrics([1, 2])
+
+
+def test_eager_metrics_compile_once(count_compiles):
+    """activation_metrics, summarize_logits and moe_metrics called eagerly twice with
+    the same shapes: the second call compiles nothing (issue 20 item 7)."""
+    from jvitals.moe import moe_metrics
+    from jvitals.probes import summarize_logits
+
+    rng = np.random.default_rng(0)
+    inter = {"layers_0": {"hidden_states": (jax.device_put(jnp.asarray(rng.normal(size=(2, 4, 8)), jnp.float32)),)},
+             "logits": (jax.device_put(jnp.asarray(rng.normal(size=(2, 4, 16)), jnp.float32)),)}
+    mask = jax.device_put(jnp.array([[True] * 4, [True, True, False, False]]))
+    counts = jax.device_put(jnp.array([[4, 0, 2, 2]], jnp.int32))
+    calls = [lambda: activation_metrics(inter, mask=mask), lambda: summarize_logits(inter["logits"][0], mask),
+             lambda: moe_metrics(counts, top_k=2)]
+    first = [jax.device_get(c()) for c in calls]
+    with count_compiles() as c:
+        again = [jax.device_get(f()) for f in calls]
+    assert c.count == 0, f"{c.count} compiles on the second eager calls"
+    for a, b in zip(first, again):
+        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_array_equal(u, v)
+    h = np.asarray(inter["layers_0"]["hidden_states"][0], np.float64)[np.asarray(mask)]
+    np.testing.assert_allclose(first[0]["act/hidden_states_rms/layer_0"], np.sqrt(np.mean(h ** 2)), rtol=1e-6)

@@ -89,7 +89,10 @@ CASES = [
     ("model/layers/12/self_attn/o_proj/kernel", "o", "Wo", 12),
     ("model/layers/12/input_layernorm/weight", "norm", "input_layernorm", 12),
     ("model/layers/12/post_attention_layernorm/weight", "norm", "post_attention_layernorm", 12),
-    ("model/norm/weight", "norm", "norm", None),
+    # A module named just "norm": final_norm outside the layers (grad/norm_rms would
+    # read as the gradient-norm family grad/norm/layer_i), block_norm inside.
+    ("model/norm/weight", "norm", "final_norm", None),
+    ("model/layers/2/norm/weight", "norm", "block_norm", 2),
     ("lm_head/kernel", "lm_head", "output_layer", None),
     ("model/layers/1/block_sparse_moe/gate/kernel", "router", "router", 1),
     ("model/layers/1/block_sparse_moe/experts/5/w1/kernel", "gate", "W_gate", 1),
@@ -213,3 +216,25 @@ def test_qkv_split_sizes_and_axis():
     assert QKVSplit(axis=-1).resolve_axis((24, 8)) == 1
     with pytest.raises(ValueError, match="out of range"):
         QKVSplit(axis=2).resolve_axis((8, 24))
+
+
+def test_tied_head_said_once_and_qkv_split_from_config():
+    tied = _tree([("transformer/wte/embedding", (64, 8)), ("transformer/h/0/attn/c_attn/kernel", (24, 8)),
+                  ("transformer/ln_f/scale", (8,))])
+    buf = io.StringIO()
+    ex = explain_roles(tied, file=buf)
+    assert ex.tied_head == ("transformer/wte/embedding",)
+    assert buf.getvalue().count("tied to the embedding") == 1
+    untied = _tree([("model/embed_tokens/embedding", (64, 8)), ("lm_head/kernel", (8, 64))])
+    buf = io.StringIO()
+    assert explain_roles(untied, file=buf).tied_head == ()
+    assert "tied" not in buf.getvalue()
+
+    class Cfg:
+        num_attention_heads, num_key_value_heads = 8, 2
+
+    class BloomCfg:
+        n_head = 16
+
+    assert QKVSplit.from_config(Cfg()) == QKVSplit(num_heads=8, num_kv_heads=2)
+    assert QKVSplit.from_config(BloomCfg(), layout="interleaved") == QKVSplit(num_heads=16, layout="interleaved")

@@ -313,3 +313,24 @@ def test_summarize_sumsq_keeps_a_layer_axis():
     s = jax.jit(lambda a: vitals.stats.summarize_sumsq(a, axis=0))(xs)
     np.testing.assert_array_equal(np.asarray(s.nonfinite), [0, 1, 0])
     assert np.isnan(np.asarray(s.norm)[1]) and np.isfinite(np.asarray(s.norm)[[0, 2]]).all()
+
+
+def test_eager_calls_compile_once(count_compiles):
+    """A second eager call with the same shapes compiles nothing (issue 20 item 7)."""
+    from jvitals.stats import summarize, summarize_many, summarize_max, summarize_sumsq, summarize_tokens
+
+    x = jax.device_put(jnp.arange(24.0).reshape(2, 3, 4))
+    m = jax.device_put(jnp.array([[True, True, False], [True, False, False]]))
+    calls = [lambda: summarize(x, m), lambda: summarize(x, axis=0), lambda: summarize_max(x, m),
+             lambda: summarize_sumsq([x, x]), lambda: summarize_tokens(x),
+             lambda: summarize_many([(x, m, None), (x, None, 1)])]
+    first = [jax.device_get(c()) for c in calls]  # warm: compiles once each
+    with count_compiles() as c:
+        again = [jax.device_get(f()) for f in calls]
+    assert c.count == 0, f"{c.count} compiles on the second eager calls"
+    for a, b in zip(first, again):
+        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_array_equal(u, v)
+    # The eager (jitted) path gives what the traced one gives.
+    np.testing.assert_allclose(summarize(x, m).rms, jax.jit(lambda a, b: summarize(a, b).rms)(x, m))
+    np.testing.assert_allclose(summarize(x, m).rms, np.sqrt(np.mean(np.asarray(x)[np.asarray(m)] ** 2)))
