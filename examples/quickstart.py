@@ -156,6 +156,8 @@ def main(argv=None) -> int:
     from clu import metric_writers  # imports tensorflow: after the argument parsing
     say("imported", t)
 
+    t = say("initialising the model and the optimizer (compiles the init), the monitor, the "
+            "checkpoint guard and the TensorBoard writer ...")
     cfg = make_config()
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup_steps=20, decay_steps=args.steps,
                                                   end_value=args.lr * 0.1)
@@ -185,6 +187,7 @@ def main(argv=None) -> int:
 
     position = 0
     state, position = guard.resume(state, position, monitor)
+    say("ready", t)
     start = int(state.step)
     bar = Progress(args.steps)
     print(f"jvitals quickstart: {args.steps} steps of a {cfg.n_layers}-layer MoE (MLA + gate + MTP) on "
