@@ -239,3 +239,21 @@ def test_logits_summary_reduce_inside_shard_map_without_mask():
     f = jax.jit(jax.shard_map(lambda x: probes.summarize_logits(x).reduce(("data",)).logits.count,
                               mesh=mesh, in_specs=P("data"), out_specs=P()))
     assert float(f(jax.device_put(logits, NamedSharding(mesh, P("data"))))) == 8 * 5 * 16
+
+
+def test_logits_rows_then_mask_equals_summarize_logits():
+    """LogitsRows (what instrument sows) masked afterwards == summarize_logits with the mask."""
+    from jvitals.probes import logits_rows
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(2, 6, 40)).astype(np.float32)
+    x[1, 5] = np.nan  # a padded row holding NaN counts nowhere
+    m = np.ones((2, 6), bool)
+    m[1, 4:] = False
+    a = probes.summarize_logits(jnp.asarray(x), jnp.asarray(m))
+    b = logits_rows(jnp.asarray(x)).summary(jnp.asarray(m))
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):  # two compiles: sums may round apart
+        np.testing.assert_allclose(u, v, rtol=1e-6)
+    np.testing.assert_array_equal(a.argmax, b.argmax)
+    xv = x[m].astype(np.float64)
+    np.testing.assert_allclose(b.logits.rms, np.sqrt(np.mean(xv ** 2)), rtol=1e-6)

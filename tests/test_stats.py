@@ -334,3 +334,34 @@ def test_eager_calls_compile_once(count_compiles):
     # The eager (jitted) path gives what the traced one gives.
     np.testing.assert_allclose(summarize(x, m).rms, jax.jit(lambda a, b: summarize(a, b).rms)(x, m))
     np.testing.assert_allclose(summarize(x, m).rms, np.sqrt(np.mean(np.asarray(x)[np.asarray(m)] ** 2)))
+
+
+def test_token_summary_masked_equals_summarize():
+    """Per-token partial sums masked later give summarize(x, mask): a NaN in a padded
+    row counts nowhere; one in a valid row makes the figures NaN and is counted."""
+    from jvitals.stats import summarize_tokens
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(2, 5, 6)).astype(np.float32)
+    m = np.array([[True] * 5, [True, True, True, False, False]])
+    x[1, 4, 2] = np.nan  # padded position
+    ts = summarize_tokens(jnp.asarray(x))
+    assert ts.shape == (2, 5)
+    s = ts.masked(m)
+    xv = x[m].astype(np.float64)
+    np.testing.assert_allclose(s.rms, np.sqrt(np.mean(xv ** 2)), rtol=1e-6)
+    np.testing.assert_allclose(s.abs_max, np.abs(xv).max(), rtol=1e-6)
+    np.testing.assert_allclose(s.count, xv.size)
+    assert float(s.nonfinite) == 0
+    x[0, 1, 0] = np.inf  # a valid position
+    s2 = summarize_tokens(jnp.asarray(x)).masked(m)
+    assert np.isnan(s2.rms) and np.isnan(s2.abs_max) and float(s2.nonfinite) == 1
+    # Stacked [L, B, T] fields with axis=0, and the attention form (valid keys, max only).
+    st = summarize_tokens(jnp.asarray(np.stack([x, 2 * x]))[:, :, :, :3], token_ndim=3)
+    assert st.shape == (2, 2, 5)
+    xc = rng.normal(size=(2, 5, 6)).astype(np.float32)
+    mx = summarize_tokens(jnp.asarray(xc), jnp.asarray(xc > 0), max_only=True).masked(m)
+    sel = (xc > 0) & m[..., None]
+    assert np.isnan(mx.rms)
+    np.testing.assert_allclose(mx.abs_max, xc[sel].max(), rtol=1e-6)
+    np.testing.assert_allclose(mx.count, sel.sum())
