@@ -7,7 +7,6 @@ well conditioned without changing what it predicts.
 
 from __future__ import annotations
 
-from typing import Any
 
 import jax
 import jax.numpy as jnp
