@@ -66,9 +66,9 @@ class Policy:
       ratio_rules: metric -> ``(yellow_ratio, orange_ratio or None)``:
         yellow when ``x / baseline > yellow_ratio``, orange when
         ``> orange_ratio``.
-      confirm_checks: a ratio rule's YELLOW opens only after this many
-        consecutive checks above its threshold (one noisy check is not an
-        alert; ORANGE needs no confirmation).
+      confirm_checks: a ratio rule's alert opens (or escalates to ORANGE)
+        only after this many consecutive checks above its threshold (one
+        noisy check is not an alert).
       hysteresis: an open ratio/throughput alert steps down only once the
         excess falls below ``hysteresis`` x its threshold's excess (e.g.
         grad norm: closes below ``1 + (2 - 1) * 0.9 = 1.9x``). 1 disables.
@@ -107,7 +107,8 @@ class Policy:
       spike_recover_z, spike_recover_ratio: recovery band, same form.
       trend_halflife, scale_halflife: EMA half-lives (steps) of the trend
         and of the residual variance.
-      spike_min_samples: samples after warm-up before spikes are detected.
+      spike_min_samples: samples after warm-up before spikes are detected
+        (or 5 samples spanning ``scale_halflife`` steps, at a sparse cadence).
       physiological_steps: recovered within this: physiological; not yet
         recovered after this: the ``loss_spike`` YELLOW.
       pathological_steps: not recovered after this: pathological.

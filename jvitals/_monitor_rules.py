@@ -384,8 +384,10 @@ def _hysteresis_level(ratio: float, y: float, o: float | None, cur: Level, gate:
 class RatioRule(_Base):
     """``x / baseline`` against ``(yellow, orange)`` per ``Policy.ratio_rules``.
 
-    A new YELLOW needs ``confirm_checks`` consecutive checks above the yellow
-    ratio (onset = the first of them); ORANGE opens at once. Publishes
+    A new alert needs ``confirm_checks`` consecutive checks above the yellow
+    ratio (onset = the first of them; it opens at the level of the last
+    one), an escalation to ORANGE as many above the orange ratio: one noisy
+    check is no alert. Publishes
     ``notes['ratio']`` = ``{metric: latest x / baseline}``.
     """
 
@@ -413,19 +415,23 @@ class RatioRule(_Base):
             lvl = _hysteresis_level(ratio, y, o, cur.level if cur else Level.GREEN, gate,
                                     p.hysteresis)
             onset = None
-            if cur is None:
-                if gate and ratio > y:
+            if cur is None or (o is not None and cur.level < Level.ORANGE):
+                # A new alert, or an escalation, needs confirm_checks checks in a row.
+                thr = y if cur is None else o
+                if gate and ratio > thr:
                     run = self.above.setdefault(m, [0, s])
                     run[0] += 1
-                    onset = run[1]
-                    if lvl == Level.YELLOW and run[0] < p.confirm_checks:
-                        lvl = Level.GREEN
+                    if cur is None:
+                        onset = run[1]
+                    if run[0] < p.confirm_checks:
+                        lvl = Level.GREEN if cur is None else cur.level
                 else:
                     self.above.pop(m, None)
             if lvl == Level.GREEN:
                 out.append(release(rule, m))
                 continue
-            self.above.pop(m, None)
+            if self.above.get(m, [p.confirm_checks])[0] >= p.confirm_checks:
+                self.above.pop(m, None)
             thr = o if lvl == Level.ORANGE else y
             orange = f", orange > {o:g}x" if o is not None else ""
             out.append(set_(rule, m, lvl, v, ref, ratio,
@@ -679,7 +685,10 @@ class RouterRule(_Base):
         self.cols: dict[str, list] = {}  # metric -> [samples, b, mad, first out step]
 
     def check(self, f: Figures) -> list[Change]:
-        if f.warm:
+        present = f.plan.cache.get(self.name)
+        if present is None:
+            present = f.plan.cache[self.name] = any(m in f.plan.named for m in self.p.router_bands)
+        if f.warm or not present:
             return []
         p, s, out = self.p, f.step, []
         end = f.start + p.baseline_steps

@@ -386,17 +386,19 @@ class BucketSeries:
     def add(self, s: int, xs: list[float]) -> bool:
         b = s // self.width
         closed = False
-        if self.cur is not None and b != self.cur:
-            if self.cnt:
+        if b != self.cur:
+            if self.cur is not None and self.cnt:
                 self.ids.append(self.cur)
                 self.means.append([x / self.cnt for x in self.sums])
                 closed = True
-            self.sums, self.cnt = [0.0] * self.k, 0
-        self.cur = b
+            self.sums, self.cnt = list(xs), 1
+            self.cur = b
+            return closed
+        sums = self.sums
         for i, x in enumerate(xs):
-            self.sums[i] += x
+            sums[i] += x
         self.cnt += 1
-        return closed
+        return False
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """``(bucket start steps, means[n, k])`` of the closed buckets."""
@@ -509,7 +511,8 @@ class SpikeTracker:
     falling loss would read the fall itself as noise and hide spikes. It is
     learned after warm-up only, like every baseline.
 
-    Onset (after warm-up and ``spike_min_samples`` samples)::
+    Onset (after warm-up and ``spike_min_samples`` samples, or at a sparse
+    cadence 5 samples spanning one ``scale_halflife``)::
 
         x > trend + max(spike_z * scale, (spike_min_ratio - 1) * |trend|)
 
@@ -603,7 +606,9 @@ class SpikeTracker:
                 self.trend = settle
         else:
             trend = self.trend
-            if (not warm and self.n_active >= p.spike_min_samples and trend == trend
+            ready = self.n_active >= p.spike_min_samples or (
+                self.n_active >= 5 and self.wsum >= 0.5)  # sparse cadence: >= 1 scale half-life
+            if (not warm and ready and trend == trend
                     and v > trend + _margin(trend, self.scale, p.spike_z, p.spike_min_ratio)):
                 self.open = {"onset": s, "peak": v, "peak_step": s, "pre_trend": trend,
                              "pre_scale": self.scale, "last_above": s}

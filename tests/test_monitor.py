@@ -354,10 +354,11 @@ def test_red_after_and_red_min_steps_are_configurable():
             d["grad/global_norm"] *= 4.0
         return d
 
+    # ORANGE is confirmed at 3001 (two checks above 3x), the first divergent check.
     vs = run(Monitor(Policy(red_after=5)), s2, range(3200))
-    assert first(vs, "divergence")[0] == 3004
+    assert first(vs, "divergence")[0] == 3005
     vs = run(Monitor(Policy(red_after=3, red_min_steps=100)), s2, range(3200))
-    assert first(vs, "divergence")[0] == 3100
+    assert first(vs, "divergence")[0] == 3101
 
 
 def test_red_with_sparse_grad_norm_and_dense_loss():
@@ -374,8 +375,8 @@ def test_red_with_sparse_grad_norm_and_dense_loss():
         return d
 
     vs = run(Monitor(), s2, range(3100))
-    assert first(vs, "grad_norm", Level.ORANGE)[0] == 3000
-    assert first(vs, "divergence", Level.RED)[0] == 3020
+    assert first(vs, "grad_norm", Level.ORANGE)[0] == 3010  # confirmed by the next grad norm
+    assert first(vs, "divergence", Level.RED)[0] == 3030
 
 
 # --------------------------------------------------------------------------
@@ -754,9 +755,9 @@ def test_adaptive_baselines_catch_a_jump(baseline):
 
     m = Monitor(Policy(baseline=baseline))
     vs = run(m, s2, range(0, 4100))
-    step, _ = first(vs, "grad_norm", Level.ORANGE)
-    assert step == 4000
-    assert max(level for st, level, _ in vs if st < 4000) == Level.GREEN
+    step, a = first(vs, "grad_norm", Level.ORANGE)
+    assert step == 4001 and a[4] == 4000  # two checks above 3x; onset the first
+    assert max(level for st, level, _ in vs if st < 4001) == Level.GREEN
 
 
 def test_custom_ratio_rule():
@@ -769,7 +770,7 @@ def test_custom_ratio_rule():
     m = Monitor(Policy(ratio_rules={"update/param_ratio": (2.0, 4.0)}))
     vs = run(m, stream, range(0, 2010))
     step, a = first(vs, "ratio", Level.ORANGE)
-    assert step == 2000 and a[2] == "update/param_ratio"
+    assert step == 2001 and a[2] == "update/param_ratio" and a[4] == 2000
 
 
 def test_spike_scores_window():
