@@ -133,7 +133,16 @@ def base_tx() -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
 
 
+PLACEMENT = {"placement": "clip"}  # set by --placement
+
+
 def recorded_tx(every: dict | None) -> optax.GradientTransformation:
+    """The recorder in the chosen placement: ``clip`` (wrapping the clip, first in the
+    chain: pre-/post-clip figures) or ``chain`` (wrapping the whole chain, with the
+    learning rate: + ``update/*`` every step and per layer, ``opt/learning_rate``)."""
+    if PLACEMENT["placement"] == "chain":
+        return vitals.record(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), every=every,
+                             schedule=1e-3)
     return optax.chain(vitals.record(optax.clip_by_global_norm(1.0), every=every), optax.adamw(1e-3))
 
 
@@ -434,7 +443,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated; also xl and xl_moe (bf16, 8k tokens: for an accelerator)")
     ap.add_argument("--quick", action="store_true", help="smoke run: the small config, 10 steps")
     ap.add_argument("--breakdown", action="store_true", help="also (b) with one family left out at a time")
+    ap.add_argument("--placement", choices=("clip", "chain"), default="clip",
+                    help="the recorder wraps the clip (chain(record(clip), adamw)) or the whole chain "
+                         "(record(chain(clip, adamw), schedule=...): + update and LR figures)")
     args = ap.parse_args(argv)
+    PLACEMENT["placement"] = args.placement
     if args.quick:
         args.configs, args.steps, args.min_seconds = "small", 10, 0.0
     table = sizes()
@@ -445,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"# jvitals overhead: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU(s), "
           f"jax {jax.__version__} on {jax.devices()[0].platform}, python {platform.python_version()}")
-    print(f"# load average at start: {load()}", flush=True)
+    print(f"# load average at start: {load()}; recorder placement: {args.placement}", flush=True)
     rows, details, d_vs_b = [], [], []
     for name in names:
         size = table[name]
