@@ -266,7 +266,7 @@ class Policy:
     vocab_metric: str = "model/vocab_size"
     broken_chance_frac: float = 0.9
     broken_param_jump: float = 1.5
-    broken_jump_window: int = 200
+    broken_jump_window: int = 100
     broken_steps: int = 50
     broken_loss_steps: int = 100
     gap_z: float = 4.0

@@ -37,7 +37,7 @@ Rule table (every number a Policy field)::
     ValRiseRule         val_rise         YELLOW   val loss rising (Mann-Kendall z > 3, Theil-Sen rise
                                                   >= 2% over 500 steps) while the loss trend falls
     BrokenModelRule     broken_model     ORANGE,  loss at chance level (log vocab) or param norm
-                                         RED      1.5x its value 200 steps before; RED when not
+                                         RED      1.5x its value 100 steps before; RED when not
                                                   recovered after 50 steps
     DivergenceRule      divergence       RED      red_after consecutive checks with an ORANGE
                                                   condition (or the loss > 1.25x its pre-spike trend

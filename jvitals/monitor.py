@@ -46,7 +46,7 @@ escalates. Rules (every number a :class:`Policy` field)::
                     recovery band after 300 steps
     periodic_spike  >= 3 spikes at near-regular            YELLOW (ORANGE
                     intervals (loss or grad norm)          when shrinking)
-    broken_model    param norm >= 1.5x its value 200       ORANGE, RED after
+    broken_model    param norm >= 1.5x its value 100       ORANGE, RED after
                     steps before, or the loss >= 0.9       50 (param) / 100
                     log(vocab) (without a vocab size:      (loss) steps not
                     0.9x the first loss seen)              recovered

@@ -260,7 +260,7 @@ def test_param_norm_jump_goes_red_fast(cadence):
     assert r_step == 5050 and r[4] == 5000
     (alert,) = opened(m, "broken_model")
     assert "restore the latest healthy checkpoint" in alert.prescription
-    assert alert.ratio == pytest.approx(1.6, rel=1e-2)  # vs its value 200 steps before
+    assert alert.ratio == pytest.approx(1.6, rel=1e-2)  # vs its value 100 steps before
 
 
 @pytest.mark.parametrize("cadence", [1, 50])
