@@ -142,29 +142,35 @@ RUNS: tuple[Run, ...] = (
     Run("emb_wd_creep", "dense", 16, F + 1500, "emb_growth", F, "embedding", "YELLOW", 800,
         params={"rate": 2e-3, "ramp": 1000},
         description="negative weight decay creeping in on the embedding: emb *= 1 + r(t), r ramping 0 -> 2e-3 over 1000 steps"),
-    Run("periodic_shocks", "dense", 17, F + 1500, "periodic", F, "data", "YELLOW", 800, params={"period": 150},
+    Run("periodic_shocks", "dense", 17, F + 800, "periodic", F, "data", "YELLOW", 600, params={"period": 150},
         description="a batch of random tokens and labels every 150 steps"),
-    Run("overfit", "dense", 18, F + 1500, "overfit", F, "data", "YELLOW", 1200, params={"n_batches": 2},
+    Run("overfit", "dense", 18, F + 1000, "overfit", F, "data", "YELLOW", 900, params={"n_batches": 2},
         description="training on 2 repeated batches from the fault step: val loss rises while train loss falls"),
-    Run("throughput_drop", "dense", 19, F + 500, "sleep", F, "throughput", "YELLOW", 100, params={"factor": 1.5},
+    Run("throughput_drop", "dense", 19, F + 300, "sleep", F, "throughput", "YELLOW", 100, params={"factor": 1.5},
         description="a slow loader: ~1.5x the step's measured CPU time of extra host work in every step"),
     Run("logit_drift", "dense", 20, F + 1500, "head_growth", F, "lm_head", "YELLOW", 800,
         params={"rate": 2e-3},
         description="the LM head's kernel scaled by 1.002 per step (logits drift up)"),
-    Run("router_collapse", "moe", 21, F + 1500, "bias_push", F, "router", "YELLOW", 800,
+    Run("router_collapse", "moe", 21, F + 700, "bias_push", F, "router", "YELLOW", 500,
         params={"rate": 0.01, "experts": 2},
         description="the expert-selection bias of experts 0 and 1 pushed up 0.01 per step: the other experts starve"),
-    # Healthy runs: 20,000 steps over two models and several seeds, two decaying fully.
+    # Healthy runs, one per model (8,000 steps; with the 11,000 steps before the faults,
+    # 19,000 healthy steps). On this shared 2-core machine (load ~20) that is what generation
+    # could afford (steps took 0.3-0.6 s); EXTRA_RUNS are defined (one decays fully) but not
+    # cached: `generate --only healthy_dense_s1`.
     Run("healthy_dense_s0", "dense", 100, 4000),
-    Run("healthy_dense_s1", "dense", 101, 4000, horizon=4000),
-    Run("healthy_dense_s2", "dense", 102, 4000),
     Run("healthy_moe_s0", "moe", 200, 4000),
+)
+#: Defined, not in the cached suite (CPU time): more seeds, a fully decaying schedule.
+EXTRA_RUNS: tuple[Run, ...] = (
+    Run("healthy_dense_s2", "dense", 102, 4000),
+    Run("healthy_dense_s1", "dense", 101, 4000, horizon=4000),
     Run("healthy_moe_s1", "moe", 201, 4000, horizon=4000),
 )
 
 
 def run_by_name(name: str) -> Run:
-    for r in RUNS:
+    for r in RUNS + EXTRA_RUNS:
         if r.name == name:
             return r
     raise KeyError(f"no run {name!r}; known: {[r.name for r in RUNS]}")
@@ -907,10 +913,10 @@ def score_all(streams: Sequence[Stream], cadence: int) -> tuple[str, bool, dict[
         hl.append(f"{st.name}: {y} YELLOW, {o} ORANGE/RED" + (
             f" ({', '.join(f'{a[1]} {a[2]}:{a[3]} at {a[0]}' for a in sc.alerts[:4])})" if sc.alerts else ""))
         numbers["healthy"][st.name] = dataclasses.asdict(sc)
-    quiet = ys <= 2 * max(1, round(total_steps / 20_000)) and os == 0
+    quiet = ys <= max(1, total_steps // 10_000) and os == 0
     ok_all &= quiet
     lines.append(f"Healthy runs ({len(healthy)} streams, {total_steps} steps): {ys} YELLOW, {os} ORANGE/RED "
-                 f"({'PASS' if quiet else 'FAIL'}: at most 2 YELLOW per 20,000 steps, no ORANGE/RED).")
+                 f"({'PASS' if quiet else 'FAIL'}: at most 1 YELLOW per 10,000 steps, no ORANGE/RED).")
     lines += [f"- {h}" for h in hl]
     lines.append("")
     lines.append(f"Overall at cadence {cadence}: {'PASS' if ok_all else 'FAIL'}.")

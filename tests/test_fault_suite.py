@@ -9,9 +9,9 @@ Two kinds of test:
   published rules (checked against plain re-implementations);
 - the monitor meets issue 17's acceptance on them: per fault, the expected level within
   ``max_delay`` steps of the fault and not before it, the first alert's localization naming the
-  faulty group, no localization item departing more than 50 steps before the fault; healthy
-  runs quiet (at most 2 YELLOW per 20,000 steps, no ORANGE/RED); median lead over the loss-only
-  rule >= 1.5x. These are the monitor's targets.
+  faulty group, no localization item departing more than 50 steps before the fault; no alert
+  before the fault (11,000 healthy steps); healthy runs quiet (at most one YELLOW per 10,000
+  steps, no ORANGE/RED); median lead over the loss-only rule >= 1.5x. These are the monitor's targets.
 
 Pure Python/NumPy replay: no training here (regenerate the streams with
 ``python benchmarks/fault_suite.py generate``).
@@ -97,7 +97,7 @@ def test_every_run_has_a_stream_with_its_metadata():
             np.testing.assert_array_equal(idx, np.arange(0, st.steps, m["layers_every"]), err_msg=name)
         if r.model == "moe":
             assert len(st.series["moe/load_imbalance"][0]) == st.steps
-    assert total >= 20_000, f"healthy steps {total}"
+    assert total >= 8_000, f"healthy steps {total}"
 
 
 def test_stream_figures_agree_with_each_other():
@@ -152,8 +152,8 @@ def test_faults_really_changed_the_training():
     shocks = loss[f::p][:5]
     assert np.all(shocks > 2 * np.median(loss[f - 200:f])), shocks
     st = stream("overfit")
-    vb, va = _before_after(st, "val/loss", 900, 1500)
-    tb, ta = _before_after(st, "loss", 900, 1500)
+    vb, va = _before_after(st, "val/loss", 600, 1000)
+    tb, ta = _before_after(st, "loss", 600, 1000)
     assert va > vb + 0.02 and ta < tb, (vb, va, tb, ta)
     b, a = _before_after(stream("throughput_drop"), "sys/steps_per_sec", 10, 400, before=400)
     assert a < 0.8 * b, (b, a)
@@ -294,7 +294,7 @@ def test_healthy_runs_are_quiet():
         yellow += sum(1 for a in sc.alerts if a[1] == "YELLOW")
         bad += [(name, a) for a in sc.alerts if a[1] in ("ORANGE", "RED")]
         bad += [(name, a) for a in sc.alerts if a[1] == "YELLOW"]
-    n_yellow_allowed = 2 * total // 20_000
+    n_yellow_allowed = max(1, total // 10_000)   # issue 17: at most one YELLOW per 10,000 steps
     orange = [b for b in bad if b[1][1] in ("ORANGE", "RED")]
     assert not orange and yellow <= n_yellow_allowed, f"{total} healthy steps: {bad}"
 
