@@ -31,6 +31,9 @@ escalates. Rules (every number a :class:`Policy` field)::
                     of its band (2x, 2x, 1.5x) at 2
                     samples while the global figures are
                     < 1.5x their baselines
+    router          moe/maxvio.max (+0.5) or               YELLOW
+                    moe/dead_expert_ratio (+0.2) above its
+                    baseline for 50 steps
     throughput      sys/tokens_per_sec (else               YELLOW
                     sys/steps_per_sec) down > 30%
     loss_scale      opt/loss_scale falls >= 2**4 between   YELLOW
