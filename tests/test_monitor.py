@@ -566,6 +566,7 @@ def test_healthy_runs_have_no_orange_or_red():
         for a in alerts:
             rules[a.rule] = rules.get(a.rule, 0) + 1
     print(f"\nhealthy runs: 20 seeds x {n} steps: 0 orange/red, {yellows} yellow alerts {rules}")
+    assert yellows <= 20 * n // 10_000, rules  # at most one YELLOW per 10,000 healthy steps
 
 
 # --------------------------------------------------------------------------
