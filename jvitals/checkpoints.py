@@ -26,8 +26,10 @@ Decisions (each is tested):
   a new store on the same directory keeps them before any policy runs.
 - **Failures are one log line each**: a checkpoint that cannot be read is
   quarantined with a one-line reason (orbax's asyncio tracebacks are captured,
-  see :func:`quiet_orbax`, and the "Event loop is closed" tracebacks of reads
-  that finish after a failed restore are held back from ``sys.excepthook``); an asynchronous save that failed raises
+  see :func:`quiet_orbax`; the "Event loop is closed" tracebacks of reads that
+  finish after a failed restore are held back from ``sys.excepthook``, and those
+  printed while the interpreter shuts down go to
+  ``<directory>/jvitals_shutdown_stderr.log``); an asynchronous save that failed raises
   :class:`CheckpointSaveError` at the next save, :meth:`wait` or :meth:`close`.
 - **Exit**: a pending asynchronous save is awaited before the interpreter stops
   its thread pools (a ``threading`` exit hook, which runs before
@@ -619,6 +621,11 @@ class CheckpointStore:
             err = e
         if agree(err is None):
             return out
+        # The reads still in flight when the restore failed complete now, while the
+        # closed-loop tracebacks they raise are held back (see _install_excepthook).
+        import gc
+        gc.collect()
+        _FAILED_RESTORES.append(str(self.directory))
         if isinstance(err, FloatingPointError):
             reason = "non-finite values"
         elif err is not None:
@@ -700,17 +707,46 @@ class CheckpointStore:
                 self._mngr.close()
 
 
+_FAILED_RESTORES: list[str] = []
+"""Directories where a restore failed in this process (their late reads print at exit)."""
+_SHUTDOWN_LOG = "jvitals_shutdown_stderr.log"
+
+
+def _capture_shutdown_stderr() -> None:
+    """After a failed restore, sends what the interpreter prints while it shuts down to
+    ``<directory>/jvitals_shutdown_stderr.log`` instead of the terminal.
+
+    Tensorstore reads left in flight by a failed orbax restore complete when its
+    thread pools are torn down at exit, after ``sys.excepthook`` is gone, and each
+    prints an "Event loop is closed" traceback. This runs at the start of the
+    interpreter's shutdown, after the program's own traceback has been printed.
+    """
+    if not _FAILED_RESTORES:
+        return
+    import sys
+    try:
+        path = os.path.join(_FAILED_RESTORES[-1], _SHUTDOWN_LOG)
+        f = open(path, "ab")
+        sys.stderr.flush()
+        os.dup2(f.fileno(), 2)
+    except Exception:  # noqa: BLE001 - a remote directory, a closed stderr: leave it
+        pass
+
+
 def _wait_at_exit(ref: "weakref.ref[CheckpointStore]") -> None:
     """Lets an in-flight asynchronous save land when the program exits."""
     store = ref()
     if store is None:
         return
+    import gc
+    gc.collect()           # late reads of a failed restore finish while the hook holds them back
     try:
         with quiet_orbax():
             store._mngr.wait_until_finished()
     except Exception as e:  # noqa: BLE001 - nothing left to raise to
         _log.error("%s: the last asynchronous save failed at exit: %s", store.name,
                    str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+    _capture_shutdown_stderr()
 
 
 def _register_exit_wait(store: CheckpointStore) -> None:

@@ -51,8 +51,9 @@ Decisions (each is tested):
   ``step <= E - N``. Corrupt candidates are quarantined (one log line each,
   ``checkpoint_corrupt`` alerts) and the next older one is tried.
 - **Pins**: the newest healthy checkpoint, every rollback target, and the newest
-  healthy checkpoint before each open alert's earliest sign are pinned: retention
-  never deletes them (the store logs what it keeps and why).
+  healthy checkpoint before each open alert's earliest sign (and, with
+  ``rewind_steps=N``, the healthy ones of the last ``N`` steps and the newest
+  before them) are pinned: retention never deletes them (the store logs what it keeps and why).
 - **Quarantine**: the checkpoints after the target up to the red step are sick:
   quarantined, kept for a post-mortem (the newest ``keep_quarantined``), never
   restored by a rollback or :meth:`resume`.
@@ -991,9 +992,19 @@ class Rollback:
         recs = [r for r in self._all_records() if self._store_of(r).is_healthy(r)]
         if recs:
             pins.setdefault(recs[0].step, "newest healthy")
+        rewind = self.rewind_steps
+        if rewind is not None and self._checks:
+            now = max(self._checks)
+            # Any later onset is >= now: keep the newest healthy checkpoint at least N
+            # steps back, and the newer healthy ones that will take its place.
+            reserve = [r for r in recs if r.step <= now - rewind]
+            floor = reserve[0].step if reserve else -1
+            for r in recs:
+                if r.step >= floor:
+                    pins.setdefault(r.step, f"rewind_steps={rewind} reserve (step {now})")
         for i, sign in sorted(self._log.open_signs(verdict).items()):
             cut = self._cutoff(sign)
-            before = [r for r in recs if r.step < cut]
+            before = [r for r in recs if r.step < cut and (rewind is None or r.step <= sign - rewind)]
             if before:
                 pins.setdefault(before[0].step, f"newest healthy before the onset {sign} of open alert "
                                                 f"#{i} ({self._log.seen[i].rule})")

@@ -911,7 +911,7 @@ def test_snapshots_cut_the_lost_steps_and_are_targets(tmp_path):
     _assert_tree_equal(r.state.params, _reference(r.target_step)[0])
     snaps = sorted(int(p) for p in os.listdir(tmp_path / "snapshots") if p.isdigit())
     assert r.target_step in snaps and len([s for s in snaps if s not in guard.pins]) <= 3
-    assert steps_on_disk(tmp_path)[:1] == [0]                # the checkpoints are separate
+    assert set(steps_on_disk(tmp_path)) <= {0, 50, 100, r.step}   # the checkpoints are separate
     guard.close()
 
 
