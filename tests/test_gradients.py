@@ -239,7 +239,7 @@ def llama_like(num_layers=3, H=4, KVH=2, Dh=2):
             (f"{p}/input_layernorm/weight", (D,), "input_layernorm", i),
             (f"{p}/post_attention_layernorm/weight", (D,), "post_attention_layernorm", i),
         ]
-    ents += [("model/norm/weight", (D,), "norm", None), ("lm_head/kernel", (D, V), "output_layer", None)]
+    ents += [("model/norm/weight", (D,), "final_norm", None), ("lm_head/kernel", (D, V), "output_layer", None)]
     return ents
 
 
