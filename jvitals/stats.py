@@ -94,6 +94,9 @@ def eager_jit(static_argnames: Sequence[str] = ()) -> Any:
             dyn = {k: v for k, v in kwargs.items() if k not in static}
             if not _eager((args, dyn)):
                 return fn(*args, **kwargs)
+            for k in static:  # names=["logits"] -> ("logits",): hashable, the same meaning
+                if isinstance(kwargs.get(k), list):
+                    kwargs[k] = tuple(kwargs[k])
             try:
                 for k in static:
                     if k in kwargs:
