@@ -830,9 +830,10 @@ def test_variants_rewind_skip_data_and_reset_optimizer_on_a_real_loop(tmp_path):
     fault, rewind = 85, 30
     lr = lambda s: 300.0 if s == fault else 1.0  # noqa: E731
     run = _loop(tmp_path / "a", 130, lr_mult=lr, rewind_steps=rewind, skip_data=True,
-                reset_optimizer=("nu",))
+                reset_optimizer=("mu", "nu"))
     guard = run["guard"]
-    (r,) = run["rollbacks"]
+    r = run["rollbacks"][0]
+    end = run["rollbacks"][1].step if len(run["rollbacks"]) > 1 else 129
     sign = guard.history[0]["onset_step"]
     # rewind: the newest healthy checkpoint at least 30 steps before the earliest sign.
     saved = [c.step for c in guard.checkpoints if c.kind == "cadence"] + [r.target_step]
@@ -845,23 +846,25 @@ def test_variants_rewind_skip_data_and_reset_optimizer_on_a_real_loop(tmp_path):
     consumed_since = (red + 1) - (r.target_step + 1)
     assert r.position == red + 1 + consumed_since
     assert run["consumed"][red + 1] == red + 1 + consumed_since
-    assert all(run["consumed"][s + 1] == run["consumed"][s] + 1 for s in range(red + 1, 129))
-    # reset_optimizer=('nu',): every Adam nu is zero, mu and the count are the target's.
+    assert all(run["consumed"][s + 1] == run["consumed"][s] + 1 for s in range(red + 1, end))
+    # reset_optimizer=('mu', 'nu'): every Adam moment is zero and so is its count (a fresh
+    # Adam); the rest of the optimizer state is the target's.
     want = jax.tree.map(np.asarray, opt)
     adam_got = [x for x in jax.tree.leaves(r.state.opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
                 if isinstance(x, optax.ScaleByAdamState)]
     adam_want = [x for x in jax.tree.leaves(want, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
                  if isinstance(x, optax.ScaleByAdamState)]
     assert len(adam_got) == len(adam_want) == 1
-    for leaf in jax.tree.leaves(adam_got[0].nu):
+    for leaf in jax.tree.leaves((adam_got[0].mu, adam_got[0].nu)):
         np.testing.assert_array_equal(np.asarray(leaf), 0.0)
-    _assert_tree_equal(adam_got[0].mu, adam_want[0].mu)
-    assert int(adam_got[0].count) == int(adam_want[0].count) == r.target_step + 1
+    assert int(adam_got[0].count) == 0 and int(adam_want[0].count) == r.target_step + 1
+    assert jax.tree.structure(adam_got[0].mu) == jax.tree.structure(adam_want[0].mu)
     assert get_lr_scale(r.state.opt_state) == pytest.approx(0.9)
     # Each recorded in the history and the event.
     kinds = [a["action"] for a in guard.history[0]["actions"]]
     assert kinds == ["restore", "lr_scale", "reset_optimizer", "skip_data"]
-    (ev,) = [e for e in guard.events if e["event"] == "rollback"]
+    assert guard.history[0]["actions"][2]["count_reset"] is True
+    ev = [e for e in guard.events if e["event"] == "rollback"][0]
     assert ev["actions"] == guard.history[0]["actions"] and ev["position"] == r.position
     # The rollback checkpoint keeps the skipped position for a restart.
     _, meta = guard.restore(red, _fresh_state())
@@ -911,7 +914,10 @@ def test_snapshots_cut_the_lost_steps_and_are_targets(tmp_path):
     _assert_tree_equal(r.state.params, _reference(r.target_step)[0])
     snaps = sorted(int(p) for p in os.listdir(tmp_path / "snapshots") if p.isdigit())
     assert r.target_step in snaps and len([s for s in snaps if s not in guard.pins]) <= 3
-    assert set(steps_on_disk(tmp_path)) <= {0, 50, 100, r.step}   # the checkpoints are separate
+    # The checkpoints and the snapshots are separate stores.
+    assert {c.kind for c in guard.checkpoints} <= {"cadence", "orange", "rollback"}
+    assert {c.kind for c in guard.snapshot_checkpoints} == {"snapshot"}
+    assert not set(snaps) & {c.step for c in guard.checkpoints if c.kind == "cadence"}
     guard.close()
 
 
