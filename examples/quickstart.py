@@ -226,7 +226,10 @@ def main(argv=None) -> int:
             note = f"ORANGE: checkpoint {resp.saved_step} saved; paused 1 s"
         for a in verdict.new_alerts:
             bar.event(f"  {a.level.name:<6} step {step}: {a.message.splitlines()[0][:150]}")
-        vitals.write(writer, step, host, verdict)
+        # Scalars and texts only: TensorFlow's histogram summaries are what made the
+        # asynchronous writer lag behind (and drain for ~30 s at the end); the
+        # per-layer figures are scalars too.
+        vitals.write(writer, step, host, verdict, histograms=False)
         bar.show(step, float(host["loss"]), level, note)
         if note:
             bar.event("  " + note)
@@ -236,11 +239,12 @@ def main(argv=None) -> int:
         print()
     t = say(f"training done in {time.perf_counter() - t:.1f} s; waiting for the last checkpoint save ...")
     guard.wait()
-    t = say("saved; flushing the TensorBoard writer ...", t)
+    t = say("saved; flushing the TensorBoard writer (events still queued) ...", t)
     writer.flush()
+    t = say("flushed; closing the writer and the checkpoint manager ...", t)
     guard.close()
     writer.close()
-    say("flushed", t)
+    say("closed", t)
 
     # The end: did it recover?
     steps = sorted(losses)
