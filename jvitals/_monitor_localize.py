@@ -34,6 +34,7 @@ its onset (or none did) has "no earlier sign found" (:func:`lead_phrase`).
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
@@ -44,6 +45,7 @@ from jvitals._monitor_types import Localization
 __all__ = ["NO_EARLIER_SIGN", "lead_phrase", "localize"]
 
 NO_EARLIER_SIGN = "no earlier sign found"
+_GROUP = re.compile(r"/(layer_\d+|embedding|lm_head)$")
 _SLOPE_T = 3.0  # a reference slope counts (is extrapolated) when |b| / se(b) > this
 
 
@@ -58,8 +60,18 @@ def _fmt(name: str, x: float) -> str:
     return f"{x:.4g}"
 
 
+def group_of(name: str) -> str | None:
+    """The candidate group of a metric name: ``"router"`` (``moe/*``), ``"embedding"``,
+    ``"lm_head"``, ``"layer_{i}"``, or None (a global figure)."""
+    if name.startswith("moe/"):
+        return "router"
+    m = _GROUP.search(name)
+    return m.group(1) if m else None
+
+
 def localize(hist: LayerHistory, onset: int, event: str, p: Policy, exclude: str = "",
-             t_onset: int | None = None, start: int | None = None) -> list[Localization]:
+             t_onset: int | None = None, start: int | None = None,
+             group: str | None = None) -> list[Localization]:
     """Ranks the candidates of ``hist`` that departed (see the module doc).
 
     Vectorized over the candidate columns (one least-squares fit each).
@@ -74,6 +86,10 @@ def localize(hist: LayerHistory, onset: int, event: str, p: Policy, exclude: str
         in model time, so after a rollback the abandoned steps do not count.
       start: the baselines' start (model time): reference samples from before
         it (the warm-up's dynamics) are not used.
+      group: the alert's own group (:func:`group_of` of its metric): among
+        candidates that departed at the same step, its members rank first (a
+        router alert names the router's figure before a gradient that moved
+        with it).
 
     Returns:
       Up to ``localize_top`` :class:`Localization` entries, earliest
@@ -144,10 +160,12 @@ def localize(hist: LayerHistory, onset: int, event: str, p: Policy, exclude: str
         c = cand[j]
         before = float(np.exp(pred[k, j]) if logs[j] else pred[k, j])
         size = float(abs(dl[j]) / bl[j]) if bl[j] > 0 else math.inf
-        entries.append((int(wsteps[k]), -size, hist.names[c], before, float(W[last[j], j])))
+        name = hist.names[c]
+        own = group is not None and group_of(name) == group
+        entries.append((int(wsteps[k]), not own, -size, name, before, float(W[last[j], j])))
     entries.sort()
     res = []
-    for dep_s, _, name, before, vj in entries[: p.localize_top]:
+    for dep_s, _, _, name, before, vj in entries[: p.localize_top]:
         lead = onset - dep_s
         when = (f"{lead} steps before" if lead > 0 else f"{-lead} steps after" if lead < 0
                 else "at the step")

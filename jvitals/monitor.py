@@ -89,7 +89,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from jvitals._monitor_localize import lead_phrase, localize
+from jvitals._monitor_localize import group_of, lead_phrase, localize
 from jvitals._monitor_policy import Policy
 from jvitals._monitor_rules import Change, Figures, Plan, RatioRule, ThroughputRule, default_rules
 from jvitals._monitor_trackers import BaselineStart, LayerHistory
@@ -386,9 +386,21 @@ class Monitor:
                 if b.id == lead:
                     return list(b.localization)
             return []
-        return localize(self._layers, a.onset_step, event, self.policy,
-                        t_onset=a.onset_step - self._offset_at(a.onset_step),
-                        start=self._start.start)
+        group = group_of(a.metric)
+        loc = localize(self._layers, a.onset_step, event, self.policy,
+                       t_onset=a.onset_step - self._offset_at(a.onset_step),
+                       start=self._start.start, group=group)
+        if group is not None and not any(group_of(x.metric) == group for x in loc):
+            # A group's own alert (the router, a group band) names its group first,
+            # from its own metric, when no member departed by the change-point test
+            # (a noisy figure whose rule needed a held excursion to fire).
+            ratio = a.value / a.baseline if a.baseline else math.inf
+            loc.insert(0, Localization(
+                a.metric, a.onset_step, a.baseline, a.value, ratio, 0,
+                f"{a.metric} left its band at step {a.onset_step} (from {a.baseline:.4g} to "
+                f"{a.value:.4g}); no member of {group} changed earlier"))
+            del loc[self.policy.localize_top:]
+        return loc
 
     # ------------------------------------------------------------------
     # The check.
