@@ -350,7 +350,10 @@ class CheckpointStore:
         self.healthy_levels = frozenset(int(x) for x in healthy_levels)
         self.name = name
         self._quarantine_file = bool(quarantine_file)
-        self.directory = epath.Path(directory)
+        d = os.fspath(directory)
+        # orbax wants absolute paths ("Checkpoint path should be absolute" at the
+        # first asynchronous save); a local relative path is taken from the cwd.
+        self.directory = epath.Path(d if "://" in d else os.path.abspath(d))
         self.records: dict[int, CheckpointInfo] = {}
         self.pins: dict[int, str] = {}
         self.failures: list[tuple[int, str]] = []     # (step, reason): read by the policy

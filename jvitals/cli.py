@@ -40,6 +40,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _missing_report_deps() -> list[str]:
+    """The packages of the ``report`` extra that are not installed."""
+    import importlib.util
+
+    return [name for name in ("tensorboard", "matplotlib") if importlib.util.find_spec(name) is None]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the ``jvitals`` command line; returns the exit status (0 on success)."""
     args = _parser().parse_args(argv)
@@ -48,6 +55,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"jvitals report: expected LOGDIR to be a directory, got {args.logdir!r}", file=sys.stderr)
             return 2
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # tensorboard's reader imports tensorflow
+        missing = _missing_report_deps()
+        if missing:
+            print(f"jvitals report needs {' and '.join(missing)}, which the base install leaves out: "
+                  "pip install 'jvitals[report]' (or 'jvitals[tensorboard]', which adds clu's "
+                  "TensorBoard writer)", file=sys.stderr)
+            return 2
         from jvitals import report
 
         run = report.read_run(args.logdir)
