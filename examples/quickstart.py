@@ -96,8 +96,7 @@ def make_train_step(cfg: rm.ModelConfig, tx: optax.GradientTransformation):
             **vitals.activation_metrics(inter, mask=batch["mask"], labels=batch["labels"]),
             **vitals.moe_metrics(inter, expert_bias=state.params, top_k=cfg.top_k),
             **vitals.optimizer_metrics(opt_state),
-            **vitals.recorded(opt_state),
-        }
+        }  # the recorder's figures are read from the state on the host: only the fresh ones
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return train_step
@@ -207,7 +206,7 @@ def main(argv=None) -> int:
         timer.step()
         if step % args.check_every and step + 1 != args.steps:
             continue
-        host = jax.device_get(metrics)     # the one host sync, at the cadence
+        host = jax.device_get({**metrics, **vitals.recorded(state.opt_state)})  # one host sync, at the cadence
         host.update(timer.metrics())
         verdict = monitor.update(step, host)
         with timer.pause():                # checkpoint (and pause) time is not throughput
