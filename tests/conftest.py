@@ -66,3 +66,18 @@ def nonfinite_path(request):
         mp.setattr(stats, "_healthy_or", stats._cond_healthy_or if request.param == "cond"
                    else stats._select_healthy_or)
         yield request.param
+
+
+def assert_second_calls_compile_nothing(calls, count_compiles):
+    """Calls each of ``calls`` twice (eagerly); asserts the second round compiles
+    nothing and gives the same arrays. Returns the first round's results."""
+    import numpy as np
+
+    first = [jax.device_get(f()) for f in calls]  # warm: compiles once each
+    with count_compiles() as c:
+        again = [jax.device_get(f()) for f in calls]
+    assert c.count == 0, f"{c.count} compiles on the second eager calls"
+    for a, b in zip(first, again):
+        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_array_equal(u, v)
+    return first

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from conftest import assert_second_calls_compile_nothing
 from jvitals.activations import activation_metrics, bos_value_grad_metrics, mtp_metrics
 from jvitals.reference_model import (ModelConfig, init_params, init_perturbations, loss_fn,
                                      make_batch)
@@ -533,12 +534,6 @@ def test_eager_metrics_compile_once(count_compiles):
     counts = jax.device_put(jnp.array([[4, 0, 2, 2]], jnp.int32))
     calls = [lambda: activation_metrics(inter, mask=mask), lambda: summarize_logits(inter["logits"][0], mask),
              lambda: moe_metrics(counts, top_k=2)]
-    first = [jax.device_get(c()) for c in calls]
-    with count_compiles() as c:
-        again = [jax.device_get(f()) for f in calls]
-    assert c.count == 0, f"{c.count} compiles on the second eager calls"
-    for a, b in zip(first, again):
-        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-            np.testing.assert_array_equal(u, v)
+    first = assert_second_calls_compile_nothing(calls, count_compiles)
     h = np.asarray(inter["layers_0"]["hidden_states"][0], np.float64)[np.asarray(mask)]
     np.testing.assert_allclose(first[0]["act/hidden_states_rms/layer_0"], np.sqrt(np.mean(h ** 2)), rtol=1e-6)

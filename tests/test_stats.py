@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import assert_second_calls_compile_nothing
 import jvitals as vitals
 
 # Each test runs with both non-finite paths (conftest.nonfinite_path).
@@ -324,13 +325,7 @@ def test_eager_calls_compile_once(count_compiles):
     calls = [lambda: summarize(x, m), lambda: summarize(x, axis=0), lambda: summarize_max(x, m),
              lambda: summarize_sumsq([x, x]), lambda: summarize_tokens(x),
              lambda: summarize_many([(x, m, None), (x, None, 1)])]
-    first = [jax.device_get(c()) for c in calls]  # warm: compiles once each
-    with count_compiles() as c:
-        again = [jax.device_get(f()) for f in calls]
-    assert c.count == 0, f"{c.count} compiles on the second eager calls"
-    for a, b in zip(first, again):
-        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-            np.testing.assert_array_equal(u, v)
+    first = assert_second_calls_compile_nothing(calls, count_compiles)
     # The eager (jitted) path gives what the traced one gives.
     np.testing.assert_allclose(summarize(x, m).rms, jax.jit(lambda a, b: summarize(a, b).rms)(x, m))
     np.testing.assert_allclose(summarize(x, m).rms, np.sqrt(np.mean(np.asarray(x)[np.asarray(m)] ** 2)))
