@@ -212,12 +212,33 @@ def _direct_params(module: Any) -> list[str]:
     return [k for k, v in params.items() if not isinstance(v, Mapping)]
 
 
-def _is_block(roles: Roles, path: str) -> bool:
+def _holds_indexed_layers(roles: Roles, module: Any, path: str) -> bool:
+    """Whether the module's parameters hold Python-list layers as children (``0``,
+    ``1``... or names a layer pattern ends at): a container of blocks, such as HF's
+    ``FlaxLlamaLayerCollection`` at ``model/layers``, not a scan-stacked block."""
+    try:
+        params = module.variables.get("params", {})
+    except Exception:
+        return False
+    for key, value in params.items():
+        if not isinstance(value, Mapping):
+            continue
+        if str(key).isdigit():
+            return True
+        child = f"{path}/{key}"
+        for rx in roles.layer_patterns:
+            if any(m.end(1) == len(child) for m in re.finditer(rx, child, re.IGNORECASE)):
+                return True
+    return False
+
+
+def _is_block(roles: Roles, path: str, module: Any = None) -> bool:
     """A transformer block: the module's path ends at a layer index (``h/0``, ``layers_3``),
-    or is an ``nn.scan``-stacked subtree itself (``layers``: its body runs once per layer)."""
+    or is an ``nn.scan``-stacked subtree itself (``layers``: its body runs once per layer),
+    unless its parameters show it is a container of Python-list layers."""
     stack = roles.stack_of(path + "/") if path else None
     if stack is not None and stack[0] == path:
-        return True
+        return module is None or not _holds_indexed_layers(roles, module, path)
     for rx in roles.layer_patterns:
         for m in re.finditer(rx, path, re.IGNORECASE):
             if m.end(1) == len(path):
@@ -251,7 +272,7 @@ def _kind(state: _State, module: Any, path: str, method: str) -> str | None:
             kind = "gate_scores"
         elif found == "router":
             kind = "expert_counts"
-        elif found is None and _is_block(roles, path):
+        elif found is None and _is_block(roles, path, module):
             kind = "hidden_states"
     state.kinds[key] = kind
     return kind
