@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jvitals.qkv import QKVLayout, merge_qkv, qkv_layout, split_qkv
+from jvitals.qkv import QKVLayout, merge_qkv, qkv_layout, resolve_fused, split_qkv
 from jvitals.roles import LeafRole, QKVSplit, Roles, assign_roles
 
 __all__ = ["qk_clip"]
@@ -176,32 +176,7 @@ def qk_clip(params: Any, attn_logits_max: Any, tau: Any, *, roles: Roles | None 
         layout = roles.qkv_layout_of(lr.path)
         split = roles.qkv_split
 
-        def q_size_on(a: int) -> int | None:
-            n = shape[a]
-            d_in = math.prod(shape) // n if n else 0
-            if o is None or d_in <= 0 or o % d_in:
-                return None
-            q = o // d_in
-            return q if 0 < q < n and (n - q) % 2 == 0 else None
-
-        def fits(a: int) -> bool:
-            n = shape[a]
-            if split.num_heads is None:
-                return q_size_on(a) is not None
-            h = split.num_heads
-            parts = h + 2 * (split.num_kv_heads if split.num_kv_heads is not None else h)
-            if parts <= 0 or n % parts:
-                return False
-            d_in = math.prod(shape) // n
-            return o is None or o == h * (n // parts) * d_in
-
-        a = split.resolve_axis(shape)
-        if split.axis is None and not fits(a):
-            # The shape alone can mislead ([D, 3*Dh] with D > 3*Dh for one head): take
-            # the last axis the head counts or the output projection's size fit.
-            a = next((b for b in reversed(range(len(shape))) if fits(b)), a)
-        split = dataclasses.replace(split, axis=a)
-        q_size = q_size_on(a) if split.num_heads is None else None
+        split, q_size = resolve_fused(shape, split, o)
         return split, layout, q_size, qkv_layout(shape, split, path=lr.path, layout=layout, q_size=q_size)
 
     # Which layers have a K side, and (per head) each attention module's Q and K widths.

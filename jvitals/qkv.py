@@ -24,6 +24,7 @@ and back (pure ``jnp``, inverse of each other), e.g. to scale the Q and K parts
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
@@ -124,6 +125,58 @@ def qkv_layout(shape: Sequence[int], split: "QKVSplit | None" = None, *, path: s
                          f"num_kv_heads={kvh}; the interleaved layout groups H / KVH query heads per "
                          f"key/value head. Check QKVSplit(num_heads=..., num_kv_heads=...).")
     return QKVLayout(a, lay, (nq, nk, nv), groups=kvh, head_dim=nk // kvh)
+
+
+def resolve_fused(shape: Sequence[int], split: "QKVSplit | None" = None,
+                  o_numel: int | None = None) -> tuple["QKVSplit", int | None]:
+    """The split axis of one layer's fused kernel, checked against the head counts and
+    the attention's output projection, and the Q width it implies.
+
+    :meth:`~jvitals.roles.QKVSplit.resolve_axis` reads the shape alone, which can
+    mislead: a one-head ``[D, 3*Dh]`` kernel with ``D > 3*Dh`` looks split on axis 0.
+    An axis *fits* when it divides into ``H + 2*KVH`` heads and, given the output
+    projection's per-layer size ``numel(Wo) = H*Dh*D``, when ``H*Dh*d_in == numel(Wo)``
+    (``d_in`` = the kernel's other entries); without head counts, when
+    ``q = numel(Wo) / d_in`` leaves two equal K and V widths. If the shape's axis does
+    not fit, the last axis that does is taken. An explicit ``QKVSplit(axis=)`` wins.
+
+    Args:
+      shape: one layer's kernel shape (no scan axis).
+      split: the :class:`~jvitals.roles.QKVSplit` (default ``QKVSplit()``).
+      o_numel: per-layer element count of the attention's output projection, if known.
+
+    Returns:
+      ``(split with its axis set, q_size)``; ``q_size`` is the Q width inferred from
+      the output projection (contiguous split without head counts), else None.
+    """
+    if split is None:
+        from jvitals.roles import QKVSplit
+        split = QKVSplit()
+    shape = tuple(int(d) for d in shape)
+
+    def q_size_on(a: int) -> int | None:
+        n = shape[a]
+        d_in = math.prod(shape) // n if n else 0
+        if o_numel is None or d_in <= 0 or o_numel % d_in:
+            return None
+        q = o_numel // d_in
+        return q if 0 < q < n and (n - q) % 2 == 0 else None
+
+    def fits(a: int) -> bool:
+        n = shape[a]
+        if split.num_heads is None:
+            return q_size_on(a) is not None
+        h = split.num_heads
+        parts = h + 2 * (split.num_kv_heads if split.num_kv_heads is not None else h)
+        if parts <= 0 or n % parts:
+            return False
+        return o_numel is None or o_numel == h * (n // parts) * (math.prod(shape) // n)
+
+    a = split.resolve_axis(shape)
+    if split.axis is None and not fits(a):
+        a = next((b for b in reversed(range(len(shape))) if fits(b)), a)
+    split = dataclasses.replace(split, axis=a)
+    return split, (q_size_on(a) if split.num_heads is None else None)
 
 
 def qkv_part_ids(lay: QKVLayout) -> np.ndarray:
@@ -269,14 +322,10 @@ def _qkv_pieces(x: jax.Array, lr: LeafRole, roles: Roles, spec: Any, axes: tuple
     gshape = _global_shape(shape, spec, axes)
     stacked = lr.stack_axis is not None
     layer_shape = _layer_shape(gshape, lr)
-    a = roles.qkv_split.resolve_axis(layer_shape)
+    split, q_size = resolve_fused(layer_shape, roles.qkv_split, o_numel)
+    a = split.axis
     n = layer_shape[a]
-    q_size = None
-    if o_numel is not None:
-        d_in = math.prod(layer_shape) // n
-        if d_in > 0 and o_numel % d_in == 0:
-            q_size = o_numel // d_in
-    lay = qkv_layout(layer_shape, roles.qkv_split, path=lr.path, layout=roles.qkv_layout_of(lr.path),
+    lay = qkv_layout(layer_shape, split, path=lr.path, layout=roles.qkv_layout_of(lr.path),
                      q_size=q_size)
     dim = a + 1 if stacked and a >= lr.stack_axis else a
     local_n = shape[dim]

@@ -267,6 +267,11 @@ TREES = {
     # default roles: the GQA split is inferred from o_proj's width (H * Dh)
     "reference_unscanned_default_roles": (lambda: reference_unscanned(num_layers=2), Roles()),
     "reference_scanned_mla_moe": (reference_scanned_mla_moe, Roles()),
+    # one head: the fused kernel is [D, 3*Dh] = [8, 6], whose shape alone points at axis 0;
+    # the output projection's size (and the head counts) say axis 1
+    "reference_one_head_fused_default_roles": (lambda: reference_unscanned(num_layers=2, H=1, KVH=1), Roles()),
+    "reference_one_head_fused_head_counts": (lambda: reference_unscanned(num_layers=2, H=1, KVH=1),
+                                             Roles(qkv_split=QKVSplit(num_heads=1, num_kv_heads=1))),
     "gpt2_hf_conv1d": (lambda: gpt2_like(conv1d=True), Roles()),
     "gpt2_linen_dense": (lambda: gpt2_like(conv1d=False), Roles()),
     "llama_like": (llama_like, Roles()),
