@@ -13,6 +13,8 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from conftest import assert_second_calls_compile_nothing
+
 from jvitals.gradients import global_norm, global_norm_metrics, gradient_metrics, update_metrics
 from jvitals.roles import QKVSplit, Roles
 
@@ -506,3 +508,14 @@ def test_reference_model_init_params_default_roles(kw):
     got = jax.jit(lambda g, p: gradient_metrics(g, params=p))(grads, params)
     assert_matches(got, reference(_label_reference_model(grads, cfg),
                                   param_metas=_label_reference_model(params, cfg)))
+
+
+def test_eager_calls_compile_once(count_compiles):
+    """Issue 20 item 7 for the gradient side: a second eager call with the same shapes
+    compiles nothing and gives the same figures (checked against NumPy once)."""
+    grads, gm = build(reference_unscanned(num_layers=2), seed=1)
+    params, pm = build(reference_unscanned(num_layers=2), seed=2)
+    calls = [lambda: gradient_metrics(grads, params=params), lambda: global_norm(grads)]
+    first = assert_second_calls_compile_nothing(calls, count_compiles)
+    assert_matches(first[0], reference(gm, param_metas=pm))
+    np.testing.assert_allclose(first[1], optax.tree.norm(grads), rtol=1e-6)
