@@ -496,18 +496,6 @@ def _trainer(model: str, horizon: int) -> Any:
     return t
 
 
-def _fast_batches() -> None:
-    """``reference_model.make_batch`` rebuilds its bigram table on every call (~20-50 ms on a
-    contended core, more than the step); cache it in this process. Batches are unchanged
-    (the table depends only on the vocabulary)."""
-    import functools
-
-    from jvitals import reference_model as rm
-
-    if not hasattr(rm._transition_table, "cache_info"):
-        rm._transition_table = functools.lru_cache(maxsize=8)(rm._transition_table)
-
-
 def _busy(seconds: float) -> None:
     """Spend ``seconds`` of this process's CPU time on host work (NumPy matrix products)."""
     a = np.random.default_rng(0).standard_normal((64, 64))
@@ -524,7 +512,6 @@ def generate_run(run: Run, out_dir: Path, log: Callable[[str], None] = print) ->
     import jvitals as vitals
     from jvitals import reference_model as rm
 
-    _fast_batches()
     tr = _trainer(run.model, run.horizon)
     cfg = tr.cfg
     params = rm.init_params(cfg, jax.random.key(run.seed))
