@@ -29,6 +29,20 @@ def _default_ratio_rules() -> Mapping[str, tuple[float, float | None]]:
     return {"grad/global_norm": (2.0, 3.0), "param/global_norm": (1.5, None)}
 
 
+def _bands(field: str, mapping: Mapping[str, Any], what: str, above: float) -> Mapping[str, float]:
+    """``mapping`` as a read-only ``{name: float}`` whose values all exceed ``above``.
+
+    Raises:
+      ValueError: naming the field, the entry and what was expected.
+    """
+    out = {}
+    for k, r in dict(mapping).items():
+        if not isinstance(k, str) or not float(r) > above:
+            raise ValueError(f"Policy.{field} expects {what} > {above:g}, got {k!r}: {r!r}")
+        out[k] = float(r)
+    return types.MappingProxyType(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """Alert thresholds and windows; defaults are METRICS.md §5.
@@ -309,20 +323,8 @@ class Policy:
                     f"Policy.ratio_rules[{name!r}] expects 0 < yellow < orange, got ({y}, {o})")
             rules[name] = (y, o)
         object.__setattr__(self, "ratio_rules", types.MappingProxyType(rules))
-        bands = {}
-        for fam, r in dict(self.group_bands).items():
-            if not isinstance(fam, str) or not float(r) > 1:
-                raise ValueError(f"Policy.group_bands expects family name -> ratio > 1, got "
-                                 f"{fam!r}: {r!r}")
-            bands[fam] = float(r)
-        object.__setattr__(self, "group_bands", types.MappingProxyType(bands))
-        rb = {}
-        for m, r in dict(self.router_bands).items():
-            if not isinstance(m, str) or not float(r) > 0:
-                raise ValueError(f"Policy.router_bands expects metric name -> excess > 0, got "
-                                 f"{m!r}: {r!r}")
-            rb[m] = float(r)
-        object.__setattr__(self, "router_bands", types.MappingProxyType(rb))
+        object.__setattr__(self, "group_bands", _bands("group_bands", self.group_bands, "family name -> ratio", 1))
+        object.__setattr__(self, "router_bands", _bands("router_bands", self.router_bands, "metric name -> excess", 0))
         for f in ("warmup_steps", "settle_window", "settle_max_steps", "vocab_size"):
             v = getattr(self, f)
             if v is not None and (isinstance(v, bool) or int(v) < (1 if f == "vocab_size" else 0)):
