@@ -57,6 +57,7 @@ __all__ = [
         "plot_layer_heatmap",
         "plot_timeline",
         "read_run",
+        "remedy_texts",
         "run_phase",
         "write_report",
 ]
@@ -1238,6 +1239,22 @@ def _lr_scale_text(run: Run) -> str:
     return f"{_fmt(vals[0])}" + (" -> " + ", ".join(changes) if changes else " throughout")
 
 
+def remedy_texts(rollback_event: Mapping[str, Any]) -> list[str]:
+    """The remedies a ``rollback`` event applied (``'embedding LR x0.5'``, ...), in order.
+
+    Read from the event's ``remedies`` list, else from its ``actions`` of kind
+    ``'remedy'`` (their ``text``); empty for a rollback without remedies.
+    """
+    got = rollback_event.get("remedies")
+    if isinstance(got, list):
+        return [str(x) for x in got]
+    acts = rollback_event.get("actions")
+    if not isinstance(acts, list):
+        return []
+    return [str(a.get("text", a.get("remedy", ""))) for a in acts
+            if isinstance(a, Mapping) and a.get("action") == "remedy"]
+
+
 def build_html(run: Run, *, title: str | None = None, phase: str | None = None,
                total_steps: int | None = None, all_phases: bool = True,
                checkpoint_every: int = 500) -> str:
@@ -1279,14 +1296,17 @@ def build_html(run: Run, *, title: str | None = None, phase: str | None = None,
     p.append(_img(fig, "level timeline"))
     if rbs:
         p.append("<table><tr><th>rollback at step</th><th>restored step</th><th>earliest sign</th>"
-                 "<th>lr scale</th><th>actions</th><th>reason</th></tr>")
+                 "<th>lr scale</th><th>remedies applied</th><th>actions</th><th>reason</th></tr>")
         for r in rbs:
             acts = r.get("actions") or []
+            cures = remedy_texts(r)
             acts = "; ".join(", ".join(f"{k}={v}" for k, v in a.items()) if isinstance(a, Mapping) else str(a)
-                             for a in acts) if isinstance(acts, list) else str(acts)
+                             for a in acts if not (isinstance(a, Mapping) and a.get("action") == "remedy")
+                             ) if isinstance(acts, list) else str(acts)
             p.append(f"<tr><td class='num'>{_e(r.get('step'))}</td><td class='num'>{_e(r.get('to_step', ''))}</td>"
                      f"<td class='num'>{_e(r.get('onset_step', ''))}</td>"
-                     f"<td class='num'>{_num(r.get('lr_scale', ''))}</td><td>{_e(acts)}</td>"
+                     f"<td class='num'>{_num(r.get('lr_scale', ''))}</td>"
+                     f"<td>{_e('; '.join(cures) or 'none')}</td><td>{_e(acts)}</td>"
                      f"<td>{_e(r.get('reason', ''))}</td></tr>")
         p.append("</table>")
 

@@ -68,7 +68,12 @@ Decisions (each is tested):
   an int ``N``: by ``N`` batches; the position must then be an int); and
   ``reset_optimizer`` (zero the Adam moments ``mu``/``nu`` of the named
   parameter groups; the count is reset too when every moment of every
-  parameter is reset: a fresh Adam). Later remedies append to the same list.
+  parameter is reset: a fresh Adam); then, with ``remedies=``, the remedy of each
+  alert's cause (:mod:`jvitals.remedies`: the alert's group LR x0.5, layer-wise
+  LR decay, the QK-clip and z-loss flags in :attr:`Rollback.remedies`), each an
+  action ``{"action": "remedy", "text": ...}`` named in the rollback alert's
+  message ("applied: embedding LR x0.5"). The flags are saved with every
+  checkpoint and restored by :meth:`resume`.
 - **The limit**: red after ``max_rollbacks`` rollbacks raises
   :class:`RollbackLimitError` after quarantining the checkpoints saved from the
   fault's earliest sign on; the error names the healthy checkpoints on disk,
@@ -138,6 +143,7 @@ from jvitals.checkpoints import (
     level_name,
 )
 from jvitals.lr_scale import has_lr_scale, set_lr_scale
+from jvitals.remedies import applied_text, apply_remedies, parse_remedies, reapply_lr_groups
 from jvitals.writers import ROLLBACK_COUNT, ROLLBACK_LR_SCALE
 
 __all__ = [
@@ -576,6 +582,14 @@ class Rollback:
       snapshots: a :class:`Snapshots` for light recent snapshots (None: none).
       writer: a clu ``MetricWriter`` (or anything with its ``write_*`` methods):
         the guard writes its figures and events through :func:`jvitals.write`.
+      remedies: None (only the LR x ``lr_factor``), ``"default"`` (the table of
+        :data:`jvitals.remedies.DEFAULT_REMEDIES`: a group's update-ratio or
+        grad-share alert -> that group's LR x0.5; a layer's -> layer-wise LR decay
+        0.9; attention logits -> QK-clip at their pre-fault value; output logits
+        -> z-loss), or a dict ``{rule id or metric regex: remedy name or
+        callable}`` (see :func:`jvitals.remedies.parse_remedies`). Applied at
+        each rollback after the restore, on top of ``lr_factor`` (pass
+        ``lr_factor=1.0`` for the remedy alone).
 
     Attributes:
       last_action: the :class:`Action` of the latest call (None before any).
@@ -588,6 +602,11 @@ class Rollback:
       resumed_step: the checkpoint :meth:`resume` restored (None: fresh start).
       store: the :class:`~jvitals.checkpoints.CheckpointStore` of the checkpoints.
       snapshot_store: the store of the snapshots (None without ``snapshots``).
+      remedies: the remedies' flags for the loop (a plain JSON dict, saved with
+        each checkpoint, restored by :meth:`resume`): ``"qk_clip_tau"`` (call
+        :func:`jvitals.qk_clip` with it), ``"z_loss"`` (the weight of
+        :func:`jvitals.z_loss`), ``"layer_decay"`` and ``"lr_groups"`` (the
+        group LR scales the guard set, kept in force over later restores).
 
     Raises:
       CheckpointSaveError: the directory cannot be created or written.
@@ -604,7 +623,8 @@ class Rollback:
                  sync_save: bool = False, check_finite: bool = True, onset_margin: int = 1,
                  rewind_steps: int | None = None, skip_data: bool | int = False,
                  reset_optimizer: Any = None, snapshots: Snapshots | None = None,
-                 writer: Any = None) -> None:
+                 writer: Any = None, remedies: Any = None) -> None:
+        self.remedy_table = parse_remedies(remedies)
         if int(save_every) < 1:
             raise ValueError(f"Rollback expects save_every >= 1, got {save_every}")
         if not 0.0 < float(lr_factor) <= 1.0:
@@ -642,6 +662,7 @@ class Rollback:
         self.last_response: Response | None = None
         self.lr_scale = 1.0
         self.history: list[dict[str, Any]] = []
+        self.remedies: dict[str, Any] = {}
         self.alerts: list[Alert] = []
         self.events: list[dict[str, Any]] = []
         self.position: Any = None
@@ -750,6 +771,7 @@ class Rollback:
             _load_monitor(self.monitor, meta["monitor"])
         self.lr_scale = float(meta.get("lr_scale", 1.0))
         self.history = list(meta.get("rollbacks", []))
+        self.remedies = dict(meta.get("remedies") or {})
         self.resumed_step = rec.step
         self._last_regular = rec.step
         self._last_snapshot = rec.step
@@ -1074,6 +1096,14 @@ class Rollback:
                             "moments": sorted(summary["leaves"]),
                             "leaves": sum(len(v) for v in summary["leaves"].values()),
                             "count_reset": summary["count_reset"]})
+        if self.remedy_table:
+            restored = reapply_lr_groups(restored, self.remedies)
+            closed = list(getattr(verdict, "closed_alerts", []) or [])
+            restored, flags, applied = apply_remedies(restored, verdict_alerts + closed,
+                                                      self.remedy_table, self.remedies,
+                                                      lr_factor=self.lr_factor)
+            self.remedies = flags
+            actions.extend(applied)
         new_position = position
         if self.skip_data is not False:
             positions = meta.get("positions")
@@ -1094,7 +1124,9 @@ class Rollback:
         note = None
         if self.monitor is not None and hasattr(self.monitor, "note_rollback"):
             note = self.monitor.note_rollback(step, target)
-        did = ", ".join(_action_text(a) for a in actions[1:]) or "no other action"
+        did = ", ".join(_action_text(a) for a in actions[1:] if a["action"] != "remedy") or "no other action"
+        cure = applied_text(actions)
+        did += f"; {cure}" if cure else ""
         message = (f"[RED] rolled back at step {step} (earliest sign {sign}) to the healthy {rec.store[:-1]} "
                    f"of step {target}; {did}; data position {new_position!r}; "
                    f"{len(self.history)} rollback(s) so far; quarantined: {sorted(self.quarantined)}. "
@@ -1104,6 +1136,7 @@ class Rollback:
                                             "monitor_alert_id": getattr(note, "id", None)}))
         self._event({"event": "rollback", "step": step, "to_step": target, "onset_step": sign,
                      "lr_scale": new_scale, "position": _jsonable(new_position), "actions": actions,
+                     "remedies": [a["text"] for a in actions if a["action"] == "remedy"],
                      "reason": _alert_lines(verdict_alerts, 1)})
         for s in self._stores():
             s.write_quarantine()
@@ -1173,6 +1206,7 @@ class Rollback:
             "monitor": self.monitor.state_dict() if self.monitor is not None and hasattr(
                 self.monitor, "state_dict") else None,
             "rollback_count": len(self.history), "rollbacks": self.history,
+            "remedies": self.remedies,
         }
         saved = store.save(step, state, meta, level=level, kind=kind, restored_from=restored_from,
                            open_peak=open_peak, lr_scale=self.lr_scale, sync=self.sync_save)
@@ -1245,6 +1279,8 @@ def _action_text(a: Mapping[str, Any]) -> str:
         return f"LR scale {a['value']:.4g} (x{a['factor']} per rollback)"
     if kind == "skip_data":
         return f"skipped {a['batches']} batches"
+    if kind == "remedy":
+        return str(a.get("text"))
     if kind == "reset_optimizer":
         return f"reset Adam {'/'.join(a['moments']) or 'nothing'} of {a['leaves']} leaves" + (
             " and its count" if a.get("count_reset") else "")

@@ -1,0 +1,381 @@
+"""The guard's prescriptions: from an alert's cause to a remedy applied at a rollback.
+
+:class:`jvitals.Rollback` (``remedies="default"`` or a dict) calls
+:func:`apply_remedies` after it has restored the healthy checkpoint. Each alert of
+the red verdict (open and just closed) is read as a :class:`Cause` (its rule, its
+metric, the group the metric names) and matched against a table ``{pattern:
+remedy}``; a pattern matches a cause when it equals the alert's rule id or
+``re.search``-es its metric. The default table (:data:`DEFAULT_REMEDIES`), from
+METRICS.md §6::
+
+    metric (regex)                                   remedy        what it does
+    (update/param_ratio|grad/share|param/norm)/      group_lr      that group's LR scale x0.5
+       (embedding|lm_head)                                         (set_lr_scale(..., group=g))
+    (update/param_ratio|grad/share)/layer_i          layer_decay   layer-wise LR decay 0.9: group
+                                                                   scale of layer i x0.9**(N-1-i),
+                                                                   embedding x0.9**N (once)
+    act/attn_logits...                               qk_clip       flag qk_clip_tau = the metric's
+                                                                   pre-fault baseline (the loop
+                                                                   calls vitals.qk_clip)
+    act/output_layer_logits... | act/logits...       z_loss        flag z_loss = 1e-4 (the loop
+                                                                   adds vitals.z_loss)
+
+Remedies that change the optimizer (``group_lr``, ``layer_decay``) use the
+per-group LR scales of :func:`jvitals.with_lr_scale` (``groups="roles"``); the
+guard keeps the scales it set in ``flags["lr_groups"]`` and sets them again on
+every later restore (an older checkpoint does not undo them), as it does with the
+global LR scale. Without such a group the remedy falls back to the guard's global
+``lr_factor`` (which every rollback applies anyway) and says so. Layer-wise decay
+is applied through the layer groups' scales (``decay ** (N - 1 - i)`` for layer
+``i`` of ``N``, ``decay ** N`` for the embedding, the factors of
+:func:`jvitals.layerwise_lr_decay`) because changing the optimizer's chain would
+change its state's structure mid-run; without layer groups it is left as the flag
+``flags["layer_decay"]`` for the next restart (chain
+``vitals.layerwise_lr_decay(flags["layer_decay"])``).
+
+Remedies that need the loop (QK-clip, z-loss) only set flags in ``flags`` (the
+guard's ``remedies`` dict, saved with every checkpoint and restored by
+``resume``)::
+
+    tau = guard.remedies.get("qk_clip_tau")        # None: off
+    if tau is not None:
+        params = vitals.qk_clip(params, attn_logits_max, tau)
+    loss = loss + vitals.z_loss(logits, mask, weight=guard.remedies.get("z_loss", 0.0))
+
+A user remedy is a callable ``fn(state, cause, flags) -> state`` or ``-> (state,
+text)``; it may update ``flags`` (a plain JSON dict) in place.
+
+Every function here is pure: it returns a new state and a new flags dict, and
+leaves its inputs alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, Union
+
+from jvitals.lr_scale import get_lr_scales, set_lr_scale
+
+__all__ = [
+    "DEFAULT_REMEDIES",
+    "REMEDY_NAMES",
+    "Cause",
+    "RemedyTable",
+    "apply_remedies",
+    "applied_text",
+    "causes_of",
+    "parse_remedies",
+    "reapply_lr_groups",
+]
+
+GROUP_LR_FACTOR = 0.5
+"""``group_lr``: the group's LR scale multiplier (METRICS.md §6: "embedding and LM head at 0.5x")."""
+
+LAYER_DECAY = 0.9
+"""``layer_decay``: the decay (METRICS.md §6: 0.85-0.95)."""
+
+Z_LOSS_WEIGHT = 1e-4
+"""``z_loss``: the weight set in ``flags["z_loss"]`` (PaLM's 1e-4)."""
+
+REMEDY_NAMES: tuple[str, ...] = ("group_lr", "layer_decay", "qk_clip", "z_loss", "lr_factor")
+"""The built-in remedies; ``lr_factor`` does nothing beyond the guard's global LR factor."""
+
+DEFAULT_REMEDIES: Mapping[str, str] = {
+    r"^(update/param_ratio|grad/share|param/norm)/(embedding|lm_head)$": "group_lr",
+    r"^(update/param_ratio|grad/share)/layer_\d+$": "layer_decay",
+    r"^act/attn_logits": "qk_clip",
+    r"^act/(output_layer_logits|logits)": "z_loss",
+}
+"""The ``remedies="default"`` table: metric regex -> remedy name (see the module doc)."""
+
+Remedy = Union[str, Callable[..., Any]]
+RemedyTable = tuple[tuple[str, Remedy], ...]
+
+_GROUP = re.compile(r"/(?P<g>embedding|lm_head|layer_(?P<i>\d+))$")
+
+
+class Cause(NamedTuple):
+    """One alert as a cause for a remedy.
+
+    Attributes:
+      rule: the alert's rule id (``'group'``, ``'ratio'``, ``'divergence'``...).
+      metric: the metric it watches (``'update/param_ratio/embedding'``).
+      group: the parameter group the alert names (``details['group']``, else the
+        metric's last part when it is ``embedding``, ``lm_head`` or ``layer_{i}``),
+        or None.
+      level: the alert's level (an int).
+      value: the metric's latest value.
+      baseline: the metric's pre-fault reference (NaN if none).
+      alert_id: the monitor's alert id (-1 if none).
+    """
+
+    rule: str
+    metric: str
+    group: str | None
+    level: int
+    value: float
+    baseline: float
+    alert_id: int = -1
+
+
+def _get(a: Any, name: str, default: Any = None) -> Any:
+    if isinstance(a, Mapping):
+        return a.get(name, default)
+    return getattr(a, name, default)
+
+
+def _float(x: Any) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def causes_of(alerts: Iterable[Any]) -> list[Cause]:
+    """The alerts (``Alert`` objects or their ``to_dict`` form) as :class:`Cause` s.
+
+    Args:
+      alerts: the red verdict's alerts (open ones first, then the just-closed ones).
+
+    Returns:
+      One cause per alert with a metric, in the given order, duplicates (same
+      alert id) dropped.
+    """
+    out, seen = [], set()
+    for a in alerts:
+        metric = str(_get(a, "metric", "") or "")
+        if not metric:
+            continue
+        i = _get(a, "id", -1)
+        i = int(i) if isinstance(i, int) else -1
+        if i >= 0 and i in seen:
+            continue
+        seen.add(i)
+        details = _get(a, "details", None) or {}
+        group = details.get("group") if isinstance(details, Mapping) else None
+        if group is None:
+            m = _GROUP.search(metric)
+            group = m["g"] if m else None
+        out.append(Cause(str(_get(a, "rule", "")), metric, None if group is None else str(group),
+                         int(_get(a, "level", 0) or 0), _float(_get(a, "value")),
+                         _float(_get(a, "baseline")), i))
+    return out
+
+
+def parse_remedies(remedies: None | str | Mapping[str, Remedy]) -> RemedyTable:
+    """The ``Rollback(remedies=...)`` argument as an ordered table.
+
+    Args:
+      remedies: None (no table), ``"default"`` (:data:`DEFAULT_REMEDIES`) or a
+        mapping ``{pattern: remedy}``: a pattern is a rule id or a metric regex; a
+        remedy is a name in :data:`REMEDY_NAMES` or a callable
+        ``fn(state, cause, flags) -> state | (state, text)``.
+
+    Returns:
+      ``((pattern, remedy), ...)`` in the mapping's order (the first match of a
+      cause wins).
+
+    Raises:
+      ValueError: an unknown string, a remedy name that does not exist, or a
+        pattern that is not a regular expression.
+    """
+    if remedies is None:
+        return ()
+    if isinstance(remedies, str):
+        if remedies != "default":
+            raise ValueError(f"Rollback(remedies={remedies!r}): expected None, 'default' or a dict "
+                             f"{{rule id or metric regex: remedy}} with remedies among "
+                             f"{list(REMEDY_NAMES)} or callables")
+        remedies = DEFAULT_REMEDIES
+    if not isinstance(remedies, Mapping):
+        raise ValueError(f"Rollback(remedies=...) expects None, 'default' or a dict, got "
+                         f"{type(remedies).__name__} {remedies!r}")
+    out = []
+    for pattern, remedy in remedies.items():
+        if not isinstance(pattern, str):
+            raise ValueError(f"Rollback(remedies=...): a key must be a rule id or a metric regex "
+                             f"(str), got {pattern!r}")
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"Rollback(remedies=...): key {pattern!r} is not a regular "
+                             f"expression ({e})") from e
+        if isinstance(remedy, str):
+            if remedy not in REMEDY_NAMES:
+                raise ValueError(f"Rollback(remedies=...): remedy {remedy!r} (for {pattern!r}) does "
+                                 f"not exist; the remedies are {list(REMEDY_NAMES)} or a callable "
+                                 "fn(state, cause, flags) -> state")
+        elif not callable(remedy):
+            raise ValueError(f"Rollback(remedies=...): the remedy for {pattern!r} must be a name "
+                             f"among {list(REMEDY_NAMES)} or a callable, got {remedy!r}")
+        out.append((pattern, remedy))
+    return tuple(out)
+
+
+def _matches(pattern: str, cause: Cause) -> bool:
+    return pattern == cause.rule or re.search(pattern, cause.metric) is not None
+
+
+def _remedy_name(remedy: Remedy) -> str:
+    return remedy if isinstance(remedy, str) else getattr(remedy, "__name__", type(remedy).__name__)
+
+
+def reapply_lr_groups(state: Any, flags: Mapping[str, Any]) -> Any:
+    """Sets the group LR scales the guard chose (``flags["lr_groups"]``) on ``state``.
+
+    A restore brings back a checkpoint's own group scales, which may predate a
+    remedy; the guard calls this after each restore so the remedies stay in force.
+
+    Args:
+      state: a train state whose optimizer was built with ``with_lr_scale(groups=...)``.
+      flags: the guard's remedies dict.
+
+    Returns:
+      ``state`` with ``lr_scale[g] = flags["lr_groups"][g]`` for each listed group
+      the state holds (others untouched).
+    """
+    groups = flags.get("lr_groups") or {}
+    if not groups:
+        return state
+    present = set(get_lr_scales(state))
+    for g, v in groups.items():
+        if g in present:
+            state = set_lr_scale(state, float(v), group=g)
+    return state
+
+
+def _action(name: str, cause: Cause, text: str, **extra: Any) -> dict[str, Any]:
+    return {"action": "remedy", "remedy": name, "rule": cause.rule, "metric": cause.metric,
+            "group": cause.group, "text": text, **extra}
+
+
+def _group_lr(state: Any, cause: Cause, flags: dict[str, Any], lr_factor: float
+              ) -> tuple[Any, dict[str, Any]]:
+    g = cause.group
+    scales = get_lr_scales(state)
+    if g is None or g not in scales:
+        why = ("the optimizer has no per-group LR scales (build it with "
+               "vitals.with_lr_scale(tx, groups='roles'))" if not scales else
+               f"no LR group {g!r} in the optimizer (groups: {sorted(scales)})")
+        return state, _action("group_lr", cause, f"{g} LR not changed ({why}): global LR "
+                              f"x{lr_factor:g} only", applied=False)
+    old = float(flags.setdefault("lr_groups", {}).get(g, scales[g]))
+    new = old * GROUP_LR_FACTOR
+    flags["lr_groups"][g] = new
+    state = set_lr_scale(state, new, group=g)
+    return state, _action("group_lr", cause, f"{g} LR x{GROUP_LR_FACTOR:g}", applied=True,
+                          factor=GROUP_LR_FACTOR, value=new)
+
+
+def _layer_decay(state: Any, cause: Cause, flags: dict[str, Any], lr_factor: float
+                 ) -> tuple[Any, dict[str, Any]]:
+    if flags.get("layer_decay") is not None:
+        return state, _action("layer_decay", cause, f"layer-wise LR decay {flags['layer_decay']:g} "
+                              "already set", applied=False)
+    d = LAYER_DECAY
+    flags["layer_decay"] = d
+    scales = get_lr_scales(state)
+    layers = sorted(int(g[6:]) for g in scales if re.fullmatch(r"layer_\d+", g))
+    if not layers:
+        return state, _action("layer_decay", cause, f"layer-wise LR decay {d:g} flagged for the "
+                              "next restart (no per-layer LR groups: build the optimizer with "
+                              "vitals.with_lr_scale(tx, groups='roles') or chain "
+                              f"vitals.layerwise_lr_decay({d:g}))", applied=False, decay=d)
+    n = max(layers) + 1
+    mine = flags.setdefault("lr_groups", {})
+    factors = {f"layer_{i}": d ** (n - 1 - i) for i in layers}
+    if "embedding" in scales:
+        factors["embedding"] = d ** n
+    for g, f in factors.items():
+        mine[g] = float(mine.get(g, scales[g])) * f
+        state = set_lr_scale(state, mine[g], group=g)
+    return state, _action("layer_decay", cause, f"layer-wise LR decay {d:g} (layer i of {n}: "
+                          f"x{d:g}**({n - 1}-i), embedding x{d ** n:.3g})", applied=True, decay=d,
+                          factors=factors)
+
+
+def _qk_clip(state: Any, cause: Cause, flags: dict[str, Any], lr_factor: float
+             ) -> tuple[Any, dict[str, Any]]:
+    tau = cause.baseline
+    if not (math.isfinite(tau) and tau > 0):
+        return state, _action("qk_clip", cause, f"QK-clip not set (no finite pre-fault value of "
+                              f"{cause.metric})", applied=False)
+    old = flags.get("qk_clip_tau")
+    if old is not None:
+        tau = min(float(old), tau)
+    flags["qk_clip_tau"] = tau
+    return state, _action("qk_clip", cause, f"QK-clip at tau={tau:.4g} (the pre-fault max of "
+                          f"{cause.metric}; flag qk_clip_tau for the loop)", applied=True, tau=tau)
+
+
+def _z_loss(state: Any, cause: Cause, flags: dict[str, Any], lr_factor: float
+            ) -> tuple[Any, dict[str, Any]]:
+    if flags.get("z_loss"):
+        return state, _action("z_loss", cause, f"z-loss already on (weight {flags['z_loss']:g})",
+                              applied=False)
+    flags["z_loss"] = Z_LOSS_WEIGHT
+    return state, _action("z_loss", cause, f"z-loss on (weight {Z_LOSS_WEIGHT:g}; flag z_loss for "
+                          "the loop)", applied=True, weight=Z_LOSS_WEIGHT)
+
+
+def _lr_factor(state: Any, cause: Cause, flags: dict[str, Any], lr_factor: float
+               ) -> tuple[Any, dict[str, Any]]:
+    return state, _action("lr_factor", cause, f"global LR x{lr_factor:g}", applied=True)
+
+
+_BUILTIN = {"group_lr": _group_lr, "layer_decay": _layer_decay, "qk_clip": _qk_clip,
+            "z_loss": _z_loss, "lr_factor": _lr_factor}
+
+
+def apply_remedies(state: Any, alerts: Sequence[Any], table: RemedyTable,
+                   flags: Mapping[str, Any], *, lr_factor: float = 1.0
+                   ) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
+    """Applies the remedy of each alert's cause (first matching pattern), once each.
+
+    Args:
+      state: the restored train state.
+      alerts: the red verdict's alerts (``Alert`` objects or dicts).
+      table: from :func:`parse_remedies`.
+      flags: the guard's remedies dict (not modified).
+      lr_factor: the guard's global factor (named by a fallback's text).
+
+    Returns:
+      ``(state, flags, actions)``: the new state, the new flags, and one action
+      dict per application (``{"action": "remedy", "remedy", "rule", "metric",
+      "group", "text", "applied", ...}``). A remedy is applied once per
+      ``(remedy, group)`` at a rollback (two alerts on the embedding halve its LR
+      once).
+    """
+    flags = copy.deepcopy(dict(flags))
+    actions: list[dict[str, Any]] = []
+    done: set[tuple[str, str | None]] = set()
+    for cause in causes_of(alerts):
+        hit = next((r for p, r in table if _matches(p, cause)), None)
+        if hit is None:
+            continue
+        name = _remedy_name(hit)
+        key = (name, cause.group if name == "group_lr" else None)
+        if key in done:
+            continue
+        done.add(key)
+        if isinstance(hit, str):
+            state, act = _BUILTIN[hit](state, cause, flags, lr_factor)
+        else:
+            got = hit(state, cause, flags)
+            text = f"{name} (for {cause.metric})"
+            if isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], str):
+                state, text = got
+            else:
+                state = got
+            act = _action(name, cause, text, applied=True)
+        actions.append(act)
+    return state, flags, actions
+
+
+def applied_text(actions: Iterable[Mapping[str, Any]]) -> str:
+    """``'applied: embedding LR x0.5; z-loss on (...)'`` of the remedy actions ('' if none)."""
+    texts = [str(a.get("text")) for a in actions if a.get("action") == "remedy"]
+    return ("applied: " + "; ".join(texts)) if texts else ""
+
