@@ -227,3 +227,47 @@ def test_without_remedies_the_guard_does_what_it_did(tmp_path):
     (ev,) = [e for e in r.events if e["event"] == "rollback"]
     assert ev["remedies"] == [] and "applied:" not in [a for a in r.alerts if a.rule == "rollback"][0].message
     guard.close()
+
+
+# ----------------------------------------------------------------------------
+# End to end: the embedding-LR fault on the reference model.
+# ----------------------------------------------------------------------------
+
+
+def _bench():
+    path = ROOT / "benchmarks" / "remedies.py"
+    spec = importlib.util.spec_from_file_location("jvitals_bench_remedies", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_end_to_end_embedding_lr_fault_group_remedy_recovers_where_global_cut_relapses(tmp_path):
+    """x100 on the embedding's updates from step 150 (in the loop, so no restore undoes it):
+    the group alert names the embedding, the guard rolls back with the embedding LR halved
+    and the run stays healthy; the global LR x0.9 alone relapses (benchmarks/remedies.py,
+    seed 1; seed 0 the same at a later step, see the README table)."""
+    b = _bench()
+    kw = dict(mult=100.0, steps=330, fault_step=150, seed=1)
+    cure = b.run_arm(tmp_path / "remedy", remedies="default", **kw)
+    plain = b.run_arm(tmp_path / "global", remedies=None, **kw)
+    for r in (cure, plain):
+        r["guard"].close()
+        assert r["group_alert_step"] is not None and 150 <= r["group_alert_step"] < r["first_red"]
+        assert r["limit"] is None
+    # The remedy: one rollback, the embedding's LR halved (its alert named in the action) ...
+    assert len(cure["rollbacks"]) == 1 and cure["relapses"] == 0
+    (rem,) = [a for a in cure["rollbacks"][0]["actions"] if a["action"] == "remedy"]
+    assert rem["remedy"] == "group_lr" and rem["group"] == "embedding" and rem["text"] == "embedding LR x0.5"
+    (msg,) = [a.message for a in cure["responses"][0].alerts if a.rule == "rollback"]
+    assert "applied: embedding LR x0.5" in msg
+    assert cure["emb_scale"] == pytest.approx(0.5) and cure["global_scale"] == pytest.approx(0.9)
+    # ... and the run recovers: the loss of the last 20 steps below the pre-fault loss.
+    assert cure["recovered"] and cure["loss_end"] < cure["loss_pre"]
+    red = cure["rollbacks"][0]["step"]
+    assert all(math.isfinite(cure["losses"][s]) for s in range(red, kw["steps"]))
+    # The global LR x0.9 alone: the same first red, then red again (a relapse).
+    assert plain["first_red"] == cure["first_red"]
+    assert len(plain["rollbacks"]) >= 2 and plain["relapses"] >= 1
+    assert plain["emb_scale"] == 1.0 and plain["global_scale"] == pytest.approx(0.9 ** len(plain["rollbacks"]))
