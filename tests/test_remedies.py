@@ -193,6 +193,11 @@ def test_guard_applies_records_checkpoints_and_resumes_the_remedies(tmp_path):
     assert remedy_texts(ev) == ev["remedies"] and remedy_texts({"actions": acts}) == ev["remedies"]
     (msg,) = [a.message for a in r.alerts if a.rule == "rollback"]
     assert "applied: embedding LR x0.5; QK-clip at tau=20" in msg
+    pytest.importorskip("matplotlib")
+    from jvitals.report import Run, build_html
+    run = Run(str(tmp_path), [], {"loss": (np.arange(41), np.ones(41))}, {}, {}, [], [ev], {}, [])
+    page = build_html(run)
+    assert "<th>remedies applied</th>" in page and "<td>embedding LR x0.5; QK-clip at tau=20" in page
     # A relapse restores an older checkpoint (embedding scale 1.0 on disk): the guard's
     # remedy stays in force and halves again.
     r2 = guard.act(50, make_state(50), red_verdict(50, emb, onset=45), 51)
