@@ -26,10 +26,10 @@ Decisions (each is tested):
   a new store on the same directory keeps them before any policy runs.
 - **Failures are one log line each**: a checkpoint that cannot be read is
   quarantined with a one-line reason (orbax's asyncio tracebacks are captured,
-  see :func:`quiet_orbax`; the "Event loop is closed" tracebacks of reads that
-  finish after a failed restore are held back from ``sys.excepthook``, and those
-  printed while the interpreter shuts down go to
-  ``<directory>/jvitals_shutdown_stderr.log``); an asynchronous save that failed raises
+  see :func:`quiet_orbax`; the "Event loop is closed" errors that the reads a
+  failed restore left in flight raise when they finish, after orbax closed its
+  event loop, are held back from ``sys.unraisablehook``, see
+  :func:`_is_closed_loop_error`); an asynchronous save that failed raises
   :class:`CheckpointSaveError` at the next save, :meth:`wait` or :meth:`close`.
 - **Exit**: a pending asynchronous save is awaited before the interpreter stops
   its thread pools (a ``threading`` exit hook, which runs before
@@ -49,6 +49,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import threading
 import weakref
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -131,6 +132,7 @@ class _OrbaxNoise(logging.Filter):
     def __init__(self) -> None:
         super().__init__()
         self.dropped = 0
+        self.late_reads = 0   # closed-loop errors of late reads (see _install_unraisablehook)
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
@@ -154,12 +156,18 @@ _NOISE = _OrbaxNoise()
 _NOISE_LOGGERS = ("asyncio", "absl")
 
 
-def _is_closed_loop_error(exc_type: type, exc: BaseException, tb: Any) -> bool:
+def _is_closed_loop_error(exc: BaseException | None, tb: Any) -> bool:
     """``RuntimeError('Event loop is closed')`` raised by asyncio's ``call_soon_threadsafe``.
 
-    Tensorstore's completion callbacks of reads that were still in flight when an
-    orbax restore failed (and closed its event loop) raise it, and their C++
-    caller prints it through ``sys.excepthook``: one traceback per late read.
+    Root cause: orbax runs a restore's reads as asyncio tasks on a fresh event
+    loop (``asyncio_utils._run_sync_via_new_loop``: ``run_until_complete`` then
+    ``close``). When one read fails, the gather raises and the loop is closed
+    with the other reads' tasks still pending; their tensorstore futures keep
+    going, and when each completes, tensorstore's ``__await__`` callback calls
+    ``loop.call_soon_threadsafe`` on the closed loop. tensorstore's C++ callback
+    runner reports that ``RuntimeError`` with ``PyErr_WriteUnraisable(nullptr)``:
+    it reaches ``sys.unraisablehook`` (not ``sys.excepthook``), whose default
+    prints a bare traceback to stderr: one per late read.
     """
     if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
         return False
@@ -170,23 +178,27 @@ def _is_closed_loop_error(exc_type: type, exc: BaseException, tb: Any) -> bool:
     return bool(names) and names[0] == "call_soon_threadsafe"
 
 
-def _install_excepthook() -> None:
-    """Holds back the closed-loop tracebacks of :func:`_is_closed_loop_error` (once)."""
+def _install_unraisablehook() -> None:
+    """Holds back the closed-loop errors of :func:`_is_closed_loop_error` (once).
+
+    Everything else goes to the hook that was installed before (by default,
+    Python's, which prints it).
+    """
     import sys
 
-    previous = sys.excepthook
+    previous = sys.unraisablehook
     if getattr(previous, "_jvitals_quiet", False):
         return
 
-    def hook(exc_type, exc, tb):
-        if _is_closed_loop_error(exc_type, exc, tb):
+    def hook(unraisable: Any) -> None:
+        if _is_closed_loop_error(unraisable.exc_value, unraisable.exc_traceback):
             _NOISE.dropped += 1
-            _log.debug("orbax: a late read hit its closed event loop (held back)")
+            _NOISE.late_reads += 1
             return
-        previous(exc_type, exc, tb)
+        previous(unraisable)
 
     hook._jvitals_quiet = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
+    sys.unraisablehook = hook
 
 
 def _install_log_filter() -> None:
@@ -214,6 +226,21 @@ def quiet_orbax() -> Iterator[_OrbaxNoise]:
     finally:
         for lg in added:
             lg.removeFilter(_NOISE)
+
+
+def _one_line(err: BaseException, limit: int = 300) -> str:
+    """``err``'s first line, at most ``limit`` characters: its start and its end.
+
+    tensorstore nests its causes (``Error opening "zarr" driver: ... Error reading
+    byte range ... of local file ...: <cause>``): the end names the cause.
+    """
+    text = str(err).splitlines()[0] if str(err) else ""
+    # tensorstore appends payloads: [tensorstore_spec='{...}'] [source locations='...'].
+    text = re.split(r" \[(?:tensorstore_spec|source locations)", text, maxsplit=1)[0]
+    if len(text) <= limit:
+        return text
+    head = limit // 3
+    return f"{text[:head]} ... {text[-(limit - head - 5):]}"
 
 
 # ----------------------------------------------------------------------------
@@ -376,7 +403,7 @@ class CheckpointStore:
                 f"({type(e).__name__}: {e}). Expected a writable directory (or a path where "
                 "one can be created); pass another directory.",
                 directory=str(self.directory), step=None) from e
-        _install_excepthook()
+        _install_unraisablehook()
         _install_log_filter()
         self._load_records()
         _register_exit_wait(self)
@@ -624,15 +651,12 @@ class CheckpointStore:
             err = e
         if agree(err is None):
             return out
-        # The reads still in flight when the restore failed complete now, while the
-        # closed-loop tracebacks they raise are held back (see _install_excepthook).
-        import gc
-        gc.collect()
-        _FAILED_RESTORES.append(str(self.directory))
+        # The reads still in flight when the restore failed complete later; the
+        # closed-loop errors they raise are held back (see _install_unraisablehook).
         if isinstance(err, FloatingPointError):
             reason = "non-finite values"
         elif err is not None:
-            reason = f"corrupt: {type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+            reason = f"corrupt: {type(err).__name__}: {_one_line(err)}"
         else:
             reason = "corrupt: failed to restore on another process"
         rec = self.records.get(int(step))
@@ -640,8 +664,16 @@ class CheckpointStore:
             rec.quarantined = reason
         self.failures.append((int(step), reason))
         self.write_quarantine()
-        _log.warning("%s: checkpoint %d in %s skipped: %s", self.name, step, self.directory, reason)
+        _log.warning("%s", self._skip_message(step, reason))
         return None
+
+    def _skip_message(self, step: int, reason: str) -> str:
+        """The one log line of a checkpoint that cannot be used: step, reason, what happens."""
+        keep = (f"its files are kept for a post-mortem (the newest {self.keep_quarantined} "
+                f"quarantined are kept) in {str(self.directory / str(int(step)))!r}"
+                if self.keep_quarantined else "it is deleted at the next retention")
+        return (f"{self.name}: checkpoint {int(step)} in {str(self.directory)!r} skipped: {reason}. "
+                f"Quarantined: never restored, an older healthy checkpoint is used instead; {keep}.")
 
     def read_meta(self, step: int) -> dict[str, Any]:
         with quiet_orbax():
@@ -663,11 +695,10 @@ class CheckpointStore:
                     quarantine.setdefault(int(s), reason)
                 newest_pins = {int(s): str(r) for s, r in (meta.get("pins") or {}).items()}
             except Exception as e:  # noqa: BLE001 - unreadable metadata = unusable checkpoint
-                reason = (f"corrupt: metadata unreadable: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:200] if str(e) else ''}")
+                reason = f"corrupt: metadata unreadable: {type(e).__name__}: {_one_line(e, 200)}"
                 rec = CheckpointInfo(step, -1, "unknown", quarantined=reason, store=self.name)
                 self.failures.append((step, reason))
-                _log.warning("%s: checkpoint %d in %s skipped: %s", self.name, step, self.directory, reason)
+                _log.warning("%s", self._skip_message(step, reason))
             self.records[step] = rec
         for s, reason in quarantine.items():
             if s in self.records and self.records[s].quarantined is None:
@@ -710,46 +741,17 @@ class CheckpointStore:
                 self._mngr.close()
 
 
-_FAILED_RESTORES: list[str] = []
-"""Directories where a restore failed in this process (their late reads print at exit)."""
-_SHUTDOWN_LOG = "jvitals_shutdown_stderr.log"
-
-
-def _capture_shutdown_stderr() -> None:
-    """After a failed restore, sends what the interpreter prints while it shuts down to
-    ``<directory>/jvitals_shutdown_stderr.log`` instead of the terminal.
-
-    Tensorstore reads left in flight by a failed orbax restore complete when its
-    thread pools are torn down at exit, after ``sys.excepthook`` is gone, and each
-    prints an "Event loop is closed" traceback. This runs at the start of the
-    interpreter's shutdown, after the program's own traceback has been printed.
-    """
-    if not _FAILED_RESTORES:
-        return
-    import sys
-    try:
-        path = os.path.join(_FAILED_RESTORES[-1], _SHUTDOWN_LOG)
-        f = open(path, "ab")
-        sys.stderr.flush()
-        os.dup2(f.fileno(), 2)
-    except Exception:  # noqa: BLE001 - a remote directory, a closed stderr: leave it
-        pass
-
-
 def _wait_at_exit(ref: "weakref.ref[CheckpointStore]") -> None:
     """Lets an in-flight asynchronous save land when the program exits."""
     store = ref()
     if store is None:
         return
-    import gc
-    gc.collect()           # late reads of a failed restore finish while the hook holds them back
     try:
         with quiet_orbax():
             store._mngr.wait_until_finished()
     except Exception as e:  # noqa: BLE001 - nothing left to raise to
         _log.error("%s: the last asynchronous save failed at exit: %s", store.name,
                    str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
-    _capture_shutdown_stderr()
 
 
 def _register_exit_wait(store: CheckpointStore) -> None:

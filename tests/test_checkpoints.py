@@ -121,3 +121,47 @@ def test_a_failed_restore_is_one_line_and_quarantines(tmp_path, caplog):
     with pytest.raises(ValueError, match="keep_last >= 1"):
         CheckpointStore(tmp_path / "x", keep_last=0)
     store.close()
+
+
+def test_a_late_read_on_a_closed_loop_is_held_back_and_other_errors_are_not(monkeypatch, capfd):
+    """What a failed orbax restore leaves behind, with tensorstore's own future.
+
+    A task awaiting a tensorstore future is pending when the loop is closed (orbax's
+    run_until_complete + close after a read failed); when the future completes,
+    tensorstore's callback calls ``call_soon_threadsafe`` on the closed loop and
+    reports the RuntimeError through ``sys.unraisablehook``.
+    """
+    import asyncio
+    import sys
+
+    import tensorstore as ts
+
+    from jvitals import checkpoints
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
+    checkpoints._install_unraisablehook()
+    before = checkpoints._NOISE.late_reads
+
+    promise, future = ts.Promise.new()
+    loop = asyncio.new_event_loop()
+
+    async def start():
+        async def read():
+            return await future
+        task = asyncio.ensure_future(read())
+        await asyncio.sleep(0)
+        return task
+
+    task = loop.run_until_complete(start())
+    loop.close()
+    assert not task.done()
+    promise.set_result(1)                       # the late read completes
+    assert checkpoints._NOISE.late_reads == before + 1 and seen == []
+
+    # Any other error a tensorstore callback raises still reaches the previous hook.
+    promise, future = ts.Promise.new()
+    future.add_done_callback(lambda f: 1 / 0)
+    promise.set_result(1)
+    assert len(seen) == 1 and isinstance(seen[0], ZeroDivisionError)
+    assert "Event loop is closed" not in capfd.readouterr().err

@@ -1021,11 +1021,6 @@ NOISY_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "load-dependent: tensorstore's C++ callbacks of the reads a failed restore left in flight "
-    "print 'Event loop is closed' tracebacks straight to fd 2 (neither sys.excepthook nor a "
-    "logger); they are held back only when those reads finish at exit. On a quiet machine "
-    "they finish during the restore and ~30 tracebacks are printed (issue 18, Deliver 6)"))
 def test_failures_are_one_line_each_and_an_exception_after_a_save_is_quiet(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(NOISY_CHILD.format(repo=str(REPO), directory=str(tmp_path / "ck")))
