@@ -5,7 +5,8 @@ Device side (pure, traceable under ``jit``/``shard_map``/``pmap``): :func:`summa
 activation summaries of any Flax Linen model), the optax recorder :func:`record`
 and the remedies (:func:`with_lr_scale` per group, :func:`layerwise_lr_decay`,
 :func:`adaptive_clip`, :func:`z_loss`, :func:`qk_clip`). Host side: :class:`Monitor`
-(a list of rules; verdicts), :class:`Rollback` (the response policy) over a
+(a list of rules; verdicts), :class:`Rollback` (the response policy; with
+``remedies="default"`` it applies the alert's remedy at a rollback) over a
 :class:`CheckpointStore` (orbax checkpoints, pins, quarantine), :func:`write`
 (clu writers), :class:`StepTimer`.
 See ``docs/METRICS.md`` for every metric.
@@ -45,6 +46,7 @@ from jvitals.packed import PackedMetrics
 from jvitals.qk_clip import qk_clip
 from jvitals.record import RecordState, record, recorded, recorded_steps
 from jvitals.lr_scale import LRGroupScaleState, get_lr_scale, get_lr_scales, set_lr_scale, with_lr_scale
+from jvitals.remedies import DEFAULT_REMEDIES, REMEDY_NAMES, Cause
 from jvitals.rollback import (
     Action,
     CheckpointSaveError,
@@ -68,11 +70,13 @@ __all__ = [
     "AdaptiveClipState",
     "Alert",
     "assign_roles",
+    "Cause",
     "attn_logits_probe",
     "bos_value_grad_metrics",
     "Change",
     "CheckpointSaveError",
     "CheckpointStore",
+    "DEFAULT_REMEDIES",
     "default_rules",
     "device_memory_metrics",
     "ExpertChoices",
@@ -110,6 +114,7 @@ __all__ = [
     "recorded_steps",
     "RecordState",
     "reduce",
+    "REMEDY_NAMES",
     "Response",
     "Roles",
     "RolesExplanation",
