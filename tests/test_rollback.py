@@ -390,28 +390,34 @@ KILL_CHILD = textwrap.dedent("""
     os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, {repo!r})
     import jax, jax.numpy as jnp
-    from jvitals.rollback import Rollback
+    from jvitals.rollback import Rollback, Snapshots
     from jvitals.lr_scale import with_lr_scale
     import optax
     tx = with_lr_scale(optax.sgd(0.1))
     def state(v):
         p = {{"w": jnp.full((3000, 3000), float(v))}}      # 36 MB
         return {{"params": p, "opt_state": tx.init(p), "step": jnp.asarray(v + 1)}}
-    guard = Rollback({directory!r}, save_every=100, keep_last=100)
-    guard.respond(0, state(0), None, 1)
+    guard = Rollback({directory!r}, {options})
+    for s in {first!r}:
+        guard.respond(s, state(s), None, s + 1)
     guard.wait()
     print("READY", flush=True)
-    s = 100
+    s = {start}
     while True:                      # saves until killed
         guard.respond(s, state(s), None, s + 1)
-        s += 100
+        s += {every}
 """)
 
 
-def test_process_killed_mid_save_leaves_nothing_restorable(tmp_path):
+def kill_mid_save(tmp_path, *, options: str, first: tuple, every: int, in_progress) -> Path:
+    """Runs a child that saves 36 MB states with ``Rollback(directory, options)``: the steps
+    ``first``, then every ``every`` steps until killed; SIGKILLs it once
+    ``in_progress(directory)`` sees a save in flight. Returns the directory."""
     directory = tmp_path / "ck"
     script = tmp_path / "child.py"
-    script.write_text(KILL_CHILD.format(repo=str(REPO), directory=str(directory)))
+    script.write_text(KILL_CHILD.format(repo=str(REPO), directory=str(directory), options=options,
+                                        first=tuple(first), start=first[-1] + int(every),
+                                        every=int(every)))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, env=env)
@@ -419,24 +425,36 @@ def test_process_killed_mid_save_leaves_nothing_restorable(tmp_path):
         assert child.stdout.readline().strip() == b"READY"
         deadline, torn = time.monotonic() + 60, False
         while time.monotonic() < deadline and not torn:
-            names = os.listdir(directory)
-            torn = any(".orbax-checkpoint-tmp" in n for n in names) and len(names) > 2
+            torn = in_progress(directory)
         assert torn, "never saw a save in progress"
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
     finally:
         if child.poll() is None:
             child.kill()
+    return directory
+
+
+def big_like() -> dict:
+    """The restore target of :func:`kill_mid_save`'s states."""
+    w = jnp.zeros((3000, 3000))
+    return {"params": {"w": w}, "opt_state": with_lr_scale(optax.sgd(0.1)).init({"w": w}),
+            "step": jnp.asarray(0)}
+
+
+def test_process_killed_mid_save_leaves_nothing_restorable(tmp_path):
+    def in_progress(directory):
+        names = os.listdir(directory)
+        return any(".orbax-checkpoint-tmp" in n for n in names) and len(names) > 2
+    directory = kill_mid_save(tmp_path, options="save_every=100, keep_last=100", first=(0,),
+                              every=100, in_progress=in_progress)
     names = os.listdir(directory)
     partial = [n for n in names if ".orbax-checkpoint-tmp" in n]
     committed = steps_on_disk(directory)
     assert committed and committed[0] == 0
     guard = Rollback(directory, save_every=100)
     assert [c.step for c in guard.checkpoints] == committed
-    state = {"params": {"w": jnp.zeros((3000, 3000))},
-             "opt_state": with_lr_scale(optax.sgd(0.1)).init({"w": jnp.zeros((3000, 3000))}),
-             "step": jnp.asarray(0)}
-    state, pos = guard.resume(state, 0)
+    state, pos = guard.resume(big_like(), 0)
     assert guard.resumed_step == committed[-1] and pos == committed[-1] + 1
     assert float(state["params"]["w"][0, 0]) == committed[-1]
     assert partial and not any(".orbax-checkpoint-tmp" in n for n in os.listdir(directory))
@@ -921,56 +939,16 @@ def test_snapshots_cut_the_lost_steps_and_are_targets(tmp_path):
     guard.close()
 
 
-KILL_SNAPSHOT_CHILD = textwrap.dedent("""
-    import os, sys
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    sys.path.insert(0, {repo!r})
-    import jax, jax.numpy as jnp
-    from jvitals.rollback import Rollback, Snapshots
-    from jvitals.lr_scale import with_lr_scale
-    import optax
-    tx = with_lr_scale(optax.sgd(0.1))
-    def state(v):
-        p = {{"w": jnp.full((3000, 3000), float(v))}}      # 36 MB
-        return {{"params": p, "opt_state": tx.init(p), "step": jnp.asarray(v + 1)}}
-    guard = Rollback({directory!r}, save_every=10**6, snapshots=Snapshots(every=10, keep=2))
-    guard.respond(0, state(0), None, 1)
-    guard.respond(10, state(10), None, 11)
-    guard.wait()
-    print("READY", flush=True)
-    s = 20
-    while True:                      # snapshots until killed
-        guard.respond(s, state(s), None, s + 1)
-        s += 10
-""")
-
-
 def test_sigkill_during_a_snapshot_then_resume(tmp_path):
-    directory = tmp_path / "ck"
-    script = tmp_path / "child.py"
-    script.write_text(KILL_SNAPSHOT_CHILD.format(repo=str(REPO), directory=str(directory)))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, env=env)
+    directory = kill_mid_save(
+        tmp_path, options="save_every=10**6, snapshots=Snapshots(every=10, keep=2)",
+        first=(0, 10), every=10,
+        in_progress=lambda d: any(".orbax-checkpoint-tmp" in n for n in os.listdir(d / "snapshots")))
     snaps = directory / "snapshots"
-    try:
-        assert child.stdout.readline().strip() == b"READY"
-        deadline, torn = time.monotonic() + 60, False
-        while time.monotonic() < deadline and not torn:
-            torn = any(".orbax-checkpoint-tmp" in n for n in os.listdir(snaps))
-        assert torn, "never saw a snapshot in progress"
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
-    finally:
-        if child.poll() is None:
-            child.kill()
     committed = steps_on_disk(snaps)
     assert committed
-    tx = with_lr_scale(optax.sgd(0.1))
-    like = {"params": {"w": jnp.zeros((3000, 3000))}, "opt_state": tx.init({"w": jnp.zeros((3000, 3000))}),
-            "step": jnp.asarray(0)}
     guard = Rollback(directory, save_every=10**6, snapshots=Snapshots(every=10, keep=2))
-    state, pos = guard.resume(like, 0)
+    state, pos = guard.resume(big_like(), 0)
     newest = max(committed)
     assert guard.resumed_step == newest and pos == newest + 1
     assert float(state["params"]["w"][0, 0]) == newest and int(state["step"]) == newest + 1
