@@ -81,3 +81,10 @@ def assert_second_calls_compile_nothing(calls, count_compiles):
         for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
             np.testing.assert_array_equal(u, v)
     return first
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core, at most 4 (each worker holds 8 forced CPU
+    devices, a TensorFlow import and compiled models: ~2-3 GB)."""
+    return max(1, min(os.cpu_count() or 1, 4))
