@@ -34,18 +34,16 @@ its onset (or none did) has "no earlier sign found" (:func:`lead_phrase`).
 from __future__ import annotations
 
 import math
-import re
 
 import numpy as np
 
 from jvitals._monitor_policy import Policy
 from jvitals._monitor_trackers import LayerHistory
-from jvitals._monitor_types import Localization
+from jvitals._monitor_types import Localization, split_group
 
 __all__ = ["NO_EARLIER_SIGN", "lead_phrase", "localize"]
 
 NO_EARLIER_SIGN = "no earlier sign found"
-_GROUP = re.compile(r"/(layer_\d+|embedding|lm_head)$")
 _SLOPE_T = 3.0  # a reference slope counts (is extrapolated) when |b| / se(b) > this
 
 
@@ -65,8 +63,8 @@ def group_of(name: str) -> str | None:
     ``"lm_head"``, ``"layer_{i}"``, or None (a global figure)."""
     if name.startswith("moe/"):
         return "router"
-    m = _GROUP.search(name)
-    return m.group(1) if m else None
+    sg = split_group(name)
+    return sg[1] if sg else None
 
 
 def localize(hist: LayerHistory, onset: int, event: str, p: Policy, exclude: str = "",

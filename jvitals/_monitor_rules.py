@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import collections
 import math
-import re
 from typing import Any, Mapping, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -66,7 +65,7 @@ from jvitals._monitor_trackers import (
     median,
     theil_sen,
 )
-from jvitals._monitor_types import Alert, Level, Spike, dec_float, enc_float
+from jvitals._monitor_types import Alert, Level, Spike, dec_float, enc_float, split_group
 
 __all__ = [
     "BrokenModelRule",
@@ -558,8 +557,6 @@ class GroupRule(_Base):
     """
 
     name = "group"
-    _GROUP = re.compile(r"^(?P<fam>.+)/(?P<g>embedding|lm_head|layer_(?P<i>\d+))$")
-
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
         self.cols: dict[str, list] = {}  # name -> [samples, b, mad, run, first out step, sign]
@@ -569,9 +566,9 @@ class GroupRule(_Base):
         if got is None:
             fams: dict[str, list[tuple[str, str, bool, int]]] = {}
             for i, k in enumerate(f.plan.keys):
-                mt = self._GROUP.match(k)
-                if mt and mt["fam"] in self.p.group_bands:
-                    fams.setdefault(mt["fam"], []).append((k, mt["g"], mt["i"] is not None, i))
+                sg = split_group(k)
+                if sg and sg[0] in self.p.group_bands:
+                    fams.setdefault(sg[0], []).append((k, sg[1], sg[2] is not None, i))
             got = f.plan.cache[self.name] = fams
         return got
 

@@ -56,6 +56,7 @@ import math
 import re
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, Union
 
+from jvitals._monitor_types import split_group
 from jvitals.lr_scale import get_lr_scales, set_lr_scale
 
 __all__ = [
@@ -92,8 +93,6 @@ DEFAULT_REMEDIES: Mapping[str, str] = {
 
 Remedy = Union[str, Callable[..., Any]]
 RemedyTable = tuple[tuple[str, Remedy], ...]
-
-_GROUP = re.compile(r"/(?P<g>embedding|lm_head|layer_(?P<i>\d+))$")
 
 
 class Cause(NamedTuple):
@@ -156,8 +155,8 @@ def causes_of(alerts: Iterable[Any]) -> list[Cause]:
         details = _get(a, "details", None) or {}
         group = details.get("group") if isinstance(details, Mapping) else None
         if group is None:
-            m = _GROUP.search(metric)
-            group = m["g"] if m else None
+            sg = split_group(metric)
+            group = sg[1] if sg else None
         out.append(Cause(str(_get(a, "rule", "")), metric, None if group is None else str(group),
                          int(_get(a, "level", 0) or 0), _float(_get(a, "value")),
                          _float(_get(a, "baseline")), i))
