@@ -163,6 +163,15 @@ def causes_of(alerts: Iterable[Any]) -> list[Cause]:
     return out
 
 
+def check_regex(pattern: str, where: str) -> None:
+    """Raises a ValueError naming ``where`` and ``pattern`` if ``pattern`` is not a
+    regular expression (a table key of ``Rollback(remedies=)`` or ``reset_optimizer=``)."""
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"{where} key {pattern!r} is not a regular expression ({e})") from e
+
+
 def parse_remedies(remedies: None | str | Mapping[str, Remedy]) -> RemedyTable:
     """The ``Rollback(remedies=...)`` argument as an ordered table.
 
@@ -196,11 +205,7 @@ def parse_remedies(remedies: None | str | Mapping[str, Remedy]) -> RemedyTable:
         if not isinstance(pattern, str):
             raise ValueError(f"Rollback(remedies=...): a key must be a rule id or a metric regex "
                              f"(str), got {pattern!r}")
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            raise ValueError(f"Rollback(remedies=...): key {pattern!r} is not a regular "
-                             f"expression ({e})") from e
+        check_regex(pattern, "Rollback(remedies=...):")
         if isinstance(remedy, str):
             if remedy not in REMEDY_NAMES:
                 raise ValueError(f"Rollback(remedies=...): remedy {remedy!r} (for {pattern!r}) does "

@@ -143,7 +143,7 @@ from jvitals.checkpoints import (
     level_name,
 )
 from jvitals.lr_scale import has_lr_scale, set_lr_scale
-from jvitals.remedies import applied_text, apply_remedies, parse_remedies, reapply_lr_groups
+from jvitals.remedies import applied_text, apply_remedies, check_regex, parse_remedies, reapply_lr_groups
 from jvitals.writers import ROLLBACK_COUNT, ROLLBACK_LR_SCALE
 
 __all__ = [
@@ -458,11 +458,7 @@ def _parse_reset(spec: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
         if bad or not moments:
             raise ValueError(f"Rollback: reset_optimizer names Adam moments among {_MOMENTS}, got "
                              f"{moments!r} for {pattern!r}")
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            raise ValueError(f"Rollback: reset_optimizer key {pattern!r} is not a regular "
-                             f"expression ({e})") from e
+        check_regex(pattern, "Rollback: reset_optimizer")
         out.append((str(pattern), moments))
     return tuple(out)
 
