@@ -580,7 +580,7 @@ def generate_run(run: Run, out_dir: Path, log: Callable[[str], None] = print) ->
             log(f"  {run.name} step {step}/{run.steps} loss {row['loss']:.3f} "
                 f"{(time.perf_counter() - t0) / (step + 1) * 1e3:.1f} ms/step")
     landed = any("param/norm/embedding" in Path(sys.modules[m].__file__).read_text()
-                 for m in ("jvitals.gradients", "jvitals.record"))
+                 for m in ("jvitals.metrics.gradients", "jvitals.metrics.record"))
     meta = dict(
         name=run.name, model=run.model, model_config=dict(MODELS[run.model]),
         seed=run.seed, fault=run.fault, fault_step=run.fault_step, group=run.group, level=run.level,
@@ -741,7 +741,7 @@ def _level_name(level: Any) -> str:
 def score_stream(stream: Stream, cadence: int = 10, monitor_factory: Callable[[], Any] | None = None) -> Score:
     """Replay ``stream`` through a fresh ``jvitals.Monitor()`` and the two baselines."""
     if monitor_factory is None:
-        from jvitals.monitor import Monitor
+        from jvitals.monitor.monitor import Monitor
 
         monitor_factory = Monitor
     mon = monitor_factory()

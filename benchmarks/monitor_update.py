@@ -22,8 +22,8 @@ import time
 
 import numpy as np
 
-from jvitals._monitor_localize import localize
-from jvitals.monitor import Monitor
+from jvitals.monitor.localize import localize
+from jvitals.monitor.monitor import Monitor
 
 GLOBAL = [
     "loss", "ppl", "grad/global_norm", "grad/global_norm_post_clip", "grad/clip_ratio",

@@ -24,7 +24,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jvitals.activations import activation_metrics
+from jvitals.metrics.activations import activation_metrics
 from jvitals.reference_model import ModelConfig, init_params, loss_fn
 
 

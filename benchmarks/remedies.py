@@ -39,8 +39,8 @@ import optax
 
 import jvitals as vitals
 from jvitals import reference_model as rm
-from jvitals.monitor import Monitor, Policy
-from jvitals.rollback import Action, Rollback, RollbackLimitError
+from jvitals.monitor.monitor import Monitor, Policy
+from jvitals.guard.rollback import Action, Rollback, RollbackLimitError
 
 CFG = rm.ModelConfig(vocab=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64,
                      sow_attn_logits=False)

@@ -34,8 +34,8 @@ import numpy as np
 import optax
 
 from jvitals import reference_model as rm
-from jvitals.lr_scale import with_lr_scale
-from jvitals.rollback import Rollback, Snapshots
+from jvitals.optim.lr_scale import with_lr_scale
+from jvitals.guard.rollback import Rollback, Snapshots
 
 
 class State(NamedTuple):

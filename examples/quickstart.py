@@ -269,7 +269,7 @@ def main(argv=None) -> int:
     report = workdir / "report.html"
     if not args.no_report:
         t = say("writing the HTML report (reads the event files back, draws the plots) ...")
-        from jvitals import report as report_mod
+        from jvitals.report import page as report_mod
 
         report_mod.write_report(str(logdir), str(report), total_steps=args.steps)
         say("written", t)

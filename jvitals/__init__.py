@@ -1,29 +1,81 @@
 """jvitals: a JAX/Flax training run's vital signs, measured in the step, acted on by the host.
 
-Device side (pure, traceable under ``jit``/``shard_map``/``pmap``): :func:`summarize`,
-:func:`reduce`, the ``*_metrics`` functions, the probes, :func:`instrument` (the
-activation summaries of any Flax Linen model), the optax recorder :func:`record`
-and the remedies (:func:`with_lr_scale` per group, :func:`layerwise_lr_decay`,
-:func:`adaptive_clip`, :func:`z_loss`, :func:`qk_clip`). Host side: :class:`Monitor`
-(a list of rules; verdicts), :class:`Rollback` (the response policy; with
-``remedies="default"`` it applies the alert's remedy at a rollback) over a
-:class:`CheckpointStore` (orbax checkpoints, pins, quarantine), :func:`write`
-(clu writers), :class:`StepTimer`.
-See ``docs/METRICS.md`` for every metric.
+The package is laid out as the data flows (imports run the same way, never back):
+
+- :mod:`jvitals.metrics`, the device side (pure, traceable under ``jit``/``shard_map``/``pmap``):
+  :func:`summarize`, :func:`reduce`, the ``*_metrics`` functions, the probes,
+  :func:`instrument` (the activation summaries of any Flax Linen model), the optax
+  recorder :func:`record`, :class:`StepTimer`.
+- :mod:`jvitals.optim`, the optax remedies beside it: :func:`with_lr_scale` per group,
+  :func:`layerwise_lr_decay`, :func:`adaptive_clip`, :func:`z_loss`, :func:`qk_clip`.
+- :mod:`jvitals.monitor`, the host's judgement: :class:`Monitor` (a list of rules;
+  verdicts), :class:`Policy`.
+- :mod:`jvitals.guard`, the response: :class:`Rollback` (with ``remedies="default"`` it
+  applies the alert's remedy at a rollback) over a :class:`CheckpointStore` (orbax
+  checkpoints, pins, quarantine).
+- :mod:`jvitals.report`, what a person reads: :func:`write` (clu writers), the HTML
+  report and ``jvitals report LOGDIR``.
+
+Every public name is re-exported here, flat, as optax does. See ``docs/METRICS.md``
+for every metric and ``docs/LAYOUT.md`` for the layout.
 """
 
-from jvitals.activations import activation_metrics, bos_value_grad_metrics, mtp_metrics
-from jvitals.checkpoints import CheckpointStore
-from jvitals.clipping import AdaptiveClipState, adaptive_clip
-from jvitals.gradients import global_norm, global_norm_metrics, gradient_metrics, update_metrics
-from jvitals.host import StepTimer, device_memory_metrics
-from jvitals.instrument import ExpertChoices, InstrumentReport, instrument
-from jvitals.layer_decay import layer_decay_factors, layerwise_lr_decay
-from jvitals.losses import z_loss
-from jvitals.moe import MoEWindowState, moe_metrics, moe_window_init, moe_window_update
+from jvitals.metrics import (
+    activation_metrics,
+    assign_roles,
+    attn_logits_probe,
+    bos_value_grad_metrics,
+    device_memory_metrics,
+    ExpertChoices,
+    explain_roles,
+    global_norm,
+    global_norm_metrics,
+    gradient_metrics,
+    instrument,
+    InstrumentReport,
+    LeafRole,
+    logits_probe,
+    LogitsSummary,
+    moe_metrics,
+    moe_window_init,
+    moe_window_update,
+    MoEWindowState,
+    mtp_metrics,
+    optimizer_metrics,
+    PackedMetrics,
+    perturb_values,
+    QKVSplit,
+    record,
+    recorded,
+    recorded_steps,
+    RecordState,
+    reduce,
+    Roles,
+    RolesExplanation,
+    sow_summary,
+    StepTimer,
+    summarize,
+    summarize_logits,
+    Summary,
+    update_metrics,
+)
+from jvitals.optim import (
+    adaptive_clip,
+    AdaptiveClipState,
+    get_lr_scale,
+    get_lr_scales,
+    layer_decay_factors,
+    layerwise_lr_decay,
+    LRGroupScaleState,
+    qk_clip,
+    set_lr_scale,
+    with_lr_scale,
+    z_loss,
+)
 from jvitals.monitor import (
     Alert,
     Change,
+    default_rules,
     Figures,
     Level,
     Localization,
@@ -31,25 +83,14 @@ from jvitals.monitor import (
     Policy,
     Spike,
     Verdict,
-    default_rules,
 )
-from jvitals.optimizer import optimizer_metrics
-from jvitals.probes import (
-    LogitsSummary,
-    attn_logits_probe,
-    logits_probe,
-    perturb_values,
-    sow_summary,
-    summarize_logits,
-)
-from jvitals.packed import PackedMetrics
-from jvitals.qk_clip import qk_clip
-from jvitals.record import RecordState, record, recorded, recorded_steps
-from jvitals.lr_scale import LRGroupScaleState, get_lr_scale, get_lr_scales, set_lr_scale, with_lr_scale
-from jvitals.remedies import DEFAULT_REMEDIES, REMEDY_NAMES, Cause
-from jvitals.rollback import (
+from jvitals.guard import (
     Action,
+    Cause,
     CheckpointSaveError,
+    CheckpointStore,
+    DEFAULT_REMEDIES,
+    REMEDY_NAMES,
     Response,
     Rollback,
     RollbackError,
@@ -57,9 +98,9 @@ from jvitals.rollback import (
     Snapshots,
     TrainingPaused,
 )
-from jvitals.roles import LeafRole, QKVSplit, Roles, RolesExplanation, assign_roles, explain_roles
-from jvitals.stats import Summary, reduce, summarize
-from jvitals.writers import write
+from jvitals.report import (
+    write,
+)
 
 __version__ = "0.1.0"
 

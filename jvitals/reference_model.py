@@ -8,7 +8,7 @@ attention, K MTP heads (DeepSeek-V3 style, sharing the embedding and LM head), a
 layers as a Python list (``layers_{i}``) or ``nn.scan``-stacked (``layers``).
 
 Sown under the METRICS.md §7 names (raw tensors, or the probes of
-:mod:`jvitals.probes` with ``use_probes=True``):
+:mod:`jvitals.metrics.probes` with ``use_probes=True``):
 
 - ``hidden_states`` each layer's output; ``attn_out_before_proj`` the attention
   core output (before the gate and ``o_proj``); ``gate_scores`` the sigmoid gate;
@@ -17,7 +17,7 @@ Sown under the METRICS.md §7 names (raw tensors, or the probes of
   ``logits`` the output logits; ``mtp_logits`` each MTP depth's logits, k = 1..K.
 - ``bos_value``: a ``Module.perturb`` on the attention values ``[B, T, heads, Dh]``.
 
-Parameter names (a contract with :mod:`jvitals.roles`)::
+Parameter names (a contract with :mod:`jvitals.metrics.roles`)::
 
   embed/embedding [V, D]
   layers_{i}/... or layers/... (scan; leading axis L)
@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jvitals import probes
+from jvitals.metrics import probes
 
 __all__ = [
     "Decoder",

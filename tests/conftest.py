@@ -59,8 +59,8 @@ def count_compiles():
 def nonfinite_path(request):
     """Run a module twice: non-finite counts under a ``lax.cond`` (what the CPU
     compiles) and as an unconditional select (what GPUs and TPUs compile; see
-    ``jvitals.stats._healthy_or``), so both are checked here."""
-    from jvitals import stats
+    ``jvitals.metrics.stats._healthy_or``), so both are checked here."""
+    from jvitals.metrics import stats
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(stats, "_healthy_or", stats._cond_healthy_or if request.param == "cond"

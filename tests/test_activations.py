@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import assert_second_calls_compile_nothing
-from jvitals.activations import activation_metrics, bos_value_grad_metrics, mtp_metrics
+from jvitals.metrics.activations import activation_metrics, bos_value_grad_metrics, mtp_metrics
 from jvitals.reference_model import (ModelConfig, init_params, init_perturbations, loss_fn,
                                      make_batch)
 
@@ -524,8 +524,8 @@ def test_other_bad_inputs(runs):
 def test_eager_metrics_compile_once(count_compiles):
     """activation_metrics, summarize_logits and moe_metrics called eagerly twice with
     the same shapes: the second call compiles nothing (issue 20 item 7)."""
-    from jvitals.moe import moe_metrics
-    from jvitals.probes import summarize_logits
+    from jvitals.metrics.moe import moe_metrics
+    from jvitals.metrics.probes import summarize_logits
 
     rng = np.random.default_rng(0)
     inter = {"layers_0": {"hidden_states": (jax.device_put(jnp.asarray(rng.normal(size=(2, 4, 8)), jnp.float32)),)},

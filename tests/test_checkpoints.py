@@ -1,4 +1,4 @@
-"""Tests of jvitals.checkpoints.CheckpointStore alone (no verdicts, no policy).
+"""Tests of jvitals.guard.checkpoints.CheckpointStore alone (no verdicts, no policy).
 
 Real orbax checkpoints on disk; what is kept is read back from the directory.
 """
@@ -13,14 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jvitals.checkpoints import (
+from jvitals.guard.checkpoints import (
     CADENCE,
     ORANGE_SAVE,
     QUARANTINE_FILE,
     ROLLBACK_SAVE,
     CheckpointStore,
 )
-from jvitals.monitor import Level
+from jvitals.monitor.monitor import Level
 
 
 def tree(v: float) -> dict:
@@ -37,7 +37,7 @@ def save(store, step, level=Level.GREEN, kind=CADENCE, open_peak=0):
 
 def test_pins_outlive_retention_and_the_log_says_why(tmp_path, caplog):
     store = CheckpointStore(tmp_path, keep_last=2, keep_every=None, keep_green=0)
-    caplog.set_level(logging.INFO, logger="jvitals.checkpoints")
+    caplog.set_level(logging.INFO, logger="jvitals.guard.checkpoints")
     for s in (0, 10, 20):
         save(store, s)
     store.set_pins({10: "rollback target (restored at step 25)"})
@@ -136,7 +136,7 @@ def test_a_late_read_on_a_closed_loop_is_held_back_and_other_errors_are_not(monk
 
     import tensorstore as ts
 
-    from jvitals import checkpoints
+    from jvitals.guard import checkpoints
 
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))

@@ -1,4 +1,4 @@
-"""Tests of jvitals.clipping.adaptive_clip against a plain-Python ZClip."""
+"""Tests of jvitals.optim.clipping.adaptive_clip against a plain-Python ZClip."""
 
 import math
 
@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from jvitals.clipping import AdaptiveClipState, adaptive_clip
+from jvitals.optim.clipping import AdaptiveClipState, adaptive_clip
 
 
 class PlainZClip:

@@ -191,7 +191,7 @@ def test_save_load_round_trip(tmp_path):
 
 
 def test_replay_throughput_is_a_steptimer_read_at_the_cadence(tmp_path):
-    from jvitals.host import StepTimer
+    from jvitals.metrics.host import StepTimer
 
     dts = [0.01 * (1 + (s % 3)) for s in range(25)]
     rows = [{"loss": 1.0, "sys/steps_per_sec": 1 / dt} for dt in dts]

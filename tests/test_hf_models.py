@@ -22,10 +22,10 @@ import pytest  # noqa: E402
 
 tf = pytest.importorskip("transformers")
 
-from jvitals.activations import activation_metrics  # noqa: E402
-from jvitals.gradients import gradient_metrics  # noqa: E402
-from jvitals.instrument import instrument  # noqa: E402
-from jvitals.roles import QKVSplit, Roles, explain_roles  # noqa: E402
+from jvitals.metrics.activations import activation_metrics  # noqa: E402
+from jvitals.metrics.gradients import gradient_metrics  # noqa: E402
+from jvitals.metrics.instrument import instrument  # noqa: E402
+from jvitals.metrics.roles import QKVSplit, Roles, explain_roles  # noqa: E402
 
 B, T, V, D, H, L = 2, 8, 64, 32, 4, 2
 DH = D // H

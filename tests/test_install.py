@@ -20,7 +20,7 @@ def test_base_import_needs_neither_clu_nor_tensorflow():
 
 
 def test_report_without_its_extra_names_the_extra(tmp_path, monkeypatch, capsys):
-    from jvitals import cli
+    from jvitals.report import cli
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jvitals.activations import activation_metrics
-from jvitals.instrument import ExpertChoices, instrument
-from jvitals.moe import moe_metrics
-from jvitals.probes import LogitsRows
+from jvitals.metrics.activations import activation_metrics
+from jvitals.metrics.instrument import ExpertChoices, instrument
+from jvitals.metrics.moe import moe_metrics
+from jvitals.metrics.probes import LogitsRows
 from jvitals.reference_model import Decoder, ModelConfig, init_params, loss_fn, make_batch
-from jvitals.stats import TokenSummary
+from jvitals.metrics.stats import TokenSummary
 
 
 def _split(inter):

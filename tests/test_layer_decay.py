@@ -8,9 +8,9 @@ import numpy as np
 import optax
 import pytest
 
-from jvitals.layer_decay import layer_decay_factors, layerwise_lr_decay
+from jvitals.optim.layer_decay import layer_decay_factors, layerwise_lr_decay
 from jvitals.reference_model import ModelConfig, init_params
-from jvitals.roles import path_str
+from jvitals.metrics.roles import path_str
 
 import hf_trees
 

@@ -1,11 +1,11 @@
-"""Tests of jvitals.losses.z_loss against NumPy (float64)."""
+"""Tests of jvitals.optim.losses.z_loss against NumPy (float64)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jvitals.losses import z_loss
+from jvitals.optim.losses import z_loss
 
 
 def _np_lse(x):

@@ -7,7 +7,7 @@ import optax
 import pytest
 from flax.training import train_state
 
-from jvitals.lr_scale import LR_SCALE, LR_SCALE_ARG, get_lr_scale, has_lr_scale, set_lr_scale, with_lr_scale
+from jvitals.optim.lr_scale import LR_SCALE, LR_SCALE_ARG, get_lr_scale, has_lr_scale, set_lr_scale, with_lr_scale
 
 
 def _params():
@@ -174,8 +174,8 @@ import os  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 import hf_trees  # noqa: E402
 
-from jvitals.lr_scale import LRGroupScaleState, get_lr_scales  # noqa: E402
-from jvitals.roles import path_str  # noqa: E402
+from jvitals.optim.lr_scale import LRGroupScaleState, get_lr_scales  # noqa: E402
+from jvitals.metrics.roles import path_str  # noqa: E402
 
 
 def _labels(params):

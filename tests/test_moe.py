@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jvitals.moe import MoEWindowState, moe_metrics, moe_window_init, moe_window_update
+from jvitals.metrics.moe import MoEWindowState, moe_metrics, moe_window_init, moe_window_update
 
 
 def np_moe(c, top_k, bias=None, ids=None):

@@ -10,8 +10,8 @@ import re
 import numpy as np
 import pytest
 
-from jvitals import monitor as mon
-from jvitals.monitor import Alert, Level, Monitor, Policy, Spike, Verdict
+from jvitals.monitor import monitor as mon
+from jvitals.monitor.monitor import Alert, Level, Monitor, Policy, Spike, Verdict
 
 
 # --------------------------------------------------------------------------

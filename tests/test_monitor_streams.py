@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from jvitals.monitor import Monitor
+from jvitals.monitor.monitor import Monitor
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STREAMS = ROOT / "tests" / "data" / "streams"

@@ -8,7 +8,7 @@ import pytest
 from flax.training.dynamic_scale import DynamicScale
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jvitals.optimizer import NU_BINS, histogram_quantile, log_histogram, optimizer_metrics, search_quantile
+from jvitals.metrics.optimizer import NU_BINS, histogram_quantile, log_histogram, optimizer_metrics, search_quantile
 
 # |log10(estimate) - log10(exact)| bound of the 2^-7-relative bins (midpoint rule).
 BIN_DECADES = np.log10(1 + 2.0 ** -7)
@@ -141,7 +141,7 @@ def test_shard_map_nu_sharded_over_expert_equals_one_device(median):
 
 
 def test_log_histogram_in_chunks_equals_numpy_bincount(monkeypatch):
-    from jvitals import optimizer as opt_mod
+    from jvitals.metrics import optimizer as opt_mod
 
     monkeypatch.setattr(opt_mod, "_HIST_CHUNK", 1000)  # 2503 elements: 2 whole chunks and a remainder
     x = np.abs(np.random.default_rng(5).normal(size=(2503,)).astype(np.float32)) * 1e-3

@@ -13,7 +13,11 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from jvitals import optimizer_metrics, probes, stats
+from jvitals import optimizer_metrics
+
+from jvitals.metrics import probes
+
+from jvitals.metrics import stats
 
 ACCELERATORS = ("cuda", "rocm", "tpu")
 

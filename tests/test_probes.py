@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jvitals import probes
-from jvitals.activations import activation_metrics
-from jvitals.stats import summarize
+from jvitals.metrics import probes
+from jvitals.metrics.activations import activation_metrics
+from jvitals.metrics.stats import summarize
 
 
 class _Probed(nn.Module):
@@ -243,7 +243,7 @@ def test_logits_summary_reduce_inside_shard_map_without_mask():
 
 def test_logits_rows_then_mask_equals_summarize_logits():
     """LogitsRows (what instrument sows) masked afterwards == summarize_logits with the mask."""
-    from jvitals.probes import logits_rows
+    from jvitals.metrics.probes import logits_rows
 
     rng = np.random.default_rng(5)
     x = rng.normal(size=(2, 6, 40)).astype(np.float32)

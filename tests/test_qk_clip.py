@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jvitals.qk_clip import qk_clip
+from jvitals.optim.qk_clip import qk_clip
 from jvitals.reference_model import Decoder, ModelConfig, init_params, make_batch
-from jvitals.roles import path_str
+from jvitals.metrics.roles import path_str
 
 import hf_trees
 
@@ -135,7 +135,7 @@ def test_the_max_logit_after_one_forward_pass_is_tau(attention, heads):
 
 def test_one_head_fused_kernel_with_head_counts_given():
     """[D, 3*Dh] = [32, 24]: the shape alone points at the wrong axis; the counts (or O) fix it."""
-    from jvitals.roles import QKVSplit, Roles
+    from jvitals.metrics.roles import QKVSplit, Roles
 
     cfg = ModelConfig(n_layers=1, n_heads=1, n_kv_heads=1)
     params = _params(cfg, 4)
@@ -201,7 +201,7 @@ def test_sharded_params_on_a_mesh(devices):
 
 def test_interleaved_per_head_fused_kernel_bloom_layout():
     """Bloom/GPT-NeoX ``query_key_value``: columns ``[H, 3, Dh]`` (jvitals.qkv's interleaved split)."""
-    from jvitals.roles import QKVSplit, Roles
+    from jvitals.metrics.roles import QKVSplit, Roles
 
     h, dh, d = 2, 4, 8
     rng = np.random.default_rng(5)

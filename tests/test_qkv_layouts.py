@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jvitals.gradients import gradient_metrics
-from jvitals.qkv import merge_qkv, qkv_layout, qkv_part_ids, split_qkv
-from jvitals.roles import QKVSplit, Roles
+from jvitals.metrics.gradients import gradient_metrics
+from jvitals.metrics.qkv import merge_qkv, qkv_layout, qkv_part_ids, split_qkv
+from jvitals.metrics.roles import QKVSplit, Roles
 
 D = 16
 

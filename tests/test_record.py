@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import jvitals as vitals
 from jvitals.reference_model import ModelConfig, init_params
 
-record_module = importlib.import_module("jvitals.record")
+record_module = importlib.import_module("jvitals.metrics.record")
 
 
 def tree(seed=0, scale=1.0):
@@ -594,7 +594,7 @@ def test_only_fresh_figures_reach_the_host_and_a_real_writer(tmp_path):
 def test_packed_metrics_freshness_survives_jit_device_get_pickle_and_merge():
     import pickle
 
-    from jvitals.packed import PackedMetrics
+    from jvitals.metrics.packed import PackedMetrics
 
     names = ("a", "b/layer_0", "c")
     fams = ("global", "layers", "global")
@@ -688,7 +688,7 @@ def test_a_clip_with_a_threshold_state_is_recognised_alone_and_first_in_a_chain(
 
 
 def test_the_real_adaptive_clip_is_recognised_as_a_clip():
-    clipping = pytest.importorskip("jvitals.clipping")
+    clipping = pytest.importorskip("jvitals.optim.clipping")
     params = tree(0)
     scales = [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0, 20.0, 1.0, 1.0]  # a spike after the warm-up
     grads_seq = [tree(100 + i, scale=s) for i, s in enumerate(scales)]

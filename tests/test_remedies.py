@@ -19,10 +19,10 @@ import numpy as np
 import optax
 import pytest
 
-from jvitals.lr_scale import get_lr_scale, get_lr_scales, with_lr_scale
-from jvitals.monitor import Alert, Level, Verdict
+from jvitals.optim.lr_scale import get_lr_scale, get_lr_scales, with_lr_scale
+from jvitals.monitor.monitor import Alert, Level, Verdict
 from jvitals.reference_model import ModelConfig, init_params
-from jvitals.remedies import (
+from jvitals.guard.remedies import (
     DEFAULT_REMEDIES,
     REMEDY_NAMES,
     applied_text,
@@ -30,8 +30,8 @@ from jvitals.remedies import (
     causes_of,
     parse_remedies,
 )
-from jvitals.report import remedy_texts
-from jvitals.rollback import Action, Rollback
+from jvitals.report.page import remedy_texts
+from jvitals.guard.rollback import Action, Rollback
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab=32, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32,
@@ -194,7 +194,7 @@ def test_guard_applies_records_checkpoints_and_resumes_the_remedies(tmp_path):
     (msg,) = [a.message for a in r.alerts if a.rule == "rollback"]
     assert "applied: embedding LR x0.5; QK-clip at tau=20" in msg
     pytest.importorskip("matplotlib")
-    from jvitals.report import Run, build_html
+    from jvitals.report.page import Run, build_html
     run = Run(str(tmp_path), [], {"loss": (np.arange(41), np.ones(41))}, {}, {}, [], [ev], {}, [])
     page = build_html(run)
     assert "<th>remedies applied</th>" in page and "<td>embedding LR x0.5; QK-clip at tau=20" in page

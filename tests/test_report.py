@@ -14,7 +14,9 @@ import pytest
 pytest.importorskip("matplotlib")
 metric_writers = pytest.importorskip("clu.metric_writers")
 
-from jvitals import cli, report  # noqa: E402
+from jvitals.report import cli
+
+from jvitals.report import page as report  # noqa: E402
 
 EVIL = "<script>alert(1)</script> & <b>bold</b>"
 NUM_LAYERS = 4
@@ -268,7 +270,7 @@ def test_plot_helpers_for_notebooks(run):
 def test_console_script(logdir, tmp_path):
     out = str(tmp_path / "sub" / "r.html")
     exe = shutil.which("jvitals")
-    cmd = [exe] if exe else [sys.executable, "-m", "jvitals.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "jvitals.report.cli"]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     res = subprocess.run([*cmd, "report", logdir, "--out", out, "--phase", "start-up"],
                          capture_output=True, text=True, timeout=120, env=env)
@@ -277,7 +279,7 @@ def test_console_script(logdir, tmp_path):
         doc = f.read()
     assert "start-up <span class='muted'>(this run&#x27;s phase" in doc
     assert "<script" not in doc.lower()
-    res = subprocess.run([sys.executable, "-m", "jvitals.cli", "report", str(tmp_path / "missing"), "--out", out],
+    res = subprocess.run([sys.executable, "-m", "jvitals.report.cli", "report", str(tmp_path / "missing"), "--out", out],
                          capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 2 and "expected LOGDIR to be a directory" in res.stderr
 
@@ -372,7 +374,7 @@ def test_per_layer_figures_drawn_at_their_own_steps(tmp_path):
     import matplotlib
 
     matplotlib.use("Agg")
-    from jvitals.writers import write
+    from jvitals.report.writers import write
 
     w = metric_writers.create_default_writer(str(tmp_path), asynchronous=False)
     for step in range(0, 101):
@@ -402,7 +404,7 @@ import functools, jax, jax.numpy as jnp, optax
 import jvitals as vitals
 from clu import metric_writers
 from jvitals import reference_model as rm
-from jvitals.rollback import Rollback
+from jvitals.guard.rollback import Rollback
 
 cfg = rm.ModelConfig(vocab=32, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32,
                      moe=True, n_experts=4, top_k=2, d_expert=16, sow_attn_logits=False)

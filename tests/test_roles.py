@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jvitals.roles import QKVSplit, Roles, assign_roles, explain_roles
+from jvitals.metrics.roles import QKVSplit, Roles, assign_roles, explain_roles
 
 S = jax.ShapeDtypeStruct
 

@@ -1,7 +1,7 @@
 """Tests of jvitals.rollback: cadence saves, retention, orange pause, red rollback, faults.
 
-Every verdict here is a real :class:`jvitals.monitor.Verdict` (built directly for the
-unit tests, produced by a real :class:`jvitals.monitor.Monitor` in the end-to-end
+Every verdict here is a real :class:`jvitals.monitor.monitor.Verdict` (built directly for the
+unit tests, produced by a real :class:`jvitals.monitor.monitor.Monitor` in the end-to-end
 tests); every checkpoint is a real orbax checkpoint on disk.
 """
 
@@ -25,9 +25,9 @@ import optax
 import pytest
 from flax.training import train_state
 
-from jvitals.lr_scale import get_lr_scale, set_lr_scale, with_lr_scale
-from jvitals.monitor import Alert, Level, Monitor, Policy, Verdict
-from jvitals.rollback import (
+from jvitals.optim.lr_scale import get_lr_scale, set_lr_scale, with_lr_scale
+from jvitals.monitor.monitor import Alert, Level, Monitor, Policy, Verdict
+from jvitals.guard.rollback import (
     QUARANTINE_FILE,
     Action,
     CheckpointSaveError,
@@ -390,8 +390,8 @@ KILL_CHILD = textwrap.dedent("""
     os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, {repo!r})
     import jax, jax.numpy as jnp
-    from jvitals.rollback import Rollback, Snapshots
-    from jvitals.lr_scale import with_lr_scale
+    from jvitals.guard.rollback import Rollback, Snapshots
+    from jvitals.optim.lr_scale import with_lr_scale
     import optax
     tx = with_lr_scale(optax.sgd(0.1))
     def state(v):
@@ -637,7 +637,7 @@ def test_onset_at_a_sparse_check_skips_the_checkpoint_of_the_previous_check(tmp_
 # loop (bitwise: CPU training here is deterministic) or are computed by hand.
 # ----------------------------------------------------------------------------
 
-from jvitals.rollback import Snapshots, reset_adam_moments  # noqa: E402
+from jvitals.guard.rollback import Snapshots, reset_adam_moments  # noqa: E402
 
 _REF: dict[int, tuple] = {}
 
@@ -776,7 +776,7 @@ def test_late_onset_between_checks_takes_the_checkpoint_before(tmp_path):
 
 
 def _alert(id_, level, step, onset, rule="grad_norm", clearing=None, closed=None, deps=(), lead=None):
-    from jvitals.monitor import Localization
+    from jvitals.monitor.monitor import Localization
     locs = [Localization("grad/norm/layer_0", d, 1.0, 2.0, 2.0, onset - d, "line") for d in deps]
     return Alert(id=id_, rule=rule, metric="grad/global_norm", level=Level(level), step=step, value=9.0,
                  baseline=1.0, ratio=9.0, onset_step=onset, opened_step=onset, message=f"[{Level(level).name}] #{id_}",
@@ -963,7 +963,7 @@ def test_resume_skips_sick_checkpoints_and_says_why(tmp_path, caplog):
     guard.act(30, make_state(30), _v(30, _alert(1, Level.YELLOW, 30, 25)), 31)     # still open: sick
     guard.close()
     assert steps_on_disk(tmp_path) == [0, 10, 20, 25, 30]
-    caplog.set_level("INFO", logger="jvitals.rollback")
+    caplog.set_level("INFO", logger="jvitals.guard.rollback")
     guard = Rollback(tmp_path, save_every=10)
     state, pos = guard.resume(make_state(0), 0)
     assert guard.resumed_step == 20 and value_of(state) == 20.0 and pos == 21
@@ -977,8 +977,8 @@ NOISY_CHILD = textwrap.dedent("""
     os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, {repo!r})
     import jax, jax.numpy as jnp, optax
-    from jvitals.rollback import Rollback
-    from jvitals.lr_scale import with_lr_scale
+    from jvitals.guard.rollback import Rollback
+    from jvitals.optim.lr_scale import with_lr_scale
     tx = with_lr_scale(optax.adam(1e-2))
     def st(v):
         p = {{f"w{{i}}": jnp.full((100, 30 + i), float(v)) for i in range(20)}}

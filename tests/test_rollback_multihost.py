@@ -16,9 +16,9 @@ import numpy as np
 import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
-from jvitals.lr_scale import get_lr_scale, with_lr_scale
-from jvitals.monitor import Alert, Level, Monitor, Policy, Verdict
-from jvitals.rollback import Action, Rollback
+from jvitals.optim.lr_scale import get_lr_scale, with_lr_scale
+from jvitals.monitor.monitor import Alert, Level, Monitor, Policy, Verdict
+from jvitals.guard.rollback import Action, Rollback
 
 assert jax.process_count() == 2 and jax.device_count() == 8
 pid = jax.process_index()

@@ -318,7 +318,7 @@ def test_summarize_sumsq_keeps_a_layer_axis():
 
 def test_eager_calls_compile_once(count_compiles):
     """A second eager call with the same shapes compiles nothing (issue 20 item 7)."""
-    from jvitals.stats import summarize, summarize_many, summarize_max, summarize_sumsq, summarize_tokens
+    from jvitals.metrics.stats import summarize, summarize_many, summarize_max, summarize_sumsq, summarize_tokens
 
     x = jax.device_put(jnp.arange(24.0).reshape(2, 3, 4))
     m = jax.device_put(jnp.array([[True, True, False], [True, False, False]]))
@@ -334,7 +334,7 @@ def test_eager_calls_compile_once(count_compiles):
 def test_token_summary_masked_equals_summarize():
     """Per-token partial sums masked later give summarize(x, mask): a NaN in a padded
     row counts nowhere; one in a valid row makes the figures NaN and is counted."""
-    from jvitals.stats import summarize_tokens
+    from jvitals.metrics.stats import summarize_tokens
 
     rng = np.random.default_rng(3)
     x = rng.normal(size=(2, 5, 6)).astype(np.float32)

@@ -67,7 +67,7 @@ LEVEL_COLORS = {"GREEN": "#2e9d4f", "YELLOW": "#f2c12e", "ORANGE": "#f08a24", "R
 PHASES = ("start-up", "middle", "late")
 STARTUP_END = 1000  # the guide: start-up is steps 0-1000.
 # The names the library writes, read by the same constants (jvitals.writers defines them).
-from jvitals.writers import (  # noqa: E402
+from jvitals.report.writers import (  # noqa: E402
     ALERTS_MD_TAG,  # the same alerts as markdown: shown only without the JSON
     ALERTS_TAG,
     EVENTS_TAG,

@@ -11,7 +11,7 @@ jvitals multiplies the *final update* by a separate hyperparameter instead::
 For every optax optimizer whose update is linear in its learning rate (SGD,
 Adam(W), Lion, Adafactor with a fixed lr, ...), scaling the update is the same as
 scaling the learning rate at every step of the schedule. The rollback in
-:mod:`jvitals.rollback` turns this scale down (x0.9 per rollback, compounding).
+:mod:`jvitals.guard.rollback` turns this scale down (x0.9 per rollback, compounding).
 
 **Per-group scales** (``groups="roles"`` or a function): every leaf belongs to a
 group (``"embedding"``, ``"lm_head"``, ``"layer_{i}"``, ``"other"`` by default) and
@@ -53,7 +53,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jvitals.roles import LeafRole, Roles, assign_roles
+from jvitals.metrics.optimizer import LR_SCALE, LR_SCALE_ARG  # the names the recorder reads
+from jvitals.metrics.roles import LeafRole, Roles, assign_roles
 
 __all__ = [
     "LR_SCALE",
@@ -66,12 +67,6 @@ __all__ = [
     "set_lr_scale",
     "with_lr_scale",
 ]
-
-LR_SCALE = "lr_scale"
-"""Name of the injected hyperparameter holding the global learning-rate scale."""
-
-LR_SCALE_ARG = "vitals_lr_scale"
-"""Extra update argument carrying the global scale in force to the wrapped ``tx``."""
 
 _STATE_TYPES = (optax.InjectStatefulHyperparamsState, optax.InjectHyperparamsState)
 
@@ -118,7 +113,7 @@ def leaf_groups(tree: Any, groups: GroupsArg = "roles", roles: Roles | None = No
         role ``embedding`` is ``"embedding"``, of role ``lm_head`` ``"lm_head"``, a
         leaf of layer ``i`` ``"layer_{i}"``, anything else ``"other"``; or a
         function ``tree -> pytree of group names`` (one ``str`` per leaf).
-      roles: the :class:`~jvitals.roles.Roles` for ``"roles"`` (defaults if None).
+      roles: the :class:`~jvitals.metrics.roles.Roles` for ``"roles"`` (defaults if None).
 
     Returns:
       Per leaf, a group name, or for an ``nn.scan``-stacked leaf
@@ -217,7 +212,7 @@ def with_lr_scale(tx: optax.GradientTransformation, lr_scale: float = 1.0, *,
         ``"layer_{i}"``, ``"other"``); a function ``params -> pytree of group
         names`` (one ``str`` per leaf); or a mapping ``{group: initial scale}``
         (roles groups, the others starting at 1.0).
-      roles: the :class:`~jvitals.roles.Roles` for the roles groups.
+      roles: the :class:`~jvitals.metrics.roles.Roles` for the roles groups.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is an

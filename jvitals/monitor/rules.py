@@ -2,7 +2,7 @@
 
 A rule reads one check's :class:`Figures` and returns the alert
 :class:`Change` s it makes (open/update at a level, release, close). Its
-parameters come from the :class:`~jvitals._monitor_policy.Policy`; its state
+parameters come from the :class:`~jvitals.monitor.policy.Policy`; its state
 has ``state_dict`` / ``load_state_dict`` (plain JSON). ``Monitor.update``
 runs the rules in order and applies each one's changes before the next
 runs, so a later rule sees what an earlier one published in
@@ -52,8 +52,8 @@ from typing import Any, Mapping, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
-from jvitals._monitor_policy import Policy
-from jvitals._monitor_trackers import (
+from jvitals.monitor.policy import Policy
+from jvitals.monitor.trackers import (
     BASELINES,
     BucketSeries,
     FixedBaseline,
@@ -65,7 +65,7 @@ from jvitals._monitor_trackers import (
     median,
     theil_sen,
 )
-from jvitals._monitor_types import Alert, Level, Spike, dec_float, enc_float, split_group
+from jvitals.monitor.types import Alert, Level, Spike, dec_float, enc_float, split_group
 
 __all__ = [
     "BrokenModelRule",

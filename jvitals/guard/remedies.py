@@ -56,8 +56,8 @@ import math
 import re
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, Union
 
-from jvitals._monitor_types import split_group
-from jvitals.lr_scale import get_lr_scales, set_lr_scale
+from jvitals.monitor.types import split_group
+from jvitals.optim.lr_scale import get_lr_scales, set_lr_scale
 
 __all__ = [
     "DEFAULT_REMEDIES",

@@ -4,12 +4,12 @@ A plain ``self.sow('intermediates', 'logits', logits)`` keeps a ``[B, T, V]`` te
 alive until the metrics are computed (and ships it out of ``jit`` if the
 intermediates are returned). The probes compute, inside the model, the few
 numbers a metric needs and sow those under the same METRICS.md §7 NAME, so
-:func:`jvitals.activations.activation_metrics` reads either form:
+:func:`jvitals.metrics.activations.activation_metrics` reads either form:
 
 =====================  ===================================================  ==========================
 probe                  sows                                                 size
 =====================  ===================================================  ==========================
-:func:`sow_summary`    a :class:`~jvitals.stats.Summary` of ``x``           5 scalars
+:func:`sow_summary`    a :class:`~jvitals.metrics.stats.Summary` of ``x``           5 scalars
 :func:`logits_probe`   a :class:`LogitsSummary` (logits, top-2, LSE, argmax) ~20 scalars + ``[B, T]`` int32
 :func:`attn_logits_probe` a ``Summary`` of the valid pre-softmax scores     5 scalars
 :func:`perturb_values` nothing sown: a zero perturbation (``Module.perturb``) gradient ``[B, T, ...]``
@@ -35,7 +35,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from jvitals.stats import (Summary, eager_jit, make_varying, pmax_over, reduce, summarize, summarize_many,
+from jvitals.metrics.stats import (Summary, eager_jit, make_varying, pmax_over, reduce, summarize, summarize_many,
                            summarize_max)
 
 __all__ = [
@@ -108,7 +108,7 @@ def vary_along(tree: Any, axes: tuple[str, ...]) -> Any:
     one of its fields happens to be identical on every shard (a count computed
     without a mask is the local token count, the same everywhere): ``psum`` then
     multiplies it by the axis size, which is the right global count.
-    ``jvitals.stats.reduce`` reduces each field over the axes JAX says it varies
+    ``jvitals.metrics.stats.reduce`` reduces each field over the axes JAX says it varies
     along, so the fields are cast to varying first (``lax.pcast(..., to='varying')``).
     Where JAX does not track varying axes this is the identity.
     """
@@ -410,7 +410,7 @@ def attn_logits_probe(module: Any, scores: jax.Array, mask: jax.Array | None = N
     """Sow the maximum |pre-softmax attention score| over valid entries (a ``Summary``).
 
     Only ``count``, ``abs_max`` and ``nonfinite`` are measured
-    (:func:`~jvitals.stats.summarize_max`: one reduction over ``[B, H, T, T]``
+    (:func:`~jvitals.metrics.stats.summarize_max`: one reduction over ``[B, H, T, T]``
     per layer); the summary's mean/rms are NaN by construction.
 
     Valid entries: causal (``k <= q``) and both the query and the key are real
@@ -446,6 +446,6 @@ def perturb_values(module: Any, v: jax.Array, name: str = "bos_value") -> jax.Ar
     (initialised by ``Module.init``, zeros of ``v``'s shape; stacked under
     ``nn.scan`` with ``variable_axes={'perturbations': 0}``). Without that collection
     in ``apply`` it is the identity. Feed the gradients to
-    :func:`jvitals.activations.bos_value_grad_metrics`.
+    :func:`jvitals.metrics.activations.bos_value_grad_metrics`.
     """
     return module.perturb(name, v)

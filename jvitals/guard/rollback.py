@@ -16,7 +16,7 @@ of :meth:`Rollback.respond` (at the host's check cadence) does one of::
                                   x ``lr_factor``; optionally skip data, reset Adam
                                   moments; data position kept by default
 
-The checkpoints live in a :class:`jvitals.checkpoints.CheckpointStore` (save,
+The checkpoints live in a :class:`jvitals.guard.checkpoints.CheckpointStore` (save,
 levels, pins, quarantine, retention); this module decides what to save, what to
 pin and what to restore, and knows nothing about orbax.
 
@@ -69,7 +69,7 @@ Decisions (each is tested):
   ``reset_optimizer`` (zero the Adam moments ``mu``/``nu`` of the named
   parameter groups; the count is reset too when every moment of every
   parameter is reset: a fresh Adam); then, with ``remedies=``, the remedy of each
-  alert's cause (:mod:`jvitals.remedies`: the alert's group LR x0.5, layer-wise
+  alert's cause (:mod:`jvitals.guard.remedies`: the alert's group LR x0.5, layer-wise
   LR decay, the QK-clip and z-loss flags in :attr:`Rollback.remedies`), each an
   action ``{"action": "remedy", "text": ...}`` named in the rollback alert's
   message ("applied: embedding LR x0.5"). The flags are saved with every
@@ -125,8 +125,8 @@ import jax
 import numpy as np
 import optax
 
-from jvitals._monitor_types import PRESCRIPTIONS, RULE_PRESCRIPTION, Alert, Level
-from jvitals.checkpoints import (
+from jvitals.monitor.types import PRESCRIPTIONS, RULE_PRESCRIPTION, Alert, Level
+from jvitals.guard.checkpoints import (
     CADENCE,
     MANUAL,
     ORANGE_SAVE,
@@ -142,9 +142,9 @@ from jvitals.checkpoints import (
     json_default,
     level_name,
 )
-from jvitals.lr_scale import has_lr_scale, set_lr_scale
-from jvitals.remedies import applied_text, apply_remedies, check_regex, parse_remedies, reapply_lr_groups
-from jvitals.writers import ROLLBACK_COUNT, ROLLBACK_LR_SCALE
+from jvitals.optim.lr_scale import has_lr_scale, set_lr_scale
+from jvitals.guard.remedies import applied_text, apply_remedies, check_regex, parse_remedies, reapply_lr_groups
+from jvitals.guard.events import ROLLBACK_COUNT, ROLLBACK_LR_SCALE, write_events
 
 __all__ = [
     "Action",
@@ -159,7 +159,7 @@ __all__ = [
     "TrainingPaused",
 ]
 
-_log = logging.getLogger("jvitals.rollback")
+_log = logging.getLogger("jvitals.guard.rollback")
 _MOMENTS = ("mu", "nu")
 
 
@@ -579,11 +579,11 @@ class Rollback:
       writer: a clu ``MetricWriter`` (or anything with its ``write_*`` methods):
         the guard writes its figures and events through :func:`jvitals.write`.
       remedies: None (only the LR x ``lr_factor``), ``"default"`` (the table of
-        :data:`jvitals.remedies.DEFAULT_REMEDIES`: a group's update-ratio or
+        :data:`jvitals.guard.remedies.DEFAULT_REMEDIES`: a group's update-ratio or
         grad-share alert -> that group's LR x0.5; a layer's -> layer-wise LR decay
         0.9; attention logits -> QK-clip at their pre-fault value; output logits
         -> z-loss), or a dict ``{rule id or metric regex: remedy name or
-        callable}`` (see :func:`jvitals.remedies.parse_remedies`). Applied at
+        callable}`` (see :func:`jvitals.guard.remedies.parse_remedies`). Applied at
         each rollback after the restore, on top of ``lr_factor`` (pass
         ``lr_factor=1.0`` for the remedy alone).
 
@@ -596,7 +596,7 @@ class Rollback:
       events: every event the guard recorded, oldest first.
       position: the data position to continue from after the latest call.
       resumed_step: the checkpoint :meth:`resume` restored (None: fresh start).
-      store: the :class:`~jvitals.checkpoints.CheckpointStore` of the checkpoints.
+      store: the :class:`~jvitals.guard.checkpoints.CheckpointStore` of the checkpoints.
       snapshot_store: the store of the snapshots (None without ``snapshots``).
       remedies: the remedies' flags for the loop (a plain JSON dict, saved with
         each checkpoint, restored by :meth:`resume`): ``"qk_clip_tau"`` (call
@@ -1265,8 +1265,7 @@ class Rollback:
     def _write(self, step: int, response: Response) -> None:
         if self.writer is None:
             return
-        from jvitals.writers import write
-        write(self.writer, step, response.metrics, None, events=list(response.events), histograms=False)
+        write_events(self.writer, step, response.metrics, response.events)
 
 
 def _action_text(a: Mapping[str, Any]) -> str:

@@ -1,7 +1,7 @@
 """Fused QKV kernels: where the Q, K and V parts of one fused projection lie.
 
 One concern: given a fused kernel (``c_attn``, ``query_key_value``, ``qkv``...) and
-its :class:`~jvitals.roles.QKVSplit`, say which entries along the split axis are Q,
+its :class:`~jvitals.metrics.roles.QKVSplit`, say which entries along the split axis are Q,
 K and V. Two layouts exist in the wild (``n`` entries along the split axis,
 ``H`` query heads, ``KVH`` key/value heads, ``Dh = n / (H + 2 KVH)``):
 
@@ -18,7 +18,7 @@ K and V. Two layouts exist in the wild (``n`` entries along the split axis,
 
 :func:`split_qkv` and :func:`merge_qkv` map a fused kernel to its Q, K and V parts
 and back (pure ``jnp``, inverse of each other), e.g. to scale the Q and K parts
-(QK-clip) exactly as :func:`~jvitals.gradients.gradient_metrics` splits them;
+(QK-clip) exactly as :func:`~jvitals.metrics.gradients.gradient_metrics` splits them;
 :func:`qkv_part_ids` gives the part of every entry along the split axis.
 """
 
@@ -34,12 +34,12 @@ import numpy as np
 from jax import lax
 
 if TYPE_CHECKING:
-    from jvitals.roles import LeafRole, QKVSplit, Roles
+    from jvitals.metrics.roles import LeafRole, QKVSplit, Roles
 
 __all__ = ["LAYOUTS", "QKVLayout", "merge_qkv", "qkv_layout", "qkv_part_ids", "split_qkv"]
 
 LAYOUTS = ("contiguous", "interleaved")
-"""The fused-QKV layouts :class:`~jvitals.roles.QKVSplit` can name (module docstring)."""
+"""The fused-QKV layouts :class:`~jvitals.metrics.roles.QKVSplit` can name (module docstring)."""
 
 
 class QKVLayout(NamedTuple):
@@ -88,13 +88,13 @@ def qkv_layout(shape: Sequence[int], split: "QKVSplit | None" = None, *, path: s
 
     Args:
       shape: one layer's kernel shape (no scan axis).
-      split: the :class:`~jvitals.roles.QKVSplit` (default ``QKVSplit()``).
+      split: the :class:`~jvitals.metrics.roles.QKVSplit` (default ``QKVSplit()``).
       path: the kernel's path, for error messages.
       layout: the layout when ``split.layout`` is None (what
-        :meth:`~jvitals.roles.Roles.qkv_layout_of` picks by path); default
+        :meth:`~jvitals.metrics.roles.Roles.qkv_layout_of` picks by path); default
         ``"contiguous"``.
       q_size: the Q width inferred from the output projection (contiguous layout
-        without head counts only; see :meth:`~jvitals.roles.QKVSplit.sizes`).
+        without head counts only; see :meth:`~jvitals.metrics.roles.QKVSplit.sizes`).
 
     Returns:
       A :class:`QKVLayout`.
@@ -104,7 +104,7 @@ def qkv_layout(shape: Sequence[int], split: "QKVSplit | None" = None, *, path: s
         or an axis that does not divide into the configured heads.
     """
     if split is None:
-        from jvitals.roles import QKVSplit
+        from jvitals.metrics.roles import QKVSplit
         split = QKVSplit()
     shape = tuple(int(d) for d in shape)
     lay = split.layout if split.layout is not None else (layout or "contiguous")
@@ -132,7 +132,7 @@ def resolve_fused(shape: Sequence[int], split: "QKVSplit | None" = None,
     """The split axis of one layer's fused kernel, checked against the head counts and
     the attention's output projection, and the Q width it implies.
 
-    :meth:`~jvitals.roles.QKVSplit.resolve_axis` reads the shape alone, which can
+    :meth:`~jvitals.metrics.roles.QKVSplit.resolve_axis` reads the shape alone, which can
     mislead: a one-head ``[D, 3*Dh]`` kernel with ``D > 3*Dh`` looks split on axis 0.
     An axis *fits* when it divides into ``H + 2*KVH`` heads and, given the output
     projection's per-layer size ``numel(Wo) = H*Dh*D``, when ``H*Dh*d_in == numel(Wo)``
@@ -142,7 +142,7 @@ def resolve_fused(shape: Sequence[int], split: "QKVSplit | None" = None,
 
     Args:
       shape: one layer's kernel shape (no scan axis).
-      split: the :class:`~jvitals.roles.QKVSplit` (default ``QKVSplit()``).
+      split: the :class:`~jvitals.metrics.roles.QKVSplit` (default ``QKVSplit()``).
       o_numel: per-layer element count of the attention's output projection, if known.
 
     Returns:
@@ -150,7 +150,7 @@ def resolve_fused(shape: Sequence[int], split: "QKVSplit | None" = None,
       the output projection (contiguous split without head counts), else None.
     """
     if split is None:
-        from jvitals.roles import QKVSplit
+        from jvitals.metrics.roles import QKVSplit
         split = QKVSplit()
     shape = tuple(int(d) for d in shape)
 
@@ -204,7 +204,7 @@ def split_qkv(kernel: jax.Array, split: "QKVSplit | None" = None, *, path: str =
     Args:
       kernel: one layer's fused kernel, or a scan-stacked ``[..., L, ...]`` stack
         of them (then pass ``stack_axis``).
-      split: the :class:`~jvitals.roles.QKVSplit` the roles use
+      split: the :class:`~jvitals.metrics.roles.QKVSplit` the roles use
         (``roles.qkv_split``); default ``QKVSplit()``.
       path: the kernel's path (for errors).
       layout: the layout when ``split.layout`` is None; pass
@@ -256,7 +256,7 @@ def merge_qkv(q: jax.Array, k: jax.Array, v: jax.Array, split: "QKVSplit | None"
     """
     q, k, v = (jnp.asarray(t) for t in (q, k, v))
     if split is None:
-        from jvitals.roles import QKVSplit
+        from jvitals.metrics.roles import QKVSplit
         split = QKVSplit()
     if fused_shape is None:
         diff = [i for i in range(q.ndim) if not q.shape[i] == k.shape[i] == v.shape[i]]

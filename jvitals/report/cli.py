@@ -17,7 +17,7 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    from jvitals.report import PHASES
+    from jvitals.report.page import PHASES
 
     parser = argparse.ArgumentParser(prog="jvitals", description="jvitals: a training run's vital signs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "pip install 'jvitals[report]' (or 'jvitals[tensorboard]', which adds clu's "
                   "TensorBoard writer)", file=sys.stderr)
             return 2
-        from jvitals import report
+        from jvitals.report import page as report
 
         run = report.read_run(args.logdir)
         if not run.files:

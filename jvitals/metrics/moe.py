@@ -28,9 +28,9 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from jvitals.gradients import flat_specs
-from jvitals.roles import Roles, path_str
-from jvitals.stats import check_axes, eager_jit, psum_over, reduction_axes
+from jvitals.metrics.gradients import flat_specs
+from jvitals.metrics.roles import Roles, path_str
+from jvitals.metrics.stats import check_axes, eager_jit, psum_over, reduction_axes
 
 __all__ = ["MoEWindowState", "moe_metrics", "moe_window_init", "moe_window_update"]
 
@@ -213,7 +213,7 @@ def moe_metrics(expert_counts: Any, *, expert_bias: Any = None, top_k: int, axes
       prefix: name prefix.
       per_layer: emit ``{prefix}/{metric}/layer_{i}`` too.
       mask: ``[B, T]`` token mask (True = valid): counts
-        :func:`~jvitals.instrument.instrument`'s per-token expert choices over
+        :func:`~jvitals.metrics.instrument.instrument`'s per-token expert choices over
         the valid tokens only (counts a model sowed itself are used as they are).
 
     Returns:

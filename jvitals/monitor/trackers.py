@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from jvitals._monitor_policy import Policy
-from jvitals._monitor_types import (
+from jvitals.monitor.policy import Policy
+from jvitals.monitor.types import (
     Spike,
     dec_float,
     dec_floats,

@@ -8,9 +8,9 @@ the weights after an optimizer step: for each layer whose max pre-softmax logit
     Wq_i <- sqrt(gamma_i) * Wq_i      Wk_i <- sqrt(gamma_i) * Wk_i     (and their biases)
 
 so ``q . k`` (hence every logit of that layer) shrinks by ``gamma_i``; other
-layers are untouched. Q and K are found by :mod:`jvitals.roles`: separate ``q``/
+layers are untouched. Q and K are found by :mod:`jvitals.metrics.roles`: separate ``q``/
 ``k`` kernels, or the Q and K parts of a fused QKV kernel (split by
-:func:`jvitals.qkv.split_qkv` as the gradient metrics split it: contiguous
+:func:`jvitals.metrics.qkv.split_qkv` as the gradient metrics split it: contiguous
 ``[Q | K | V]`` or per-head interleaved, the Q width inferred from the output
 projection). A layer with a Q projection but no K
 (MLA's ``q_up``, whose K comes from a shared low-rank path) scales Q by the whole
@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jvitals.qkv import QKVLayout, merge_qkv, qkv_layout, resolve_fused, split_qkv
-from jvitals.roles import LeafRole, QKVSplit, Roles, assign_roles
+from jvitals.metrics.qkv import QKVLayout, merge_qkv, qkv_layout, resolve_fused, split_qkv
+from jvitals.metrics.roles import LeafRole, QKVSplit, Roles, assign_roles
 
 __all__ = ["qk_clip"]
 
@@ -114,7 +114,7 @@ def qk_clip(params: Any, attn_logits_max: Any, tau: Any, *, roles: Roles | None 
         (the ``act/attn_logits_abs.max/layer_{i}`` figures in layer order), or per
         layer and query head, ``[L, H]``. May be a traced array.
       tau: the largest logit allowed (> 0; e.g. 100 as in MuonClip).
-      roles: the :class:`~jvitals.roles.Roles` finding Q, K and the layers.
+      roles: the :class:`~jvitals.metrics.roles.Roles` finding Q, K and the layers.
 
     Returns:
       ``params`` with the same structure, dtypes and shapes; pure and jittable.

@@ -5,7 +5,7 @@ steps each hold two items: ``state`` (the train state pytree, ``StandardSave``)
 and ``meta`` (JSON). It knows, per step, the health level the checkpoint was
 saved at, its kind, whether an alert that had reached ORANGE was open when it was
 saved, and whether it is quarantined; it knows nothing about verdicts (the
-response policy in :mod:`jvitals.rollback` decides what to save and restore).
+response policy in :mod:`jvitals.guard.rollback` decides what to save and restore).
 
 Decisions (each is tested):
 
@@ -60,7 +60,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jvitals._monitor_types import Level
+from jvitals.monitor.types import Level
 
 __all__ = [
     "CADENCE",
@@ -75,7 +75,7 @@ __all__ = [
     "quiet_orbax",
 ]
 
-_log = logging.getLogger("jvitals.checkpoints")
+_log = logging.getLogger("jvitals.guard.checkpoints")
 
 QUARANTINE_FILE = "jvitals_quarantine.json"
 META_FORMAT = "jvitals.Rollback"

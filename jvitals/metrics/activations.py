@@ -1,7 +1,7 @@
 """Activation vitals: every ``act/*`` and ``diag/*`` metric of METRICS.md §2-§4.
 
 Computed inside the compiled step from what a Flax model sowed under the
-METRICS.md §7 names -- raw tensors or the compact probes of :mod:`jvitals.probes`.
+METRICS.md §7 names -- raw tensors or the compact probes of :mod:`jvitals.metrics.probes`.
 
 Sow conventions accepted by :func:`activation_metrics`
 ------------------------------------------------------
@@ -12,7 +12,7 @@ Sow conventions accepted by :func:`activation_metrics`
   the module path above it.
 - **Values**: a Linen tuple of sows (one element per ``sow`` call), a list, or a
   single value; each element is a raw array or a probe struct
-  (:class:`~jvitals.stats.Summary`, :class:`~jvitals.probes.LogitsSummary`).
+  (:class:`~jvitals.metrics.stats.Summary`, :class:`~jvitals.metrics.probes.LogitsSummary`).
 - **Layers** (instances) are ordered by module path with numbers compared as
   numbers (``layers_2`` before ``layers_10``; JAX sorts dict keys as strings),
   then by sow order within a tuple, then along a scan-stacked axis.
@@ -71,8 +71,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jvitals.probes import LogitsRows, LogitsSummary, attention_valid_mask, summarize_logits, vary_along
-from jvitals.stats import (Summary, TokenSummary, check_axes, eager_jit, reduce, sharded_axes, summarize,
+from jvitals.metrics.probes import LogitsRows, LogitsSummary, attention_valid_mask, summarize_logits, vary_along
+from jvitals.metrics.stats import (Summary, TokenSummary, check_axes, eager_jit, reduce, sharded_axes, summarize,
                            summarize_max, varying_axes)
 
 __all__ = ["activation_metrics", "bos_value_grad_metrics", "mtp_metrics"]
@@ -335,7 +335,7 @@ def _logits_summary(path: str, v: Any, tok: _Tokens, mask: Any, name: str) -> Lo
         return v.summary(mask)
     if isinstance(v, Summary):
         raise ValueError(f"activation_metrics: a plain Summary was sown as '{name}' at '{path}'; "
-                         f"the logits metrics need jvitals.probes.logits_probe (a LogitsSummary) "
+                         f"the logits metrics need jvitals.logits_probe (a LogitsSummary) "
                          f"or the raw [B, T, V] logits.")
     x = jnp.asarray(v)
     if tok.shape is not None and tuple(x.shape[:-1]) != tok.shape:
@@ -357,7 +357,7 @@ def _argmaxes(name: str, entries: list[_Entry], tok: _Tokens) -> list[jax.Array]
             continue
         if isinstance(v, Summary):
             raise ValueError(f"activation_metrics: a plain Summary was sown as '{name}' at '{path}'; "
-                             f"MTP agreement needs jvitals.probes.logits_probe or the raw logits.")
+                             f"MTP agreement needs jvitals.logits_probe or the raw logits.")
         x = jnp.asarray(v)
         a = jnp.argmax(x, axis=-1).astype(jnp.int32)
         if tok.shape is not None and tuple(a.shape) not in (tok.shape,) and tuple(a.shape[1:]) == tok.shape:
@@ -597,7 +597,7 @@ def bos_value_grad_metrics(
     """BOS attention-value gradient vitals (METRICS.md §2, ``diag/bos_value_grad_*``).
 
     ``g = dLoss/dv`` for the attention values ``v`` (``Module.perturb`` gradients,
-    see :func:`jvitals.probes.perturb_values`). BOS positions are where
+    see :func:`jvitals.metrics.probes.perturb_values`). BOS positions are where
     ``tokens == bos_id`` (given both), else position 0; non-BOS are the other
     valid positions. Per layer ``l``::
 
@@ -633,7 +633,7 @@ def bos_value_grad_metrics(
     if name not in entries:
         raise ValueError(
             f"bos_value_grad_metrics: no perturbation named '{name}' in the gradients; found "
-            f"{sorted(entries)}. Put jvitals.probes.perturb_values(self, v, '{name}') on the "
+            f"{sorted(entries)}. Put jvitals.perturb_values(self, v, '{name}') on the "
             f"attention values and differentiate w.r.t. the 'perturbations' collection.")
     if tokens is None and mask is None:
         raise ValueError("bos_value_grad_metrics: pass tokens=[B, T] or mask=[B, T] so that the "

@@ -89,11 +89,11 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from jvitals._monitor_localize import group_of, lead_phrase, localize
-from jvitals._monitor_policy import Policy
-from jvitals._monitor_rules import Change, Figures, Plan, RatioRule, ThroughputRule, default_rules
-from jvitals._monitor_trackers import BaselineStart, LayerHistory
-from jvitals._monitor_types import (
+from jvitals.monitor.localize import group_of, lead_phrase, localize
+from jvitals.monitor.policy import Policy
+from jvitals.monitor.rules import Change, Figures, Plan, RatioRule, ThroughputRule, default_rules
+from jvitals.monitor.trackers import BaselineStart, LayerHistory
+from jvitals.monitor.types import (
     PRESCRIPTIONS,
     RULE_PRESCRIPTION,
     Alert,

@@ -1,10 +1,10 @@
 """``instrument()``: jvitals' activation summaries from any Flax Linen model, unmodified.
 
-A model that never calls ``sow`` gives :func:`~jvitals.activations.activation_metrics`
+A model that never calls ``sow`` gives :func:`~jvitals.metrics.activations.activation_metrics`
 nothing to read. Around its ``apply``, :func:`instrument` intercepts every module
 call (``flax.linen.intercept_methods``) and sows, under the METRICS.md §7 names,
 compact *per-token summaries* of what the roles recognise -- the same
-:class:`~jvitals.roles.Roles` patterns the gradient figures use::
+:class:`~jvitals.metrics.roles.Roles` patterns the gradient figures use::
 
     with vitals.instrument():
         out, state = model.module.apply({"params": params}, tokens, mask,
@@ -19,7 +19,7 @@ NAME                     what                                             found 
 ``attn_out_before_proj`` the input of each attention output projection    a module whose kernel has role ``o``
 ``gate_scores``          ``sigmoid`` of the attention output gate         role ``attn_gate``
 ``logits``               the output layer's logits, as per-position rows  role ``lm_head`` (a nested ``apply`` too:
-                         (:class:`~jvitals.probes.LogitsRows`)            GPT-2's tied head), or ``Embed.attend``
+                         (:class:`~jvitals.metrics.probes.LogitsRows`)            GPT-2's tied head), or ``Embed.attend``
 ``mtp_logits``           further calls of the same head in one apply      (the reference model's MTP depths)
 ``expert_counts``        top-k experts of each token (needs ``top_k``)    role ``router``
 ``attn_logits``          per query, the max |pre-softmax score| over      ``flax.linen``'s ``dot_product_attention_
@@ -27,7 +27,7 @@ NAME                     what                                             found 
                                                                           Attention``; HF-Flax GPT-2, Llama, ...)
 ======================== ================================================ =========================================
 
-Padding: every value is sown **per token** (a :class:`~jvitals.stats.TokenSummary`
+Padding: every value is sown **per token** (a :class:`~jvitals.metrics.stats.TokenSummary`
 of ``[B, T]`` sums, sums of squares, maxima and counts; ``LogitsRows`` for the
 logits; expert indices ``[B, T, k]``), never a whole ``[B, T, D]`` or ``[B, T, V]``
 tensor, and *no mask is needed here*: the mask passed later to
@@ -66,9 +66,9 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from jvitals.probes import logits_rows
-from jvitals.roles import Roles
-from jvitals.stats import TokenSummary, summarize_tokens
+from jvitals.metrics.probes import logits_rows
+from jvitals.metrics.roles import Roles
+from jvitals.metrics.stats import TokenSummary, summarize_tokens
 
 __all__ = ["ExpertChoices", "InstrumentReport", "instrument"]
 
@@ -86,7 +86,7 @@ class ExpertChoices:
         scan-stacked), the top-k of the router's scores.
       num_experts: ``E`` (static).
 
-    :func:`~jvitals.moe.moe_metrics` counts them over the valid tokens
+    :func:`~jvitals.metrics.moe.moe_metrics` counts them over the valid tokens
     (``mask=``): ``c[e] = #{(b, t, j) : mask[b, t] and experts[b, t, j] == e}``.
     """
 
@@ -485,7 +485,7 @@ def instrument(roles: Roles | None = None, *, probes: bool = True, attn_logits: 
     See the module docstring for what is sown and how modules are recognised.
 
     Args:
-      roles: the :class:`~jvitals.roles.Roles` (default patterns if None; use
+      roles: the :class:`~jvitals.metrics.roles.Roles` (default patterns if None; use
         ``Roles().extend(...)`` to add your own -- the same object the gradient
         metrics take).
       probes: sow per-token summaries (default). ``False`` sows the raw

@@ -1,7 +1,7 @@
 """Localization: which candidate metric changed first, from its own history.
 
 A service the monitor calls when an alert opens or escalates (not a rule).
-The candidates are the columns of a :class:`~jvitals._monitor_trackers.LayerHistory`
+The candidates are the columns of a :class:`~jvitals.monitor.trackers.LayerHistory`
 (per-layer and per-group metrics: ``grad/share/layer_3``,
 ``update/param_ratio/embedding``, ...).
 
@@ -37,9 +37,9 @@ import math
 
 import numpy as np
 
-from jvitals._monitor_policy import Policy
-from jvitals._monitor_trackers import LayerHistory
-from jvitals._monitor_types import Localization, split_group
+from jvitals.monitor.policy import Policy
+from jvitals.monitor.trackers import LayerHistory
+from jvitals.monitor.types import Localization, split_group
 
 __all__ = ["NO_EARLIER_SIGN", "lead_phrase", "localize"]
 

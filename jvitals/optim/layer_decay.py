@@ -7,7 +7,7 @@ METRICS.md §6 prescribes it when the shallow layers' share of the gradient grow
     factor(embedding) = decay ** N                # token and position embeddings
     factor(lm_head) = factor(final norm) = 1      # and every other non-layer leaf
 
-Layers and roles come from :func:`jvitals.roles.assign_roles` (``layers_{i}``,
+Layers and roles come from :func:`jvitals.metrics.roles.assign_roles` (``layers_{i}``,
 ``h/{i}``, ``layers/{i}``..., and ``nn.scan``-stacked subtrees, whose slice ``i``
 along the layer axis gets layer ``i``'s factor). Put it *after* the optimizer in
 the chain (it scales the final update, i.e. the learning rate; before Adam the
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jvitals.roles import LeafRole, Roles, assign_roles
+from jvitals.metrics.roles import LeafRole, Roles, assign_roles
 
 __all__ = ["layer_decay_factors", "layerwise_lr_decay"]
 
@@ -63,7 +63,7 @@ def layer_decay_factors(tree: Any, decay: float, roles: Roles | None = None) -> 
     Args:
       tree: a parameter (or update) pytree; only paths and shapes are read.
       decay: the decay per layer, in (0, 1].
-      roles: the :class:`~jvitals.roles.Roles` (defaults if None).
+      roles: the :class:`~jvitals.metrics.roles.Roles` (defaults if None).
 
     Returns:
       Per leaf a Python float, or for an ``nn.scan``-stacked leaf a float32 NumPy
@@ -103,7 +103,7 @@ def layerwise_lr_decay(decay: float, *, roles: Roles | None = None) -> optax.Gra
 
     Args:
       decay: the decay per layer, in (0, 1] (METRICS.md §6: 0.85-0.95).
-      roles: the :class:`~jvitals.roles.Roles` that find layers and embeddings.
+      roles: the :class:`~jvitals.metrics.roles.Roles` that find layers and embeddings.
 
     Returns:
       An ``optax.GradientTransformation`` (empty state). Put it after the optimizer.

@@ -202,7 +202,7 @@ class Summary:
 class TokenSummary:
     """Per-position sufficient statistics: a :class:`Summary` for every token.
 
-    What :func:`jvitals.instrument.instrument` sows: for activations ``x`` of
+    What :func:`jvitals.metrics.instrument.instrument` sows: for activations ``x`` of
     shape ``[*S, ...]`` (``S = [B, T]``), each field has shape ``S`` and holds the
     statistics of that position's entries (``x[b, t, ...]``). The token mask is
     applied later, by :meth:`masked` (``activation_metrics(..., mask=)``), so the

@@ -97,12 +97,11 @@ import numpy as np
 import optax
 from jax import lax
 
-from jvitals import gradients as _gradients
-from jvitals import stats as _stats
-from jvitals.lr_scale import LR_SCALE_ARG
-from jvitals.optimizer import injected_hyperparams
-from jvitals.packed import PackedMetrics
-from jvitals.roles import Roles
+from jvitals.metrics import gradients as _gradients
+from jvitals.metrics import stats as _stats
+from jvitals.metrics.optimizer import LR_SCALE, LR_SCALE_ARG, injected_hyperparams
+from jvitals.metrics.packed import PackedMetrics
+from jvitals.metrics.roles import Roles
 
 __all__ = ["RecordState", "record", "recorded", "recorded_steps", "DEFAULT_EVERY"]
 
@@ -404,7 +403,7 @@ def _learning_rate(schedule: Any, count: jax.Array, inner_state: Any, outer: jax
     else:
         lr = _injected_lr(inner_state)
     lr = jnp.asarray(lr, jnp.float32).reshape(())
-    for s in injected_hyperparams(inner_state, "lr_scale"):
+    for s in injected_hyperparams(inner_state, LR_SCALE):
         lr = lr * jnp.asarray(s, jnp.float32).reshape(())
     return lr if outer is None else lr * outer
 
@@ -539,7 +538,7 @@ def recorded(opt_state: Any) -> PackedMetrics:
         host = jax.device_get(vitals.recorded(state.opt_state))   # one packed vector
         dict(host)   # only the figures computed at the latest update
 
-    The result is a :class:`~jvitals.packed.PackedMetrics`: a read-only dict of
+    The result is a :class:`~jvitals.metrics.packed.PackedMetrics`: a read-only dict of
     the *fresh* figures (a per-layer figure appears only at the updates where the
     per-layer family ran; ``.latest()`` gives every figure's last value,
     :func:`recorded_steps` when each family last ran), one vector as a pytree, so

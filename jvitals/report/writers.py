@@ -31,6 +31,8 @@ from typing import Any, Iterable, Mapping, Protocol
 import jax
 import numpy as np
 
+from jvitals.guard.events import EVENTS_TAG, ROLLBACK_COUNT, ROLLBACK_LR_SCALE, events_json, json_default
+
 __all__ = [
     "ALERTS_MD_TAG",
     "ALERTS_TAG",
@@ -43,19 +45,14 @@ __all__ = [
     "write",
 ]
 
-# The names jvitals writes, defined once (the report reads them by these constants).
+# The names jvitals writes, defined once (the report reads them by these constants);
+# the guard's own (events, rollback figures) are defined in jvitals.guard.events.
 LEVEL_TAG = "vitals/level"
 """The verdict's level, 0 GREEN .. 3 RED."""
 ALERTS_TAG = "vitals/alerts_json"
 """A JSON list of the open and just-closed alerts."""
 ALERTS_MD_TAG = "vitals/alerts"
 """The same alerts as markdown."""
-EVENTS_TAG = "vitals/events_json"
-"""A JSON list of events (rollback, save, snapshot, pause, checkpoint_skipped, ...)."""
-ROLLBACK_COUNT = "rollback/count"
-"""Rollbacks so far (written by :class:`jvitals.Rollback` at each of its calls)."""
-ROLLBACK_LR_SCALE = "rollback/lr_scale"
-"""The learning-rate scale in force (1.0, then x0.9 per rollback)."""
 
 _LAYER = re.compile(r"^(?P<base>.+)/layer_(?P<i>\d+)$")
 
@@ -69,14 +66,6 @@ class MetricWriterLike(Protocol):
 
     def write_histograms(self, step: int, arrays: Mapping[str, Any],
                          num_buckets: Mapping[str, int] | None = None) -> None: ...
-
-
-def _json_default(x: Any) -> Any:
-    if isinstance(x, (np.generic,)):
-        return x.item()
-    if hasattr(x, "to_dict"):
-        return x.to_dict()
-    return str(x)
 
 
 def _finite_or_none(x: Any) -> Any:
@@ -147,10 +136,10 @@ def write(writer: MetricWriterLike, step: int, metrics: Mapping[str, Any], verdi
         shown = list(getattr(verdict, "alerts", [])) + list(getattr(verdict, "closed_alerts", []))
         if shown:
             texts[ALERTS_MD_TAG] = alerts_markdown(shown)
-            texts[ALERTS_TAG] = json.dumps([_alert_dict(a) for a in shown], default=_json_default)
+            texts[ALERTS_TAG] = json.dumps([_alert_dict(a) for a in shown], default=json_default)
     events = [dict(e) for e in (events or ())]
     if events:
-        texts[EVENTS_TAG] = json.dumps(events, default=_json_default)
+        texts[EVENTS_TAG] = events_json(events)
     if histograms:
         for base, per in layers.items():
             if len(per) >= 2:

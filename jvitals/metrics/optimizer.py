@@ -45,14 +45,22 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jvitals.gradients import Accumulator, flat_specs
-from jvitals.roles import path_str
-from jvitals.stats import Summary, check_axes, make_varying, psum_over, reduction_axes, summarize_max
+from jvitals.metrics.gradients import Accumulator, flat_specs
+from jvitals.metrics.roles import path_str
+from jvitals.metrics.stats import Summary, check_axes, make_varying, psum_over, reduction_axes, summarize_max
 
-__all__ = ["NU_BINS", "injected_hyperparams", "log_histogram", "histogram_quantile", "optimizer_metrics",
+__all__ = ["LR_SCALE", "LR_SCALE_ARG", "NU_BINS", "injected_hyperparams", "log_histogram", "histogram_quantile", "optimizer_metrics",
            "search_quantile"]
 
 _F32 = jnp.float32
+LR_SCALE = "lr_scale"
+"""Name of the injected hyperparameter holding the global learning-rate scale
+(:func:`jvitals.with_lr_scale`); ``opt/learning_rate`` multiplies every one in the state."""
+
+LR_SCALE_ARG = "vitals_lr_scale"
+"""Extra update argument carrying the global scale in force to the wrapped ``tx``
+(:func:`jvitals.with_lr_scale` passes it; the recorder reads it)."""
+
 NU_BINS = 1 << 15
 """Bins of the float32 log-histogram (top 16 bits of a non-negative float32)."""
 
@@ -184,7 +192,7 @@ def search_quantile(groups: Mapping[tuple[str, ...], Sequence[jax.Array]], q: fl
 
     Args:
       groups: leaves by the mesh axes their counts are ``psum``-ed over (``()``:
-        none), as :func:`jvitals.stats.reduction_axes` gives them.
+        none), as :func:`jvitals.metrics.stats.reduction_axes` gives them.
       q: the quantile, in [0, 1].
 
     Returns:
@@ -324,7 +332,7 @@ def optimizer_metrics(opt_state: Any, *, specs: Any = None, axes: Sequence[str] 
     lrs = injected_hyperparams(opt_state, "learning_rate")
     if lrs:
         lr = jnp.asarray(lrs[0], _F32).reshape(())
-        for s in injected_hyperparams(opt_state, "lr_scale"):
+        for s in injected_hyperparams(opt_state, LR_SCALE):
             lr = lr * jnp.asarray(s, _F32).reshape(())
         out[f"{p}/learning_rate"] = lr
     return out

@@ -193,7 +193,7 @@ _HINTS: Mapping[str, tuple[str, ...]] = {
 
 @dataclasses.dataclass(frozen=True)
 class QKVSplit:
-    """How a fused QKV kernel splits into Q, K and V (see :mod:`jvitals.qkv`).
+    """How a fused QKV kernel splits into Q, K and V (see :mod:`jvitals.metrics.qkv`).
 
     The split axis holds ``(num_heads + 2 * num_kv_heads) * head_dim`` entries;
     Q gets ``num_heads`` of every ``num_heads + 2 * num_kv_heads`` parts, K and V
@@ -273,7 +273,7 @@ class QKVSplit:
         """``(q, k, v)`` sizes along the split axis for an axis of ``n`` entries.
 
         Without head counts, ``q_size`` (the Q width, inferred by
-        :func:`~jvitals.gradients.gradient_metrics` from the attention's output
+        :func:`~jvitals.metrics.gradients.gradient_metrics` from the attention's output
         projection: ``H * Dh = numel(Wo) / D``) gives a grouped-query split
         ``(q, (n - q) / 2, (n - q) / 2)``; without it the axis splits in thirds.
 

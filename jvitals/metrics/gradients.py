@@ -1,6 +1,6 @@
 """Gradient, parameter and update vitals from pytrees (METRICS.md §2-§3).
 
-Every figure comes from one :func:`~jvitals.stats.summarize` pass per leaf (a
+Every figure comes from one :func:`~jvitals.metrics.stats.summarize` pass per leaf (a
 scan-stacked leaf is summarised with ``axis=`` its layer axis, giving every layer's
 summary in the same pass; a fused QKV kernel is summarised as its Q, K and V
 parts). Each leaf's summaries are reduced over the mesh axes *that leaf* is
@@ -40,9 +40,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jvitals.qkv import _attn_module, _global_shape, _o_sizes, _qkv_pieces  # fused QKV: jvitals/qkv.py
-from jvitals.roles import LeafRole, Roles, assign_roles
-from jvitals.stats import Summary, check_axes, reduce, reduction_axes, summarize_many, summarize_sumsq
+from jvitals.metrics.qkv import _attn_module, _global_shape, _o_sizes, _qkv_pieces  # fused QKV: jvitals/metrics/qkv.py
+from jvitals.metrics.roles import LeafRole, Roles, assign_roles
+from jvitals.metrics.stats import Summary, check_axes, reduce, reduction_axes, summarize_many, summarize_sumsq
 
 __all__ = [
     "GROUP_ROLES",
@@ -55,7 +55,7 @@ __all__ = [
 _F32 = jnp.float32
 
 GROUP_ROLES: Mapping[str, str] = {"embedding": "embedding", "lm_head": "lm_head"}
-"""Role (of :mod:`jvitals.roles`) -> the non-layer group its leaves are reported in,
+"""Role (of :mod:`jvitals.metrics.roles`) -> the non-layer group its leaves are reported in,
 beside the per-layer families (``grad/norm/embedding``, ``update/param_ratio/lm_head``).
 A head tied to the embedding has no leaf of its own, so no ``lm_head`` group."""
 
@@ -328,7 +328,7 @@ def gradient_metrics(grads: Any, *, params: Any = None, updates: Any = None, rol
     """Every ``grad/*`` and ``param/*`` vital of METRICS.md §2-§3, in one pass per leaf.
 
     Emitted (``p = prefix``; ``{base}`` is the role's metric name, see
-    :data:`~jvitals.roles.ROLE_METRIC_NAMES`: ``word_embeddings``, ``output_layer``,
+    :data:`~jvitals.metrics.roles.ROLE_METRIC_NAMES`: ``word_embeddings``, ``output_layer``,
     ``Wq``/``Wk``/``Wv``/``Wo`` (a fused QKV kernel split first), ``mla_Q_down``,
     ``mla_Q_up``, ``mla_KV_down``, ``mla_KV_up``, ``attn_gate``, ``W_gate``,
     ``W_up``, ``W_down``, ``router``, ``expert_bias``, each norm's module name...):
@@ -360,7 +360,7 @@ def gradient_metrics(grads: Any, *, params: Any = None, updates: Any = None, rol
       params: optional parameter pytree (same structure) for ``param/*``.
       updates: optional final updates (what ``optax.apply_updates`` adds; same
         structure) for ``update/*``; needs ``params``.
-      roles: :class:`~jvitals.roles.Roles` (default patterns if None).
+      roles: :class:`~jvitals.metrics.roles.Roles` (default patterns if None).
       specs: optional pytree of ``PartitionSpec`` (a prefix of ``grads``; None =
         replicated): the mesh axes each leaf is sharded along. Without it, inside
         ``shard_map``, the axes each leaf varies along (JAX's type system).

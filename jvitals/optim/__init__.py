@@ -1,0 +1,52 @@
+"""The optax remedies: what the guard (or a user) turns to when a vital is off.
+
+Learning-rate scales per group (``with_lr_scale``/``set_lr_scale``), layer-wise LR
+decay, an adaptive clip, QK-clip and the z-loss. They import ``jvitals.metrics`` (the
+parameter roles, the names the recorder reads) and nothing above it.
+"""
+
+from jvitals.optim.lr_scale import (
+    get_lr_scale,
+    get_lr_scales,
+    has_lr_scale,
+    leaf_groups,
+    LR_SCALE,
+    LR_SCALE_ARG,
+    LRGroupScaleState,
+    set_lr_scale,
+    with_lr_scale,
+)
+from jvitals.optim.layer_decay import (
+    layer_decay_factors,
+    layerwise_lr_decay,
+)
+from jvitals.optim.clipping import (
+    adaptive_clip,
+    AdaptiveClipState,
+    global_norm_f32,
+)
+from jvitals.optim.qk_clip import (
+    qk_clip,
+)
+from jvitals.optim.losses import (
+    z_loss,
+)
+
+__all__ = [
+    "adaptive_clip",
+    "AdaptiveClipState",
+    "get_lr_scale",
+    "get_lr_scales",
+    "global_norm_f32",
+    "has_lr_scale",
+    "layer_decay_factors",
+    "layerwise_lr_decay",
+    "leaf_groups",
+    "LR_SCALE",
+    "LR_SCALE_ARG",
+    "LRGroupScaleState",
+    "qk_clip",
+    "set_lr_scale",
+    "with_lr_scale",
+    "z_loss",
+]
