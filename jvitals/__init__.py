@@ -104,6 +104,35 @@ from jvitals.report import (
 
 __version__ = "0.1.0"
 
+# Code written against 0.1's flat layout keeps working: each old module path
+# (``jvitals.stats``, ``from jvitals.rollback import Rollback``, ...) is its new module.
+_FLAT_MODULES = {
+    "activations": "metrics.activations", "gradients": "metrics.gradients", "host": "metrics.host",
+    "moe": "metrics.moe", "optimizer": "metrics.optimizer", "packed": "metrics.packed",
+    "probes": "metrics.probes", "qkv": "metrics.qkv", "roles": "metrics.roles", "stats": "metrics.stats",
+    "clipping": "optim.clipping", "layer_decay": "optim.layer_decay", "losses": "optim.losses",
+    "lr_scale": "optim.lr_scale", "qk_clip": "optim.qk_clip",
+    "_monitor_localize": "monitor.localize", "_monitor_policy": "monitor.policy",
+    "_monitor_rules": "monitor.rules", "_monitor_trackers": "monitor.trackers", "_monitor_types": "monitor.types",
+    "checkpoints": "guard.checkpoints", "remedies": "guard.remedies", "rollback": "guard.rollback",
+    "cli": "report.cli", "writers": "report.writers",
+    # ``jvitals.record`` and ``jvitals.instrument`` stay the functions; their modules import by path.
+    "record": "metrics.record", "instrument": "metrics.instrument",
+}
+
+
+def _alias_flat_modules() -> None:
+    import importlib
+    import sys
+
+    for old, new in _FLAT_MODULES.items():
+        module = importlib.import_module(f"jvitals.{new}")
+        sys.modules.setdefault(f"jvitals.{old}", module)
+        globals().setdefault(old, module)
+
+
+_alias_flat_modules()
+
 __all__ = [
     "Action",
     "activation_metrics",

@@ -209,7 +209,7 @@ def test_nonfinite_on_a_late_shard_under_gspmd(which, bad):
     x[7, 3] = -bad
     mask = np.ones((8,), bool)
     mask[7] = False  # a non-finite value in padding counts nowhere
-    fn = getattr(vitals.stats, which)
+    fn = getattr(vitals.metrics.stats, which)
     s = jax.jit(lambda a, m: fn(a, m))(put(mesh, x, P("data")), put(mesh, mask, P("data")))
     assert float(s.nonfinite) == 1 and float(s.count) == 28
     assert np.isnan(float(s.abs_max))

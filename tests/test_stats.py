@@ -224,55 +224,55 @@ def test_summarize_max_measures_count_max_and_nonfinite_only():
     x = rng.normal(size=(2, 3, 5, 5)).astype(np.float32) * 4
     valid = np.tril(np.ones((5, 5), bool))[None, None] & (rng.random((2, 1, 5, 1)) > 0.3)
     x_pad = np.where(valid, x, 1e30).astype(np.float32)
-    s = vitals.stats.summarize_max(x_pad, valid)
+    s = vitals.metrics.stats.summarize_max(x_pad, valid)
     full = np.broadcast_to(valid, x.shape)
     assert float(s.count) == full.sum() and float(s.nonfinite) == 0
     np.testing.assert_allclose(float(s.abs_max), np.abs(x[full]).max(), rtol=1e-6)
     assert np.isnan(float(s.rms)) and np.isnan(float(s.mean))  # not measured, never a wrong number
-    per = vitals.stats.summarize_max(x_pad, valid, axis=1)
+    per = vitals.metrics.stats.summarize_max(x_pad, valid, axis=1)
     for h in range(3):
         np.testing.assert_allclose(float(per.abs_max[h]), np.abs(x[:, h][full[:, h]]).max(), rtol=1e-6)
     x_pad[0, 0, 3, 1] = np.inf if valid[0, 0, 3, 1] else x_pad[0, 0, 3, 1]
     x_pad[1, 2, 4, 0] = np.nan if valid[1, 0, 4, 0] else x_pad[1, 2, 4, 0]
     bad = int((~np.isfinite(x_pad) & full).sum())
-    s = vitals.stats.summarize_max(x_pad, valid)
+    s = vitals.metrics.stats.summarize_max(x_pad, valid)
     assert float(s.nonfinite) == bad
     if bad:
         assert np.isnan(float(s.abs_max))
-    jitted = jax.jit(lambda a, m: vitals.stats.summarize_max(a, m))(x_pad, valid)
+    jitted = jax.jit(lambda a, m: vitals.metrics.stats.summarize_max(a, m))(x_pad, valid)
     assert float(jitted.nonfinite) == bad
 
 
 def test_summarize_max_of_a_list_is_one_maximum_and_one_count():
     rng = np.random.default_rng(14)
     xs = [rng.normal(size=s).astype(np.float32) * k for k, s in enumerate([(3, 4), (7,), (2, 2, 5)], 1)]
-    s = jax.jit(lambda a: vitals.stats.summarize_max(a))(xs)
+    s = jax.jit(lambda a: vitals.metrics.stats.summarize_max(a))(xs)
     assert float(s.count) == sum(x.size for x in xs) and float(s.nonfinite) == 0
     np.testing.assert_allclose(float(s.abs_max), max(np.abs(x).max() for x in xs), rtol=1e-6)
     xs[1][3], xs[2][1, 1, 4] = np.nan, -np.inf
-    s = jax.jit(lambda a: vitals.stats.summarize_max(a))(xs)
+    s = jax.jit(lambda a: vitals.metrics.stats.summarize_max(a))(xs)
     assert float(s.nonfinite) == 2 and np.isnan(float(s.abs_max))
     with pytest.raises(ValueError, match="no mask or axis"):
-        vitals.stats.summarize_max(xs, axis=0)
+        vitals.metrics.stats.summarize_max(xs, axis=0)
 
 
 def test_summarize_sumsq_gives_the_norm_and_counts_nonfinite_only_when_needed():
     x = np.random.default_rng(13).normal(size=(7, 9)).astype(np.float32) * 3
-    s = vitals.stats.summarize_sumsq(jnp.asarray(x, jnp.bfloat16))
+    s = vitals.metrics.stats.summarize_sumsq(jnp.asarray(x, jnp.bfloat16))
     up = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
     np.testing.assert_allclose(float(s.norm), np.sqrt((up ** 2).sum()), rtol=1e-6)
     np.testing.assert_allclose(float(s.rms), np.sqrt((up ** 2).mean()), rtol=1e-6)
     assert float(s.count) == x.size and float(s.nonfinite) == 0 and np.isnan(float(s.mean))
     x[2, 3], x[4, 4] = np.nan, -np.inf
-    s = jax.jit(vitals.stats.summarize_sumsq)(x)
+    s = jax.jit(vitals.metrics.stats.summarize_sumsq)(x)
     assert float(s.nonfinite) == 2 and np.isnan(float(s.norm))
     # A list of arrays is summarised together (one tree's leaves), as by optax.
     parts = [x[:3], jnp.asarray(x[3:], jnp.bfloat16), np.ones((5,), np.float32)]
-    many = jax.jit(vitals.stats.summarize_sumsq)(parts)
+    many = jax.jit(vitals.metrics.stats.summarize_sumsq)(parts)
     assert float(many.nonfinite) == 2 and float(many.count) == x.size + 5 and np.isnan(float(many.norm))
     parts[0] = np.nan_to_num(x[:3], posinf=0.0, neginf=0.0, nan=0.0)
     parts[1] = np.nan_to_num(x[3:], posinf=0.0, neginf=0.0, nan=0.0)
-    many = jax.jit(vitals.stats.summarize_sumsq)(parts)
+    many = jax.jit(vitals.metrics.stats.summarize_sumsq)(parts)
     np.testing.assert_allclose(float(many.norm), float(optax.tree.norm([jnp.asarray(p) for p in parts])),
                                rtol=1e-6)
     assert float(many.nonfinite) == 0
@@ -288,17 +288,17 @@ def test_summarize_many_equals_summarize_item_by_item_with_one_conditional(nonfi
         if bad:
             xs[1][2, 3, 1] = np.nan  # only the second item's figures go NaN
             items[1] = (xs[1], None, 0)
-        many = jax.jit(lambda a, b, c: vitals.stats.summarize_many([(a, mask, None), (b, None, 0), (c, None, None)]))(
+        many = jax.jit(lambda a, b, c: vitals.metrics.stats.summarize_many([(a, mask, None), (b, None, 0), (c, None, None)]))(
             *[x for x, _, _ in items])
         for (x, m, ax), s in zip(items, many):
-            one = vitals.stats.summarize(x, m, axis=ax)
+            one = vitals.metrics.stats.summarize(x, m, axis=ax)
             for f in ("count", "sum", "sumsq", "abs_max", "nonfinite"):
                 np.testing.assert_allclose(np.asarray(getattr(s, f)), np.asarray(getattr(one, f)), rtol=1e-6,
                                            equal_nan=True, err_msg=f)
         assert float(jnp.sum(many[1].nonfinite)) == (1 if bad else 0)
         assert np.isnan(np.asarray(many[1].rms)[2]) == bad and np.isfinite(float(many[0].rms))
         np.testing.assert_allclose(float(many[0].rms), np.sqrt(np.mean(xs[0][mask] ** 2)), rtol=1e-6)
-    hlo = jax.jit(lambda a, b, c: vitals.stats.summarize_many([(a, mask, None), (b, None, 0), (c, None, None)])).lower(
+    hlo = jax.jit(lambda a, b, c: vitals.metrics.stats.summarize_many([(a, mask, None), (b, None, 0), (c, None, None)])).lower(
         *xs).compile().as_text()
     assert hlo.count(" conditional(") == (1 if nonfinite_path == "cond" else 0)
 
@@ -306,12 +306,12 @@ def test_summarize_many_equals_summarize_item_by_item_with_one_conditional(nonfi
 def test_summarize_sumsq_keeps_a_layer_axis():
     rng = np.random.default_rng(16)
     xs = [rng.normal(size=(3, 4, 5)).astype(np.float32), rng.normal(size=(3, 7)).astype(np.float32)]
-    s = vitals.stats.summarize_sumsq(xs, axis=0)
+    s = vitals.metrics.stats.summarize_sumsq(xs, axis=0)
     want = sum(np.sum(x.astype(np.float64) ** 2, axis=tuple(range(1, x.ndim))) for x in xs)
     np.testing.assert_allclose(np.asarray(s.norm), np.sqrt(want), rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(s.count), [27.0] * 3)
     xs[1][1, 2] = np.inf
-    s = jax.jit(lambda a: vitals.stats.summarize_sumsq(a, axis=0))(xs)
+    s = jax.jit(lambda a: vitals.metrics.stats.summarize_sumsq(a, axis=0))(xs)
     np.testing.assert_array_equal(np.asarray(s.nonfinite), [0, 1, 0])
     assert np.isnan(np.asarray(s.norm)[1]) and np.isfinite(np.asarray(s.norm)[[0, 2]]).all()
 
