@@ -114,13 +114,39 @@ def test_setting_the_scale_does_not_retrace():
     assert get_lr_scale(opt_state) == 1.0
 
 
+@pytest.mark.parametrize("built_by", ["init", "step"])
+def test_a_state_set_lr_scale_returns_never_recompiles_the_step(built_by, count_compiles):
+    """On one device ``tx.init`` and a jitted step leave the scales uncommitted; the
+    scale ``set_lr_scale`` puts in keeps that (a committed one is a new cache key)."""
+    params = jax.tree.map(jnp.asarray, hf_trees.llama())
+    tx = with_lr_scale(optax.adam(1e-2), groups="roles")
+
+    @jax.jit
+    def step(params, opt_state):
+        upd, opt_state = tx.update(_llama_grads(params, 0), opt_state, params)
+        return optax.apply_updates(params, upd), opt_state
+
+    state = tx.init(params)
+    p1, stepped = step(params, state)
+    jax.block_until_ready(step(p1, stepped))
+    base = state if built_by == "init" else stepped
+    with count_compiles() as c:
+        for i, (value, group) in enumerate([(0.9, None), (0.5, "embedding"), (0.81, None), (0.25, "layer_1")]):
+            base = set_lr_scale(base, value, group=group)
+            jax.block_until_ready(step(p1, base))
+    assert c.count == 0, f"{c.count} compiles for 4 scale changes (state built by {built_by})"
+    leaves = jax.tree.leaves(base)
+    assert not any(x.committed for x in leaves), [x.committed for x in leaves]
+    assert get_lr_scale(base) == pytest.approx(0.81) and get_lr_scale(base, "embedding") == 0.5
+
+
 def test_keeps_sharding_on_a_mesh(devices):
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     tx = with_lr_scale(optax.adam(1e-2))
     opt_state = jax.device_put(tx.init(_params()), rep)
     new = set_lr_scale(opt_state, 0.9)
-    assert new.hyperparams[LR_SCALE].sharding == rep
+    assert new.hyperparams[LR_SCALE].sharding == rep and new.hyperparams[LR_SCALE].committed
     assert get_lr_scale(new) == pytest.approx(0.9)
 
 

@@ -359,11 +359,18 @@ def get_lr_scales(tree: Any) -> dict[str, float]:
 
 
 def _like(old: Any, value: float) -> Any:
-    """``value`` as an array with ``old``'s dtype, shape and sharding (no retrace)."""
+    """``value`` as an array with ``old``'s dtype, shape, sharding and commitment.
+
+    Committed or not is part of a jitted function's cache key: an uncommitted
+    scale (what ``tx.init`` and a single-device jitted step give) replaced by a
+    committed one would compile the step again, once per changed scale.
+    """
     if isinstance(old, jax.core.Tracer):
         return jnp.full(jnp.shape(old), value, dtype=jnp.result_type(old))
     if isinstance(old, jax.Array):
         host = np.full(old.shape, value, dtype=old.dtype)
+        if not old.committed:  # as tx.init and a jitted step leave it: a committed one recompiles
+            return jax.device_put(host)
         sharding = old.sharding
         if sharding.is_fully_addressable:
             return jax.device_put(host, sharding)
