@@ -24,6 +24,7 @@ import argparse
 import os
 import shutil
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -42,6 +43,7 @@ import optax  # noqa: E402
 import jvitals as vitals  # noqa: E402
 from jvitals import reference_model as rm  # noqa: E402
 
+EVENT_WIDTH = 160  # an event line, cut at a word
 COLORS = {"GREEN": "\033[32m", "YELLOW": "\033[33m", "ORANGE": "\033[38;5;208m", "RED": "\033[31m"}
 
 
@@ -120,20 +122,22 @@ class Progress:
         self.total, self.tty = total, sys.stdout.isatty()
         self.last_plain = -1
 
-    def show(self, step: int, loss: float, level: str, note: str = "") -> None:
+    def show(self, step: int, loss: float, level: str) -> None:
         width = 30
         done = int(width * (step + 1) / self.total)
         color, reset = (COLORS.get(level, ""), "\033[0m") if self.tty else ("", "")
         line = (f"[{'#' * done}{'.' * (width - done)}] step {step + 1:4d}/{self.total}  "
-                f"loss {loss:6.3f}  level {color}{level:<6}{reset} {note}")
+                f"loss {loss:6.3f}  level {color}{level:<6}{reset}")
         if self.tty:
-            print("\r" + line.ljust(110), end="", flush=True)
-        elif note or step - self.last_plain >= 50 or step + 1 == self.total:
+            print("\r" + line.ljust(80), end="", flush=True)
+        elif step - self.last_plain >= 50 or step + 1 == self.total:
             print(line, flush=True)
             self.last_plain = step
 
     def event(self, text: str) -> None:
-        print(("\n" if self.tty else "") + text, flush=True)
+        """One line per event, cut at a word (the whole text is in the report)."""
+        line = textwrap.shorten(" ".join(text.split()), EVENT_WIDTH, placeholder=" ... (full text in the report)")
+        print(("\r" + " " * 80 + "\r" if self.tty else "") + "  " + line, flush=True)
 
 
 def say(text: str, t0: float | None = None) -> float:
@@ -216,22 +220,19 @@ def main(argv=None) -> int:
         state = resp.state
         level = verdict.level.name
         losses[step], levels[step] = float(host["loss"]), level
-        note = ""
+        for a in verdict.new_alerts:
+            bar.event(f"{a.level.name:<6} step {step}: {a.message.splitlines()[0]}")
         if resp.action == vitals.Action.ROLLBACK:
             h = guard.history[-1]
-            note = (f"ROLLBACK -> checkpoint {resp.target_step} (earliest sign of the fault: step "
-                    f"{h['onset_step']}), lr x{resp.lr_scale:.2f}")
+            bar.event(f"ROLLBACK -> checkpoint {resp.target_step} (earliest sign of the fault: step "
+                      f"{h['onset_step']}), lr x{resp.lr_scale:.2f}")
         elif resp.action == vitals.Action.PAUSE and resp.saved_step is not None:
-            note = f"ORANGE: checkpoint {resp.saved_step} saved; paused 1 s"
-        for a in verdict.new_alerts:
-            bar.event(f"  {a.level.name:<6} step {step}: {a.message.splitlines()[0][:150]}")
+            bar.event(f"ORANGE: checkpoint {resp.saved_step} saved; paused 1 s")
         # Scalars and texts only: TensorFlow's histogram summaries are what made the
         # asynchronous writer lag behind (and drain for ~30 s at the end); the
         # per-layer figures are scalars too.
         vitals.write(writer, step, host, verdict, histograms=False)
-        bar.show(step, float(host["loss"]), level, note)
-        if note:
-            bar.event("  " + note)
+        bar.show(step, float(host["loss"]), level)
         if (step // args.check_every) % 10 == 0:
             writer.flush()                 # drain the asynchronous TensorBoard writer as we go
     if bar.tty:
@@ -269,7 +270,7 @@ def main(argv=None) -> int:
     report = workdir / "report.html"
     if not args.no_report:
         t = say("writing the HTML report (reads the event files back, draws the plots) ...")
-        from jvitals.report import page as report_mod
+        from jvitals import report as report_mod
 
         report_mod.write_report(str(logdir), str(report), total_steps=args.steps)
         say("written", t)

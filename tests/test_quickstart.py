@@ -28,6 +28,33 @@ def test_quickstart_catches_the_fault_rolls_back_and_recovers(tmp_path):
     assert list((tmp_path / "run" / "logs").rglob("*tfevents*"))
     # the data position kept going: the rollback was saved at the red step with it
     assert any(p.name.isdigit() for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert_one_line_per_event(out, tmp_path / "run" / "logs")
+
+
+def assert_one_line_per_event(out, logdir):
+    """Each save/rollback is printed once, and each alert on one line cut at a word
+    of a message the run wrote (read back from the event files)."""
+    import json
+
+    from jvitals.report import ALERTS_TAG, read_run
+
+    rollbacks = [ln for ln in out.splitlines() if "ROLLBACK -> checkpoint" in ln]
+    summary = [ln for ln in out.splitlines() if "restored checkpoint" in ln]
+    assert len(rollbacks) == len(summary) >= 1, (rollbacks, summary)
+    saves = [ln for ln in out.splitlines() if "ORANGE: checkpoint" in ln]
+    assert len(saves) == len(set(saves)), saves
+    written = [a for _, text in read_run(str(logdir)).texts[ALERTS_TAG] for a in json.loads(text)]
+    messages = {" ".join(a["message"].splitlines()[0].split()) for a in written}
+    placeholder = " ... (full text in the report)"
+    for line in out.splitlines():
+        head, sep, text = line.partition(": [")
+        if not sep or not head.strip().split()[0] in ("YELLOW", "ORANGE", "RED"):
+            continue
+        text = "[" + text
+        assert len(line) <= 2 + 160, line
+        cut = text.endswith(placeholder)
+        text = text[: -len(placeholder)] if cut else text
+        assert any(m == text or (cut and m.startswith(text) and m[len(text)] == " ") for m in messages), line
 
 
 def test_quickstart_without_a_fault_stays_healthy(tmp_path):
