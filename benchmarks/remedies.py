@@ -19,7 +19,7 @@ scales, the loss before the fault and at the end.
 
 Usage::
 
-    python benchmarks/remedies.py --seeds 0 1 2 3 --mult 100 --steps 600   # the README table
+    python benchmarks/remedies.py --seeds 0 1 2 3 --mult 100 --steps 600   # the table in docs/REMEDIES.md
 """
 
 from __future__ import annotations

@@ -134,9 +134,9 @@ class Progress:
             print(line, flush=True)
             self.last_plain = step
 
-    def event(self, text: str) -> None:
-        """One line per event, cut at a word (the whole text is in the report)."""
-        line = textwrap.shorten(" ".join(text.split()), EVENT_WIDTH, placeholder=" ... (full text in the report)")
+    def event(self, text: str, head: str = "") -> None:
+        """One line per event: ``head`` then ``text`` cut at a word (the whole text is in the report)."""
+        line = head + textwrap.shorten(text, EVENT_WIDTH - len(head), placeholder=" ... (full text in the report)")
         print(("\r" + " " * 80 + "\r" if self.tty else "") + "  " + line, flush=True)
 
 
@@ -220,8 +220,9 @@ def main(argv=None) -> int:
         state = resp.state
         level = verdict.level.name
         losses[step], levels[step] = float(host["loss"]), level
-        for a in verdict.new_alerts:
-            bar.event(f"{a.level.name:<6} step {step}: {a.message.splitlines()[0]}")
+        for a in verdict.new_alerts:      # the level once: the message starts with "[LEVEL] "
+            bar.event(a.message.splitlines()[0].removeprefix(f"[{a.level.name}] "),
+                      head=f"{a.level.name:<6} step {step}: ")
         if resp.action == vitals.Action.ROLLBACK:
             h = guard.history[-1]
             bar.event(f"ROLLBACK -> checkpoint {resp.target_step} (earliest sign of the fault: step "

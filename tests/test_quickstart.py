@@ -1,6 +1,7 @@
 """The README's main job, run as a new user runs it: it must catch the fault and recover."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,14 +45,12 @@ def assert_one_line_per_event(out, logdir):
     saves = [ln for ln in out.splitlines() if "ORANGE: checkpoint" in ln]
     assert len(saves) == len(set(saves)), saves
     written = [a for _, text in read_run(str(logdir)).texts[ALERTS_TAG] for a in json.loads(text)]
-    messages = {" ".join(a["message"].splitlines()[0].split()) for a in written}
+    messages = {" ".join(a["message"].splitlines()[0].removeprefix(f"[{a['level']}] ").split()) for a in written}
     placeholder = " ... (full text in the report)"
-    for line in out.splitlines():
-        head, sep, text = line.partition(": [")
-        if not sep or not head.strip().split()[0] in ("YELLOW", "ORANGE", "RED"):
-            continue
-        text = "[" + text
-        assert len(line) <= 2 + 160, line
+    alert_lines = [(ln, m[2]) for ln in out.splitlines() if (m := re.match(r"  (YELLOW|ORANGE|RED) +step \d+: (.*)$", ln))]
+    assert alert_lines, out[-3000:]
+    for line, text in alert_lines:
+        assert len(line) <= 2 + 160 and not text.startswith("["), line
         cut = text.endswith(placeholder)
         text = text[: -len(placeholder)] if cut else text
         assert any(m == text or (cut and m.startswith(text) and m[len(text)] == " ") for m in messages), line

@@ -48,7 +48,7 @@ memory x1.0004 (106.49 -> 106.53 MiB), step time x1.065 (x1.12 with
 
 NNX: Flax NNX has no method-interception hook (``intercept_methods`` is Linen's);
 in NNX sow in the model (``self.sow(nnx.Intermediate, NAME, value)`` or the
-probes) and read it with ``nnx.capture`` (see the README).
+probes) and read it with ``nnx.capture`` (see docs/MODELS.md).
 """
 
 from __future__ import annotations
