@@ -219,3 +219,41 @@ def test_interleaved_per_head_fused_kernel_bloom_layout():
     b[:, :2] *= 2 / 3
     _assert_only(got, {"transformer/h/0/self_attention/query_key_value/kernel": k.reshape(d, -1),
                        "transformer/h/0/self_attention/query_key_value/bias": b.reshape(-1)}, params)
+
+
+def test_the_factor_decision_per_layer_per_head_and_shared_k():
+    """``_QKPlan.factors`` (the step that decides who shrinks by how much), against
+    the rule written out in NumPy: per layer sqrt(gamma) on Q and K where the layer
+    has K, gamma on Q where it has none; per head with one K head per Q head
+    sqrt(gamma) each; with a K head shared by 2 Q heads, K kept and Q by gamma."""
+    from jvitals.metrics.roles import Roles, assign_roles
+    from jvitals.optim.qk_clip import _QKPlan, layer_gammas
+
+    def plan(q_width, k_width, has_k):
+        params = {"layers_0": {"attn": {"q_proj": {"kernel": np.ones((8, q_width), np.float32)},
+                                        "k_proj": {"kernel": np.ones((8, k_width), np.float32)},
+                                        "o_proj": {"kernel": np.ones((q_width, 8), np.float32)}}},
+                  "layers_1": {"attn": {"q_proj": {"kernel": np.ones((8, q_width), np.float32)},
+                                        "o_proj": {"kernel": np.ones((q_width, 8), np.float32)}}}}
+        if not has_k:
+            del params["layers_0"]["attn"]["k_proj"]
+        return _QKPlan.build(assign_roles(params, Roles()), Roles())
+
+    m = np.array([[200.0, 50.0, 400.0, 100.0], [50.0, 50.0, 50.0, 50.0]], np.float32)
+    g = np.where(m > 100.0, 100.0 / m, 1.0)
+    gamma, per_head = layer_gammas(m.max(axis=1), 100.0, 2)
+    assert not per_head and gamma.shape == (2, 1)
+    q, k, _ = plan(16, 16, True).factors("layers_0/attn", gamma, False)
+    np.testing.assert_allclose(np.asarray(q)[:, 0], [np.sqrt(100 / 400), 1.0], rtol=1e-6)  # layer 1: no K
+    np.testing.assert_allclose(np.asarray(k)[:, 0], [np.sqrt(100 / 400), 1.0], rtol=1e-6)
+    q, _, _ = plan(16, 16, False).factors("layers_0/attn", gamma, False)
+    np.testing.assert_allclose(np.asarray(q)[:, 0], [100 / 400, 1.0], rtol=1e-6)          # Q takes all
+    gamma, per_head = layer_gammas(m, 100.0, 2)
+    q, k, groups = plan(16, 16, True).factors("layers_0/attn", gamma, True)     # 4 Q, 4 K heads
+    np.testing.assert_allclose(np.asarray(q), np.sqrt(g), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(k), np.sqrt(g), rtol=1e-6)
+    assert groups == 1
+    q, k, groups = plan(16, 8, True).factors("layers_0/attn", gamma, True)      # 2 K heads shared by 2 Q each
+    np.testing.assert_allclose(np.asarray(q), g, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(k), np.ones((2, 2)))
+    assert groups == 2

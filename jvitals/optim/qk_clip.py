@@ -134,72 +134,162 @@ def qk_clip(params: Any, attn_logits_max: Any, tau: Any, *, roles: Roles | None 
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     infos = assign_roles(params, roles)
     layers = [i for lr in infos for i in lr.layers]
-    n_layers = max(layers) + 1 if layers else 0
+    gamma, per_head = layer_gammas(attn_logits_max, tau, max(layers) + 1 if layers else 0)
+    plan = _QKPlan.build(infos, roles)
+    out = []
+    for (_, x), lr in zip(flat, infos):
+        kl = plan.kernel_of(lr)
+        if kl is None:
+            out.append(x)
+            continue
+        qf, kf, _ = plan.factors(_parent(_module(kl.path) or kl.path), gamma, per_head)
+        qf, kf = _per_layer(qf, lr), _per_layer(kf, lr)               # [Hq] / [n, Hq] ...
+        if kl.role == "qkv":
+            out.append(plan.scale_fused(x, lr, kl, qf, kf))
+        else:
+            out.append(_scale_leaf(x, lr, qf if kl.role in _Q_ROLES else kf, per_head,
+                                   _out_axes(lr, plan.is_bias(lr))))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def layer_gammas(attn_logits_max: Any, tau: Any, n_layers: int) -> tuple[jax.Array, bool]:
+    """The shrink factor of each layer (or layer and query head): ``[L, 1]`` or ``[L, H]``.
+
+    ``gamma = tau / m`` where ``m > tau`` and ``m`` is finite, else 1.
+
+    Raises:
+      ValueError: if ``attn_logits_max`` is not ``[n_layers]`` or ``[n_layers, H]``.
+    """
     m = jnp.asarray(attn_logits_max, _F32)
     if m.ndim not in (1, 2) or n_layers == 0 or m.shape[0] != n_layers:
         raise ValueError(
             f"qk_clip: attn_logits_max has shape {tuple(m.shape)}; expected [{n_layers}] (one max "
             f"attention logit per layer, the params have {n_layers} layers) or [{n_layers}, H] "
             "(per query head)")
-    per_head = m.ndim == 2
     tau_ = jnp.asarray(tau, _F32)
-    gamma = jnp.where(jnp.isfinite(m) & (m > tau_), tau_ / m, 1.0)        # [L] or [L, H]
+    gamma = jnp.where(jnp.isfinite(m) & (m > tau_), tau_ / m, 1.0)
+    return (gamma, True) if m.ndim == 2 else (gamma[:, None], False)
+
+
+def _out_axes(lr: LeafRole, is_bias: bool) -> tuple[int, ...]:
+    """The output (head) axes of one layer's kernel, or every axis of a bias."""
+    nd = len(_layer_shape(lr))
+    if is_bias:
+        return tuple(range(nd))
+    return (nd - 2, nd - 1) if nd >= 3 else (nd - 1,)
+
+
+def _per_layer(v: jax.Array, lr: LeafRole) -> jax.Array:
+    """The rows of a per-layer factor ``[L, ...]`` that a leaf holds."""
+    if lr.stack is not None:
+        return v[lr.first_layer: lr.first_layer + lr.num_layers]
+    return v[lr.layer] if lr.layer is not None else jnp.ones_like(v[0])
+
+
+def _spread(f: jax.Array, width: int, what: str) -> jax.Array:
+    """Per-head factors ``[..., heads]`` repeated over each head's entries: ``[..., width]``."""
+    heads = f.shape[-1]
+    if width % heads:
+        raise ValueError(f"qk_clip: {what} has {width} entries, not divisible into {heads} heads")
+    return jnp.repeat(f, width // heads, axis=-1)
+
+
+def _scale_leaf(x: jax.Array, lr: LeafRole, f: jax.Array, per_head: bool,
+                axes: tuple[int, ...]) -> jax.Array:
+    """A separate Q or K kernel (or its bias) times its factor, per layer or per head."""
     if not per_head:
-        gamma = gamma[:, None]
-    n_heads = gamma.shape[1]
+        axes, sizes, vec = (), [], f.reshape(f.shape[:-1])
+    else:
+        ls = _layer_shape(lr)
+        sizes = [ls[a] for a in axes]
+        vec = _spread(f, math.prod(sizes), f"the output of {lr.path!r}")
+    return (x.astype(_F32) * _place(vec, lr, axes, sizes)).astype(x.dtype)
 
-    # Kernels by module, attention modules' Q/K widths and O sizes, biases by module.
-    kernels: dict[str, LeafRole] = {}
-    o_numel: dict[str, int] = {}
-    for lr in infos:
-        mod = _module(lr.path)
-        if lr.role in _Q_ROLES + ("k", "qkv"):
-            kernels[mod if mod is not None else lr.path] = lr
-        if lr.role == "o":
-            o_numel.setdefault(_parent(mod if mod is not None else lr.path), math.prod(_layer_shape(lr)))
-    if not kernels:
-        raise ValueError(
-            "qk_clip: no Q/K projection found (no leaf of role 'q', 'k', 'qkv' or 'q_up'); check "
-            "jvitals.explain_roles(params) and add a pattern, e.g. "
-            "Roles().extend(q=r'(^|/)my_query/kernel$', k=r'(^|/)my_key/kernel$')")
 
-    def out_axes(lr: LeafRole, is_bias: bool) -> tuple[int, ...]:
-        nd = len(_layer_shape(lr))
-        if is_bias:
-            return tuple(range(nd))
-        return (nd - 2, nd - 1) if nd >= 3 else (nd - 1,)
+@dataclasses.dataclass
+class _QKPlan:
+    """Where Q and K live: kernels by module, each attention's Q/K widths, which layers have K.
 
-    def qkv_plan(lr: LeafRole) -> tuple[QKVSplit, str, int | None, QKVLayout]:
+    Attributes:
+      roles: the roles (for the fused-QKV layout and split).
+      kernels: module path -> the Q / K / fused-QKV kernel leaf.
+      o_numel: attention module path -> one layer's output-projection size (the fused split needs it).
+      widths: attention module path -> ``{"q": Q width, "k": K width}`` (one layer's output entries).
+      has_k: per layer, whether it has a K projection (MLA's ``q_up`` layers may not).
+    """
+
+    roles: Roles
+    kernels: dict[str, LeafRole]
+    o_numel: dict[str, int]
+    widths: dict[str, dict[str, int]]
+    has_k: np.ndarray
+
+    @classmethod
+    def build(cls, infos: Sequence[LeafRole], roles: Roles) -> "_QKPlan":
+        """Finds the kernels and reads their widths.
+
+        Raises:
+          ValueError: if no leaf has a Q/K role (names ``explain_roles`` and a pattern to add).
+        """
+        kernels: dict[str, LeafRole] = {}
+        o_numel: dict[str, int] = {}
+        for lr in infos:
+            mod = _module(lr.path)
+            if lr.role in _Q_ROLES + ("k", "qkv"):
+                kernels[mod if mod is not None else lr.path] = lr
+            if lr.role == "o":
+                o_numel.setdefault(_parent(mod if mod is not None else lr.path), math.prod(_layer_shape(lr)))
+        if not kernels:
+            raise ValueError(
+                "qk_clip: no Q/K projection found (no leaf of role 'q', 'k', 'qkv' or 'q_up'); check "
+                "jvitals.explain_roles(params) and add a pattern, e.g. "
+                "Roles().extend(q=r'(^|/)my_query/kernel$', k=r'(^|/)my_key/kernel$')")
+        n_layers = 1 + max((i for lr in infos for i in lr.layers), default=-1)
+        plan = cls(roles, kernels, o_numel, {}, np.zeros(n_layers, bool))
+        for mod, lr in kernels.items():
+            attn = _parent(mod)
+            if lr.role == "qkv":
+                nq, nk, _ = plan.fused(lr)[3].sizes
+                plan.widths.setdefault(attn, {}).update(q=nq, k=nk)
+            else:
+                ls = _layer_shape(lr)
+                plan.widths.setdefault(attn, {})["k" if lr.role == "k" else "q"] = math.prod(
+                    ls[a] for a in _out_axes(lr, False))
+            if lr.role in ("k", "qkv"):
+                plan.has_k[list(lr.layers)] = True
+        return plan
+
+    def is_bias(self, lr: LeafRole) -> bool:
+        return lr.path.endswith("/bias") and _parent(lr.path) in self.kernels
+
+    def kernel_of(self, lr: LeafRole) -> LeafRole | None:
+        """The Q/K kernel a leaf is (or is the bias of), or None: the leaf is left alone."""
+        if self.is_bias(lr):
+            kl = self.kernels[_parent(lr.path)]
+            return kl if lr.layers == kl.layers else None
+        return lr if lr.role in _Q_ROLES + ("k", "qkv") and lr.layers else None
+
+    def fused(self, lr: LeafRole) -> tuple[QKVSplit, str, int | None, QKVLayout]:
         """How one layer's fused kernel splits: (split with its axis, layout, q_size, QKVLayout)."""
         shape = _layer_shape(lr)
-        o = o_numel.get(_parent(_module(lr.path) or lr.path))
-        layout = roles.qkv_layout_of(lr.path)
-        split = roles.qkv_split
-
-        split, q_size = resolve_fused(shape, split, o)
+        o = self.o_numel.get(_parent(_module(lr.path) or lr.path))
+        layout = self.roles.qkv_layout_of(lr.path)
+        split, q_size = resolve_fused(shape, self.roles.qkv_split, o)
         return split, layout, q_size, qkv_layout(shape, split, path=lr.path, layout=layout, q_size=q_size)
 
-    # Which layers have a K side, and (per head) each attention module's Q and K widths.
-    has_k = np.zeros(n_layers, bool)
-    widths: dict[str, dict[str, int]] = {}
-    for mod, lr in kernels.items():
-        attn = _parent(mod)
-        if lr.role == "qkv":
-            nq, nk, _ = qkv_plan(lr)[3].sizes
-            widths.setdefault(attn, {}).update(q=nq, k=nk)
-        else:
-            ls = _layer_shape(lr)
-            w = math.prod(ls[a] for a in out_axes(lr, False))
-            widths.setdefault(attn, {})["k" if lr.role == "k" else "q"] = w
-        if lr.role in ("k", "qkv"):
-            has_k[list(lr.layers)] = True
+    def factors(self, attn: str, gamma: jax.Array, per_head: bool) -> tuple[jax.Array, jax.Array, int]:
+        """(Q factor per query head ``[L, Hq]``, K factor per KV head ``[L, G]``, heads per group).
 
-    def factors(attn: str, lr: LeafRole) -> tuple[jax.Array, jax.Array, int]:
-        """(Q factor per query head [L, Hq], K factor per KV head [L, G], heads per group)."""
-        hk = jnp.asarray(has_k)[:, None]
+        Per layer: ``sqrt(gamma)`` on Q and K where the layer has K, the whole ``gamma``
+        on Q where it has none. Per head: one K head per Q head splits ``sqrt(gamma)``
+        between them; a K head shared by several Q heads stays and each Q head takes
+        its whole ``gamma``.
+        """
+        hk = jnp.asarray(self.has_k)[:, None]
         if not per_head:
             return jnp.where(hk, jnp.sqrt(gamma), gamma), jnp.sqrt(gamma), 1
-        w = widths.get(attn, {})
+        n_heads = gamma.shape[1]
+        w = self.widths.get(attn, {})
         nq, nk = w.get("q"), w.get("k")
         if nq is None or nq % n_heads:
             raise ValueError(
@@ -214,59 +304,20 @@ def qk_clip(params: Any, attn_logits_max: Any, tau: Any, *, roles: Roles | None 
                 f"qk_clip: the K projection of {attn!r} has {nk} output entries, not a whole "
                 f"number of heads of width {dh} dividing {n_heads} query heads")
         kvh = nk // dh
-        if kvh == n_heads:       # one K head per Q head: split the factor between them
+        if kvh == n_heads:
             return jnp.sqrt(gamma), jnp.sqrt(gamma), 1
-        # A K head shared by several Q heads stays; each Q head takes its whole gamma.
-        return gamma, jnp.ones((n_layers, kvh), _F32), n_heads // kvh
+        return gamma, jnp.ones((gamma.shape[0], kvh), _F32), n_heads // kvh
 
-    def per_layer(v: jax.Array, lr: LeafRole) -> jax.Array:
-        if lr.stack is not None:
-            return v[lr.first_layer: lr.first_layer + lr.num_layers]
-        return v[lr.layer] if lr.layer is not None else jnp.ones_like(v[0])
-
-    def spread(f: jax.Array, width: int, what: str) -> jax.Array:
-        """Per-head factors ``[..., heads]`` repeated over each head's entries: ``[..., width]``."""
-        heads = f.shape[-1]
-        if width % heads:
-            raise ValueError(f"qk_clip: {what} has {width} entries, not divisible into {heads} heads")
-        return jnp.repeat(f, width // heads, axis=-1)
-
-    out = []
-    for (p, x), lr in zip(flat, infos):
-        path = lr.path
-        is_bias = path.endswith("/bias") and _parent(path) in kernels
-        kl = kernels.get(_parent(path)) if is_bias else (lr if lr.role in _Q_ROLES + ("k", "qkv") else None)
-        if kl is None or not (lr.layers or is_bias):
-            out.append(x)
-            continue
-        if is_bias and lr.layers != kl.layers:
-            out.append(x)
-            continue
-        attn = _parent(_module(kl.path) or kl.path)
-        qf, kf, _ = factors(attn, kl)
-        qf, kf = per_layer(qf, lr), per_layer(kf, lr)               # [Hq] / [n, Hq] ...
-        ls = _layer_shape(lr)
-        if kl.role == "qkv":
-            # Split as the roles do (jvitals.qkv: contiguous or per-head interleaved),
-            # scale the Q and K parts (heads in model order), merge back.
-            split, layout, q_size, lay = qkv_plan(kl)
-            if is_bias:
-                split = dataclasses.replace(split, axis=len(ls) - 1)
-            nq, nk, _ = lay.sizes
-            q, k, v = split_qkv(x, split, path=kl.path, layout=layout, q_size=q_size, stack_axis=lr.stack_axis)
-            ax = (split.axis,)
-            q = (q.astype(_F32) * _place(spread(qf, nq, f"the Q part of {path!r}"), lr, ax, [nq])).astype(x.dtype)
-            k = (k.astype(_F32) * _place(spread(kf, nk, f"the K part of {path!r}"), lr, ax, [nk])).astype(x.dtype)
-            out.append(merge_qkv(q, k, v, split, path=kl.path, layout=layout, q_size=q_size,
-                                 stack_axis=lr.stack_axis, fused_shape=x.shape))
-            continue
-        f = qf if kl.role in _Q_ROLES else kf
-        if not per_head:
-            axes, sizes, vec = (), [], f.reshape(f.shape[:-1])
-        else:
-            axes = out_axes(lr, is_bias)
-            sizes = [ls[a] for a in axes]
-            vec = spread(f, math.prod(sizes), f"the output of {path!r}")
-        factor = _place(vec, lr, axes, sizes)
-        out.append((x.astype(_F32) * factor).astype(x.dtype))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    def scale_fused(self, x: jax.Array, lr: LeafRole, kl: LeafRole, qf: jax.Array, kf: jax.Array) -> jax.Array:
+        """A fused QKV kernel (or its bias): split as the roles do (contiguous or per-head
+        interleaved), Q and K parts times their factors (heads in model order), merged back."""
+        split, layout, q_size, lay = self.fused(kl)
+        if self.is_bias(lr):
+            split = dataclasses.replace(split, axis=len(_layer_shape(lr)) - 1)
+        nq, nk, _ = lay.sizes
+        q, k, v = split_qkv(x, split, path=kl.path, layout=layout, q_size=q_size, stack_axis=lr.stack_axis)
+        ax = (split.axis,)
+        q = (q.astype(_F32) * _place(_spread(qf, nq, f"the Q part of {lr.path!r}"), lr, ax, [nq])).astype(x.dtype)
+        k = (k.astype(_F32) * _place(_spread(kf, nk, f"the K part of {lr.path!r}"), lr, ax, [nk])).astype(x.dtype)
+        return merge_qkv(q, k, v, split, path=kl.path, layout=layout, q_size=q_size,
+                         stack_axis=lr.stack_axis, fused_shape=x.shape)
