@@ -1,17 +1,32 @@
 """Test set-up: eight host CPU devices, set before JAX is imported anywhere."""
 
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# One XLA compilation cache for the session: this process, the xdist workers and every
+# subprocess a test starts (quickstart, README blocks, the notebook, multi-process runs)
+# inherit it, so a program several files compile (the reference model's steps) is
+# compiled once. A fresh directory each session, removed at its end.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jvitals-tests-xla-cache-")
+    os.environ["JVITALS_TESTS_CACHE_OWNER"] = str(os.getpid())
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def pytest_unconfigure(config):
+    if os.environ.get("JVITALS_TESTS_CACHE_OWNER") == str(os.getpid()):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
