@@ -183,15 +183,25 @@ NEW_FAULTS: dict[str, fs.Run] = {r.name: r for r in (
            description="the Wq/Wk updates x30 (ramped in over 100 steps), no QK-norm: attention logits grow"),
     fs.Run("repeated_shard", "-", 0, F + 2000, "shard", F, "data", "YELLOW", 1500, params={"sequences": 1024},
            description="the loader serves the same 1024 sequences again and again from the fault step"),
+    fs.Run("loss_scale_collapse", "-", 0, F + 500, "head_growth", F, "loss_scale", "YELLOW", 200,
+           params={"rate": 0.02},
+           description="float16 with a dynamic loss scale; the LM head's kernel x1.02 per step: the "
+                       "backward overflows float16 at ever smaller scales, the loss scale falls"),
+)}
+
+
+#: Defined and trainable (``corpus_train`` knows their kinds) but NOT in the corpus: these tiny
+#: models do not spike without warm-up. Measured (400 steps, ref-dense and GPT-2 on pystdlib):
+#: AdamW at 1e-2 and 3e-2 and Lion at 3e-3 and 5e-4 from step 0 reach the same or a lower loss
+#: than with the 200-step warm-up, with no grad-norm excursion; zeroing Adam's moments at step
+#: 400 at the peak LR raised update/param_ratio 3.7x for one step and left the loss unchanged.
+#: A fault that changes nothing the loss or the model shows is not a fault to score leads on.
+UNSPIKED_FAULTS: dict[str, fs.Run] = {r.name: r for r in (
     fs.Run("warmup_skip", "-", 0, 1500, "no_warmup", 0, "lr", "YELLOW", 500,
            description="no warm-up: the peak learning rate from step 0"),
     fs.Run("restart_no_warmup", "-", 0, F + 500, "moments_reset", F, "lr", "YELLOW", 100,
            description="a restart that lost the optimizer's moments (Adam mu, nu and its bias-correction "
                        "count zeroed) and resumed at the peak learning rate without a new warm-up"),
-    fs.Run("loss_scale_collapse", "-", 0, F + 500, "head_growth", F, "loss_scale", "YELLOW", 200,
-           params={"rate": 0.02},
-           description="float16 with a dynamic loss scale; the LM head's kernel x1.02 per step: the "
-                       "backward overflows float16 at ever smaller scales, the loss scale falls"),
 )}
 
 
@@ -242,15 +252,20 @@ FAULT_PLAN: dict[str, list[tuple[str, int]]] = {
     "throughput_drop": [(_T[7], 1200), (_H[2], 1200)],
     "attn_logit_growth": [(_T[0], 1200), (_T[5], 1200), (_H[0], 1200), (_H[3], 1200)],
     "repeated_shard": [(_T[0], 1200), (_T[7], 1200), (_H[1], 1200), (_H[3], 1200)],
-    "warmup_skip": [(_T[1], 0), (_T[6], 0), (_H[1], 0), (_H[3], 0)],
     "loss_scale_collapse": [(_T[3], 1200), (_H[6], 1200)],
-    "restart_no_warmup": [(_T[0], 1200), (_T[5], 1200), (_H[0], 1200), (_H[2], 1200)],
 }
+
+
+#: Fault seeds: ``30 + 4 k + j`` (TUNING) or ``1100 + 4 k + j`` (HELD-OUT), k the fault's index here.
+_SEED_ORDER = ("lr_x100", "lr_x1000_once", "emb_lr_x30", "emb_wd_creep", "logit_drift", "nan_batch", "corrupt_data",
+               "overfit", "periodic_shocks", "router_collapse", "throughput_drop", "attn_logit_growth",
+               "repeated_shard", "warmup_skip", "loss_scale_collapse", "restart_no_warmup")
 
 
 def _fault_runs() -> list[CorpusRun]:
     out = []
-    for k, (template, where) in enumerate(FAULT_PLAN.items()):
+    for template, where in FAULT_PLAN.items():
+        k = _SEED_ORDER.index(template)
         for j, (setup, fstep) in enumerate(where):
             base = 30 if SETUP_BY_NAME[setup].split == "tuning" else 1100
             out.append(fault_run(template, setup, base + 4 * k + j, fstep))
@@ -556,6 +571,11 @@ def format_scores(res: Mapping[str, Any]) -> str:
     for r, c in h["rules"].items():
         out.append(f"| {r} | {c['YELLOW']} | {c['ORANGE']} | {c['RED']} | {c['per_10k']:.2f} | {c['per_20k']:.2f} "
                    f"| {c['policy']} |")
+    noisy = {n: a for n, a in h["alerts"].items() if a}
+    if noisy:
+        out += ["", "Healthy streams with alerts (opening step, peak level, rule:metric):"]
+        out += [f"- {n}: " + "; ".join(f"{a['step']} {a['level']} {a['rule']}:{a['metric']}" for a in al[:6])
+                + (f"; ... ({len(al)} in all)" if len(al) > 6 else "") for n, al in sorted(noisy.items())]
     out += ["", "| fault stream | split | fault step | first alert (level, rule:metric) | OLMo (every step) | lead "
             "| loss shows | false leads | onset / localization before the fault |", "|---|---|---|---|---|---|---|---|---|"]
     for n, x in sorted(res["faults"].items()):
