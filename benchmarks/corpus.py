@@ -181,8 +181,8 @@ NEW_FAULTS: dict[str, fs.Run] = {r.name: r for r in (
     fs.Run("attn_logit_growth", "-", 0, F + 1500, "qk_lr", F, "attention", "YELLOW", 800,
            params={"mult": 30.0, "ramp": 100},
            description="the Wq/Wk updates x30 (ramped in over 100 steps), no QK-norm: attention logits grow"),
-    fs.Run("repeated_shard", "-", 0, F + 2000, "shard", F, "data", "YELLOW", 1500, params={"sequences": 1024},
-           description="the loader serves the same 1024 sequences again and again from the fault step"),
+    fs.Run("repeated_shard", "-", 0, F + 2000, "shard", F, "data", "YELLOW", 1500, params={"sequences": 256},
+           description="the loader serves the same 256 sequences (16k tokens) again and again from the fault step"),
     fs.Run("loss_scale_collapse", "-", 0, F + 500, "head_growth", F, "loss_scale", "YELLOW", 200,
            params={"rate": 0.02},
            description="float16 with a dynamic loss scale; the LM head's kernel x1.02 per step: the "

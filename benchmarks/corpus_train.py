@@ -486,7 +486,8 @@ def train_run(setup: Any, run: Any, log: Callable[[str], None] = print) -> tuple
     params = adapter.init(run.seed)
     opt_state = tr.tx.init(params)
     ls = _loss_scale_init(setup.precision == "fp16")
-    data = Data(setup.data, setup.vocab, run.seed, setup.batch, setup.seq, setup.pad_fraction)
+    data = Data(setup.data, setup.vocab, run.seed, setup.batch, setup.seq, setup.pad_fraction,
+                int(run.params.get("sequences", 1024)))
     val = jax.device_put(data.val_batches())
     n_exp = int(setup.model_spec[1].get("n_experts", 0))
     push = np.zeros(max(n_exp, 1), np.float32)
