@@ -285,12 +285,12 @@ def stream_path(run: CorpusRun, root: Path = CORPUS) -> Path:
     return root / run.split / f"{run.name}.npz"
 
 
-def loss_note(rows: Sequence[Mapping[str, float]], fault_step: int) -> dict[str, Any]:
+def loss_note(loss: np.ndarray, fault_step: int) -> dict[str, Any]:
     """Whether the loss ever shows the fault: OLMo-core's rule fed every step (first firing at
     or after the fault, None: never), and the largest 50-step mean of the loss after the fault
     over its mean in the 200 steps before (a non-finite loss counts as infinite); ``loss_shows``
     when the rule fired or that ratio exceeds 1.1 (for a fault at step 0: NaN, the rule alone)."""
-    loss = np.array([r.get("loss", np.nan) for r in rows], np.float64)
+    loss = np.asarray(loss, np.float64)
     rule = fs.OlmoLossSpike()
     first = None
     for s, x in enumerate(loss):
@@ -319,7 +319,7 @@ def run_meta(run: CorpusRun, setup: Setup, facts: Mapping[str, Any], rows: Seque
         opt_learning_rate="recorder", log_vocab=math.log(setup.vocab), generator="benchmarks/corpus.py",
         **{k: v for k, v in facts.items() if k not in ("warmup_steps", "data")}, warmup_steps=facts["warmup_steps"])
     if run.fault:
-        meta["loss_note"] = loss_note(rows, run.fault_step)
+        meta["loss_note"] = loss_note(np.array([r.get("loss", np.nan) for r in rows]), run.fault_step)
     return meta
 
 
@@ -410,7 +410,7 @@ def load_split(split: str, root: str | Path = CORPUS, with_fault_suite: bool = T
     if split == "tuning" and with_fault_suite:
         for st in fs.load_streams(fs.STREAMS):
             st.meta.setdefault("split", "tuning")
-            st.meta.setdefault("setup", {"name": "ref-dense/bigram/adamw/cosine@10000 (fault_suite)"})
+            st.meta.setdefault("setup", {"name": f"ref-{st.meta['model']}/bigram/adamw/cosine@10000 (fault_suite)"})
             streams.append(st)
     return streams
 
@@ -507,7 +507,24 @@ def _fault_figures(st: fs.Stream, sc: fs.Score, spy: SpyMonitor, cadence: int) -
         onset=onset, departure=dep,
         early_onset=onset is not None and onset < f - cadence,
         early_localization=dep is not None and dep < f - cadence,
-        loss_note=st.meta.get("loss_note"))
+        loss_note=st.meta.get("loss_note") or loss_note(st.dense("loss"), f))
+
+
+def _twin_check(faults: dict[str, dict[str, Any]], healthy: Sequence[tuple[fs.Stream, fs.Score]],
+                window: int = 250) -> None:
+    """Mark each fault's first alert ``twin_rule``: True when a healthy stream of the same setup
+    opened an alert of the same rule within ``window`` steps of that step (the first alert may
+    then be the setup's natural drift, not the fault); None without a healthy twin."""
+    by_setup: dict[str, list[fs.Score]] = {}
+    for st, sc in healthy:
+        by_setup.setdefault(st.meta["setup"]["name"], []).append(sc)
+    for x in faults.values():
+        twins = by_setup.get(x["setup"])
+        if not twins or x["first_alert"] is None:
+            x["twin_rule"] = None
+            continue
+        x["twin_rule"] = any(a[2] == x["first_rule"] and abs(a[0] - x["first_alert"]) <= window
+                             for sc in twins for a in sc.alerts)
 
 
 def score_corpus(split: str, root: str | Path = CORPUS, cadence: int = 50, heavy_every: int = 0,
@@ -547,6 +564,7 @@ def score_corpus(split: str, root: str | Path = CORPUS, cadence: int = 50, heavy
             faults[st.name] = _fault_figures(st, sc, spies[-1], cadence)
         else:
             healthy.append((st, sc))
+    _twin_check(faults, healthy)
     leads = [x["lead"] for x in faults.values() if not math.isnan(x["lead"])]
     return dict(
         split=split, cadence=cadence, heavy_every=heavy_every, healthy=_healthy_figures(healthy), faults=faults,
@@ -554,6 +572,7 @@ def score_corpus(split: str, root: str | Path = CORPUS, cadence: int = 50, heavy
         later_than_loss=sorted(n for n, x in faults.items() if x["later_than_loss"]),
         missed=sorted(n for n, x in faults.items() if x["first_alert"] is None),
         false_leads=sorted(n for n, x in faults.items() if x["false_leads"]),
+        first_alert_in_healthy_twin=sorted(n for n, x in faults.items() if x["twin_rule"]),
         early_onsets=sorted(n for n, x in faults.items() if x["early_onset"] or x["early_localization"]))
 
 
@@ -577,7 +596,8 @@ def format_scores(res: Mapping[str, Any]) -> str:
         out += [f"- {n}: " + "; ".join(f"{a['step']} {a['level']} {a['rule']}:{a['metric']}" for a in al[:6])
                 + (f"; ... ({len(al)} in all)" if len(al) > 6 else "") for n, al in sorted(noisy.items())]
     out += ["", "| fault stream | split | fault step | first alert (level, rule:metric) | OLMo (every step) | lead "
-            "| loss shows | false leads | onset / localization before the fault |", "|---|---|---|---|---|---|---|---|---|"]
+            "| loss shows | false leads | onset / localization before the fault | rule in healthy twin |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for n, x in sorted(res["faults"].items()):
         fa = "-" if x["first_alert"] is None else f"{x['first_alert']} ({x['first_level']}, {x['first_rule']}:{x['first_metric']})"
         note = x.get("loss_note") or {}
@@ -585,10 +605,12 @@ def format_scores(res: Mapping[str, Any]) -> str:
         early = ", ".join(k for k in ("early_onset", "early_localization") if x[k]) or "-"
         out.append(f"| {n} | {x['split']} | {x['fault_step']} | {fa} | {x['olmo'] if x['olmo'] is not None else '-'} "
                    f"({x['olmo_every_step'] if x['olmo_every_step'] is not None else '-'}) | {_fmt_lead(x['lead'])} "
-                   f"| {note.get('loss_shows', '?')} | {fl} | {early} |")
+                   f"| {note.get('loss_shows', '?')} | {fl} | {early} | {x['twin_rule']} |")
     out += ["", f"Median lead over the loss rule: {_fmt_lead(res['median_lead'])}; later than the loss rule: "
             f"{len(res['later_than_loss'])}; missed: {len(res['missed'])}; with false leads: {len(res['false_leads'])}; "
-            f"onset/localization > 1 check before the fault: {len(res['early_onsets'])} (of {len(res['faults'])})."]
+            f"onset/localization > 1 check before the fault: {len(res['early_onsets'])} (of {len(res['faults'])}); "
+            f"first alert's rule also fired on a healthy twin within 250 steps: "
+            f"{len(res['first_alert_in_healthy_twin'])}."]
     return "\n".join(out)
 
 
