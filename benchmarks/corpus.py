@@ -471,37 +471,40 @@ def _healthy_figures(scores: Sequence[tuple[fs.Stream, fs.Score]]) -> dict[str, 
                 yellow_per_20k=ys * 2e4 / max(steps, 1), alerts=streams)
 
 
-def _first_alert(spy: SpyMonitor, fault_step: int) -> tuple[int, str, str, int | None, int | None] | None:
-    """The first check at/after the fault with an alert: (step, rule, metric, onset, departure) of
-    its highest-level alert."""
-    after = [e for e in spy.log if e[0] >= fault_step]
-    if not after:
-        return None
-    s = after[0][0]
-    e = max((x for x in after if x[0] == s), key=lambda x: x[4])
-    return s, e[2], e[3], e[5], e[6]
+def _events(spy: SpyMonitor, fault_step: int) -> list[tuple[int, int, str, str, int, int | None, int | None]]:
+    """The alerts that open, or escalate, at or after the fault (an alert opened before the fault
+    and still open is not a detection of it): the spy's log entries at their first check at
+    each new level."""
+    seen: dict[int, int] = {}
+    out = []
+    for e in spy.log:
+        if e[4] > seen.get(e[1], 0):
+            seen[e[1]] = e[4]
+            if e[0] >= fault_step:
+                out.append(e)
+    return out
 
 
 def _fault_figures(st: fs.Stream, sc: fs.Score, spy: SpyMonitor, cadence: int) -> dict[str, Any]:
-    """One fault stream's detection, lead over the loss rule, false leads, and the earliest onset
-    and localization departure any alert at or after the fault names (early: more than one
-    check before the fault)."""
+    """One fault stream's detection (the first alert opening or escalating at or after the fault),
+    its lead over the loss rule, the alerts before the fault (false leads), and the earliest onset
+    and localization departure those post-fault alerts name (early: more than one check before
+    the fault)."""
     f = int(st.meta["fault_step"])
-    jv = sc.first["YELLOW"]
-    level = max((lv for lv in fs.LEVELS[1:] if sc.first[lv] == jv), key=fs.LEVELS.index) if jv is not None else None
-    fa = _first_alert(spy, f)
-    after = [e for e in spy.log if e[0] >= f]
-    onset = min((e[5] for e in after if e[5] is not None), default=None)      # over every post-fault alert
-    dep = min((e[6] for e in after if e[6] is not None), default=None)
+    ev = _events(spy, f)
+    jv = ev[0][0] if ev else None
+    top = max((e for e in ev if e[0] == jv), key=lambda e: e[4]) if ev else None
     want = st.meta.get("level")
-    got = sc.first.get(want) if want else None
+    got = next((e[0] for e in ev if e[4] >= fs.LEVELS.index(want)), None) if want else None
+    onset = min((e[5] for e in ev if e[5] is not None), default=None)
+    dep = min((e[6] for e in ev if e[6] is not None), default=None)
     return dict(
         fault=st.meta.get("template") or st.name, setup=st.meta["setup"]["name"], split=st.meta.get("split"),
         fault_step=f, group=st.meta.get("group"), expected=want, max_delay=st.meta.get("max_delay"),
-        first_alert=jv, first_level=level, first_rule=fa[1] if fa else None, first_metric=fa[2] if fa else None,
-        expected_reached=got, in_time=got is not None and (st.meta.get("max_delay") is None
-                                                           or got - f <= st.meta["max_delay"]),
-        peak=sc.peak, olmo=sc.olmo, olmo_every_step=sc.olmo_every_step,
+        first_alert=jv, first_level=fs.LEVELS[top[4]] if top else None, first_rule=top[2] if top else None,
+        first_metric=top[3] if top else None, expected_reached=got,
+        in_time=got is not None and (st.meta.get("max_delay") is None or got - f <= st.meta["max_delay"]),
+        peak=fs.LEVELS[max((e[4] for e in ev), default=0)], olmo=sc.olmo, olmo_every_step=sc.olmo_every_step,
         lead=fs.lead(sc.olmo, jv, f, cadence), later_than_loss=jv is not None and sc.olmo is not None and jv > sc.olmo,
         false_leads=[dict(step=a[0], level=a[1], rule=a[2], metric=a[3]) for a in sc.pre_fault_alerts],
         onset=onset, departure=dep,
@@ -566,9 +569,11 @@ def score_corpus(split: str, root: str | Path = CORPUS, cadence: int = 50, heavy
             healthy.append((st, sc))
     _twin_check(faults, healthy)
     leads = [x["lead"] for x in faults.values() if not math.isnan(x["lead"])]
+    seen = [x["lead"] for x in faults.values() if x["olmo"] is not None]   # faults the loss rule catches
     return dict(
         split=split, cadence=cadence, heavy_every=heavy_every, healthy=_healthy_figures(healthy), faults=faults,
         median_lead=statistics.median(leads) if leads else math.nan,
+        median_lead_where_loss_rule_fires=statistics.median(seen) if seen else math.nan,
         later_than_loss=sorted(n for n, x in faults.items() if x["later_than_loss"]),
         missed=sorted(n for n, x in faults.items() if x["first_alert"] is None),
         false_leads=sorted(n for n, x in faults.items() if x["false_leads"]),
@@ -606,7 +611,9 @@ def format_scores(res: Mapping[str, Any]) -> str:
         out.append(f"| {n} | {x['split']} | {x['fault_step']} | {fa} | {x['olmo'] if x['olmo'] is not None else '-'} "
                    f"({x['olmo_every_step'] if x['olmo_every_step'] is not None else '-'}) | {_fmt_lead(x['lead'])} "
                    f"| {note.get('loss_shows', '?')} | {fl} | {early} | {x['twin_rule']} |")
-    out += ["", f"Median lead over the loss rule: {_fmt_lead(res['median_lead'])}; later than the loss rule: "
+    out += ["", f"Median lead over the loss rule: {_fmt_lead(res['median_lead'])} (over the "
+            f"faults the loss rule catches at this cadence: {_fmt_lead(res['median_lead_where_loss_rule_fires'])}); "
+            f"later than the loss rule: "
             f"{len(res['later_than_loss'])}; missed: {len(res['missed'])}; with false leads: {len(res['false_leads'])}; "
             f"onset/localization > 1 check before the fault: {len(res['early_onsets'])} (of {len(res['faults'])}); "
             f"first alert's rule also fired on a healthy twin within 250 steps: "

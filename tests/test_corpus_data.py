@@ -86,7 +86,15 @@ def test_figures_against_independent_arithmetic(path):
     st = stream(path)
     m = st.meta
     lr = st.dense("opt/learning_rate")
-    np.testing.assert_allclose(lr, schedule(m, np.arange(st.steps)), rtol=2e-5, atol=1e-9)
+    count = np.arange(st.steps)
+    if "opt/skipped_steps" in st.series:   # fp16: a skipped step keeps the optimizer state, count included
+        skipped = st.dense("opt/skipped_steps")
+        before = np.concatenate([[0.0], skipped[:-1]])
+        count = count - before
+        kept = skipped > before            # the recorder's figures are those of the kept (previous) state
+        np.testing.assert_array_equal(lr[1:][kept[1:]], lr[:-1][kept[1:]])
+        count, lr = count[~kept], lr[~kept]
+    np.testing.assert_allclose(lr, schedule(m, count), rtol=2e-5, atol=1e-9)
     g, post = st.dense("grad/global_norm"), st.dense("grad/global_norm_post_clip")
     ok = np.isfinite(g)
     np.testing.assert_allclose(post[ok], np.minimum(g[ok], m["clip"]), rtol=1e-5)
@@ -97,8 +105,10 @@ def test_figures_against_independent_arithmetic(path):
     rate = rate[np.isfinite(rate)]
     np.testing.assert_allclose(rate, m["batch"] * m["seq"], rtol=1e-6)
     share = sum(st.dense(n) for n in st.series if n.startswith("grad/share/"))
-    share = share[np.isfinite(share)]
-    assert len(share) and np.all(share <= 1 + 1e-4) and np.all(share > 0.5)
+    healthy = np.arange(st.steps) < (m["fault_step"] if m["fault"] else st.steps)
+    ok = np.isfinite(share)
+    assert ok.any() and np.all(share[ok] <= 1 + 1e-4)
+    assert np.all(share[ok & healthy] > 0.5)      # the groups hold most of a healthy gradient
 
 
 @pytest.mark.parametrize("path", [p for p in PATHS if "fp16" in p.stem], ids=lambda p: p.stem)
