@@ -172,3 +172,22 @@ def test_every_fault_on_two_setups_one_held_out():
     assert set(faults) == want
     for f, where in faults.items():
         assert len({s for s, _ in where}) >= 2 and any(sp == "heldout" for _, sp in where), (f, where)
+
+
+def test_score_corpus_figures_add_up():
+    """The harness on two streams with the default Monitor: its per-rule counts, rates and lead are
+    the arithmetic of its own lists (and the loss rule's step is OLMo-core's on the same checks)."""
+    pick = [p for p in PATHS if p.stem.startswith(("healthy.gpt2.bigram", "lr_x100.gpt2"))][:2]
+    res = corpus.score_corpus("tuning", streams=[stream(p) for p in pick], cadence=50, heavy_every=500)
+    h = res["healthy"]
+    assert h["yellow"] == sum(c["YELLOW"] for c in h["rules"].values())
+    assert h["yellow_per_20k"] == pytest.approx(h["yellow"] * 2e4 / h["steps"])
+    for c in h["rules"].values():
+        assert c["total"] == c["YELLOW"] + c["ORANGE"] + c["RED"] and c["policy"] != "?"
+    for name, x in res["faults"].items():
+        st = stream(CORPUS_DIR / x["split"] / f"{name}.npz")
+        olmo = fs.OlmoLossSpike()
+        fired = [s for s, m in fs.replay(st, 50) if olmo.update(s, m) and s >= x["fault_step"]]
+        assert x["olmo"] == (fired[0] if fired else None)
+        assert x["lead"] == fs.lead(x["olmo"], x["first_alert"], x["fault_step"], 50) or \
+            (math.isnan(x["lead"]) and x["first_alert"] is None)
