@@ -5,8 +5,7 @@ optimizers and schedules, healthy and faulty, split into a TUNING and a HELD-OUT
 
     python benchmarks/corpus.py list                                   # setups, runs, split
     python benchmarks/corpus.py generate --split tuning [--only NAME..] [--cache /tmp/jaxcache]
-    python benchmarks/corpus.py score --split tuning|heldout --cadence 50 [--heavy-every 500]
-    python benchmarks/corpus.py bench --setup NAME --steps 200         # ms/step of one setup
+    python benchmarks/corpus.py score --split tuning|heldout --cadence 50 [--heavy-every 500] [--json F]
 
 Streams are ``benchmarks/fault_suite.py``'s format (:func:`fault_suite.save_stream`,
 :func:`fault_suite.load_stream`) with more metadata (``setup``, ``split``, the
@@ -21,6 +20,14 @@ The split (:data:`SETUPS`, ``split`` field; README ``tests/data/corpus/README.md
 the HELD-OUT part holds a model family (HF Llama), a data source (the packages'
 documentation, ``pydocs``) and an optimizer (SGD with momentum) that no TUNING stream
 uses, and seeds (>= 1000) that no TUNING stream uses.
+
+``score`` (and :func:`score_corpus`, for tests) replays a split through ``jvitals.Monitor()``
+(or any monitor factory) and OLMo-core's loss rule fed the same checks
+(``fault_suite.score_stream``): per rule, the healthy streams' alerts and rates with the
+``Policy`` fields that tune the rule; per fault, the first alert opening at/after the fault,
+the lead, the false leads, early onsets or localizations, and whether the first alert's rule
+also fires on the same setup's healthy runs. Faults defined but not generated, and why:
+:data:`UNSPIKED_FAULTS`.
 """
 
 from __future__ import annotations
@@ -32,7 +39,6 @@ import math
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -591,7 +597,8 @@ def format_scores(res: Mapping[str, Any]) -> str:
     out = [f"## {res['split']}: cadence {res['cadence']}, heavy every {res['heavy_every'] or 'recorded (50)'}", "",
            f"Healthy: {h['streams']} streams, {h['steps']} steps: {h['yellow']} YELLOW, {h['orange_red']} "
            f"ORANGE/RED ({h['yellow_per_20k']:.2f} YELLOW per 20,000 steps).", "",
-           "| rule | YELLOW | ORANGE | RED | per 10k steps | per 20k steps | Policy fields |", "|---|---|---|---|---|---|---|"]
+           "| rule | YELLOW | ORANGE | RED | per 10k steps | per 20k steps | Policy fields |",
+           "|---|---|---|---|---|---|---|"]
     for r, c in h["rules"].items():
         out.append(f"| {r} | {c['YELLOW']} | {c['ORANGE']} | {c['RED']} | {c['per_10k']:.2f} | {c['per_20k']:.2f} "
                    f"| {c['policy']} |")
@@ -604,7 +611,8 @@ def format_scores(res: Mapping[str, Any]) -> str:
             "| loss shows | false leads | onset / localization before the fault | rule in healthy twin |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for n, x in sorted(res["faults"].items()):
-        fa = "-" if x["first_alert"] is None else f"{x['first_alert']} ({x['first_level']}, {x['first_rule']}:{x['first_metric']})"
+        fa = "-" if x["first_alert"] is None else \
+            f"{x['first_alert']} ({x['first_level']}, {x['first_rule']}:{x['first_metric']})"
         note = x.get("loss_note") or {}
         fl = "; ".join(f"{a['step']} {a['level']} {a['rule']}" for a in x["false_leads"][:3]) or "-"
         early = ", ".join(k for k in ("early_onset", "early_localization") if x[k]) or "-"
@@ -614,7 +622,8 @@ def format_scores(res: Mapping[str, Any]) -> str:
     out += ["", f"Median lead over the loss rule: {_fmt_lead(res['median_lead'])} (over the "
             f"faults the loss rule catches at this cadence: {_fmt_lead(res['median_lead_where_loss_rule_fires'])}); "
             f"later than the loss rule: "
-            f"{len(res['later_than_loss'])}; missed: {len(res['missed'])}; with false leads: {len(res['false_leads'])}; "
+            f"{len(res['later_than_loss'])}; missed: {len(res['missed'])}; "
+            f"with false leads: {len(res['false_leads'])}; "
             f"onset/localization > 1 check before the fault: {len(res['early_onsets'])} (of {len(res['faults'])}); "
             f"first alert's rule also fired on a healthy twin within 250 steps: "
             f"{len(res['first_alert_in_healthy_twin'])}."]

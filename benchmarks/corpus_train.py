@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import re
 import time
@@ -46,7 +45,7 @@ LOSS_SCALE_PERIOD = 500       # finite steps before the dynamic loss scale doubl
 
 
 # ----------------------------------------------------------------------------------
-# Schedules (NumPy twins in schedule_np: the test recomputes opt/learning_rate with them).
+# Schedules (tests/test_corpus_data.py recomputes opt/learning_rate from its own NumPy formulas).
 
 
 def make_schedule(kind: str, peak: float, warmup: int, steps: int, end_frac: float,
@@ -73,25 +72,6 @@ def make_schedule(kind: str, peak: float, warmup: int, steps: int, end_frac: flo
         return optax.join_schedules([warm, optax.constant_schedule(peak),
                                      optax.linear_schedule(peak, peak * end_frac, d)], [warmup, steps - d])
     raise KeyError(f"unknown schedule {kind!r}")
-
-
-def schedule_np(kind: str, peak: float, warmup: int, steps: int, end_frac: float, decay_frac: float,
-                t: np.ndarray) -> np.ndarray:
-    """The same schedules written in NumPy (an independent reference for the tests)."""
-    t = np.asarray(t, np.float64)
-    warm = peak * t / max(warmup, 1)
-    if kind == "cosine":
-        frac = np.clip((t - warmup) / max(steps - warmup, 1), 0.0, 1.0)
-        after = peak * end_frac + (peak - peak * end_frac) * 0.5 * (1 + np.cos(np.pi * frac))
-    elif kind == "constant":
-        after = np.full_like(t, peak)
-    elif kind == "wsd":
-        d = int(round(decay_frac * steps))
-        frac = np.clip((t - (steps - d)) / max(d, 1), 0.0, 1.0)
-        after = np.where(t < steps - d, peak, peak + (peak * end_frac - peak) * frac)
-    else:
-        raise KeyError(kind)
-    return np.where(t < warmup, warm, after)
 
 
 # ----------------------------------------------------------------------------------
@@ -422,7 +402,8 @@ def controls(run: Any, step: int) -> dict[str, Any]:
     """Per-step fault controls: ``fault_suite._controls`` for its fault kinds, plus
     ``qk_mult`` (the Wq/Wk LR fault) and the host flag ``shard`` (the repeated shard)."""
     kind = run.fault
-    base = fs._controls(run if kind not in NEW_FAULT_KINDS else types.SimpleNamespace(fault=None, fault_step=None, params={}), step)
+    healthy = types.SimpleNamespace(fault=None, fault_step=None, params={})
+    base = fs._controls(run if kind not in NEW_FAULT_KINDS else healthy, step)
     base.update(qk_mult=1.0, shard=False)
     if kind in NEW_FAULT_KINDS and step >= run.fault_step:
         if kind == "qk_lr":
