@@ -71,6 +71,8 @@ def test_stream_format_and_definition(path):
     run = corpus.RUN_BY_NAME[m["name"]]   # every stored stream is a defined run, as defined
     assert (run.steps, run.seed, run.fault, run.fault_step, run.setup) == \
         (st.steps, m["seed"], m["fault"], m["fault_step"], m["setup"]["name"])
+    assert (dict(run.params), run.description, run.level, run.group) == \
+        (m["params"], m["description"], m["level"], m["group"])
     assert m["format_version"] == fs.FORMAT_VERSION and m["group_figures"] == "recorder"
     for name in ("loss", "grad/global_norm", "opt/learning_rate", "param/global_norm", "update/param_ratio"):
         idx, _ = st.series[name]
