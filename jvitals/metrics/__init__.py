@@ -109,9 +109,23 @@ from jvitals.metrics.host import (
     device_memory_metrics,
     StepTimer,
 )
+from jvitals.metrics.replicas import (
+    process_hostnames,
+    REPLICA_FIGURES,
+    replica_layout,
+    replica_metrics,
+    ReplicaLayout,
+    ReplicaPlace,
+)
 
 __all__ = [
     "activation_metrics",
+    "process_hostnames",
+    "REPLICA_FIGURES",
+    "replica_layout",
+    "replica_metrics",
+    "ReplicaLayout",
+    "ReplicaPlace",
     "assign_roles",
     "attention_valid_mask",
     "attn_logits_probe",

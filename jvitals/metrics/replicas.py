@@ -66,7 +66,7 @@ from jax.sharding import PartitionSpec
 
 from jvitals.metrics.probes import LogitsRows, LogitsSummary
 from jvitals.metrics.stats import (Summary, TokenSummary, bound_axes, check_axes, eager_jit, make_varying,
-                                   reduction_axes, summarize_many, summarize_max, summarize_sumsq,
+                                   reduction_axes, summarize_sumsq,
                                    varying_axes)
 
 __all__ = [
@@ -223,18 +223,46 @@ def _grouped(x: jax.Array, groups: int, lead: int = 0) -> jax.Array:
     return x.reshape(shape[:lead] + (groups, -1))
 
 
+def _rows(x: jax.Array, valid: jax.Array | None, *, square: bool, maximum: bool) -> Summary:
+    """Per-row statistics of ``x [G, n, ...]`` over the valid ``[G, n]`` entries: fields ``(G,)``.
+
+    No conditional: the non-finite count is a sum beside the others. (``stats.summarize``
+    computes it under a ``lax.cond`` on the CPU, which pays off on big tensors; here the
+    inputs are per-token values and, in the global view, the predicate of a conditional
+    over replica-sharded rows would cost a cross-device all-reduce on every step.)
+    ``sum`` holds the sum of squares when ``square`` (then ``sumsq`` is NaN), else the sum;
+    ``abs_max`` is NaN unless ``maximum``.
+    """
+    xf = x.astype(_F32)
+    v = None if valid is None else jnp.reshape(valid, valid.shape + (1,) * (xf.ndim - valid.ndim))
+    fin = jnp.isfinite(xf)
+    good = fin if v is None else fin & v
+    xz = jnp.where(good, xf, 0.0)
+    red = tuple(range(1, xf.ndim))
+    total = jnp.sum(xz * xz if square else xz, axis=red)
+    bad = jnp.sum(~fin if v is None else v & ~fin, axis=red, dtype=_F32)
+    per = float(np.prod(xf.shape[valid.ndim:])) if valid is not None else float(np.prod(xf.shape[1:]))
+    count = (jnp.sum(valid, axis=tuple(range(1, valid.ndim)), dtype=_F32) * per if valid is not None
+             else jnp.full(total.shape, per, _F32))
+    amax = jnp.max(jnp.abs(xz), axis=red) if maximum else jnp.full(total.shape, jnp.nan, _F32)
+    amax = jnp.where((bad > 0) | (count <= 0), jnp.nan, amax)
+    nan = jnp.full(total.shape, jnp.nan, _F32)
+    return Summary(count=count, sum=nan if square else total, sumsq=total if square else nan,
+                   abs_max=amax, nonfinite=bad)
+
+
 def _loss_figures(loss: jax.Array, mask: jax.Array | None, groups: int
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per-group mean loss, valid count, non-finite count (one summarize)."""
+    """Per-group mean loss, valid count, non-finite count."""
     x = loss.astype(_F32)
     m = None
     if mask is not None:
         if tuple(mask.shape) != tuple(x.shape[:mask.ndim]):
             raise ValueError(f"replica_metrics: the mask has shape {tuple(mask.shape)} but the loss has "
                              f"shape {tuple(x.shape)}; the mask must match the loss's leading axes.")
-        m = jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim)), x.shape)
-        m = _grouped(m, groups)
-    s = summarize_many([(_grouped(x, groups), m, 0)])[0]
+        m = _grouped(mask, groups)
+    s = _rows(_grouped(x, groups).reshape((groups, -1) + ((x.size // mask.size,) if m is not None else ())),
+              m, square=False, maximum=False)
     return s.mean, s.count, s.nonfinite
 
 
@@ -343,13 +371,13 @@ def _layer_groups(path: str, v: Any, mask: jax.Array | None, groups: int, batch:
     stacked = x.ndim >= 4 or (x.ndim >= 2 and x.shape[0] != batch)
     _check_positions(_HIDDEN, path, tuple(x.shape), batch, mask, stacked)
     n_layers = x.shape[0] if stacked else 1
-    xs = x.reshape((n_layers * groups, -1) + tuple(x.shape[(3 if stacked else 2):]))
+    xs = x.reshape((n_layers * groups, -1, int(np.prod(x.shape[(3 if stacked else 2):], dtype=np.int64))))
     m = None
     if mask is not None:
         m = jnp.broadcast_to(mask.reshape((1, groups, -1)), (n_layers, groups, mask.size // groups))
-        m = m.reshape(n_layers * groups, -1, 1)   # full rank: a [G, M] mask is ambiguous when G = 1
+        m = m.reshape(n_layers * groups, -1)
         xs = xs.reshape((n_layers * groups, m.shape[1], -1))
-    s = summarize_many([(xs, m, 0)])[0]
+    s = _rows(xs, m, square=True, maximum=True)
     return jax.tree.map(lambda a: a.reshape(n_layers, groups), s)
 
 
@@ -387,11 +415,11 @@ def _logits_groups(path: str, v: Any, mask: jax.Array | None, groups: int, batch
     x = jnp.asarray(v)
     _check_positions(_LOGITS, path, tuple(x.shape), batch, mask, False)
     xs = x.reshape(groups, -1, x.shape[-1])
-    m = None if mask is None else mask.reshape(groups, -1, 1)   # full rank (see _layer_groups)
+    m = None if mask is None else mask.reshape(groups, -1)
     if m is not None and m.shape[1] != xs.shape[1]:
         raise ValueError(f"replica_metrics: the logits at '{path}' have shape {tuple(x.shape)}; expected "
                          f"[B, T, V] with [B, T] = {tuple(mask.shape)}.")
-    s = summarize_max(xs, m, axis=0)
+    s = _rows(xs, m, square=False, maximum=True)
     return s.abs_max, s.nonfinite
 
 

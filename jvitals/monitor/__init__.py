@@ -46,9 +46,21 @@ from jvitals.monitor.localize import (
 from jvitals.monitor.monitor import (
     Monitor,
 )
+from jvitals.monitor.replicas import (
+    flat_replicas,
+    replica_summaries,
+    replica_vectors,
+    ReplicaRule,
+    robust_z,
+)
 
 __all__ = [
     "Alert",
+    "flat_replicas",
+    "replica_summaries",
+    "replica_vectors",
+    "ReplicaRule",
+    "robust_z",
     "BASELINE_KINDS",
     "BrokenModelRule",
     "Change",
