@@ -407,6 +407,31 @@ def test_a_non_finite_that_spreads_to_every_replica_keeps_the_first_named():
     assert "every replica is non-finite now" in named[-1][2] and "was the first, at step 3" in named[-1][2]
 
 
+def test_the_device_window_names_who_went_first_between_sparse_checks():
+    """A NaN on replica 3 at step 12 spreads to all by the check at step 20: the window names it."""
+    win = vitals.replica_window_init(8)
+    upd = jax.jit(vitals.replica_window_update)
+    for step in range(10, 21):
+        nf = np.zeros(8, np.float32)
+        if step >= 12:
+            nf[3] = 7
+        if step >= 13:
+            nf[:] = 7
+        win = upd(win, {"replica/nonfinite": nf}, step)
+    figs = jax.device_get(vitals.replica_window_metrics(win))
+    np.testing.assert_array_equal(figs["replica/first_nonfinite_step"], [13, 13, 13, 12, 13, 13, 13, 13])
+    m = vitals.Monitor()
+    m.rule("replica").layout = LAYOUT
+    host = vitals.flat_replicas({"replica/nonfinite": np.full(8, 7.0), **figs})
+    a = [a for a in m.update(20, host).alerts if a.rule == "replica"][0]
+    assert a.level == vitals.Level.ORANGE and a.details["replica"] == 3 and a.details["first_step"] == 12
+    assert "went non-finite first, at step 12" in a.message
+    a = [a for a in m.update(21, host).alerts if a.rule == "replica"][0]
+    assert "replica 3 (device 3 cpu:3, process 0, host host0) was the first, at step 12" in a.message
+    with pytest.raises(ValueError, match=r"expected metrics\['replica/nonfinite'\] of shape \(8,\)"):
+        vitals.replica_window_update(win, {"replica/nonfinite": np.zeros(4)}, 1)
+
+
 def test_healthy_noise_and_one_check_blips_raise_nothing():
     m = vitals.Monitor()
     rng = np.random.default_rng(5)

@@ -116,6 +116,10 @@ from jvitals.metrics.replicas import (
     replica_metrics,
     ReplicaLayout,
     ReplicaPlace,
+    replica_window_init,
+    replica_window_metrics,
+    replica_window_update,
+    ReplicaWindow,
 )
 
 __all__ = [
@@ -126,6 +130,10 @@ __all__ = [
     "replica_metrics",
     "ReplicaLayout",
     "ReplicaPlace",
+    "replica_window_init",
+    "replica_window_metrics",
+    "replica_window_update",
+    "ReplicaWindow",
     "assign_roles",
     "attention_valid_mask",
     "attn_logits_probe",

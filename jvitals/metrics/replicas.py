@@ -56,7 +56,7 @@ import dataclasses
 import functools
 import re
 import socket
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -73,9 +73,13 @@ __all__ = [
     "REPLICA_FIGURES",
     "ReplicaLayout",
     "ReplicaPlace",
+    "ReplicaWindow",
     "process_hostnames",
     "replica_layout",
     "replica_metrics",
+    "replica_window_init",
+    "replica_window_metrics",
+    "replica_window_update",
 ]
 
 _F32 = jnp.float32
@@ -476,6 +480,62 @@ def _gather(figs: dict[str, jax.Array], axes: tuple[str, ...], size: int) -> dic
     placed = jnp.where((jnp.arange(size) == here)[:, None], local[None, :], 0.0)      # [R, F]
     table = lax.psum(make_varying(placed, axes), axes)
     return {k: table[:, i] for i, k in enumerate(names)}
+
+
+# ----------------------------------------------------------------------------------
+# Who went non-finite first, between the host's checks.
+
+
+class ReplicaWindow(NamedTuple):
+    """Device state kept in the train state: the step each replica first went non-finite.
+
+    A NaN on one device reaches every replica through the gradient all-reduce at the
+    next update (unless the optimizer skips non-finite updates), so a host that checks
+    every N steps may only ever see all replicas non-finite. The window remembers, on
+    the device, ``first_nonfinite[r]``: the first step at which ``replica/nonfinite[r]
+    > 0`` (-1: never); the rule names the replica(s) that went first. A rollback that
+    restores the train state restores the window with it.
+
+    Attributes:
+      first_nonfinite: int32 ``(R,)``.
+    """
+
+    first_nonfinite: jax.Array
+
+
+def replica_window_init(replicas: int) -> ReplicaWindow:
+    """A window for ``replicas`` replicas: nobody non-finite yet."""
+    return ReplicaWindow(jnp.full((int(replicas),), -1, jnp.int32))
+
+
+def replica_window_update(window: ReplicaWindow, metrics: Mapping[str, jax.Array],
+                          step: jax.Array | int) -> ReplicaWindow:
+    """``first[r] = step`` where replica ``r`` is non-finite now and was not before.
+
+    Args:
+      window: the previous :class:`ReplicaWindow`.
+      metrics: holds ``replica/nonfinite`` (what :func:`replica_metrics` returns).
+      step: this step (an int32 scalar: the train state's step).
+
+    Returns:
+      The new window (one select over ``(R,)``).
+
+    Raises:
+      ValueError: no ``replica/nonfinite`` or a window of another size.
+    """
+    nf = metrics.get(PREFIX + "nonfinite")
+    if nf is None or jnp.shape(nf) != jnp.shape(window.first_nonfinite):
+        raise ValueError(f"replica_window_update: expected metrics['replica/nonfinite'] of shape "
+                         f"{tuple(jnp.shape(window.first_nonfinite))} (the window's replicas), got "
+                         f"{None if nf is None else tuple(jnp.shape(nf))}.")
+    bad = ~(nf == 0)
+    first = window.first_nonfinite
+    return ReplicaWindow(jnp.where((first < 0) & bad, jnp.asarray(step, jnp.int32), first))
+
+
+def replica_window_metrics(window: ReplicaWindow) -> dict[str, jax.Array]:
+    """``{"replica/first_nonfinite_step": float32 (R,)}`` (-1: never) for the host."""
+    return {PREFIX + "first_nonfinite_step": window.first_nonfinite.astype(_F32)}
 
 
 # ----------------------------------------------------------------------------------

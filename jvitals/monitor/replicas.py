@@ -70,6 +70,7 @@ DATA_FIGURE = "data"
 """``replica/data/{r}``: the data shard (source id) replica ``r`` read at the step."""
 NONFINITE_FIGURE = "nonfinite"
 TOKENS_FIGURE = "tokens"
+FIRST_FIGURE = "first_nonfinite_step"   # jvitals.replica_window_metrics: -1 never, else the step
 _PER = re.compile(r"^replica/(?P<fig>.+)/(?P<r>\d+)$")
 _NAN = math.nan
 _MAD_SIGMA = 1.4826   # mad -> standard deviation of a normal sample
@@ -167,7 +168,7 @@ def robust_z(x: Sequence[float], rel_floor: float = 0.02) -> tuple[np.ndarray, f
     return z, med, s
 
 
-_JUDGED_OUT = (TOKENS_FIGURE, DATA_FIGURE, NONFINITE_FIGURE)
+_JUDGED_OUT = (TOKENS_FIGURE, DATA_FIGURE, NONFINITE_FIGURE, FIRST_FIGURE)
 
 
 def replica_summaries(vectors: Mapping[str, np.ndarray], rel_floor: float = 0.02) -> dict[str, float]:
@@ -321,7 +322,7 @@ class ReplicaRule:
         tokens = vec.get(TOKENS_FIGURE)
         out: list[Any] = []
         if NONFINITE_FIGURE in vec:
-            out.extend(self._nonfinite(f, vec[NONFINITE_FIGURE], data))
+            out.extend(self._nonfinite(f, vec[NONFINITE_FIGURE], data, vec.get(FIRST_FIGURE)))
         for fig in self.figures:
             x = vec.get(fig)
             if x is None:
@@ -374,7 +375,8 @@ class ReplicaRule:
 
     # -- judging ------------------------------------------------------------------
 
-    def _nonfinite(self, f: Any, nf: np.ndarray, data: np.ndarray | None) -> list[Any]:
+    def _nonfinite(self, f: Any, nf: np.ndarray, data: np.ndarray | None,
+                   first: np.ndarray | None) -> list[Any]:
         release = _rules().release
         key = REPLICA_PREFIX + NONFINITE_FIGURE
         bad = ~(nf == 0)
@@ -385,7 +387,7 @@ class ReplicaRule:
         if bad.all():
             streak = self.streaks.get(key)
             if not streak or ("replica", key) not in f.open:
-                return []          # no replica to name: every one is non-finite (the NonFiniteRule speaks)
+                return self._first(f, key, nf, first)
             first = streak[0]
             text, where = self._place(first["replica"], n)
             return [self._change(
@@ -402,6 +404,27 @@ class ReplicaRule:
                 f"replicas are finite. {self._verdict(streak, n)[1]}")
         return [self._change(key, Level.ORANGE, float(nf[r]), 0.0, head, streak, where, n,
                              bad_replicas=others)]
+
+    def _first(self, f: Any, key: str, nf: np.ndarray, first: np.ndarray | None) -> list[Any]:
+        """Every replica non-finite at this check: name the one(s) the device window saw go
+        first (:func:`jvitals.replica_window_update`), if they were a minority."""
+        n = nf.size
+        if first is None or first.shape != nf.shape or not (first >= 0).any():
+            return []          # nothing to name: the NonFiniteRule speaks for the whole run
+        s0 = float(first[first >= 0].min())
+        went = np.flatnonzero(first == s0).tolist()
+        if len(went) * 2 > n:
+            return []
+        r = went[0]
+        entry = {"step": int(s0), "replica": r, "data": None, "value": float(nf[r]), "z": _NAN}
+        self.streaks[key] = [entry]
+        text, where = self._place(r, n)
+        also = f" (with replicas {_ids(went[1:])})" if len(went) > 1 else ""
+        head = (f"every replica is non-finite now (spread through the gradient all-reduce); {text}{also} "
+                f"went non-finite first, at step {int(s0)}, while the others were finite (the device "
+                f"window's record). Suspect: not known from one event.")
+        return [self._change(key, Level.ORANGE, float(nf[r]), 0.0, head, [entry], where, n,
+                             bad_replicas=went, first_step=int(s0))]
 
     def _set(self, f: Any, key: str, level: Level, x: np.ndarray, r: int, z: float, med: float,
              k: int, streak: list[dict[str, Any]]) -> Any:
