@@ -407,24 +407,39 @@ def _token_groups(ts: TokenSummary, mask: jax.Array | None, groups: int, stacked
 
 def _logits_groups(path: str, v: Any, mask: jax.Array | None, groups: int, batch: int
                    ) -> tuple[jax.Array, jax.Array]:
-    """Per-replica ``max |logits|`` over valid positions and the non-finite count."""
+    """Per-replica ``max |logits|`` over valid positions and the non-finite count.
+
+    Raw ``[B, T, V]`` logits are first reduced per position over the vocabulary
+    (``max``, ``min`` and the non-finite count: three plain reductions XLA fuses with
+    their reads, no logits-sized temporary), then per replica as a sown
+    :class:`LogitsRows` is.
+    """
     if isinstance(v, LogitsRows):
         _check_positions(_LOGITS, path, v.shape, batch, mask, False)
-        valid = jnp.ones((groups, v.top1.size // groups), bool) if mask is None else _grouped(mask, groups)
-        nf = jnp.sum(jnp.where(valid, _grouped(v.nonfinite.astype(_F32), groups), 0.0), axis=-1)
-        a = jnp.where(valid, _grouped(v.abs_max.astype(_F32), groups), -jnp.inf)
-        amax = jnp.max(jnp.where(jnp.isnan(a), -jnp.inf, a), axis=-1, initial=-jnp.inf)
-        count = jnp.sum(valid, axis=-1)
-        return jnp.where((nf > 0) | (count <= 0), jnp.nan, amax).astype(_F32), nf
+        return _row_groups(v.abs_max, v.nonfinite, mask, groups)
     x = jnp.asarray(v)
     _check_positions(_LOGITS, path, tuple(x.shape), batch, mask, False)
-    xs = x.reshape(groups, -1, x.shape[-1])
-    m = None if mask is None else mask.reshape(groups, -1)
-    if m is not None and m.shape[1] != xs.shape[1]:
+    if mask is not None and tuple(x.shape[:-1]) != tuple(mask.shape):
         raise ValueError(f"replica_metrics: the logits at '{path}' have shape {tuple(x.shape)}; expected "
                          f"[B, T, V] with [B, T] = {tuple(mask.shape)}.")
-    s = _rows(xs, m, square=False, maximum=True)
-    return s.abs_max, s.nonfinite
+    xf = x.astype(_F32)
+    # max|x| = max(max x, -min x) on a finite row (XLA:CPU reduces a plain min faster than a
+    # max of |x|); a row holding a NaN/Inf is counted, and its maximum is not read.
+    amax = jnp.maximum(jnp.max(xf, axis=-1), -jnp.min(xf, axis=-1))
+    bad = jnp.sum(~jnp.isfinite(xf), axis=-1, dtype=_F32)
+    return _row_groups(amax, bad, mask, groups)
+
+
+def _row_groups(row_amax: jax.Array, row_bad: jax.Array, mask: jax.Array | None, groups: int
+                ) -> tuple[jax.Array, jax.Array]:
+    """Per-position ``max |x|`` and non-finite counts ``[B, ...]`` -> per replica ``(G,)``."""
+    nf_rows = _grouped(row_bad.astype(_F32), groups)
+    valid = jnp.ones(nf_rows.shape, bool) if mask is None else _grouped(mask, groups)
+    nf = jnp.sum(jnp.where(valid, nf_rows, 0.0), axis=-1)
+    a = jnp.where(valid & (nf_rows == 0), _grouped(row_amax.astype(_F32), groups), -jnp.inf)
+    amax = jnp.max(jnp.where(jnp.isnan(a), -jnp.inf, a), axis=-1, initial=-jnp.inf)
+    count = jnp.sum(valid, axis=-1)
+    return jnp.where((nf > 0) | (count <= 0), jnp.nan, amax).astype(_F32), nf
 
 
 # ----------------------------------------------------------------------------------

@@ -15,7 +15,12 @@ On the host:
   them. Per figure, the robust z-score of each replica against the others::
 
       med = median_r x_r,   mad = median_r |x_r - med|
-      z_r = (x_r - med) / max(1.4826 mad, replica_rel_floor |med|)
+      s   = max(1.4826 mad, replica_rel_floor |med|)
+      z_r = (x_r - med) / max(s, spread |med|)
+
+  where ``spread`` is the figure's typical ``s / |med|`` over the past checks (an EMA,
+  half-life ``replica_spread_halflife`` checks): a check whose replicas happen to
+  agree closely does not turn a noisy one into an outlier.
 
   A replica is an outlier when ``|z_r| > replica_z`` and its ratio to the median is
   beyond ``replica_min_ratio`` (either way); the same replica, or the same data
@@ -62,6 +67,7 @@ __all__ = [
     "replica_summaries",
     "replica_vectors",
     "robust_z",
+    "robust_z_rows",
 ]
 
 REPLICA_PREFIX = "replica/"
@@ -147,6 +153,34 @@ def replica_vectors(metrics: Mapping[str, Any]) -> dict[str, np.ndarray]:
     return out
 
 
+def _nanmedian_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Median of each row's finite entries (NaN for a row without any) and their count.
+
+    One sort of the ``[F, R]`` matrix (non-finite entries last) instead of a
+    ``np.median`` call per row: the host checks every figure at every check.
+    """
+    ok = np.isfinite(x)
+    k = ok.sum(axis=-1)
+    srt = np.sort(np.where(ok, x, np.inf), axis=-1)
+    rows = np.arange(x.shape[0])
+    lo, hi = srt[rows, np.maximum((k - 1) // 2, 0)], srt[rows, np.maximum(k // 2, 0)]
+    with np.errstate(invalid="ignore"):
+        med = np.where(k > 0, (lo + hi) / 2, _NAN)
+    return med, k
+
+
+def robust_z_rows(x: np.ndarray, rel_floor: float = 0.02) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`robust_z` of each row of ``x [F, R]``: ``(z [F, R], med [F], s [F])``."""
+    x = np.asarray(x, np.float64)
+    med, _ = _nanmedian_rows(x)
+    mad, _ = _nanmedian_rows(np.abs(x - med[..., None]))
+    with np.errstate(invalid="ignore"):
+        s = np.maximum(np.maximum(_MAD_SIGMA * mad, rel_floor * np.abs(med)), 1e-30)
+        z = (x - med[..., None]) / s[..., None]
+    z = np.where(np.isfinite(x), z, _NAN)
+    return z, med, np.where(np.isfinite(med), s, _NAN)
+
+
 def robust_z(x: Sequence[float], rel_floor: float = 0.02) -> tuple[np.ndarray, float, float]:
     """Robust z-scores of ``x`` against its own median (non-finite entries: NaN, left out).
 
@@ -157,15 +191,8 @@ def robust_z(x: Sequence[float], rel_floor: float = 0.02) -> tuple[np.ndarray, f
       ``(z, med, s)``; ``z`` NaN where ``x`` is not finite; ``med``/``s`` NaN with no
       finite entry.
     """
-    x = np.asarray(x, np.float64)
-    ok = np.isfinite(x)
-    if not ok.any():
-        return np.full(x.shape, _NAN), _NAN, _NAN
-    med = float(np.median(x[ok]))
-    mad = float(np.median(np.abs(x[ok] - med)))
-    s = max(_MAD_SIGMA * mad, rel_floor * abs(med), 1e-30)
-    z = np.where(ok, (x - med) / s, _NAN)
-    return z, med, s
+    z, med, s = robust_z_rows(np.asarray(x, np.float64)[None, :], rel_floor)
+    return z[0], float(med[0]), float(s[0])
 
 
 _JUDGED_OUT = (TOKENS_FIGURE, DATA_FIGURE, NONFINITE_FIGURE, FIRST_FIGURE)
@@ -265,9 +292,13 @@ class ReplicaRule:
                 raise ValueError(f"Policy.{f} expects an integer >= {1 if f == 'replica_confirm' else 3} "
                                  f"(a median of fewer than 3 replicas names no outlier), got "
                                  f"{getattr(policy, f)!r}")
+        if not policy.replica_spread_halflife > 0:
+            raise ValueError(f"Policy.replica_spread_halflife expects a positive number of checks, got "
+                             f"{policy.replica_spread_halflife!r}")
         self._layout: dict[str, Any] | None = None
         self.layout = layout
         self.streaks: dict[str, list[dict[str, Any]]] = {}
+        self.spread: dict[str, float] = {}     # figure -> EMA of the relative spread (scale / |median|)
 
     # -- the layout ---------------------------------------------------------------
 
@@ -306,7 +337,7 @@ class ReplicaRule:
                 m = _PER.match(k)
                 if m:
                     per.setdefault(m["fig"], {})[int(m["r"])] = i
-            got = {fig: [d[r] for r in range(len(d))] for fig, d in per.items()
+            got = {fig: np.array([d[r] for r in range(len(d))], np.intp) for fig, d in per.items()
                    if sorted(d) == list(range(len(d)))}
             cache["replica"] = got
         return got
@@ -316,19 +347,19 @@ class ReplicaRule:
         plan = self._plan(f)
         if not plan:
             return []
-        vals = f.vals
-        vec = {fig: np.array([vals[i] for i in idx], np.float64) for fig, idx in plan.items()}
+        vals = np.asarray(f.vals, np.float64)
+        vec = {fig: vals[idx] for fig, idx in plan.items()}
         data = vec.get(DATA_FIGURE)
         tokens = vec.get(TOKENS_FIGURE)
         out: list[Any] = []
         if NONFINITE_FIGURE in vec:
             out.extend(self._nonfinite(f, vec[NONFINITE_FIGURE], data, vec.get(FIRST_FIGURE)))
-        for fig in self.figures:
-            x = vec.get(fig)
-            if x is None:
-                continue
-            key = REPLICA_PREFIX + fig
-            hit = self._outlier(x, tokens)
+        figs = [fig for fig in self.figures if fig in vec]
+        if figs:
+            hits = self._outliers(figs, np.stack([vec[fig] for fig in figs]), tokens)
+        for i, fig in enumerate(figs):
+            x, key = vec[fig], REPLICA_PREFIX + fig
+            hit = hits[i]
             if hit is None:
                 self.streaks.pop(key, None)
                 out.append(release("replica", key))
@@ -341,24 +372,41 @@ class ReplicaRule:
             out.append(self._set(f, key, Level.YELLOW, x, r, z, med, k, streak))
         return out
 
-    def _outlier(self, x: np.ndarray, tokens: np.ndarray | None) -> tuple[int, float, float, int] | None:
-        """The worst outlier replica ``(r, z, median, n_replicas)``, or None."""
+    def _outliers(self, figs: list[str], x: np.ndarray, tokens: np.ndarray | None
+                  ) -> list[tuple[int, float, float, int] | None]:
+        """Per row of ``x [F, R]``, the worst outlier replica ``(r, z, median, n_replicas)`` or None.
+
+        The z-score's scale is the larger of this check's (``robust_z_rows``) and the
+        figure's typical spread (:attr:`spread`, updated here from this check's scale).
+        """
         ok = np.isfinite(x)
-        if tokens is not None and tokens.shape == x.shape:
+        if tokens is not None and tokens.shape == x.shape[1:]:
             ok &= tokens > 0
-        k = int(ok.sum())
-        if k < self.p.replica_min_replicas:
-            return None
-        z, med, _ = robust_z(np.where(ok, x, _NAN), self.p.replica_rel_floor)
-        if not med > 0:
-            return None
-        ratio = np.where(ok, x / med, 1.0)
-        beyond = (ratio > self.p.replica_min_ratio) | (ratio < 1.0 / self.p.replica_min_ratio)
-        cand = ok & (np.abs(np.nan_to_num(z)) > self.p.replica_z) & beyond
-        if not cand.any():
-            return None
-        r = int(np.argmax(np.where(cand, np.abs(np.nan_to_num(z)), -1.0)))
-        return r, float(z[r]), med, k
+        xs = np.where(ok, x, _NAN)
+        z, med, s = robust_z_rows(xs, self.p.replica_rel_floor)
+        k = ok.sum(axis=1)
+        decay = 0.5 ** (1.0 / self.p.replica_spread_halflife)
+        for i, fig in enumerate(figs):
+            if not (k[i] >= self.p.replica_min_replicas and med[i] > 0 and math.isfinite(s[i])):
+                continue
+            rel, typical = s[i] / med[i], self.spread.get(fig)
+            if typical is not None and typical * med[i] > s[i]:
+                z[i] *= s[i] / (typical * med[i])
+            self.spread[fig] = rel if typical is None else decay * typical + (1 - decay) * rel
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = xs / med[:, None]
+        lim = self.p.replica_min_ratio
+        az = np.where(np.isnan(z), 0.0, np.abs(z))
+        cand = ok & (az > self.p.replica_z) & ((ratio > lim) | (ratio < 1.0 / lim))
+        cand &= ((k >= self.p.replica_min_replicas) & (med > 0))[:, None]
+        out: list[tuple[int, float, float, int] | None] = []
+        for i in range(x.shape[0]):
+            if not cand[i].any():
+                out.append(None)
+                continue
+            r = int(np.argmax(np.where(cand[i], az[i], -1.0)))
+            out.append((r, float(z[i, r]), float(med[i]), int(k[i])))
+        return out
 
     def _extend(self, key: str, step: int, r: int, data: np.ndarray | None, value: float,
                 z: float) -> list[dict[str, Any]]:
@@ -498,17 +546,20 @@ class ReplicaRule:
     # -- state --------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The streaks (the layout is the run's, set again after a restart)."""
+        """The streaks and typical spreads (the layout is the run's: set it again after a restart)."""
         return {"streaks": {k: [dict(e, z=None if not math.isfinite(e["z"]) else e["z"],
                                      value=None if not math.isfinite(e["value"]) else e["value"])
-                                for e in v] for k, v in self.streaks.items()}}
+                                for e in v] for k, v in self.streaks.items()},
+                "spread": dict(self.spread)}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         self.streaks = {k: [dict(e, z=_NAN if e["z"] is None else float(e["z"]),
                                  value=_NAN if e["value"] is None else float(e["value"])) for e in v]
                         for k, v in (d.get("streaks") or {}).items()}
+        self.spread = {k: float(v) for k, v in (d.get("spread") or {}).items()}
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
+        """Forgets the streaks (the replicas run from the restored state); keeps the spreads."""
         del step, t_to
         self.streaks.clear()
         return []
