@@ -158,6 +158,7 @@ def run(setup, step_fn, batch, *, checks=5, fault_at=2, guard=None):
 def first_named(seen):
     for c, alerts in seen:
         if alerts:
+            print(f"check {c}: {alerts[0].message}")     # shown with pytest -s
             return c, alerts[0]
     raise AssertionError(f"no replica alert in {len(seen)} checks")
 

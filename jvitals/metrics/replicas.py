@@ -144,6 +144,8 @@ def replica_metrics(*, loss: jax.Array | None = None, mask: jax.Array | None = N
     """
     axes = check_axes(axes)
     size = _replica_count(axes, replicas)
+    # Diagnostics only, never part of a gradient (they may be taken inside the loss function).
+    loss, mask, intermediates, grads = lax.stop_gradient((loss, mask, intermediates, grads))
     groups = 1 if axes else size
     batch = _batch_size(loss, mask, intermediates)
     if batch is None:
@@ -227,30 +229,48 @@ def _grouped(x: jax.Array, groups: int, lead: int = 0) -> jax.Array:
     return x.reshape(shape[:lead] + (groups, -1))
 
 
+def _reduce(parts: Sequence[tuple[jax.Array, str]], axes: tuple[int, ...]) -> list[jax.Array]:
+    """One variadic ``lax.reduce`` of same-shaped float32 arrays, each by ``'add'`` or ``'max'``.
+
+    One pass, one XLA fusion for all of them: on a small model the step's cost is the
+    number of kernels as much as the bytes read, and separate sums and maxima of the same
+    input are separate kernels on XLA:CPU.
+    """
+    ops = tuple(jnp.asarray(a, _F32) for a, _ in parts)
+    kinds = tuple(k for _, k in parts)
+    init = tuple(jnp.array(0.0 if k == "add" else -jnp.inf, _F32) for k in kinds)
+
+    def combine(a: tuple, b: tuple) -> tuple:
+        return tuple(x + y if k == "add" else jnp.maximum(x, y) for x, y, k in zip(a, b, kinds))
+
+    return list(lax.reduce(ops, init, combine, axes))
+
+
 def _rows(x: jax.Array, valid: jax.Array | None, *, square: bool, maximum: bool) -> Summary:
     """Per-row statistics of ``x [G, n, ...]`` over the valid ``[G, n]`` entries: fields ``(G,)``.
 
-    No conditional: the non-finite count is a sum beside the others. (``stats.summarize``
-    computes it under a ``lax.cond`` on the CPU, which pays off on big tensors; here the
-    inputs are per-token values and, in the global view, the predicate of a conditional
-    over replica-sharded rows would cost a cross-device all-reduce on every step.)
-    ``sum`` holds the sum of squares when ``square`` (then ``sumsq`` is NaN), else the sum;
-    ``abs_max`` is NaN unless ``maximum``.
+    One variadic reduction (``_reduce``) and no conditional: the non-finite count is a
+    sum beside the others. (``stats.summarize`` computes it under a ``lax.cond`` on the
+    CPU, which pays off on big tensors; here the inputs are per-token values and, in the
+    global view, the predicate of a conditional over replica-sharded rows would cost a
+    cross-device all-reduce on every step.) ``sum`` holds the sum of squares when
+    ``square`` (then ``sumsq`` is NaN), else the sum; ``abs_max`` is NaN unless ``maximum``.
     """
     xf = x.astype(_F32)
-    v = None if valid is None else jnp.reshape(valid, valid.shape + (1,) * (xf.ndim - valid.ndim))
     fin = jnp.isfinite(xf)
-    good = fin if v is None else fin & v
+    if valid is None:
+        good, bad, count = fin, ~fin, jnp.ones(xf.shape, _F32)
+    else:
+        v = jnp.broadcast_to(jnp.reshape(valid, valid.shape + (1,) * (xf.ndim - valid.ndim)), xf.shape)
+        good, bad, count = fin & v, v & ~fin, v
     xz = jnp.where(good, xf, 0.0)
-    red = tuple(range(1, xf.ndim))
-    total = jnp.sum(xz * xz if square else xz, axis=red)
-    bad = jnp.sum(~fin if v is None else v & ~fin, axis=red, dtype=_F32)
-    per = float(np.prod(xf.shape[valid.ndim:])) if valid is not None else float(np.prod(xf.shape[1:]))
-    count = (jnp.sum(valid, axis=tuple(range(1, valid.ndim)), dtype=_F32) * per if valid is not None
-             else jnp.full(total.shape, per, _F32))
-    amax = jnp.max(jnp.abs(xz), axis=red) if maximum else jnp.full(total.shape, jnp.nan, _F32)
-    amax = jnp.where((bad > 0) | (count <= 0), jnp.nan, amax)
+    parts = [(xz * xz if square else xz, "add"), (bad, "add"), (count, "add")]
+    if maximum:
+        parts.append((jnp.abs(xz), "max"))
+    got = _reduce(parts, tuple(range(1, xf.ndim)))
+    total, bad, count = got[:3]
     nan = jnp.full(total.shape, jnp.nan, _F32)
+    amax = jnp.where((bad > 0) | (count <= 0), jnp.nan, got[3] if maximum else nan)
     return Summary(count=count, sum=nan if square else total, sumsq=total if square else nan,
                    abs_max=amax, nonfinite=bad)
 
@@ -386,22 +406,21 @@ def _layer_groups(path: str, v: Any, mask: jax.Array | None, groups: int, batch:
 
 
 def _token_groups(ts: TokenSummary, mask: jax.Array | None, groups: int, stacked: bool) -> Summary:
-    """Per-position statistics summed within each replica's rows: fields ``[L, G]``."""
+    """Per-position statistics summed within each replica's rows: fields ``[L, G]`` (one
+    variadic reduction of the ``[B, T]`` fields)."""
     lead = 1 if stacked else 0
     valid = None if mask is None else _grouped(mask, groups)
 
-    def tot(x: jax.Array) -> jax.Array:
+    def rows(x: jax.Array, fill: float) -> jax.Array:
         x = _grouped(x.astype(_F32), groups, lead)
-        return jnp.sum(x if valid is None else jnp.where(valid, x, 0.0), axis=-1)
+        return x if valid is None else jnp.where(valid, x, fill)
 
-    count, nonfinite = tot(ts.count), tot(ts.nonfinite)
-    a = _grouped(ts.abs_max.astype(_F32), groups, lead)
-    a = jnp.where(jnp.isnan(a), -jnp.inf, a)
-    if valid is not None:
-        a = jnp.where(valid, a, -jnp.inf)
-    amax = jnp.max(a, axis=-1, initial=-jnp.inf)
+    a = jnp.where(jnp.isnan(ts.abs_max), -jnp.inf, ts.abs_max)
+    count, total, sumsq, nonfinite, amax = _reduce(
+        [(rows(ts.count, 0.0), "add"), (rows(ts.sum, 0.0), "add"), (rows(ts.sumsq, 0.0), "add"),
+         (rows(ts.nonfinite, 0.0), "add"), (rows(a, -jnp.inf), "max")], (lead + 1,))
     amax = jnp.where((nonfinite > 0) | (count <= 0), jnp.nan, amax)
-    s = Summary(count=count, sum=tot(ts.sum), sumsq=tot(ts.sumsq), abs_max=amax, nonfinite=nonfinite)
+    s = Summary(count=count, sum=total, sumsq=sumsq, abs_max=amax, nonfinite=nonfinite)
     return s if stacked else jax.tree.map(lambda f: f[None], s)
 
 
@@ -423,11 +442,10 @@ def _logits_groups(path: str, v: Any, mask: jax.Array | None, groups: int, batch
         raise ValueError(f"replica_metrics: the logits at '{path}' have shape {tuple(x.shape)}; expected "
                          f"[B, T, V] with [B, T] = {tuple(mask.shape)}.")
     xf = x.astype(_F32)
-    # max|x| = max(max x, -min x) on a finite row (XLA:CPU reduces a plain min faster than a
-    # max of |x|); a row holding a NaN/Inf is counted, and its maximum is not read.
-    amax = jnp.maximum(jnp.max(xf, axis=-1), -jnp.min(xf, axis=-1))
-    bad = jnp.sum(~jnp.isfinite(xf), axis=-1, dtype=_F32)
-    return _row_groups(amax, bad, mask, groups)
+    # One pass over the logits: max x, max -x and the non-finite count per position (a row
+    # holding a NaN/Inf is counted, and its maximum is not read).
+    hi, lo, bad = _reduce([(xf, "max"), (-xf, "max"), (~jnp.isfinite(xf), "add")], (xf.ndim - 1,))
+    return _row_groups(jnp.maximum(hi, lo), bad, mask, groups)
 
 
 def _row_groups(row_amax: jax.Array, row_bad: jax.Array, mask: jax.Array | None, groups: int
@@ -435,10 +453,9 @@ def _row_groups(row_amax: jax.Array, row_bad: jax.Array, mask: jax.Array | None,
     """Per-position ``max |x|`` and non-finite counts ``[B, ...]`` -> per replica ``(G,)``."""
     nf_rows = _grouped(row_bad.astype(_F32), groups)
     valid = jnp.ones(nf_rows.shape, bool) if mask is None else _grouped(mask, groups)
-    nf = jnp.sum(jnp.where(valid, nf_rows, 0.0), axis=-1)
     a = jnp.where(valid & (nf_rows == 0), _grouped(row_amax.astype(_F32), groups), -jnp.inf)
-    amax = jnp.max(jnp.where(jnp.isnan(a), -jnp.inf, a), axis=-1, initial=-jnp.inf)
-    count = jnp.sum(valid, axis=-1)
+    nf, amax, count = _reduce([(jnp.where(valid, nf_rows, 0.0), "add"),
+                               (jnp.where(jnp.isnan(a), -jnp.inf, a), "max"), (valid, "add")], (1,))
     return jnp.where((nf > 0) | (count <= 0), jnp.nan, amax).astype(_F32), nf
 
 
