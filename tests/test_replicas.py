@@ -32,7 +32,10 @@ AUTO = jax.sharding.AxisType.Auto
 
 
 def np_replicas(r_count, tok=None, mask=None, hidden=(), logits=None):
-    """Per-replica figures from whole-batch arrays: rows [r*B/R, (r+1)*B/R) are replica r."""
+    """Per-replica figures from whole-batch arrays: rows [r*B/R, (r+1)*B/R) are replica r.
+
+    Non-finite counts: elements of the loss, positions (rows of the trailing axes) of raw
+    activations and logits."""
     b = (tok if tok is not None else hidden[0]).shape[0]
     n = b // r_count
     out = {k: [] for k in ("loss", "tokens", "nonfinite", "hidden_states_rms", "hidden_states_abs.max",
@@ -51,7 +54,7 @@ def np_replicas(r_count, tok=None, mask=None, hidden=(), logits=None):
             rms, amax, hb = [], [], 0
             for h in hidden:
                 v = h[rows][m].astype(np.float64)
-                hb += int((~np.isfinite(v)).sum())
+                hb += int((~np.isfinite(v)).reshape(len(v), -1).any(-1).sum())   # raw sows: positions
                 rms.append(np.sqrt(np.mean(v ** 2)))
                 amax.append(np.abs(v).max())
             bad += hb
@@ -59,7 +62,7 @@ def np_replicas(r_count, tok=None, mask=None, hidden=(), logits=None):
             out["hidden_states_abs.max"].append(max(amax) if hb == 0 else np.nan)
         if logits is not None:
             v = logits[rows][m].astype(np.float64)
-            lb = int((~np.isfinite(v)).sum())
+            lb = int((~np.isfinite(v)).any(-1).sum())                           # raw logits: positions
             bad += lb
             out["output_layer_logits_abs.max"].append(np.abs(v).max() if lb == 0 else np.nan)
         out["nonfinite"].append(bad)
@@ -155,7 +158,7 @@ def test_non_finite_values_stay_on_their_replica():
     tok[5, 5] = np.nan             # replica 2, but padding: never counts
     inter = {"layers_0": {"hidden_states": (hid,)}, "logits": (logits,)}
     got = jax.device_get(vitals.replica_metrics(loss=tok, mask=mask, intermediates=inter, replicas=4))
-    np.testing.assert_array_equal(got["replica/nonfinite"], [0, 1, 0, 2])
+    np.testing.assert_array_equal(got["replica/nonfinite"], [0, 1, 0, 1])      # positions of raw sows
     assert np.isnan(got["replica/hidden_states_rms"][1]) and np.isnan(got["replica/output_layer_logits_abs.max"][3])
     assert np.isfinite(got["replica/loss"]).all() and got["replica/tokens"][2] == 10
     check(got, np_replicas(4, tok, mask, [hid], logits))

@@ -11,6 +11,7 @@ counts)::
     replica/tokens                       n_valid                             (mask True)
     replica/nonfinite                    #non-finite values among the replica's loss, activation
                                          summaries, logits and (under shard_map) local gradients
+                                         (of raw sown activations / logits: the positions holding one)
     replica/hidden_states_rms            mean over layers of sqrt(sum h^2 / n)   (act/hidden_states_rms.avg)
     replica/hidden_states_abs.max        max over layers of max |h|
     replica/output_layer_logits_abs.max  max |logits| over the replica's valid positions
@@ -66,8 +67,7 @@ from jax.sharding import PartitionSpec
 
 from jvitals.metrics.probes import LogitsRows, LogitsSummary
 from jvitals.metrics.stats import (Summary, TokenSummary, bound_axes, check_axes, eager_jit, make_varying,
-                                   reduction_axes, summarize_sumsq,
-                                   varying_axes)
+                                   reduction_axes, summarize_sumsq, varying_axes)
 
 __all__ = [
     "REPLICA_FIGURES",
@@ -229,48 +229,30 @@ def _grouped(x: jax.Array, groups: int, lead: int = 0) -> jax.Array:
     return x.reshape(shape[:lead] + (groups, -1))
 
 
-def _reduce(parts: Sequence[tuple[jax.Array, str]], axes: tuple[int, ...]) -> list[jax.Array]:
-    """One variadic ``lax.reduce`` of same-shaped float32 arrays, each by ``'add'`` or ``'max'``.
-
-    One pass, one XLA fusion for all of them: on a small model the step's cost is the
-    number of kernels as much as the bytes read, and separate sums and maxima of the same
-    input are separate kernels on XLA:CPU.
-    """
-    ops = tuple(jnp.asarray(a, _F32) for a, _ in parts)
-    kinds = tuple(k for _, k in parts)
-    init = tuple(jnp.array(0.0 if k == "add" else -jnp.inf, _F32) for k in kinds)
-
-    def combine(a: tuple, b: tuple) -> tuple:
-        return tuple(x + y if k == "add" else jnp.maximum(x, y) for x, y, k in zip(a, b, kinds))
-
-    return list(lax.reduce(ops, init, combine, axes))
-
-
 def _rows(x: jax.Array, valid: jax.Array | None, *, square: bool, maximum: bool) -> Summary:
     """Per-row statistics of ``x [G, n, ...]`` over the valid ``[G, n]`` entries: fields ``(G,)``.
 
-    One variadic reduction (``_reduce``) and no conditional: the non-finite count is a
-    sum beside the others. (``stats.summarize`` computes it under a ``lax.cond`` on the
-    CPU, which pays off on big tensors; here the inputs are per-token values and, in the
-    global view, the predicate of a conditional over replica-sharded rows would cost a
-    cross-device all-reduce on every step.) ``sum`` holds the sum of squares when
-    ``square`` (then ``sumsq`` is NaN), else the sum; ``abs_max`` is NaN unless ``maximum``.
+    No conditional: the non-finite count is a sum beside the others. (``stats.summarize``
+    computes it under a ``lax.cond`` on the CPU, which pays off on big tensors; here the
+    inputs are per-token values and, in the global view, the predicate of a conditional
+    over replica-sharded rows would cost a cross-device all-reduce on every step.)
+    ``sum`` holds the sum of squares when ``square`` (then ``sumsq`` is NaN), else the sum;
+    ``abs_max`` is NaN unless ``maximum``.
     """
     xf = x.astype(_F32)
+    v = None if valid is None else jnp.reshape(valid, valid.shape + (1,) * (xf.ndim - valid.ndim))
     fin = jnp.isfinite(xf)
-    if valid is None:
-        good, bad, count = fin, ~fin, jnp.ones(xf.shape, _F32)
-    else:
-        v = jnp.broadcast_to(jnp.reshape(valid, valid.shape + (1,) * (xf.ndim - valid.ndim)), xf.shape)
-        good, bad, count = fin & v, v & ~fin, v
+    good = fin if v is None else fin & v
     xz = jnp.where(good, xf, 0.0)
-    parts = [(xz * xz if square else xz, "add"), (bad, "add"), (count, "add")]
-    if maximum:
-        parts.append((jnp.abs(xz), "max"))
-    got = _reduce(parts, tuple(range(1, xf.ndim)))
-    total, bad, count = got[:3]
+    red = tuple(range(1, xf.ndim))
+    total = jnp.sum(xz * xz if square else xz, axis=red)
+    bad = jnp.sum(~fin if v is None else v & ~fin, axis=red, dtype=_F32)
+    per = float(np.prod(xf.shape[valid.ndim:])) if valid is not None else float(np.prod(xf.shape[1:]))
+    count = (jnp.sum(valid, axis=tuple(range(1, valid.ndim)), dtype=_F32) * per if valid is not None
+             else jnp.full(total.shape, per, _F32))
+    amax = jnp.max(jnp.abs(xz), axis=red) if maximum else jnp.full(total.shape, jnp.nan, _F32)
+    amax = jnp.where((bad > 0) | (count <= 0), jnp.nan, amax)
     nan = jnp.full(total.shape, jnp.nan, _F32)
-    amax = jnp.where((bad > 0) | (count <= 0), jnp.nan, got[3] if maximum else nan)
     return Summary(count=count, sum=nan if square else total, sumsq=total if square else nan,
                    abs_max=amax, nonfinite=bad)
 
@@ -353,7 +335,8 @@ def _activation_figures(intermediates: Any, mask: jax.Array | None, groups: int,
     bad = jnp.zeros((groups,), _F32)
     hidden = _per_token(_HIDDEN, entries.get(_HIDDEN, []))
     if hidden:
-        s = _cat([_layer_groups(p, v, mask, groups, batch) for p, v in hidden])   # fields [L, G]
+        pos = _cat([_layer_positions(p, v, mask, batch) for p, v in hidden])      # fields [L, B, T]
+        s = _token_groups(pos, mask, groups, stacked=True)                        # fields [L, G]
         out["hidden_states_rms"] = jnp.mean(s.rms, axis=0)
         finite = jnp.where(jnp.isnan(s.abs_max), -jnp.inf, s.abs_max)
         nf = jnp.sum(s.nonfinite, axis=0)
@@ -385,42 +368,56 @@ def _check_positions(name: str, path: str, shape: tuple[int, ...], batch: int, m
             f"Pass the [B, T] mask of the tokens this apply ran on.")
 
 
-def _layer_groups(path: str, v: Any, mask: jax.Array | None, groups: int, batch: int) -> Summary:
-    """One hidden-states sow as a Summary with fields ``[L, G]`` (L = 1 unless stacked)."""
+def _layer_positions(path: str, v: Any, mask: jax.Array | None, batch: int) -> TokenSummary:
+    """One hidden-states sow as per-position statistics with a leading layer axis ``[L, B, T]``."""
     if isinstance(v, TokenSummary):
         stacked = len(v.shape) == 3 or (len(v.shape) == 2 and v.shape[0] != batch)
         _check_positions(_HIDDEN, path, v.shape, batch, mask, stacked)
-        return _token_groups(v, mask, groups, stacked)
+        return v if stacked else jax.tree.map(lambda f: f[None], v)
     x = jnp.asarray(v)
     stacked = x.ndim >= 4 or (x.ndim >= 2 and x.shape[0] != batch)
     _check_positions(_HIDDEN, path, tuple(x.shape), batch, mask, stacked)
-    n_layers = x.shape[0] if stacked else 1
-    xs = x.reshape((n_layers * groups, -1, int(np.prod(x.shape[(3 if stacked else 2):], dtype=np.int64))))
-    m = None
-    if mask is not None:
-        m = jnp.broadcast_to(mask.reshape((1, groups, -1)), (n_layers, groups, mask.size // groups))
-        m = m.reshape(n_layers * groups, -1)
-        xs = xs.reshape((n_layers * groups, m.shape[1], -1))
-    s = _rows(xs, m, square=True, maximum=True)
-    return jax.tree.map(lambda a: a.reshape(n_layers, groups), s)
+    ts = _positions(x, 3 if stacked else 2)
+    return ts if stacked else jax.tree.map(lambda f: f[None], ts)
+
+
+def _positions(x: jax.Array, lead: int) -> TokenSummary:
+    """Per-position statistics of raw activations ``[*S, ...]`` over the axes after ``S``.
+
+    Three reductions that read ``x`` where it lies (no ``x``-sized temporary: on XLA:CPU an
+    elementwise select or square before a reduction is materialised): ``sum x^2`` as a dot
+    product in float32, ``max x`` and ``min x``. A position holding a NaN or Inf makes one
+    of them non-finite (a NaN: the dot product; ``max`` may drop it); it is counted once in
+    ``nonfinite`` (positions, not elements) and its ``abs_max`` is NaN.
+    """
+    d = int(np.prod(x.shape[lead:], dtype=np.int64))
+    flat = x.reshape(x.shape[:lead] + (d,))
+    sumsq = jnp.einsum("...d,...d->...", flat, flat, preferred_element_type=_F32)
+    hi, lo = jnp.max(flat, axis=-1).astype(_F32), jnp.min(flat, axis=-1).astype(_F32)
+    bad = ~(jnp.isfinite(sumsq) & jnp.isfinite(hi) & jnp.isfinite(lo))
+    nan = jnp.full(sumsq.shape, jnp.nan, _F32)
+    return TokenSummary(count=jnp.full(sumsq.shape, float(d), _F32), sum=nan,
+                        sumsq=jnp.where(bad, 0.0, sumsq), abs_max=jnp.where(bad, jnp.nan, jnp.maximum(hi, -lo)),
+                        nonfinite=bad.astype(_F32))
 
 
 def _token_groups(ts: TokenSummary, mask: jax.Array | None, groups: int, stacked: bool) -> Summary:
-    """Per-position statistics summed within each replica's rows: fields ``[L, G]`` (one
-    variadic reduction of the ``[B, T]`` fields)."""
+    """Per-position statistics summed within each replica's rows: fields ``[L, G]``."""
     lead = 1 if stacked else 0
     valid = None if mask is None else _grouped(mask, groups)
 
-    def rows(x: jax.Array, fill: float) -> jax.Array:
+    def tot(x: jax.Array) -> jax.Array:
         x = _grouped(x.astype(_F32), groups, lead)
-        return x if valid is None else jnp.where(valid, x, fill)
+        return jnp.sum(x if valid is None else jnp.where(valid, x, 0.0), axis=-1)
 
-    a = jnp.where(jnp.isnan(ts.abs_max), -jnp.inf, ts.abs_max)
-    count, total, sumsq, nonfinite, amax = _reduce(
-        [(rows(ts.count, 0.0), "add"), (rows(ts.sum, 0.0), "add"), (rows(ts.sumsq, 0.0), "add"),
-         (rows(ts.nonfinite, 0.0), "add"), (rows(a, -jnp.inf), "max")], (lead + 1,))
+    count, nonfinite = tot(ts.count), tot(ts.nonfinite)
+    a = _grouped(ts.abs_max.astype(_F32), groups, lead)
+    a = jnp.where(jnp.isnan(a), -jnp.inf, a)
+    if valid is not None:
+        a = jnp.where(valid, a, -jnp.inf)
+    amax = jnp.max(a, axis=-1, initial=-jnp.inf)
     amax = jnp.where((nonfinite > 0) | (count <= 0), jnp.nan, amax)
-    s = Summary(count=count, sum=total, sumsq=sumsq, abs_max=amax, nonfinite=nonfinite)
+    s = Summary(count=count, sum=tot(ts.sum), sumsq=tot(ts.sumsq), abs_max=amax, nonfinite=nonfinite)
     return s if stacked else jax.tree.map(lambda f: f[None], s)
 
 
@@ -428,10 +425,9 @@ def _logits_groups(path: str, v: Any, mask: jax.Array | None, groups: int, batch
                    ) -> tuple[jax.Array, jax.Array]:
     """Per-replica ``max |logits|`` over valid positions and the non-finite count.
 
-    Raw ``[B, T, V]`` logits are first reduced per position over the vocabulary
-    (``max``, ``min`` and the non-finite count: three plain reductions XLA fuses with
-    their reads, no logits-sized temporary), then per replica as a sown
-    :class:`LogitsRows` is.
+    Raw ``[B, T, V]`` logits are first reduced per position over the vocabulary (no
+    logits-sized temporary), then per replica as a sown :class:`LogitsRows` is; their
+    non-finite count is then of positions (a sown ``LogitsRows`` counts elements).
     """
     if isinstance(v, LogitsRows):
         _check_positions(_LOGITS, path, v.shape, batch, mask, False)
@@ -441,11 +437,13 @@ def _logits_groups(path: str, v: Any, mask: jax.Array | None, groups: int, batch
     if mask is not None and tuple(x.shape[:-1]) != tuple(mask.shape):
         raise ValueError(f"replica_metrics: the logits at '{path}' have shape {tuple(x.shape)}; expected "
                          f"[B, T, V] with [B, T] = {tuple(mask.shape)}.")
-    xf = x.astype(_F32)
-    # One pass over the logits: max x, max -x and the non-finite count per position (a row
-    # holding a NaN/Inf is counted, and its maximum is not read).
-    hi, lo, bad = _reduce([(xf, "max"), (-xf, "max"), (~jnp.isfinite(xf), "add")], (xf.ndim - 1,))
-    return _row_groups(jnp.maximum(hi, lo), bad, mask, groups)
+    # Per position, three reductions that read the logits where they lie: max, min and the
+    # float32 sum (NaN-propagating, where a backend's max may drop a NaN). A position holding a
+    # NaN/Inf is counted once and its maximum is not read.
+    hi, lo = jnp.max(x, axis=-1).astype(_F32), jnp.min(x, axis=-1).astype(_F32)
+    total = jnp.sum(x, axis=-1, dtype=_F32)
+    bad = ~(jnp.isfinite(total) & jnp.isfinite(hi) & jnp.isfinite(lo))
+    return _row_groups(jnp.maximum(hi, -lo), bad, mask, groups)
 
 
 def _row_groups(row_amax: jax.Array, row_bad: jax.Array, mask: jax.Array | None, groups: int
@@ -453,9 +451,10 @@ def _row_groups(row_amax: jax.Array, row_bad: jax.Array, mask: jax.Array | None,
     """Per-position ``max |x|`` and non-finite counts ``[B, ...]`` -> per replica ``(G,)``."""
     nf_rows = _grouped(row_bad.astype(_F32), groups)
     valid = jnp.ones(nf_rows.shape, bool) if mask is None else _grouped(mask, groups)
+    nf = jnp.sum(jnp.where(valid, nf_rows, 0.0), axis=-1)
     a = jnp.where(valid & (nf_rows == 0), _grouped(row_amax.astype(_F32), groups), -jnp.inf)
-    nf, amax, count = _reduce([(jnp.where(valid, nf_rows, 0.0), "add"),
-                               (jnp.where(jnp.isnan(a), -jnp.inf, a), "max"), (valid, "add")], (1,))
+    amax = jnp.max(jnp.where(jnp.isnan(a), -jnp.inf, a), axis=-1, initial=-jnp.inf)
+    count = jnp.sum(valid, axis=-1)
     return jnp.where((nf > 0) | (count <= 0), jnp.nan, amax).astype(_F32), nf
 
 
