@@ -20,6 +20,7 @@ suspicion (device vs data). Checks run every step.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -88,7 +89,9 @@ def setup(devices):
     tx = optax.apply_if_finite(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3)), 1000)
     model = rm.Decoder(CFG)
 
-    @jax.jit
+    rep = NamedSharding(mesh, P())       # every output replicated: the inputs of the next call
+
+    @functools.partial(jax.jit, out_shardings=rep)
     def global_step(state, batch):
         def lf(p):
             logits, sown = model.apply({"params": p}, batch["tokens"], mask=batch["mask"],
@@ -119,14 +122,14 @@ def setup(devices):
 
     sm = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P(), P()), out_specs=(P(), P(), P()))
 
-    @jax.jit
+    @functools.partial(jax.jit, out_shardings=rep)
     def device_step(state, batch, factor, bad):
         loss, g, rep = sm(state.params, batch, factor, bad)
         u, opt = tx.update(g, state.opt_state, state.params)
         return State(optax.apply_updates(state.params, u), opt), {"loss": loss} | rep
 
-    params = jax.device_put(rm.init_params(CFG, jax.random.key(0)), NamedSharding(mesh, P()))
-    state = State(params, tx.init(params))
+    params = jax.device_put(rm.init_params(CFG, jax.random.key(0)), rep)
+    state = State(params, jax.jit(tx.init, out_shardings=rep)(params))
     batch = loader(mesh)
     for i in range(PRETRAIN):
         state, m = global_step(state, batch(i)[0])

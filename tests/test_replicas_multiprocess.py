@@ -12,7 +12,7 @@ from multiprocess_util import run_workers
 BAD = 6          # replica 6: a device of process 1
 
 WORKER = """
-import copy, json
+import copy, functools, json
 import numpy as np
 import flax.linen as nn
 import jax, jax.numpy as jnp, optax
@@ -24,7 +24,7 @@ from jvitals import reference_model as rm
 
 BAD = %(bad)d
 assert jax.process_count() == 2 and jax.device_count() == 8
-cfg = rm.ModelConfig(vocab=64, d_model=32, n_layers=2)
+cfg = rm.ModelConfig(vocab=32, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)
 mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 layout = vitals.replica_layout(mesh)               # one process_allgather of the host names
 model = rm.Decoder(cfg)
@@ -56,7 +56,9 @@ def local(params, batch, factor):
 
 sm = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P()), out_specs=(P(), P(), P(), P("data")))
 
-@jax.jit
+REP = NamedSharding(mesh, P())
+
+@functools.partial(jax.jit, out_shardings=(REP, REP, REP, NamedSharding(mesh, P("data"))))
 def step(params, opt, batch, factor):
     loss, g, rep, tok = sm(params, batch, factor)
     u, opt = tx.update(g, opt, params)
@@ -66,7 +68,7 @@ def glob(a, spec):
     return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda idx: a[idx])
 
 params = jax.tree.map(lambda a: glob(np.asarray(a), P()), rm.init_params(cfg, jax.random.key(0)))
-opt = tx.init(params)
+opt = jax.jit(tx.init, out_shardings=REP)(params)    # the step's own output shardings: no recompile
 monitor = vitals.Monitor()
 monitor.rule("replica").layout = layout
 out = {"layout": layout.to_dict(), "alerts": []}

@@ -5,7 +5,9 @@ nothing here syncs with the host, logs or checkpoints. ``stats`` (the one-pass
 ``Summary`` and the mesh reductions) is the floor every other module stands on;
 ``roles``/``qkv`` name the parameters; ``probes``/``instrument`` capture activations;
 ``activations``, ``gradients``, ``moe`` and ``optimizer`` turn them into METRICS.md's
-figures; ``record`` is the optax recorder; ``host`` measures step time and memory.
+figures; ``record`` is the optax recorder; ``host`` measures step time and memory;
+``replicas`` keeps a few figures per data-parallel replica and maps each replica to its
+devices, process and host.
 Imports: jax, flax, optax and this package only.
 """
 

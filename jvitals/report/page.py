@@ -1419,7 +1419,7 @@ def build_html(run: Run, *, title: str | None = None, phase: str | None = None,
         p.append("<h3>Per-replica figures</h3><p class='muted'>Each data-parallel replica (row) against "
                  "the others at each step (column): robust z-scores, clipped; a sick device is a bright "
                  "row, a bad data shard a bright trail that moves between replicas with the data.</p>")
-        for fig_name in reps:
+        for fig_name in [f for f in reps if f not in ("data", "first_nonfinite_step")]:
             fig = _figure((12, max(2.2, 0.18 * reps[fig_name][1].shape[0] + 1.2)))
             plot_replica_heatmap(run, fig_name, fig.add_subplot())
             p.append(_img(fig, f"replica/{fig_name} heat map"))
