@@ -407,3 +407,20 @@ class Policy:
         if "ratio_rules" in kw:
             kw["ratio_rules"] = {k: tuple(v) for k, v in kw["ratio_rules"].items()}
         return cls(**kw)
+
+    # -- Per-replica figures (jvitals.monitor.replicas.ReplicaRule; docs/REPLICAS.md). --
+    # replica_z: a replica is an outlier when |robust z| against the others exceeds it
+    #   (z = (x - median) / max(1.4826 MAD, replica_rel_floor |median|)) ...
+    # replica_min_ratio: ... and its ratio to the median is beyond this (either way).
+    # replica_rel_floor: the least scale of the z-score, as a fraction of |median|.
+    # replica_spread_halflife: half-life, in checks, of each figure's typical spread between
+    #   replicas (an EMA of scale / |median|); the z-score's scale is at least that spread,
+    #   so a check whose replicas happen to agree closely does not make a noisy one an outlier.
+    # replica_confirm: consecutive checks (same replica or same data shard) -> YELLOW.
+    # replica_min_replicas: fewer finite replicas than this name no outlier.
+    replica_z: float = 8.0
+    replica_min_ratio: float = 1.5
+    replica_rel_floor: float = 0.02
+    replica_spread_halflife: float = 20.0
+    replica_confirm: int = 2
+    replica_min_replicas: int = 3

@@ -1200,7 +1200,9 @@ class DivergenceRule(_Base):
 
 def default_rules(policy: Policy) -> list[Any]:
     """The default rule list, in the order ``Monitor.update`` runs it."""
+    from jvitals.monitor.replicas import ReplicaRule  # the per-replica rule (it builds Changes of this module)
+
     return [NonFiniteRule(policy), SpikeRule(policy), RatioRule(policy), TrendRule(policy),
             GroupRule(policy), RouterRule(policy), ThroughputRule(policy),
             LossScaleRule(policy), GapRule(policy), ValRiseRule(policy), BrokenModelRule(policy),
-            DivergenceRule(policy)]
+            DivergenceRule(policy), ReplicaRule(policy)]

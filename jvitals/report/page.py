@@ -3,7 +3,8 @@
 Reads every event file under a log directory (written by any clu ``MetricWriter``,
 e.g. ``clu.metric_writers.create_default_writer``), and builds one self-contained
 HTML file: a level timeline with rollbacks, one plot per metric family with the
-yellow/orange/red periods shaded, a per-layer gradient-share heat map, the
+yellow/orange/red periods shaded, a per-layer gradient-share heat map, a
+replica x step heat map of each per-replica figure (``vitals/replicas_json``), the
 monitor's alerts with diagnosis and prescription, and the source guide's check-up
 table (``seeds/003``, §6.2) for the run's phase.
 
@@ -55,6 +56,8 @@ __all__ = [
         "checkup",
         "plot_family",
         "plot_layer_heatmap",
+        "plot_replica_heatmap",
+        "replica_matrices",
         "plot_timeline",
         "read_run",
         "remedy_texts",
@@ -72,6 +75,7 @@ from jvitals.report.writers import (  # noqa: E402
     ALERTS_TAG,
     EVENTS_TAG,
     LEVEL_TAG,
+    REPLICAS_TAG,
     ROLLBACK_COUNT as ROLLBACKS_TAG,
     ROLLBACK_LR_SCALE as LR_SCALE_TAG,
 )
@@ -678,6 +682,83 @@ def plot_layer_heatmap(run: Run, ax=None):
     for rb in run.rollbacks():
         ax.axvline(rb["step"], color="#00e5ff", ls="--", lw=1.2)
     ax.set_title(f"Per-layer gradient share ({source})", fontsize=10, loc="left")
+    ax.set_xlabel("step", fontsize=8)
+    ax.tick_params(labelsize=8)
+    return ax
+
+
+def replica_matrices(run: Run) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``{figure: (steps int64[S], values float64[R, S])}`` from ``vitals/replicas_json``.
+
+    One column per step that wrote the per-replica vectors (the last write of a step
+    wins); a step with another number of replicas than the last one is left out.
+    """
+    by_step: dict[int, dict[str, list]] = {}
+    for step, text in run.texts.get(REPLICAS_TAG, []):
+        try:
+            figs = json.loads(text).get("figures", {})
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(figs, Mapping):
+            by_step[int(step)] = dict(figs)
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    names = sorted({f for d in by_step.values() for f in d})
+    for f in names:
+        cols = [(st, d[f]) for st, d in sorted(by_step.items()) if isinstance(d.get(f), list)]
+        if not cols:
+            continue
+        n = len(cols[-1][1])
+        cols = [(st, v) for st, v in cols if len(v) == n]
+        steps = np.array([st for st, _ in cols], dtype=np.int64)
+        vals = np.array([[np.nan if x is None else float(x) for x in v] for _, v in cols], np.float64).T
+        out[f] = (steps, vals)
+    return out
+
+
+def plot_replica_heatmap(run: Run, figure: str, ax=None, *, clip: float = 10.0):
+    """Replica x step heat map of one per-replica figure, rollbacks marked.
+
+    Each column is coloured by the robust z-score of each replica against the others
+    at that step (``(x - median) / max(1.4826 MAD, 2% |median|)``, clipped to
+    ``+-clip``): a sick replica is a bright row, a bad data shard a bright diagonal
+    (when shards rotate). The non-finite counts are drawn as counts (log scale);
+    missing or non-finite cells are grey.
+
+    Returns:
+        The Axes, or ``None`` when the figure was not logged.
+    """
+    from jvitals.monitor.replicas import robust_z
+
+    got = replica_matrices(run).get(figure)
+    if got is None:
+        return None
+    steps, vals = got
+    ax = _new_ax(ax)
+    import matplotlib
+
+    if figure == "nonfinite":
+        mat, label, cmap = np.log10(1.0 + np.where(np.isfinite(vals), vals, np.nan)), "log10(1 + count)", "Reds"
+        vmin, vmax = 0.0, max(1.0, float(np.nanmax(mat)) if np.isfinite(mat).any() else 1.0)
+    else:
+        mat = np.stack([robust_z(vals[:, j])[0] for j in range(vals.shape[1])], axis=1)
+        mat = np.clip(mat, -clip, clip)
+        label, cmap, vmin, vmax = "robust z vs the other replicas", "RdBu_r", -clip, clip
+    cmap = matplotlib.colormaps[cmap].with_extremes(bad="#bbbbbb")
+    if len(steps) > 1:
+        mids = (steps[1:] + steps[:-1]) / 2
+        xedges = np.concatenate([[steps[0] - (mids[0] - steps[0])], mids, [steps[-1] + (steps[-1] - mids[-1])]])
+    else:
+        xedges = np.array([steps[0] - 0.5, steps[0] + 0.5])
+    yedges = np.arange(vals.shape[0] + 1) - 0.5
+    m = ax.pcolormesh(xedges, yedges, np.ma.masked_invalid(mat), cmap=cmap, vmin=vmin, vmax=vmax,
+                      shading="flat")
+    ax.figure.colorbar(m, ax=ax, label=label, pad=0.01)
+    if vals.shape[0] <= 32:
+        ax.set_yticks(range(vals.shape[0]))
+        ax.set_yticklabels([f"replica {i}" for i in range(vals.shape[0])], fontsize=6)
+    for rb in run.rollbacks():
+        ax.axvline(rb["step"], color="#00e5ff", ls="--", lw=1.2)
+    ax.set_title(f"replica/{figure} ({vals.shape[0]} replicas x {len(steps)} steps)", fontsize=10, loc="left")
     ax.set_xlabel("step", fontsize=8)
     ax.tick_params(labelsize=8)
     return ax
@@ -1333,6 +1414,16 @@ def build_html(run: Run, *, title: str | None = None, phase: str | None = None,
         p.append(_img(fig, "per-layer gradient share heat map"))
     else:
         p.append("<p class='muted'>not measured (no grad/share/layer_* or grad/norm/layer_*)</p>")
+    reps = replica_matrices(run)
+    if reps:
+        p.append("<h3>Per-replica figures</h3><p class='muted'>Each data-parallel replica (row) against "
+                 "the others at each step (column): robust z-scores, clipped; a sick device is a bright "
+                 "row, a bad data shard a bright trail that moves between replicas with the data.</p>")
+        for fig_name in [f for f in reps if f not in ("data", "first_nonfinite_step")]:
+            fig = _figure((12, max(2.2, 0.18 * reps[fig_name][1].shape[0] + 1.2)))
+            plot_replica_heatmap(run, fig_name, fig.add_subplot())
+            p.append(_img(fig, f"replica/{fig_name} heat map"))
+        used.update(t for t in run.scalars if t.startswith("replica/"))
     if missing:
         p.append(f"<p class='muted'>Not measured (no tags logged): {_e('; '.join(missing))}.</p>")
 
@@ -1403,7 +1494,7 @@ def build_html(run: Run, *, title: str | None = None, phase: str | None = None,
                      f"<td class='num'>{_e(mn)}</td><td class='num'>{_e(mx)}</td>"
                      f"<td class='num'>{int((~np.isfinite(v)).sum())}</td></tr>")
         p.append("</table>")
-    skip = {ALERTS_TAG, EVENTS_TAG} | ({ALERTS_MD_TAG} if ALERTS_TAG in run.texts else set())
+    skip = {ALERTS_TAG, EVENTS_TAG, REPLICAS_TAG} | ({ALERTS_MD_TAG} if ALERTS_TAG in run.texts else set())
     shown = {t: recs for t, recs in run.texts.items() if t not in skip}
     for t in (ALERTS_TAG, EVENTS_TAG):
         bad = [(st, x) for st, x in run.texts.get(t, []) if not _parses(x)]
