@@ -522,7 +522,7 @@ def test_the_writer_gets_summaries_and_one_text_not_r_scalars():
 
 def test_report_draws_a_replica_by_step_heat_map(tmp_path):
     pytest.importorskip("matplotlib")
-    from jvitals.report import page
+    from jvitals import report as page
 
     run = page.Run(logdir=str(tmp_path), files=[], scalars={"loss": (np.arange(3), np.ones(3))}, superseded={},
                    texts={page.REPLICAS_TAG: [(s, json.dumps({"figures": {"loss": [1.0, 1.0, 1.0 + s, None]}}))
