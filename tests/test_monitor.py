@@ -79,6 +79,34 @@ def base_stream(seed, *, gn_noise=0.05, loss_noise=0.01):
     return stream, noise
 
 
+def with_fault(seed, fault):
+    """:func:`base_stream` ``(seed)`` with ``fault(s, d)`` applied to each step's dict."""
+    stream, _ = base_stream(seed)
+
+    def s2(s):
+        d = stream(s)
+        fault(s, d)
+        return d
+
+    return s2
+
+
+def scaled(metric, factor, start, stop=math.inf):
+    """A fault: ``metric`` x ``factor`` for ``start <= s < stop``."""
+    def fault(s, d):
+        if start <= s < stop and metric in d:
+            d[metric] *= factor
+    return fault
+
+
+def set_to(metric, value, start, stop=math.inf):
+    """A fault: ``metric = value`` for ``start <= s < stop``."""
+    def fault(s, d):
+        if start <= s < stop:
+            d[metric] = value
+    return fault
+
+
 # --------------------------------------------------------------------------
 # Types.
 # --------------------------------------------------------------------------
@@ -225,13 +253,10 @@ def test_alert_identity_is_kept_and_new_alerts_reported():
 
 @pytest.mark.parametrize("cadence", [1, 50])
 def test_param_norm_growth_is_yellow_only(cadence):
-    stream, _ = base_stream(2)
-
-    def s2(s):
-        d = stream(s)
+    def ramp(s, d):
         d["param/global_norm"] *= 1.0 + 0.6 * min(max(s - 3000, 0) / 3000, 1.0)
-        return d
 
+    s2 = with_fault(2, ramp)
     m = Monitor()
     vs = run(m, s2, range(0, 8000, cadence))
     step, a = first(vs, "param_norm")
@@ -244,14 +269,7 @@ def test_param_norm_growth_is_yellow_only(cadence):
 @pytest.mark.parametrize("cadence", [1, 50])
 def test_param_norm_jump_goes_red_fast(cadence):
     """A 1.6x jump in one step that stays: ORANGE at once, RED 50 steps later."""
-    stream, _ = base_stream(2)
-
-    def s2(s):
-        d = stream(s)
-        if s >= 5000:
-            d["param/global_norm"] *= 1.6
-        return d
-
+    s2 = with_fault(2, scaled("param/global_norm", 1.6, 5000))
     m = Monitor()
     vs = run(m, s2, range(0, 5300, cadence))
     o_step, o = first(vs, "broken_model", Level.ORANGE)
@@ -307,14 +325,7 @@ def test_loss_scale_drop(cadence):
 
 @pytest.mark.parametrize("cadence", [1, 50])
 def test_nan_loss_orange_then_red(cadence):
-    stream, _ = base_stream(4)
-
-    def s2(s):
-        d = stream(s)
-        if s >= 3000:
-            d["loss"] = float("nan")
-        return d
-
+    s2 = with_fault(4, set_to("loss", float("nan"), 3000))
     m = Monitor()
     vs = run(m, s2, range(0, 3600, cadence))
     o_step, o = first(vs, "nonfinite", Level.ORANGE)
@@ -326,15 +337,11 @@ def test_nan_loss_orange_then_red(cadence):
 
 
 def test_single_nonfinite_gradient_is_orange_not_red():
-    stream, _ = base_stream(5)
+    def bad_step(s, d):
+        set_to("grad/nonfinite_count", np.int32(12), 3000, 3001)(s, d)
+        set_to("grad/global_norm", np.float32("inf"), 3000, 3001)(s, d)
 
-    def s2(s):
-        d = stream(s)
-        if s == 3000:
-            d["grad/nonfinite_count"] = np.int32(12)
-            d["grad/global_norm"] = np.float32("inf")
-        return d
-
+    s2 = with_fault(5, bad_step)
     m = Monitor(Policy(clear_steps=50))
     vs = run(m, s2, range(0, 4000))
     assert first(vs, "nonfinite", Level.ORANGE)[0] == 3000
@@ -346,14 +353,7 @@ def test_single_nonfinite_gradient_is_orange_not_red():
 
 
 def test_red_after_and_red_min_steps_are_configurable():
-    stream, _ = base_stream(6)
-
-    def s2(s):
-        d = stream(s)
-        if s >= 3000:
-            d["grad/global_norm"] *= 4.0
-        return d
-
+    s2 = with_fault(6, scaled("grad/global_norm", 4.0, 3000))
     # ORANGE is confirmed at 3001 (two checks above 3x), the first divergent check.
     vs = run(Monitor(Policy(red_after=5)), s2, range(3200))
     assert first(vs, "divergence")[0] == 3005
@@ -364,16 +364,12 @@ def test_red_after_and_red_min_steps_are_configurable():
 def test_red_with_sparse_grad_norm_and_dense_loss():
     """Loss every step, grad norm every 10: checks without the grad norm
     neither count nor break the run of divergent checks."""
-    stream, _ = base_stream(20)
-
-    def s2(s):
-        d = stream(s)
+    def sparse_climb(s, d):
         if s % 10:
             del d["grad/global_norm"]
-        elif s >= 3000:
-            d["grad/global_norm"] *= 4.0
-        return d
+        scaled("grad/global_norm", 4.0, 3000)(s, d)
 
+    s2 = with_fault(20, sparse_climb)
     vs = run(Monitor(), s2, range(3100))
     assert first(vs, "grad_norm", Level.ORANGE)[0] == 3010  # confirmed by the next grad norm
     assert first(vs, "divergence", Level.RED)[0] == 3030
@@ -746,14 +742,7 @@ def test_note_rollback():
 
 @pytest.mark.parametrize("baseline", ["rolling", "ema"])
 def test_adaptive_baselines_catch_a_jump(baseline):
-    stream, _ = base_stream(17)
-
-    def s2(s):
-        d = stream(s)
-        if s >= 4000:
-            d["grad/global_norm"] *= 3.5
-        return d
-
+    s2 = with_fault(17, scaled("grad/global_norm", 3.5, 4000))
     m = Monitor(Policy(baseline=baseline))
     vs = run(m, s2, range(0, 4100))
     step, a = first(vs, "grad_norm", Level.ORANGE)

@@ -60,12 +60,18 @@ from jvitals.monitor.trackers import (
     GapSeries,
     RollingBaseline,
     SpikeTracker,
-    baseline_from_dict,
     mann_kendall_z,
     median,
     theil_sen,
 )
-from jvitals.monitor.types import Alert, Level, Spike, dec_float, enc_float, split_group
+from jvitals.monitor.types import (
+    Alert,
+    Level,
+    Spike,
+    dec_state,
+    enc_state,
+    split_group,
+)
 
 __all__ = [
     "BrokenModelRule",
@@ -217,18 +223,30 @@ class Rule(Protocol):
 
 
 class _Base:
-    """Default state/rollback behaviour: stateless."""
+    """What every default rule shares: its policy, its state, a no-op rollback.
+
+    A rule's state is the attributes named in ``state_fields``: ``state_dict``
+    writes each with :func:`~jvitals.monitor.types.enc_state` (plain JSON) and
+    ``load_state_dict`` reads each back shaped like the fresh rule's own value
+    (:func:`~jvitals.monitor.types.dec_state`; ``state_types[name]`` names the
+    tracker class of a dict-of-trackers field). A field missing from the saved
+    dict keeps its fresh value.
+    """
 
     name = ""
+    state_fields: tuple[str, ...] = ()
+    state_types: Mapping[str, type] = {}
 
     def __init__(self, policy: Policy) -> None:
         self.p = policy
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return {k: enc_state(getattr(self, k)) for k in self.state_fields}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        del d
+        for k in self.state_fields:
+            if k in d:
+                setattr(self, k, dec_state(d[k], getattr(self, k), self.state_types.get(k)))
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         del step, t_to
@@ -279,6 +297,8 @@ class SpikeRule(_Base):
     """
 
     name = "spike"
+    state_fields = ("trackers",)
+    state_types = {"trackers": SpikeTracker}
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
@@ -346,13 +366,10 @@ class SpikeRule(_Base):
             f.notes["loss_pre"] = ref
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        return {m: tr.to_dict() for m, tr in self.trackers.items()}
-
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        for m, tr in d.items():
-            if m in self.trackers:
-                self.trackers[m] = SpikeTracker.from_dict(tr, self.p)
+        super().load_state_dict(d)
+        self.trackers = {m: self.trackers.get(m) or SpikeTracker(m, self.p)
+                         for m in self.p.spike_metrics}
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         done = []
@@ -391,9 +408,11 @@ class RatioRule(_Base):
     """
 
     name = "ratio"
+    state_fields = ("baselines", "above", "last_ratio")
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
+        self.state_types = {"baselines": BASELINES[policy.baseline]}
         self.baselines = {m: BASELINES[policy.baseline]() for m in policy.ratio_rules}
         self.above: dict[str, list[int]] = {}  # metric -> [count, first step]
         self.last_ratio: dict[str, float] = {}
@@ -449,18 +468,12 @@ class RatioRule(_Base):
         m = b.mean
         return None if m != m else float(m)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"baselines": {m: b.to_dict() for m, b in self.baselines.items()},
-                "above": dict(self.above),
-                "last_ratio": {m: enc_float(r) for m, r in self.last_ratio.items()}}
-
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        for m, b in d["baselines"].items():
-            if m in self.baselines and b["kind"] == self.p.baseline:
-                self.baselines[m] = baseline_from_dict(b)
-        self.above = {m: list(v) for m, v in d["above"].items() if m in self.baselines}
-        self.last_ratio = {m: dec_float(r) for m, r in d["last_ratio"].items()
-                           if m in self.baselines}
+        super().load_state_dict(d)
+        fresh = BASELINES[self.p.baseline]
+        self.baselines = {m: self.baselines.get(m) or fresh() for m in self.p.ratio_rules}
+        self.above = {m: v for m, v in self.above.items() if m in self.baselines}
+        self.last_ratio = {m: r for m, r in self.last_ratio.items() if m in self.baselines}
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         self.above = {}
@@ -484,6 +497,7 @@ class TrendRule(_Base):
     """
 
     name = "trend"
+    state_fields = ("buckets",)
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
@@ -523,12 +537,6 @@ class TrendRule(_Base):
                      details={"mann_kendall_z": z, "rise": rise,
                               "loss_slope_per_step": lslope})]
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"buckets": self.buckets.to_dict()}
-
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        self.buckets = BucketSeries.from_dict(d["buckets"])
-
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         self.buckets.clear()
         return []
@@ -557,6 +565,8 @@ class GroupRule(_Base):
     """
 
     name = "group"
+    state_fields = ("cols",)
+
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
         self.cols: dict[str, list] = {}  # name -> [samples, b, mad, run, first out step, sign]
@@ -650,14 +660,6 @@ class GroupRule(_Base):
                 details={"group": g, "family": fam}))
         return changes
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"cols": {k: [list(map(enc_float, c[0])), enc_float(c[1]), enc_float(c[2]), c[3],
-                             c[4], c[5]] for k, c in self.cols.items()}}
-
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        self.cols = {k: [[dec_float(x) for x in c[0]], dec_float(c[1]), dec_float(c[2]), int(c[3]),
-                         int(c[4]), int(c[5])] for k, c in d["cols"].items()}
-
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         for c in self.cols.values():
             c[3] = 0
@@ -676,6 +678,7 @@ class RouterRule(_Base):
     """
 
     name = "router"
+    state_fields = ("cols",)
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
@@ -720,14 +723,6 @@ class RouterRule(_Base):
                 out.append(release("router", m))
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"cols": {k: [[enc_float(x) for x in c[0]], enc_float(c[1]), enc_float(c[2]), c[3]]
-                         for k, c in self.cols.items()}}
-
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        self.cols = {k: [[dec_float(x) for x in c[0]], dec_float(c[1]), dec_float(c[2]), c[3]]
-                     for k, c in d["cols"].items()}
-
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         for c in self.cols.values():
             c[3] = None
@@ -739,6 +734,8 @@ class ThroughputRule(_Base):
     ``throughput_drop`` from its fixed baseline."""
 
     name = "throughput"
+    state_fields = ("baselines",)
+    state_types = {"baselines": FixedBaseline}
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
@@ -765,13 +762,10 @@ class ThroughputRule(_Base):
                 out.append(release("throughput", m))
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        return {m: b.to_dict() for m, b in self.baselines.items()}
-
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        for m, b in d.items():
-            if m in self.baselines:
-                self.baselines[m] = FixedBaseline.from_dict(b)
+        super().load_state_dict(d)
+        self.baselines = {m: self.baselines.get(m) or FixedBaseline()
+                          for m in self.p.throughput_metrics}
 
 
 class LossScaleRule(_Base):
@@ -779,6 +773,7 @@ class LossScaleRule(_Base):
     consecutive checks; closes ``event_hold_steps`` after the last drop."""
 
     name = "loss_scale"
+    state_fields = ("prev", "drop")
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
@@ -803,13 +798,6 @@ class LossScaleRule(_Base):
             out.append(clear("loss_scale", m))
             self.drop = None
         return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"prev": enc_float(self.prev), "drop": self.drop}
-
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        self.prev = dec_float(d["prev"])
-        self.drop = None if d["drop"] is None else dict(d["drop"])
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         self.prev, self.drop = _NAN, None
@@ -837,6 +825,7 @@ class GapRule(_Base):
     """
 
     name = "val_gap"
+    state_fields = ("gap", "ema", "t_last", "raw_prev", "var", "decay", "run", "onset", "last_loss")
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
@@ -906,19 +895,6 @@ class GapRule(_Base):
         self.run = 0
         return [clear("val_gap", "val/gap")]
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"gap": self.gap.to_dict(), "ema": enc_float(self.ema), "t_last": self.t_last,
-                "raw_prev": [enc_float(x) for x in self.raw_prev], "var": enc_float(self.var),
-                "decay": enc_float(self.decay), "run": self.run, "onset": self.onset,
-                "last_loss": enc_float(self.last_loss)}
-
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        self.gap = GapSeries.from_dict(d["gap"])
-        self.ema, self.t_last = dec_float(d["ema"]), int(d["t_last"])
-        self.raw_prev, self.var = [dec_float(x) for x in d["raw_prev"]], dec_float(d["var"])
-        self.decay, self.run, self.onset = dec_float(d["decay"]), int(d["run"]), d["onset"]
-        self.last_loss = dec_float(d["last_loss"])
-
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         self.gap.drop_after(t_to)
         self.ema = self.gap.gs[-1] if self.gap.gs else _NAN
@@ -944,6 +920,7 @@ class ValRiseRule(_Base):
     """
 
     name = "val_rise"
+    state_fields = ("ts", "val", "trend", "run", "onset")
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
@@ -990,17 +967,6 @@ class ValRiseRule(_Base):
         self.run = 0
         return [release("val_rise", "val/loss")] if is_open else []
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"ts": list(self.ts), "val": [enc_float(x) for x in self.val],
-                "trend": [enc_float(x) for x in self.trend], "run": self.run,
-                "onset": self.onset}
-
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        self.ts = collections.deque(int(x) for x in d["ts"])
-        self.val = collections.deque(dec_float(x) for x in d["val"])
-        self.trend = collections.deque(dec_float(x) for x in d["trend"])
-        self.run, self.onset = int(d["run"]), d["onset"]
-
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         while self.ts and self.ts[-1] > t_to:
             self.ts.pop()
@@ -1035,6 +1001,7 @@ class BrokenModelRule(_Base):
     """
 
     name = "broken_model"
+    state_fields = ("pn", "vocab", "first_loss", "state")
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
@@ -1116,25 +1083,6 @@ class BrokenModelRule(_Base):
                      f"{metric} broke", key="", onset=st["since"], diverging=False,
                      details={"since": st["since"], "kind": st["kind"]})]
 
-    def state_dict(self) -> dict[str, Any]:
-        st = None
-        if self.state is not None:
-            st = {k: (enc_float(v) if isinstance(v, float) else v) for k, v in self.state.items()}
-        return {"pn": [[a, enc_float(b)] for a, b in self.pn], "vocab": enc_float(self.vocab),
-                "first_loss": enc_float(self.first_loss), "state": st}
-
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        self.pn = collections.deque((int(a), dec_float(b)) for a, b in d["pn"])
-        self.vocab = dec_float(d["vocab"])
-        self.first_loss = dec_float(d["first_loss"])
-        st = d["state"]
-        if st is not None:
-            st = dict(st)
-            st["pre"] = dec_float(st["pre"])
-            if st.get("pn_ref") is not None:
-                st["pn_ref"] = dec_float(st["pn_ref"])
-        self.state = st
-
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         self.pn.clear()
         self.state = None
@@ -1149,6 +1097,7 @@ class DivergenceRule(_Base):
     (a check that did not see them holds)."""
 
     name = "divergence"
+    state_fields = ("consecutive", "start", "keys")
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
@@ -1184,14 +1133,6 @@ class DivergenceRule(_Base):
         if red_open and not div and (recovered or not self.keys):
             return [release("divergence", "")]
         return []
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"consecutive": self.consecutive, "start": self.start,
-                "keys": sorted([list(k) for k in self.keys])}
-
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        self.consecutive, self.start = int(d["consecutive"]), d["start"]
-        self.keys = {(a, b) for a, b in d["keys"]}
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         self.consecutive, self.start, self.keys = 0, None, set()

@@ -214,6 +214,7 @@ class FixedBaseline:
     """
 
     __slots__ = ("vals", "mean")
+    kind = "fixed"
 
     def __init__(self) -> None:
         self.vals: list[float] = []
@@ -259,6 +260,7 @@ class RollingBaseline:
     """
 
     __slots__ = ("steps", "vals")
+    kind = "rolling"
 
     def __init__(self) -> None:
         self.steps: collections.deque[int] = collections.deque()
@@ -314,6 +316,7 @@ class EmaBaseline:
     """
 
     __slots__ = ("init", "mean", "var", "last_step")
+    kind = "ema"
 
     def __init__(self) -> None:
         self.init: list[float] = []
@@ -722,7 +725,7 @@ class SpikeTracker:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], p: Policy) -> "SpikeTracker":
+    def from_dict(cls, d: dict[str, Any], p: Policy | None = None) -> "SpikeTracker":
         float_keys = {"peak", "pre_trend", "pre_scale", "post_sum", "period", "last_interval"}
 
         def dec_map(m):
@@ -730,7 +733,7 @@ class SpikeTracker:
                 return None
             return {k: (dec_float(v) if k in float_keys else v) for k, v in m.items()}
 
-        t = cls(d["metric"], p)
+        t = cls(d["metric"], p if p is not None else Policy())
         t.last_step = d["last_step"]
         t.trend, t.var, t.wsum = dec_float(d["trend"]), dec_float(d["var"]), dec_float(d["wsum"])
         t.prev_learned = dec_float(d.get("prev_learned", "nan"))
