@@ -179,23 +179,47 @@ def test_user_rule_objects_run_and_resume():
 # --------------------------------------------------------------------------
 
 
-def test_embedding_lr_mismatch_is_a_group_yellow_naming_the_embedding():
+def _group_y(d, fam, group):
+    """log(figure / the trunk's median of its family), as the group rule reads it."""
+    layers = [v for k, v in d.items() if k.startswith(fam + "/layer_")]
+    return math.log(d[f"{fam}/{group}"] / float(np.median(layers)))
+
+
+@pytest.mark.parametrize("mult,share", [(6.0, 0.3), (3.0, 1.0)])
+def test_embedding_lr_mismatch_is_a_group_yellow_naming_the_embedding(mult, share):
+    """Its LR 30x: the update ratio x6 in one sample (the issue's case) opens at that
+    sample; x3 (a moderate step beyond the 2x band) needs a second sample."""
     base = warmup_stream(5, warm=200)
 
     def stream(s):
         d = base(s)
         if s >= 2000 and "update/param_ratio/embedding" in d:
-            d["update/param_ratio/embedding"] *= 5.0           # its LR 30x: update ratio ~5x
+            d["update/param_ratio/embedding"] *= mult
             d["param/norm/embedding"] *= 1.0 + (s - 2000) / 1000.0
-            d["grad/share/embedding"] *= 0.3
+            d["grad/share/embedding"] *= share
         return d
+
+    # The one-sample change of the update ratio (relative to the trunk) at 2000, from
+    # the stream itself: >= log(5) (Policy.group_jump) opens at once, else at 2050.
+    ref = warmup_stream(5, warm=200)
+    before = after = None
+    for s in range(0, 2001):
+        d = ref(s)
+        if s in (1950, 2000):
+            y = _group_y(d, "update/param_ratio", "embedding") + (math.log(mult) if s == 2000 else 0)
+            before, after = (y, after) if s == 1950 else (before, y)
+    jump = after - before >= math.log(5.0)
+    assert jump == (mult == 6.0)
 
     vs = feed(Monitor(), stream, range(0, 3000))
     alerts = [a for v in vs for a in v.new_alerts]
     assert [a.rule for a in alerts] == ["group"], [(a.rule, a.metric) for a in alerts]
     (a,) = alerts
-    # Out of band at the group samples 2000 and 2050 (confirmation: 2 samples).
-    assert a.details["group"] == "embedding" and a.onset_step == 2000 and a.opened_step == 2050
+    # Out of band from the group sample 2000: at once for a jump (an unmistakable
+    # departure), else confirmed at 2050 (2 samples).
+    assert a.details["group"] == "embedding" and a.onset_step == 2000
+    assert a.opened_step == (2000 if jump else 2050)
+    assert a.details["kind"] == ("jump" if jump else "step")
     assert a.metric in ("update/param_ratio/embedding", "grad/share/embedding")
     assert "embedding and LM head at 0.5x trunk LR" in a.prescription
     assert a.level == Level.YELLOW

@@ -338,10 +338,20 @@ class Monitor:
         level = Level(c.level)
         pres = PRESCRIPTIONS[c.prescription or RULE_PRESCRIPTION.get(c.rule, "generic")]
         a = self._open.get(k)
+        onset = c.onset
+        if a is not None and a.clearing_since is not None:
+            if s - a.clearing_since >= self.policy.episode_gap:
+                # Its condition had cleared (the figure back in band that long): this
+                # crossing is a new episode, with its own onset and localization.
+                a.details = {**a.details, "closed_by": "new episode"}
+                self._close(k, s)
+                a = None
+            else:
+                onset = None  # a dip shorter than episode_gap: the same episode goes on
         if a is None:
             a = Alert(id=self._next_id, rule=c.rule, metric=c.metric, level=level, step=s,
                       value=c.value, baseline=c.baseline, ratio=c.ratio,
-                      onset_step=s if c.onset is None else c.onset, opened_step=s, message="",
+                      onset_step=s if onset is None else onset, opened_step=s, message="",
                       cause=pres.cause, prescription=pres.prescription, localization=[],
                       peak_level=level, details=dict(c.details or {}))
             self._next_id += 1
@@ -352,8 +362,8 @@ class Monitor:
         else:
             a.metric, a.level, a.step, a.value, a.baseline, a.ratio = (
                 c.metric, level, s, c.value, c.baseline, c.ratio)
-            if c.onset is not None:
-                a.onset_step = c.onset
+            if onset is not None:
+                a.onset_step = onset
             if c.details is not None:
                 a.details = dict(c.details)
             a.clearing_since = None

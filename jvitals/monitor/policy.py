@@ -25,6 +25,10 @@ def _default_router_bands() -> Mapping[str, float]:
     return {"moe/maxvio.max": 0.5, "moe/dead_expert_ratio": 0.2}
 
 
+def _default_jump_metrics() -> Mapping[str, float]:
+    return {"update/param_ratio": 5.0}
+
+
 def _default_ratio_rules() -> Mapping[str, tuple[float, float | None]]:
     return {"grad/global_norm": (2.0, 3.0), "param/global_norm": (1.5, None)}
 
@@ -78,8 +82,26 @@ class Policy:
         adaptive ones an alert opens (or escalates) when the ratio to the
         adaptive mean crosses the threshold *and* the z-gate holds.
       ratio_rules: metric -> ``(yellow_ratio, orange_ratio or None)``:
-        yellow when ``x / baseline > yellow_ratio``, orange when
-        ``> orange_ratio``.
+        yellow when ``x / reference > yellow_ratio``, orange when
+        ``> orange_ratio``; the reference is the baseline, times the
+        schedule's factor for ``schedule_metrics``.
+      schedule_metrics: ratio-rule metrics judged against what the schedule
+        predicts: baseline x ``max((lr_b / lr) ** lr_exponent, pn_b / pn, 1)``
+        (``lr`` = ``lr_metric``, ``pn`` = ``param/global_norm``, ``_b`` their
+        baselines; the LR term capped at 100x). Default: the grad norm, whose
+        steady state under normalization and decoupled weight decay is
+        ``||g|| / ||w|| ~ sqrt(2 lambda / lr)`` (Defazio 2025,
+        arXiv:2506.02285): a healthy run's grad norm rises ~3x as a cosine
+        decays the LR to 0.1x.
+      jump_metrics: metric -> ratio of the jump rule: YELLOW at the very check
+        where ``x / lr`` is at least this ratio times its value at the check
+        before (an unmistakable departure needs no second check); held while at
+        least half that. Default: the global ``update/param_ratio`` x5.
+      lr_exponent: the exponent of that LR term (0 turns it off).
+      weight_decay: the optimizer's decoupled weight decay where you know it;
+        ``0`` (no weight decay: no equilibrium, the LR term is off; the
+        param-norm term stays); ``None`` (default) or a positive value: the
+        LR term applies.
       confirm_checks: a ratio rule's alert opens (or escalates to ORANGE)
         only after this many consecutive checks above its threshold (one
         noisy check is not an alert).
@@ -90,6 +112,11 @@ class Policy:
         closes once its condition has been clear at every check for this
         many steps (it keeps its level meanwhile; 0 closes at once), so a
         noisy value near a threshold does not open and close alerts.
+      episode_gap: a condition that has been clear (the rule released its alert:
+        the figure back in its band) for at least this many steps has ended; when
+        it holds again, that is a new episode: the clearing alert closes and a new
+        one opens with its own onset (the guard's earliest sign comes from the
+        episode that escalated). A shorter dip is noise within one episode.
       rolling_window, rolling_k: OLMo-core rolling baseline (128 steps, 6).
       ema_alpha, ema_z: ZClip EMA baseline (0.97 per step, 2.5).
       adaptive_min_samples: samples before an adaptive baseline judges; also
@@ -149,11 +176,18 @@ class Policy:
         figure (``{family}/{group}``, group ``embedding``, ``lm_head`` or
         ``layer_{i}``) is divided by the trunk's median of that family at the
         same step (the global figure where no layer figure is logged), and
-        its log compared with its own baseline (median over the baseline
-        window): out of band when ``|log(x / b)| > max(group_z * mad,
-        log(band))`` (``mad`` the robust spread of the baseline samples).
-      group_z: see ``group_bands``.
-      group_confirm: consecutive out-of-band samples before the YELLOW.
+        ``y = log(x / trunk)`` judged against its own history: a one-sample
+        change ``>= max(log(group_jump), group_z * noise)`` (an unmistakable
+        jump: YELLOW at once), a one-sample change ``> max(log(band), group_z *
+        noise)`` that holds, or a change over the last ``group_window`` steps
+        ``> max(log(band), group_drift_k * D)`` that holds (``noise``: the RMS
+        of its one-sample changes; ``D``: the largest change over
+        ``group_window`` steps it showed before in the run, fading with
+        half-life ``group_drift_halflife``).
+      group_z, group_jump, group_window, group_drift_k, group_drift_halflife:
+        see ``group_bands``.
+      group_confirm: samples a step or drift departure must hold before the
+        YELLOW (a jump opens at once).
       group_global_ratio: the group rule fires only while
         ``grad/global_norm`` and ``param/global_norm`` are below this x their
         baselines (the global figures "have not moved").
@@ -197,14 +231,18 @@ class Policy:
         localization (per layer, embedding, LM head, router).
       localize_window, localize_rows: candidate history: ``localize_rows``
         rows, one per ``localize_window // localize_rows`` steps.
-      localize_lookback, localize_reference, localize_z, localize_min_ratio:
+      localize_lookback, localize_reference, localize_z, localize_min_ratio,
+        localize_drift_slack:
         a candidate departed when its own recent history changed: a line is
         fitted to its samples in the ``localize_reference`` steps before the
         lookback window ``[onset - localize_lookback, now]``, and the
         departure is the first sample of the final run of same-sign samples
         off that line's extrapolation by more than ``max(localize_z *
-        prediction sd, localize_min_ratio * |prediction|)``, the latest
-        sample included. Drift that the line extrapolates is no departure.
+        prediction sd, localize_min_ratio * |prediction|,
+        localize_drift_slack * |extrapolated change|)``, the latest sample
+        included. Drift that the line extrapolates (slowing to a stop or
+        running up to twice as fast, with the default slack 1) is no
+        departure.
       localize_top: entries kept per alert.
       localize_max_metrics: per-layer metrics tracked at most.
       history_size, spikes_size: bounded lengths of ``Monitor.history``
@@ -224,9 +262,15 @@ class Policy:
     baseline: str = "fixed"
     ratio_rules: Mapping[str, tuple[float, float | None]] = dataclasses.field(
         default_factory=_default_ratio_rules, hash=False)
+    schedule_metrics: tuple[str, ...] = ("grad/global_norm",)
+    jump_metrics: Mapping[str, float] = dataclasses.field(
+        default_factory=_default_jump_metrics, hash=False)
+    lr_exponent: float = 0.5
+    weight_decay: float | None = None
     confirm_checks: int = 2
     hysteresis: float = 0.9
     clear_steps: int = 100
+    episode_gap: int = 20
     rolling_window: int = 128
     rolling_k: float = 6.0
     ema_alpha: float = 0.97
@@ -270,6 +314,10 @@ class Policy:
     group_bands: Mapping[str, float] = dataclasses.field(
         default_factory=_default_group_bands, hash=False)
     group_z: float = 6.0
+    group_jump: float = 5.0
+    group_window: int = 500
+    group_drift_k: float = 3.0
+    group_drift_halflife: float = 2000.0
     group_confirm: int = 2
     group_global_ratio: float = 1.5
     router_bands: Mapping[str, float] = dataclasses.field(
@@ -300,6 +348,7 @@ class Policy:
     localize_reference: int = 1000
     localize_z: float = 6.0
     localize_min_ratio: float = 0.1
+    localize_drift_slack: float = 1.0
     localize_top: int = 5
     localize_max_metrics: int = 4096
     history_size: int = 256
@@ -325,13 +374,14 @@ class Policy:
         object.__setattr__(self, "ratio_rules", types.MappingProxyType(rules))
         object.__setattr__(self, "group_bands", _bands("group_bands", self.group_bands, "family name -> ratio", 1))
         object.__setattr__(self, "router_bands", _bands("router_bands", self.router_bands, "metric name -> excess", 0))
+        object.__setattr__(self, "jump_metrics", _bands("jump_metrics", self.jump_metrics, "metric name -> ratio", 1))
         for f in ("warmup_steps", "settle_window", "settle_max_steps", "vocab_size"):
             v = getattr(self, f)
             if v is not None and (isinstance(v, bool) or int(v) < (1 if f == "vocab_size" else 0)):
                 raise ValueError(f"Policy.{f} expects None or an integer >= "
                                  f"{1 if f == 'vocab_size' else 0}, got {v!r}")
         for f in ("nonfinite_metrics", "nonfinite_count_metrics", "throughput_metrics",
-                  "spike_metrics", "spike_alert_metrics"):
+                  "spike_metrics", "spike_alert_metrics", "schedule_metrics"):
             v = getattr(self, f)
             if isinstance(v, str):
                 raise TypeError(f"Policy.{f} expects a sequence of metric names, got the string {v!r}")
@@ -343,13 +393,14 @@ class Policy:
                   "history_size", "spikes_size", "periodic_min_spikes", "localize_top",
                   "localize_max_metrics", "confirm_checks", "trend_window", "group_confirm",
                   "gap_confirm", "settle_min_samples", "broken_jump_window",
-                  "localize_lookback", "localize_reference", "val_rise_window",
+                  "localize_lookback", "localize_reference", "val_rise_window", "group_window",
                   "val_rise_min_samples"):
             if int(getattr(self, f)) < 1:
                 raise ValueError(f"Policy.{f} expects an integer >= 1, got {getattr(self, f)!r}")
         if self.trend_buckets < 8:
             raise ValueError(f"Policy.trend_buckets expects >= 8, got {self.trend_buckets}")
-        for f in ("trend_min_rise", "trend_min_ratio", "broken_param_jump"):
+        for f in ("trend_min_rise", "trend_min_ratio", "broken_param_jump", "group_jump",
+                  "group_drift_k"):
             if not getattr(self, f) > 1:
                 raise ValueError(f"Policy.{f} expects a ratio > 1, got {getattr(self, f)!r}")
         if not 0 < self.broken_chance_frac <= 1:
@@ -357,7 +408,7 @@ class Policy:
                              f"{self.broken_chance_frac}")
         for f in ("event_hold_steps", "physiological_steps", "pathological_steps",
                   "post_window", "spike_forget_steps", "periodic_min_interval", "red_min_steps",
-                  "clear_steps",
+                  "clear_steps", "episode_gap",
                   "spike_min_samples", "broken_steps", "router_steps", "broken_loss_steps"):
             if int(getattr(self, f)) < 0:
                 raise ValueError(f"Policy.{f} expects an integer >= 0, got {getattr(self, f)!r}")
@@ -369,6 +420,12 @@ class Policy:
             raise ValueError(f"Policy.throughput_drop expects a fraction in (0, 1), got {self.throughput_drop}")
         if not 0 < self.hysteresis <= 1:
             raise ValueError(f"Policy.hysteresis expects a value in (0, 1], got {self.hysteresis}")
+        if self.lr_exponent < 0 or (self.weight_decay is not None and self.weight_decay < 0):
+            raise ValueError(f"Policy.lr_exponent and weight_decay expect values >= 0, got "
+                             f"{self.lr_exponent} and {self.weight_decay}")
+        if not self.group_drift_halflife > 0:
+            raise ValueError(f"Policy.group_drift_halflife expects positive steps, got "
+                             f"{self.group_drift_halflife}")
         if self.trend_halflife <= 0 or self.scale_halflife <= 0 or self.val_gap_halflife < 0:
             raise ValueError("Policy.trend_halflife and scale_halflife expect positive steps, got "
                              f"{self.trend_halflife} and {self.scale_halflife}")
@@ -390,6 +447,7 @@ class Policy:
         d["ratio_rules"] = {k: list(v) for k, v in self.ratio_rules.items()}
         d["group_bands"] = dict(self.group_bands)
         d["router_bands"] = dict(self.router_bands)
+        d["jump_metrics"] = dict(self.jump_metrics)
         for k, v in d.items():
             if isinstance(v, tuple):
                 d[k] = list(v)

@@ -56,6 +56,7 @@ from jvitals.monitor.policy import Policy
 from jvitals.monitor.trackers import (
     BASELINES,
     BucketSeries,
+    DriftBand,
     FixedBaseline,
     GapSeries,
     RollingBaseline,
@@ -80,6 +81,7 @@ __all__ = [
     "Figures",
     "GapRule",
     "GroupRule",
+    "JumpRule",
     "LossScaleRule",
     "NonFiniteRule",
     "RatioRule",
@@ -154,6 +156,19 @@ class Figures:
         """The value of ``name`` at this check (``None`` when not logged)."""
         i = self.plan.named.get(name)
         return None if i is None else self.vals[i]
+
+    def active(self, rule: str, key: str) -> Alert | None:
+        """The open alert ``(rule, key)`` of the current episode: ``None`` when there is
+        none or when its condition has been clear for ``Policy.episode_gap`` steps or
+        more (it only waits out ``Policy.clear_steps``). A rule treats such an alert as
+        closed: a new crossing needs its own confirmation and is a new episode with
+        its own onset (``Monitor`` closes the old alert when the rule sets it again);
+        within the gap the alert's hysteresis still holds it (a dip is noise)."""
+        a = self.open.get((rule, key))
+        if a is None or (a.clearing_since is not None
+                         and self.step - a.clearing_since >= self.policy.episode_gap):
+            return None
+        return a
 
 
 class Change(NamedTuple):
@@ -397,39 +412,92 @@ def _hysteresis_level(ratio: float, y: float, o: float | None, cur: Level, gate:
     return max(raw, min(cur, held))
 
 
-class RatioRule(_Base):
-    """``x / baseline`` against ``(yellow, orange)`` per ``Policy.ratio_rules``.
+def schedule_factor(lr: float | None, lr_ref: float | None, pn: float | None,
+                    pn_ref: float | None, p: Policy) -> tuple[float, str]:
+    """What the schedule predicts for the gradient norm, relative to its baseline.
 
-    A new alert needs ``confirm_checks`` consecutive checks above the yellow
-    ratio (onset = the first of them; it opens at the level of the last
+    ``(lr_ref / lr) ** lr_exponent`` (the LR decayed from its baseline level
+    ``lr_ref``; capped at 100x, i.e. 10x for the default exponent): for weights
+    under normalization with decoupled weight decay the steady state is ``||g|| /
+    ||w|| ~ sqrt(2 lambda / lr)`` (Defazio 2025, arXiv 2506.02285), so a cosine to
+    0.1x raises a healthy grad norm ~3x; off with ``weight_decay=0``. And
+    ``pn_ref / pn`` (the param norm shrank: gradients of scale-invariant weights
+    scale as ``1 / ||w||``). The larger of the two, never below 1.
+
+    Returns:
+      ``(factor, why)``: ``why`` says which term and its figures ("" for 1).
+    """
+    sched = pnf = 1.0
+    if lr is not None and lr_ref is not None and lr > 0 and lr_ref > 0 and p.weight_decay != 0 \
+            and p.lr_exponent > 0:
+        sched = min(max(lr_ref / lr, 1.0), 100.0) ** p.lr_exponent
+    if pn is not None and pn_ref is not None and pn > 0 and pn_ref > 0:
+        pnf = max(pn_ref / pn, 1.0)
+    if sched <= 1.0 and pnf <= 1.0:
+        return 1.0, ""
+    if sched >= pnf:
+        return sched, (f"(lr at baseline {lr_ref:.3g} / lr now {lr:.3g}) ** {p.lr_exponent:g}, "
+                       "Policy.lr_exponent")
+    return pnf, f"param norm at baseline {pn_ref:.4g} / now {pn:.4g}"
+
+
+class RatioRule(_Base):
+    """``x / reference`` against ``(yellow, orange)`` per ``Policy.ratio_rules``.
+
+    The reference is the metric's baseline; for ``Policy.schedule_metrics`` (the
+    grad norm) it is the baseline times what the schedule predicts
+    (:func:`schedule_factor`: the LR and the param norm against their own
+    baselines), so the healthy rise of the gradient norm as the LR decays is no
+    alert; the metric is divided by that factor before its baseline learns or
+    judges it. A new alert needs ``confirm_checks`` consecutive checks above the
+    yellow ratio (onset = the first of them; it opens at the level of the last
     one), an escalation to ORANGE as many above the orange ratio: one noisy
-    check is no alert. Publishes
-    ``notes['ratio']`` = ``{metric: latest x / baseline}``.
+    check is no alert. Publishes ``notes['ratio']`` = ``{metric: latest x /
+    reference}`` and ``notes['schedule']`` = ``{metric: factor}``.
     """
 
     name = "ratio"
-    state_fields = ("baselines", "above", "last_ratio")
+    state_fields = ("baselines", "above", "last_ratio", "refs")
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
-        self.state_types = {"baselines": BASELINES[policy.baseline]}
+        self.state_types = {"baselines": BASELINES[policy.baseline], "refs": FixedBaseline}
         self.baselines = {m: BASELINES[policy.baseline]() for m in policy.ratio_rules}
+        self.refs = {"lr": FixedBaseline(), "pn": FixedBaseline()}  # the schedule's references
         self.above: dict[str, list[int]] = {}  # metric -> [count, first step]
         self.last_ratio: dict[str, float] = {}
 
+    def _schedule(self, f: Figures) -> tuple[float, str]:
+        """:func:`schedule_factor` at this check (the references learn here)."""
+        p, got = self.p, []
+        for key, m in (("lr", p.lr_metric), ("pn", "param/global_norm")):
+            v = f.get(m)
+            ref = None
+            if v is not None and math.isfinite(v) and v > 0:
+                ref = self.refs[key].step(f.t, f.step, v, p, f.start)[0]
+            got += [v, ref]
+        return schedule_factor(*got, p)
+
     def check(self, f: Figures) -> list[Change]:
         p, s, out = self.p, f.step, []
+        sched = None
         for m, (y, o) in p.ratio_rules.items():
             v = f.get(m)
             if v is None or not math.isfinite(v):
                 continue
-            ref, gate = self.baselines[m].step(f.t, s, v, p, f.start)
+            factor, why = 1.0, ""
+            if m in p.schedule_metrics:
+                if sched is None:
+                    sched = self._schedule(f)
+                    f.notes["schedule"] = {k: sched[0] for k in p.schedule_metrics}
+                factor, why = sched
+            ref, gate = self.baselines[m].step(f.t, s, v / factor, p, f.start)
             if ref is None or not ref > 0:
                 continue
-            ratio = v / ref
+            ratio = v / (ref * factor)
             self.last_ratio[m] = ratio
             rule = _RATIO_RULE_IDS.get(m, "ratio")
-            cur = f.open.get((rule, m))
+            cur = f.active(rule, m)
             lvl = _hysteresis_level(ratio, y, o, cur.level if cur else Level.GREEN, gate,
                                     p.hysteresis)
             onset = None
@@ -452,9 +520,14 @@ class RatioRule(_Base):
                 self.above.pop(m, None)
             thr = o if lvl == Level.ORANGE else y
             orange = f", orange > {o:g}x" if o is not None else ""
-            out.append(set_(rule, m, lvl, v, ref, ratio,
-                            f"{m} = {v:.4g} is {ratio:.2f}x its baseline {ref:.4g} (yellow > "
-                            f"{y:g}x{orange}).", f"{m} crossed {thr:g}x", onset=onset))
+            what = (f"what the schedule predicts, {ref * factor:.4g} = its baseline {ref:.4g} x "
+                    f"{factor:.2f} ({why})" if why else f"its baseline {ref:.4g}")
+            out.append(set_(rule, m, lvl, v, ref * factor, ratio,
+                            f"{m} = {v:.4g} is {ratio:.2f}x {what} (yellow > {y:g}x{orange}: "
+                            f"Policy.ratio_rules[{m!r}]).", f"{m} crossed {thr:g}x", onset=onset,
+                            details={"schedule_factor": factor, "baseline": ref}))
+        if "schedule" not in f.notes and sched is not None:
+            f.notes["schedule"] = {k: sched[0] for k in p.schedule_metrics}
         f.notes["ratio"] = self.last_ratio
         return out
 
@@ -481,16 +554,18 @@ class RatioRule(_Base):
 
 
 class TrendRule(_Base):
-    """Creep: the grad norm's robust trend rises while the loss's falls.
+    """Creep: the grad norm's robust trend rises beyond the schedule's while the loss falls.
 
-    Bucket means (``trend_buckets`` over ``trend_window`` steps) of ``log x``
-    and of the loss, after the baseline start; at each closed bucket with a
-    full window::
+    Bucket means (``trend_buckets`` over ``trend_window`` steps) of ``log(x /
+    factor)`` (``factor``: what the schedule predicts, :func:`schedule_factor`,
+    so the healthy rise as the LR decays is taken out; 1 at a steady LR) and of
+    the loss, after the baseline start; at each closed bucket with a full
+    window::
 
-        z    = Mann-Kendall z of the log-x bucket means
-        rise = exp(Theil-Sen slope of log x * trend_window)
+        z    = Mann-Kendall z of the log(x / factor) bucket means
+        rise = exp(Theil-Sen slope of log(x / factor) * trend_window)
         YELLOW when z > trend_z, rise >= trend_min_rise,
-             x / baseline >= trend_min_ratio, and the loss's Theil-Sen slope < 0
+             x / reference >= trend_min_ratio, and the loss's Theil-Sen slope < 0
 
     while no grad-norm ratio alert is open (that one already says it). It is
     released (``clear_steps``) at the first evaluation where it fails.
@@ -512,7 +587,8 @@ class TrendRule(_Base):
         if f.warm or x is None or loss is None or not (math.isfinite(x) and x > 0
                                                         and math.isfinite(loss)):
             return []
-        if not self.buckets.add(f.step, [math.log(x), loss]):
+        factor = f.notes.get("schedule", {}).get(m, 1.0)
+        if not self.buckets.add(f.step, [math.log(x / factor), loss]):
             return []
         ids, means = self.buckets.arrays()
         if len(ids) < p.trend_buckets:
@@ -528,12 +604,15 @@ class TrendRule(_Base):
         is_open = ("grad_trend", m) in f.open
         if not holds:
             return [release("grad_trend", m)] if is_open else []
-        if key in f.open:
+        if f.active(*key) is not None:
             return []  # the ratio rule speaks for the grad norm now
         return [set_("grad_trend", m, Level.YELLOW, x, x / ratio, ratio,
-                     f"{m} has been climbing while the loss still falls: Mann-Kendall z = "
-                     f"{z:.1f}, robust (Theil-Sen) rise {rise:.2f}x over the last "
-                     f"{p.trend_window} steps, now {ratio:.2f}x its baseline.", f"{m} started climbing",
+                     f"{m} = {x:.4g} has been climbing beyond what the schedule predicts while "
+                     f"the loss still falls: Mann-Kendall z = {z:.1f} (> trend_z = {p.trend_z:g}), "
+                     f"robust (Theil-Sen) rise {rise:.2f}x over the last {p.trend_window} steps "
+                     f"(>= trend_min_rise = {p.trend_min_rise:g}), now {ratio:.2f}x the schedule's "
+                     f"prediction {x / ratio:.4g} (>= trend_min_ratio = {p.trend_min_ratio:g}).",
+                     f"{m} started climbing",
                      details={"mann_kendall_z": z, "rise": rise,
                               "loss_slope_per_step": lslope})]
 
@@ -542,34 +621,101 @@ class TrendRule(_Base):
         return []
 
 
+class JumpRule(_Base):
+    """An unmistakable departure: a figure ``jump`` x or more in one check, per unit LR.
+
+    For each ``(metric, jump)`` of ``Policy.jump_metrics`` (default: the global
+    ``update/param_ratio``, the update applied at that very step), with ``r = x /
+    lr`` (``lr`` the ``lr_metric`` when logged, else 1; a schedule moves ``r``
+    little between two checks) at consecutive checks after the baseline start::
+
+        YELLOW at once when r >= jump * r_prev          (no second check: the
+                                                         loss has not seen it yet)
+        held while r >= jump / 2 * r_prev(at the jump); released otherwise
+
+    A moderate change is left to the rules that confirm over two checks.
+    """
+
+    name = "jump"
+    state_fields = ("prev", "anchor")
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.prev: dict[str, float] = {}
+        self.anchor: dict[str, list] = {}   # metric -> [r before the jump, onset step]
+
+    def check(self, f: Figures) -> list[Change]:
+        p, out = self.p, []
+        if f.warm or not p.jump_metrics:
+            return out
+        lr = f.get(p.lr_metric)
+        lr = lr if lr is not None and math.isfinite(lr) and lr > 0 else 1.0
+        for m, jump in p.jump_metrics.items():
+            x = f.get(m)
+            if x is None or not (math.isfinite(x) and x > 0):
+                continue
+            r, prev = x / lr, self.prev.get(m)
+            self.prev[m] = r
+            a = self.anchor.get(m) if f.active("jump", m) is not None else None
+            if a is None and prev is not None and r >= jump * prev:
+                a = self.anchor[m] = [prev, f.step]
+            if a is None or r < 0.5 * jump * a[0]:
+                self.anchor.pop(m, None)
+                if ("jump", m) in f.open:
+                    out.append(release("jump", m))
+                continue
+            ref = a[0] * lr
+            out.append(set_("jump", m, Level.YELLOW, x, ref, x / ref,
+                            f"{m} = {x:.4g} is {x / ref:.1f}x its value at the check before the "
+                            f"jump ({ref:.4g} at this LR), an unmistakable departure in one check "
+                            f"(>= Policy.jump_metrics[{m!r}] = {jump:g}x per unit LR); the loss has "
+                            "not seen this update yet.", f"{m} jumped {x / ref:.0f}x", onset=a[1],
+                            details={"per_lr_before": a[0], "per_lr": r}))
+        return out
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        self.prev, self.anchor = {}, {}
+        return []
+
+
 _GLOBAL_OF = {"update/param_ratio": "update/param_ratio", "param/norm": "param/global_norm"}
 
 
 class GroupRule(_Base):
-    """One group's figures left their band while the global figures did not.
+    """One group's figure departed from its own history while the global figures did not.
 
-    Groups: ``embedding``, ``lm_head``, ``layer_{i}``; figures
-    ``{family}/{group}`` for the families of ``Policy.group_bands``. Each
-    value is divided by the trunk's median of the family at the same check
-    (the global figure where no layer figure is logged; grad shares as they
-    are) so a schedule moving every group together is not a departure; its
-    log is compared with its own baseline (median of the baseline window)::
+    Groups: ``embedding``, ``lm_head``, ``layer_{i}``; figures ``{family}/{group}``
+    for the families of ``Policy.group_bands``. Each value is divided by the trunk's
+    median of the family at the same check (the global figure where no layer figure
+    is logged), so a schedule moving every group together is not a departure, and
+    ``y = log(x / trunk)`` is judged against its own history by a
+    :class:`~jvitals.monitor.trackers.DriftBand` (``band`` = the family's
+    ``group_bands`` ratio, ``W = group_window``)::
 
-        out = |log(x / trunk) - b| > max(group_z * 1.4826 * MAD, log(band))
+        jump   |y - y_prev| >= max(log(group_jump), group_z * noise)     YELLOW at once
+        step   |y - y_prev| >  max(log(band), group_z * noise)           2 samples
+        drift  |y - y(t - W)| > max(log(band), group_drift_k * D_W)      2 samples
+               for W = group_window or 4 x group_window
 
-    ``group_confirm`` consecutive out samples open a YELLOW naming the group
-    (embedding / LM head: "0.5x trunk LR"; a layer: "layer-wise LR decay"),
-    if ``grad/global_norm`` and ``param/global_norm`` are below
-    ``group_global_ratio`` x their baselines. Released when the group is back
-    in band.
+    (``noise``: the RMS of its one-sample changes; ``D_W``: the largest change over
+    ``W`` steps it showed earlier in the run, up to ``W`` steps ago, fading with
+    half-life ``group_drift_halflife``). So the natural drift of a group (shares moving
+    between layers as the model learns, the head's share rising) is no alert; an
+    abrupt departure, or a drift well beyond the group's own, is. The YELLOW names
+    the group (embedding / LM head: "0.5x trunk LR"; a layer: "layer-wise LR
+    decay") and opens only while ``grad/global_norm`` (against the schedule's
+    prediction) and ``param/global_norm`` are below ``group_global_ratio`` x their
+    baselines; it is released when the figure is back within ``hysteresis x
+    log(band)`` of the level it left.
     """
 
     name = "group"
-    state_fields = ("cols",)
+    state_fields = ("bands",)
+    state_types = {"bands": DriftBand}
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
-        self.cols: dict[str, list] = {}  # name -> [samples, b, mad, run, first out step, sign]
+        self.bands: dict[str, DriftBand] = {}
 
     def _plan(self, f: Figures):
         got = f.plan.cache.get(self.name)
@@ -582,14 +728,12 @@ class GroupRule(_Base):
             got = f.plan.cache[self.name] = fams
         return got
 
-    def check(self, f: Figures) -> list[Change]:
-        fams = self._plan(f)
-        if not fams or f.warm:
-            return []
+    def _observe(self, f: Figures, fams) -> tuple[dict[str, tuple], set[str]]:
+        """Feeds every group figure to its band; ``({group: strongest hit}, groups seen)``."""
         p, s = self.p, f.step
-        start_end = f.start + p.baseline_steps
-        out_groups: dict[str, tuple[float, str, float, float, float, int]] = {}
-        seen_groups = set()
+        windows = (p.group_window, 4 * p.group_window)
+        hits: dict[str, tuple] = {}
+        seen: set[str] = set()
         for fam, items in fams.items():
             vals = [(k, g, is_layer, float(f.vals[i])) for k, g, is_layer, i in items]
             layer_vals = [v for _, _, is_layer, v in vals if is_layer and v > 0 and math.isfinite(v)]
@@ -601,68 +745,77 @@ class GroupRule(_Base):
                 trunk = 1.0
             if not (trunk > 0 and math.isfinite(trunk)):
                 continue
-            lband = math.log(p.group_bands[fam])
+            band = p.group_bands[fam]
             for k, g, _, v in vals:
                 if not (v > 0 and math.isfinite(v)):
                     continue
-                seen_groups.add(g)
+                seen.add(g)
+                b = self.bands.get(k)
+                if b is None:
+                    b = self.bands[k] = DriftBand()
                 y = math.log(v / trunk)
-                c = self.cols.get(k)
-                if c is None:
-                    c = self.cols[k] = [[], _NAN, _NAN, 0, s, 0]
-                if c[1] != c[1]:
-                    if f.t < start_end or len(c[0]) < p.baseline_min_samples:
-                        c[0].append(y)
-                    if len(c[0]) >= p.baseline_min_samples and f.t >= start_end - 1:
-                        b = median(c[0])
-                        c[1], c[2] = b, 1.4826 * median([abs(z - b) for z in c[0]])
-                        c[0] = []
-                    continue
-                d = y - c[1]
-                band = max(p.group_z * c[2], lband)
-                sign = 1 if d > 0 else -1
-                if abs(d) > band:
-                    if c[3] and c[5] == sign:
-                        c[3] += 1
-                    else:
-                        c[3], c[4], c[5] = 1, s, sign
-                    if c[3] >= p.group_confirm:
-                        size = abs(d) / band
-                        prev = out_groups.get(g)
-                        if prev is None or size > prev[0]:
-                            out_groups[g] = (size, k, v, trunk * math.exp(c[1]), math.exp(d), c[4])
-                else:
-                    c[3] = 0
+                if b.observe(s, f.t, y, band, p.group_jump, p.group_z, p.group_drift_k,
+                             windows, p.group_drift_halflife, p.group_confirm, p.hysteresis):
+                    size = abs(y - b.anchor) / math.log(band)
+                    if g not in hits or size > hits[g][0]:
+                        hits[g] = (size, k, fam, v, trunk * math.exp(b.anchor), math.exp(y - b.anchor), b)
+        return hits, seen
+
+    def _headline(self, g: str, k: str, fam: str, v: float, ref: float, r: float,
+                  b: DriftBand) -> str:
+        p = self.p
+        band = p.group_bands[fam]
+        if b.kind == "drift":
+            i = 0 if b.window == p.group_window else 1
+            nat = b.natural(i) or 0.0
+            why = (f"it changed {math.exp(abs(b.stat)):.2f}x over the last {b.window} steps, "
+                   f"beyond group_drift_k = {p.group_drift_k:g} x the largest change over "
+                   f"{b.window} steps it showed before in this run ({math.exp(nat):.2f}x) and "
+                   f"its band group_bands[{fam!r}] = {band:g}x (windows: group_window and 4x it)")
+        else:
+            noise = b.noise
+            nz = f" and > group_z = {p.group_z:g} x its sample-to-sample noise ({noise:.2g} in log)" \
+                if noise is not None else ""
+            lim = (f"an unmistakable departure: >= group_jump = {p.group_jump:g}x" if b.kind == "jump"
+                   else f"beyond its band group_bands[{fam!r}] = {band:g}x")
+            why = f"it moved {math.exp(abs(b.stat)):.2f}x in one sample ({lim}{nz})"
+        layer = g.startswith("layer_")
+        what = "layer-wise LR decay" if layer else "embedding and LM head at 0.5x trunk LR"
+        return (f"the {g} group left its own band while the global figures did not: {k} = {v:.4g} "
+                f"is {r:.2f}x the level it left ({ref:.4g}, relative to the trunk); {why}. "
+                f"Suggests {what} (Policy fields named tune it).")
+
+    def check(self, f: Figures) -> list[Change]:
+        fams = self._plan(f)
+        if not fams or f.warm:
+            return []
+        p = self.p
+        hits, seen = self._observe(f, fams)
         changes = []
         ratios = f.notes.get("ratio", {})
         calm = all(ratios.get(m, 1.0) < p.group_global_ratio
                    for m in ("grad/global_norm", "param/global_norm"))
-        for g in sorted(seen_groups):
-            hit = out_groups.get(g)
-            is_open = ("group", g) in f.open
+        for g in sorted(seen):
+            hit = hits.get(g)
+            active = f.active("group", g) is not None
             if hit is None:
-                if is_open:
+                if ("group", g) in f.open:
                     changes.append(release("group", g))
                 continue
-            if not is_open and not calm:
+            if not active and not calm:
                 continue
-            size, k, v, ref, r, onset = hit
-            fam = k[: -len(g) - 1]
+            _, k, fam, v, ref, r, b = hit
             layer = g.startswith("layer_")
-            what = "layer-wise LR decay" if layer else "embedding and LM head at 0.5x trunk LR"
             changes.append(set_(
-                "group", k, Level.YELLOW, v, ref, r,
-                f"the {g} group left its band while the global figures did not: {k} = {v:.4g} is "
-                f"{r:.2f}x its baseline relative to the trunk (band {p.group_bands[fam]:g}x); "
-                f"suggests {what}.", f"{k} left its band", key=g,
-                onset=None if is_open else onset,
+                "group", k, Level.YELLOW, v, ref, r, self._headline(g, k, fam, v, ref, r, b),
+                f"{k} left its band", key=g, onset=None if active else b.onset,
                 prescription="group_layer_lr" if layer else "group_embedding_lr",
-                details={"group": g, "family": fam}))
+                details={"group": g, "family": fam, "kind": b.kind}))
         return changes
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
-        for c in self.cols.values():
-            c[3] = 0
+        for b in self.bands.values():
+            b.rollback(t_to)
         return []
 
 
@@ -708,7 +861,7 @@ class RouterRule(_Base):
                     c[0] = []
                 continue
             band = max(p.router_z * c[2], excess)
-            is_open = ("router", m) in f.open
+            is_open = f.active("router", m) is not None
             if v - c[1] > (p.hysteresis * band if is_open else band):
                 if c[3] is None:
                     c[3] = s
@@ -752,7 +905,7 @@ class ThroughputRule(_Base):
                 continue
             judged = True
             drop = 1.0 - v / ref
-            is_open = ("throughput", m) in f.open
+            is_open = f.active("throughput", m) is not None
             if drop > p.throughput_drop or (is_open and drop > p.hysteresis * p.throughput_drop):
                 out.append(set_("throughput", m, Level.YELLOW, v, ref, v / ref,
                                 f"{m} = {v:.4g} is {100 * drop:.0f}% below its baseline {ref:.4g} "
@@ -882,7 +1035,7 @@ class GapRule(_Base):
             self.run += 1
             if self.run == 1:
                 self.onset = s
-            if self.run < p.gap_confirm and ("val_gap", "val/gap") not in f.open:
+            if self.run < p.gap_confirm and f.active("val_gap", "val/gap") is None:
                 return []
             ratio = recent / before if before > 0 else math.inf
             return [set_("val_gap", "val/gap", Level.YELLOW, g, g1, ratio,
@@ -953,11 +1106,12 @@ class ValRiseRule(_Base):
         rise = theil_sen(u, y) * (u[-1] - u[0]) / abs(float(np.median(y)))
         lslope = theil_sen(u, np.fromiter(self.trend, np.float64, n))
         is_open = ("val_rise", "val/loss") in f.open
+        active = f.active("val_rise", "val/loss") is not None
         if z > p.val_rise_z and rise >= p.val_rise_min and lslope < 0:
             self.run += 1
             if self.run == 1:
                 self.onset = s
-            if self.run < p.gap_confirm and not is_open:
+            if self.run < p.gap_confirm and not active:
                 return []
             return [set_("val_rise", "val/loss", Level.YELLOW, v, float(y[0]), v / float(y[0]),
                          f"val/loss has been rising ({100 * rise:.1f}% over the last "
@@ -1094,7 +1248,8 @@ class DivergenceRule(_Base):
     ``red_min_steps`` steps. A check is divergent when it confirmed an ORANGE
     condition (or the loss far above its pre-spike trend); it breaks the run
     only if it re-observed every condition that was divergent and found none
-    (a check that did not see them holds)."""
+    (a check that did not see them holds). The RED is released once those
+    conditions are back in their bands (their alerts closed or clearing)."""
 
     name = "divergence"
     state_fields = ("consecutive", "start", "keys")
@@ -1115,9 +1270,13 @@ class DivergenceRule(_Base):
                 self.start = s
             self.keys = {k for k, _ in div}
         elif self.keys and self.keys <= f.touched:
-            self.consecutive, self.start, self.keys = 0, None, set()
-            recovered = True
-        red_open = ("divergence", "") in f.open
+            self.consecutive, self.start = 0, None
+            # Recovered once every divergent condition is back in its band (its alert
+            # closed or clearing), not merely below ORANGE: the RED episode holds.
+            if all(a is None or a.clearing_since is not None
+                   for a in (f.open.get(k) for k in self.keys)):
+                self.keys, recovered = set(), True
+        red_open = f.active("divergence", "") is not None
         if div and (red_open or (self.consecutive >= p.red_after
                                  and s - self.start >= p.red_min_steps)):
             lead = min((a for _, a in div), key=lambda a: (a.onset_step, a.id))
@@ -1142,6 +1301,6 @@ class DivergenceRule(_Base):
 def default_rules(policy: Policy) -> list[Any]:
     """The default rule list, in the order ``Monitor.update`` runs it."""
     return [NonFiniteRule(policy), SpikeRule(policy), RatioRule(policy), TrendRule(policy),
-            GroupRule(policy), RouterRule(policy), ThroughputRule(policy),
+            JumpRule(policy), GroupRule(policy), RouterRule(policy), ThroughputRule(policy),
             LossScaleRule(policy), GapRule(policy), ValRiseRule(policy), BrokenModelRule(policy),
             DivergenceRule(policy)]

@@ -16,6 +16,8 @@ import nothing from ``jvitals.monitor`` or the rules (no import circle):
 - :class:`ScoreWindow`: fraction of checks flagged over the last N steps, in
   fixed buckets.
 - :class:`SpikeTracker`: trend / band, spike anatomy, periodicity.
+- :class:`DriftBand`: a figure's departures from its own history (a jump
+  against its noise, a drift beyond the drift it showed): the group rule.
 - :class:`GapSeries`: train/val gap history for the growth-rate rule.
 - :class:`LayerHistory`: NumPy ring buffer of the localization candidates
   (per-layer / per-group metrics) with their own median baselines.
@@ -41,8 +43,10 @@ from jvitals.monitor.types import (
     Spike,
     dec_float,
     dec_floats,
+    dec_state,
     enc_float,
     enc_floats,
+    enc_state,
 )
 
 _NAN = math.nan
@@ -747,6 +751,168 @@ class SpikeTracker:
         t.score = ScoreWindow.from_dict(d["score"])
         t.last_value = dec_float(d["last_value"])
         return t
+
+
+# --------------------------------------------------------------------------
+# A figure's own band: jumps against its noise, drift against its own drift.
+# --------------------------------------------------------------------------
+
+
+class DriftBand:
+    """Departures of one figure ``y`` (a log) from its own recent history.
+
+    At each sample ``(t, y)`` (model time), for each window ``W`` of ``windows``::
+
+        d     = y - y_prev                                 one-sample change
+        noise = sqrt(EMA of d^2)                           its sample-to-sample noise
+        c_W   = y - y(t - W)                               change over the last W steps
+        D_W   = max(D_W * 0.5 ** (dt / memory), |c_W(u)|)  the largest change over W
+                                                           steps it showed up to W steps
+                                                           ago (u <= t - W; fading)
+
+    A departure opens (``anchor`` = the level it left, ``sign`` its direction):
+
+    - **jump**: ``|d| >= max(log(jump), z * noise)``: confirmed at once;
+    - **step**: ``|d| > max(log(band), z * noise)``: a candidate;
+    - **drift**: ``|c_W| > max(log(band), k * D_W)`` for some ``W``: a candidate
+      (``anchor = y(t - W)``).
+
+    It holds while ``sign * (y - anchor) > hold`` (``log(band)`` for a candidate,
+    ``hysteresis * log(band)`` once confirmed) and is confirmed after ``confirm``
+    samples; otherwise it ends. ``noise`` and ``D_W`` learn only from samples in
+    band (a fault never widens the band it is judged by) and judge after 3 samples
+    each; a change enters ``D_W`` only ``W`` steps after it was seen, so a creep is
+    judged against the drift before it, not against its own growth. Two windows
+    (``W`` and ``4 W`` by default) see a fast creep early and a slow one once it
+    has outgrown the group's drift. History: one sample per ``max(windows) // 32``
+    steps (the latest kept), spanning the longest window.
+    """
+
+    __slots__ = ("ts", "ys", "last_t", "last_y", "var", "nvar", "drift", "ndrift", "drift_t",
+                 "fresh", "anchor", "sign", "onset", "run", "kind", "stat", "window")
+
+    def __init__(self, nwin: int = 2) -> None:
+        self.ts: list[int] = []
+        self.ys: list[float] = []
+        self.last_t: int | None = None
+        self.last_y = _NAN
+        self.var = 0.0
+        self.nvar = 0
+        self.drift = [0.0] * nwin               # D_W per window
+        self.ndrift = [0] * nwin
+        self.drift_t = [0] * nwin
+        self.fresh: list[list[list]] = [[] for _ in range(nwin)]   # [t, |c|] not yet W old
+        self.anchor: float | None = None
+        self.sign = 0
+        self.onset = 0
+        self.run = 0
+        self.kind = ""
+        self.stat = _NAN   # the one-sample change (jump/step) or the W-step change (drift)
+        self.window = 0    # the window of a drift departure
+
+    @property
+    def noise(self) -> float | None:
+        return math.sqrt(self.var) if self.nvar >= 3 else None
+
+    def natural(self, i: int = 0) -> float | None:
+        """``D_W`` of window ``i``: the largest change over it the figure showed
+        (``None`` before 3 samples matured)."""
+        return self.drift[i] if self.ndrift[i] >= 3 else None
+
+    def _at(self, x: int) -> float | None:
+        """``y`` at model time ``x`` (linear between the samples around it; None before them)."""
+        ts, ys = self.ts, self.ys
+        if not ts or ts[0] > x:
+            return None
+        i = bisect.bisect_right(ts, x) - 1
+        if i + 1 >= len(ts) or ts[i] == x:
+            return ys[i]
+        return ys[i] + (ys[i + 1] - ys[i]) * (x - ts[i]) / (ts[i + 1] - ts[i])
+
+    def _keep(self, t: int, y: float, span: int) -> None:
+        if len(self.ts) >= 2 and t - self.ts[-2] < max(1, span // 32):
+            self.ts[-1], self.ys[-1] = t, y     # the last slot floats until a stride past the one before
+        else:
+            self.ts.append(t)
+            self.ys.append(y)
+        k = bisect.bisect_left(self.ts, t - span) - 1   # one sample at or before t - span
+        if k > 0:
+            del self.ts[:k], self.ys[:k]
+
+    def observe(self, s: int, t: int, y: float, band: float, jump: float, z: float, k: float,
+                windows: tuple[int, ...], memory: float, confirm: int, hysteresis: float) -> bool:
+        """Feeds one sample; True while a confirmed departure holds (see the class doc)."""
+        lband = math.log(band)
+        prev = self.last_y if self.last_t is not None else None
+        past = [self._at(t - w) for w in windows]
+        if self.anchor is not None:
+            dev = (y - self.anchor) * self.sign
+            if dev > lband * (hysteresis if self.run >= confirm else 1.0):
+                self.run = min(self.run + 1, confirm)
+            else:
+                self.anchor, self.run, self.kind = None, 0, ""
+        elif prev is not None:
+            d = y - prev
+            noise = self.noise
+            zn = z * noise if noise is not None else 0.0
+            if abs(d) >= max(math.log(jump), zn):
+                self._open(s, prev, d, "jump", confirm)
+            elif noise is not None and abs(d) > max(lband, zn):
+                self._open(s, prev, d, "step", 1)
+            else:
+                for i, (w, yp) in enumerate(zip(windows, past)):
+                    nat = self.natural(i)
+                    if yp is not None and nat is not None and abs(y - yp) > max(lband, k * nat):
+                        self._open(s, yp, y - yp, "drift", 1)
+                        self.window = w
+                        break
+                else:                                    # in band: learn
+                    self.var += (d * d - self.var) / min(self.nvar + 1, 16)
+                    self.nvar += 1
+                    for i, (w, yp) in enumerate(zip(windows, past)):
+                        if yp is not None:
+                            self._learn_drift(i, t, abs(y - yp), w, memory)
+        self.last_t, self.last_y = t, y
+        self._keep(t, y, max(windows))
+        return self.anchor is not None and self.run >= confirm
+
+    def _learn_drift(self, i: int, t: int, c: float, window: int, memory: float) -> None:
+        fresh = self.fresh[i]
+        if fresh and t - fresh[-1][0] < max(1, window // 16):
+            fresh[-1][1] = max(fresh[-1][1], c)
+        else:
+            fresh.append([t, c])
+        while fresh and fresh[0][0] <= t - window:
+            u, cu = fresh.pop(0)
+            dt = max(u - self.drift_t[i], 0) if self.ndrift[i] else 0
+            self.drift[i] = max(self.drift[i] * 0.5 ** (dt / memory), cu)
+            self.drift_t[i] = u
+            self.ndrift[i] += 1
+
+    def _open(self, s: int, anchor: float, change: float, kind: str, run: int) -> None:
+        self.anchor, self.sign, self.onset, self.run = anchor, 1 if change > 0 else -1, s, run
+        self.kind, self.stat, self.window = kind, change, 0
+
+    def rollback(self, t_to: int) -> None:
+        """Forgets samples after model time ``t_to`` and any open departure."""
+        k = bisect.bisect_right(self.ts, t_to)
+        del self.ts[k:], self.ys[k:]
+        for fresh in self.fresh:
+            fresh[:] = [x for x in fresh if x[0] <= t_to]
+        self.last_t = self.ts[-1] if self.ts else None
+        self.last_y = self.ys[-1] if self.ys else _NAN
+        self.anchor, self.run, self.kind = None, 0, ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: enc_state(getattr(self, k)) for k in self.__slots__}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DriftBand":
+        b = cls(len(d["drift"]))
+        for k in cls.__slots__:
+            setattr(b, k, dec_state(d[k], getattr(b, k)))
+        b.drift = dec_floats(d["drift"])
+        return b
 
 
 # --------------------------------------------------------------------------

@@ -128,6 +128,7 @@ def dec_state(x: Any, like: Any, value_type: Any = None) -> Any:
     by :func:`dec_any`."""
     if value_type is not None:
         kind = getattr(value_type, "kind", None)
+        kind = kind if isinstance(kind, str) else None
         return {k: value_type.from_dict(v) for k, v in x.items()
                 if kind is None or v.get("kind", kind) == kind}
     if like is not None and not isinstance(like, (Mapping, list, tuple, str, numbers.Number)) \
@@ -218,6 +219,13 @@ PRESCRIPTIONS: Mapping[str, Prescription] = types.MappingProxyType({
         "shallow layers' LR too high",
         "layer-wise LR decay (lr_i = lr_base * decay ** (N - 1 - i), decay 0.85-0.95, start "
         "at 0.95)"),
+    # §6 "param norm jump" seen at its cause: the update itself, one check.
+    "update_jump": Prescription(
+        "the update/param ratio jumped in one check",
+        "an oversized update: an LR far above the schedule's (a multiplier, a restart, a "
+        "unit error) or a step the clip did not bound",
+        "check the learning rate actually applied and the clipping; the param-norm, grad-norm "
+        "and loss alerts that follow say whether it did damage"),
     # METRICS.md §2 router rows (no §6 row).
     "router_collapse": Prescription(
         "router load concentrating on a few experts",
@@ -250,6 +258,7 @@ RULE_PRESCRIPTION: Mapping[str, str] = types.MappingProxyType({
     "grad_norm": "grad_norm_climb",
     "grad_trend": "grad_norm_climb",
     "group": "group_embedding_lr",
+    "jump": "update_jump",
     "broken_model": "broken_model",
     "router": "router_collapse",
     "param_norm": "param_norm_jump",
