@@ -772,7 +772,8 @@ class DriftBand:
 
     A departure opens (``anchor`` = the level it left, ``sign`` its direction):
 
-    - **jump**: ``|d| >= max(log(jump), z * noise)``: confirmed at once;
+    - **jump**: ``|d| >= max(log(jump), z * noise)``: confirmed at once (from the
+      second change on: the first one only teaches ``noise``);
     - **step**: ``|d| > max(log(band), z * noise)``: a candidate;
     - **drift**: ``|c_W| > max(log(band), k * D_W)`` for some ``W``: a candidate
       (``anchor = y(t - W)``).
@@ -854,8 +855,8 @@ class DriftBand:
         elif prev is not None:
             d = y - prev
             noise = self.noise
-            zn = z * noise if noise is not None else 0.0
-            if abs(d) >= max(math.log(jump), zn):
+            zn = z * (noise if noise is not None else math.sqrt(self.var))
+            if self.nvar and abs(d) >= max(math.log(jump), zn):
                 self._open(s, prev, d, "jump", confirm)
             elif noise is not None and abs(d) > max(lband, zn):
                 self._open(s, prev, d, "step", 1)
