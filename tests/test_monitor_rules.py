@@ -73,7 +73,7 @@ def feed(m, stream, steps):
 
 
 def test_baseline_starts_at_the_lr_plateau():
-    m = Monitor()
+    m = Monitor(Policy(baseline="fixed"))
     feed(m, warmup_stream(0, warm=300), range(0, 1000))
     # lr(s) = 1e-3 * min(1, (s + 1) / 300): the first step with lr <= lr(s-1) is 300.
     assert m.baseline_start == 300 and "learning rate" in m.baseline_start_reason
@@ -115,7 +115,7 @@ def test_a_creep_after_warmup_is_judged_against_the_post_warmup_level():
         d["grad/global_norm"] *= 1.0 + max(0, s - 2000) / 2000.0  # 2x of the settled level at 4000
         return d
 
-    vs = feed(Monitor(), stream, range(0, 5000))
+    vs = feed(Monitor(Policy(baseline="fixed")), stream, range(0, 5000))
     y = next(v.step for v in vs if any(a.rule == "grad_norm" for a in v.alerts))
     assert 3600 <= y <= 4100, y
 
@@ -396,7 +396,11 @@ def test_val_loss_rising_while_train_falls_is_a_yellow_within_a_few_hundred_step
 
     vs = feed(Monitor(), stream, range(0, 2600, 10))
     hits = [a for v in vs for a in v.new_alerts]
-    assert [a.rule for a in hits] == ["val_rise"], [(a.rule, a.opened_step) for a in hits]
+    # val_rise; the gap rule may see it as well (it judges from one window of gap history
+    # on, not two: the gap grows 0.7 nats per 500 steps here).
+    assert {a.rule for a in hits} <= {"val_rise", "val_gap"}, [(a.rule, a.opened_step) for a in hits]
+    hits = [a for a in hits if a.rule == "val_rise"]
+    assert len(hits) == 1, hits
     assert 1500 < hits[0].opened_step <= 1900, hits[0].opened_step
     assert "early stop" in hits[0].prescription
 

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 __all__ = ["BASELINE_KINDS", "Policy"]
 
-BASELINE_KINDS = ("fixed", "rolling", "ema")
+BASELINE_KINDS = ("drift", "fixed", "rolling", "ema")
 """Values of ``Policy.baseline``."""
 
 
@@ -30,7 +30,11 @@ def _default_jump_metrics() -> Mapping[str, float]:
 
 
 def _default_ratio_rules() -> Mapping[str, tuple[float, float | None]]:
-    return {"grad/global_norm": (2.0, 3.0), "param/global_norm": (1.5, None)}
+    return {"grad/global_norm": (2.0, 3.0)}
+
+
+def _default_trend_metrics() -> Mapping[str, float]:
+    return {"grad/global_norm": 1.3, "param/global_norm": 1.5}
 
 
 def _bands(field: str, mapping: Mapping[str, Any], what: str, above: float) -> Mapping[str, float]:
@@ -75,12 +79,19 @@ class Policy:
         outliers).
       baseline_min_samples: at least this many samples make a fixed
         baseline (a sparse metric extends its window until it has them).
-      baseline: baseline of the ratio rules: ``"fixed"`` (§5),
+      baseline: reference of the ratio rules: ``"drift"`` (default: the
+        fixed median, then an EMA of ``log x`` with half-life
+        ``drift_halflife`` steps that learns only from samples below the
+        yellow ratio while no alert of that metric holds: it follows the
+        run's own slow drift, as healthy real-text runs creep 1.25-1.5x per
+        1000 steps, and a fault never becomes its own reference), ``"fixed"``
+        (§5: the median over the first ``baseline_steps`` after the start),
         ``"rolling"`` (OLMo-core: ``x > mean + rolling_k * std`` over the
         last ``rolling_window`` steps) or ``"ema"`` (ZClip: EMA mean/var
         with ``ema_alpha`` per step, ``x > mean + ema_z * std``). With the
         adaptive ones an alert opens (or escalates) when the ratio to the
         adaptive mean crosses the threshold *and* the z-gate holds.
+      drift_halflife: see ``baseline``.
       ratio_rules: metric -> ``(yellow_ratio, orange_ratio or None)``:
         yellow when ``x / reference > yellow_ratio``, orange when
         ``> orange_ratio``; the reference is the baseline, times the
@@ -124,7 +135,10 @@ class Policy:
       nonfinite_metrics: a non-finite value is ORANGE.
       nonfinite_count_metrics: a value > 0 (or non-finite) is ORANGE.
       throughput_metrics: the first present one is judged, in this order.
-      throughput_drop: YELLOW when ``1 - x / baseline > throughput_drop``.
+      throughput_drop, throughput_hold_steps: YELLOW when ``1 - x / baseline
+        > throughput_drop`` at every check for ``throughput_hold_steps``
+        steps (healthy runs on a shared machine dip 30-43% for a check or two,
+        35% for 100-150 steps; a slow loader doubling the step time is -50%).
       loss_scale_metric, loss_scale_drop: YELLOW when ``prev / x >=
         loss_scale_drop`` between two consecutive checks.
       event_hold_steps: a loss-scale alert stays open this many steps after
@@ -136,7 +150,9 @@ class Policy:
         Samples count from ``warmup_steps + baseline_steps`` on.
       val_gap_ratio: YELLOW when ``g(t) - g(t-W) > val_gap_ratio *
         max(g(t-W) - g(t-2W), 0) + val_gap_min_growth * |train loss|``.
-      val_gap_min_growth: noise floor of that rule, relative to the loss.
+      val_gap_min_growth: floor of that rule, relative to the loss: healthy
+        real-text runs' gaps wander by up to ~3% of the loss per 1000 steps.
+        Before ``2W`` of gap history the growth before counts as 0.
       val_gap_halflife: the gap samples are smoothed by an EMA with this
         half-life in steps before the rule reads them (the three-point
         growth comparison is otherwise dominated by noise).
@@ -163,15 +179,17 @@ class Policy:
       periodic_escalate_min_spikes, periodic_shrink: ORANGE when at least
         this many spikes have strictly shrinking intervals and the last is
         ``<= periodic_shrink`` x the first.
-      trend_metric, trend_window, trend_buckets, trend_z, trend_min_rise,
-        trend_min_ratio: the creep rule. Samples after the baseline start are
-        averaged into ``trend_buckets`` buckets over the last
-        ``trend_window`` steps (log of ``trend_metric``, and the loss); YELLOW
-        when the Mann-Kendall z of the log grad norm exceeds ``trend_z``, its
-        Theil-Sen slope implies a rise of at least ``trend_min_rise`` x over
-        the window, the grad norm is at least ``trend_min_ratio`` x its
-        baseline and below the grad-norm rule's yellow ratio, and the loss's
-        Theil-Sen slope over the same buckets is negative.
+      trend_metrics, trend_window, trend_buckets, trend_drift_k: the creep
+        rule: metric -> least rise. Each metric (net of the schedule's factor
+        for ``schedule_metrics``) is averaged into buckets of ``trend_window
+        // trend_buckets`` steps from ``baseline_steps`` after the start on;
+        YELLOW when the log of the bucket means rose over the last ``W`` steps
+        by more than ``max(log(least rise), trend_drift_k * D_W)`` at two
+        buckets running (``W`` = ``trend_window`` or 4x it; ``D_W`` the
+        largest rise over ``W`` steps the metric showed up to ``W`` steps
+        before: a creep beyond the run's own), and for the grad norm while the
+        loss's Theil-Sen slope over the last ``trend_buckets`` buckets is
+        negative (the loss looks fine).
       group_bands: family -> band ratio of the group rule. Each group's
         figure (``{family}/{group}``, group ``embedding``, ``lm_head`` or
         ``layer_{i}``) is divided by the trunk's median of that family at the
@@ -183,9 +201,10 @@ class Policy:
         ``> max(log(band), group_drift_k * D)`` that holds (``noise``: the RMS
         of its one-sample changes; ``D``: the largest change over
         ``group_window`` steps it showed before in the run, fading with
-        half-life ``group_drift_halflife``).
-      group_z, group_jump, group_window, group_drift_k, group_drift_halflife:
-        see ``group_bands``.
+        half-life ``drift_memory``).
+      group_z, group_jump, group_window, group_drift_k: see ``group_bands``.
+      drift_memory: half-life (steps) with which ``D_W``, a figure's own
+        largest change over a window, fades (the group and creep rules).
       group_confirm: samples a step or drift departure must hold before the
         YELLOW (a jump opens at once).
       group_global_ratio: the group rule fires only while
@@ -259,7 +278,8 @@ class Policy:
     settle_max_steps: int | None = None
     baseline_steps: int = 500
     baseline_min_samples: int = 3
-    baseline: str = "fixed"
+    baseline: str = "drift"
+    drift_halflife: float = 500.0
     ratio_rules: Mapping[str, tuple[float, float | None]] = dataclasses.field(
         default_factory=_default_ratio_rules, hash=False)
     schedule_metrics: tuple[str, ...] = ("grad/global_norm",)
@@ -279,13 +299,14 @@ class Policy:
     nonfinite_metrics: tuple[str, ...] = ("loss", "grad/global_norm")
     nonfinite_count_metrics: tuple[str, ...] = ("grad/nonfinite_count",)
     throughput_metrics: tuple[str, ...] = ("sys/tokens_per_sec", "sys/steps_per_sec")
-    throughput_drop: float = 0.30
+    throughput_drop: float = 0.45
+    throughput_hold_steps: int = 40
     loss_scale_metric: str = "opt/loss_scale"
     loss_scale_drop: float = 16.0
     event_hold_steps: int = 300
     val_gap_window: int = 1000
     val_gap_ratio: float = 1.5
-    val_gap_min_growth: float = 0.01
+    val_gap_min_growth: float = 0.05
     val_gap_halflife: float = 250.0
     spike_metrics: tuple[str, ...] = ("loss", "grad/global_norm")
     spike_alert_metrics: tuple[str, ...] = ("loss",)
@@ -305,19 +326,18 @@ class Policy:
     periodic_min_interval: int = 100
     periodic_escalate_min_spikes: int = 4
     periodic_shrink: float = 0.9
-    trend_metric: str = "grad/global_norm"
+    trend_metrics: Mapping[str, float] = dataclasses.field(
+        default_factory=_default_trend_metrics, hash=False)
     trend_window: int = 1000
     trend_buckets: int = 24
-    trend_z: float = 3.5
-    trend_min_rise: float = 1.3
-    trend_min_ratio: float = 1.3
+    trend_drift_k: float = 3.0
     group_bands: Mapping[str, float] = dataclasses.field(
         default_factory=_default_group_bands, hash=False)
     group_z: float = 6.0
     group_jump: float = 5.0
     group_window: int = 500
     group_drift_k: float = 3.0
-    group_drift_halflife: float = 2000.0
+    drift_memory: float = 2000.0
     group_confirm: int = 2
     group_global_ratio: float = 1.5
     router_bands: Mapping[str, float] = dataclasses.field(
@@ -375,6 +395,7 @@ class Policy:
         object.__setattr__(self, "group_bands", _bands("group_bands", self.group_bands, "family name -> ratio", 1))
         object.__setattr__(self, "router_bands", _bands("router_bands", self.router_bands, "metric name -> excess", 0))
         object.__setattr__(self, "jump_metrics", _bands("jump_metrics", self.jump_metrics, "metric name -> ratio", 1))
+        object.__setattr__(self, "trend_metrics", _bands("trend_metrics", self.trend_metrics, "metric name -> rise", 1))
         for f in ("warmup_steps", "settle_window", "settle_max_steps", "vocab_size"):
             v = getattr(self, f)
             if v is not None and (isinstance(v, bool) or int(v) < (1 if f == "vocab_size" else 0)):
@@ -399,8 +420,7 @@ class Policy:
                 raise ValueError(f"Policy.{f} expects an integer >= 1, got {getattr(self, f)!r}")
         if self.trend_buckets < 8:
             raise ValueError(f"Policy.trend_buckets expects >= 8, got {self.trend_buckets}")
-        for f in ("trend_min_rise", "trend_min_ratio", "broken_param_jump", "group_jump",
-                  "group_drift_k"):
+        for f in ("broken_param_jump", "group_jump", "group_drift_k", "trend_drift_k"):
             if not getattr(self, f) > 1:
                 raise ValueError(f"Policy.{f} expects a ratio > 1, got {getattr(self, f)!r}")
         if not 0 < self.broken_chance_frac <= 1:
@@ -408,7 +428,7 @@ class Policy:
                              f"{self.broken_chance_frac}")
         for f in ("event_hold_steps", "physiological_steps", "pathological_steps",
                   "post_window", "spike_forget_steps", "periodic_min_interval", "red_min_steps",
-                  "clear_steps", "episode_gap",
+                  "clear_steps", "episode_gap", "throughput_hold_steps",
                   "spike_min_samples", "broken_steps", "router_steps", "broken_loss_steps"):
             if int(getattr(self, f)) < 0:
                 raise ValueError(f"Policy.{f} expects an integer >= 0, got {getattr(self, f)!r}")
@@ -423,9 +443,9 @@ class Policy:
         if self.lr_exponent < 0 or (self.weight_decay is not None and self.weight_decay < 0):
             raise ValueError(f"Policy.lr_exponent and weight_decay expect values >= 0, got "
                              f"{self.lr_exponent} and {self.weight_decay}")
-        if not self.group_drift_halflife > 0:
-            raise ValueError(f"Policy.group_drift_halflife expects positive steps, got "
-                             f"{self.group_drift_halflife}")
+        if not self.drift_memory > 0 or not self.drift_halflife > 0:
+            raise ValueError(f"Policy.drift_memory and drift_halflife expect positive "
+                             f"steps, got {self.drift_memory} and {self.drift_halflife}")
         if self.trend_halflife <= 0 or self.scale_halflife <= 0 or self.val_gap_halflife < 0:
             raise ValueError("Policy.trend_halflife and scale_halflife expect positive steps, got "
                              f"{self.trend_halflife} and {self.scale_halflife}")
@@ -448,6 +468,7 @@ class Policy:
         d["group_bands"] = dict(self.group_bands)
         d["router_bands"] = dict(self.router_bands)
         d["jump_metrics"] = dict(self.jump_metrics)
+        d["trend_metrics"] = dict(self.trend_metrics)
         for k, v in d.items():
             if isinstance(v, tuple):
                 d[k] = list(v)

@@ -491,13 +491,14 @@ class RatioRule(_Base):
                     sched = self._schedule(f)
                     f.notes["schedule"] = {k: sched[0] for k in p.schedule_metrics}
                 factor, why = sched
-            ref, gate = self.baselines[m].step(f.t, s, v / factor, p, f.start)
+            rule = _RATIO_RULE_IDS.get(m, "ratio")
+            cur = f.active(rule, m)
+            ref, gate = self.baselines[m].step(f.t, s, v / factor, p, f.start,
+                                               hold=0.0 if cur is not None else y)
             if ref is None or not ref > 0:
                 continue
             ratio = v / (ref * factor)
             self.last_ratio[m] = ratio
-            rule = _RATIO_RULE_IDS.get(m, "ratio")
-            cur = f.active(rule, m)
             lvl = _hysteresis_level(ratio, y, o, cur.level if cur else Level.GREEN, gate,
                                     p.hysteresis)
             onset = None
@@ -553,71 +554,108 @@ class RatioRule(_Base):
         return []
 
 
+_TREND_RULE_IDS = {"grad/global_norm": "grad_trend", "param/global_norm": "param_norm"}
+
+
 class TrendRule(_Base):
-    """Creep: the grad norm's robust trend rises beyond the schedule's while the loss falls.
+    """Creep: a figure rising beyond the run's own drift (the grad norm net of the
+    schedule, while the loss still falls).
 
-    Bucket means (``trend_buckets`` over ``trend_window`` steps) of ``log(x /
-    factor)`` (``factor``: what the schedule predicts, :func:`schedule_factor`,
-    so the healthy rise as the LR decays is taken out; 1 at a steady LR) and of
-    the loss, after the baseline start; at each closed bucket with a full
-    window::
+    For each ``(metric, rise)`` of ``Policy.trend_metrics``: bucket means (width
+    ``trend_window // trend_buckets`` steps, from ``baseline_steps`` after the start
+    on) of ``log(x / factor)`` (``factor``: :func:`schedule_factor` for
+    ``schedule_metrics``, else 1) and of the loss; each closed bucket's mean,
+    smoothed (``y += 0.3 (mean - y)``: one noisy check a bucket at a sparse
+    cadence), feeds a
+    :class:`~jvitals.monitor.trackers.DriftBand` (drift departures only, windows
+    ``W`` = ``trend_window`` and 4x it)::
 
-        z    = Mann-Kendall z of the log(x / factor) bucket means
-        rise = exp(Theil-Sen slope of log(x / factor) * trend_window)
-        YELLOW when z > trend_z, rise >= trend_min_rise,
-             x / reference >= trend_min_ratio, and the loss's Theil-Sen slope < 0
+        YELLOW when log(x / factor) rose over the last W steps by more than
+             max(log(rise), trend_drift_k * D_W)   at 2 buckets running
 
-    while no grad-norm ratio alert is open (that one already says it). It is
-    released (``clear_steps``) at the first evaluation where it fails.
+    (``D_W``: the largest rise over ``W`` steps the metric showed up to ``W``
+    steps before, fading with half-life ``drift_memory``); for the grad norm also
+    while the loss's Theil-Sen slope over the last ``trend_buckets`` buckets is
+    negative (the loss looks fine: METRICS.md §6 "grad norm climbing while loss
+    still falls"). Healthy real-text runs creep 1.25-1.5x per 1000 steps from the
+    start: that is their own drift, no alert; the same figure flat for thousands
+    of steps and then rising 1.3x is. Released when the metric is back within
+    ``hysteresis * log(rise)`` of the level it rose from. Rule ids:
+    ``grad_trend`` (the grad norm), ``param_norm`` (the param norm), ``trend``.
     """
 
     name = "trend"
-    state_fields = ("buckets",)
+    state_fields = ("buckets", "bands", "smooth")
+    state_types = {"buckets": BucketSeries, "bands": DriftBand}
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
-        self.buckets = BucketSeries(policy.trend_window // policy.trend_buckets,
-                                    policy.trend_buckets, 2)
-        self.onset: int | None = None
+        self.buckets: dict[str, BucketSeries] = {}
+        self.bands: dict[str, DriftBand] = {}
+        self.smooth: dict[str, float] = {}
 
     def check(self, f: Figures) -> list[Change]:
+        p, out = self.p, []
+        if f.warm or f.t < f.start + p.baseline_steps:
+            return out
+        loss = f.get("loss")
+        loss = loss if loss is not None and math.isfinite(loss) else _NAN
+        for m, rise in p.trend_metrics.items():
+            x = f.get(m)
+            if x is None or not (math.isfinite(x) and x > 0):
+                continue
+            factor = f.notes.get("schedule", {}).get(m, 1.0) if m in p.schedule_metrics else 1.0
+            bs = self.buckets.get(m)
+            if bs is None:
+                bs = self.buckets[m] = BucketSeries(max(1, p.trend_window // p.trend_buckets),
+                                                    p.trend_buckets, 2)
+            if not bs.add(f.t, [math.log(x / factor), loss]):     # model time
+                continue
+            ids, means = bs.arrays()
+            band = self.bands.get(m)
+            if band is None:
+                band = self.bands[m] = DriftBand()
+            y = float(means[-1, 0])
+            prev = self.smooth.get(m)   # the bucket means, EMA-smoothed over ~2 buckets
+            y = self.smooth[m] = y if prev is None else prev + 0.3 * (y - prev)
+            held = band.observe(f.step, int(ids[-1]), y, rise, math.inf, 0.0,
+                                p.trend_drift_k, (p.trend_window, 4 * p.trend_window),
+                                p.drift_memory, 2, p.hysteresis, abrupt=False) and band.sign > 0
+            rule = _TREND_RULE_IDS.get(m, "trend")
+            lslope = _NAN
+            if held and m == "grad/global_norm":
+                lslope = theil_sen(ids, means[:, 1])
+                held = lslope < 0
+            if not held:
+                if (rule, m) in f.open:
+                    out.append(release(rule, m))
+                continue
+            out.append(self._change(f, rule, m, x, factor, rise, band, lslope))
+        return out
+
+    def _change(self, f: Figures, rule: str, m: str, x: float, factor: float, rise: float,
+                band: DriftBand, lslope: float) -> Change:
         p = self.p
-        m = p.trend_metric
-        x, loss = f.get(m), f.get("loss")
-        if f.warm or x is None or loss is None or not (math.isfinite(x) and x > 0
-                                                        and math.isfinite(loss)):
-            return []
-        factor = f.notes.get("schedule", {}).get(m, 1.0)
-        if not self.buckets.add(f.step, [math.log(x / factor), loss]):
-            return []
-        ids, means = self.buckets.arrays()
-        if len(ids) < p.trend_buckets:
-            return []
-        ratio = f.notes.get("ratio", {}).get(m, _NAN)
-        z = mann_kendall_z(means[:, 0])
-        slope = theil_sen(ids, means[:, 0])
-        lslope = theil_sen(ids, means[:, 1])
-        rise = math.exp(slope * p.trend_window) if slope == slope else _NAN
-        key = (_RATIO_RULE_IDS.get(m, "ratio"), m)
-        holds = (z > p.trend_z and rise >= p.trend_min_rise and ratio >= p.trend_min_ratio
-                 and lslope < 0)
-        is_open = ("grad_trend", m) in f.open
-        if not holds:
-            return [release("grad_trend", m)] if is_open else []
-        if f.active(*key) is not None:
-            return []  # the ratio rule speaks for the grad norm now
-        return [set_("grad_trend", m, Level.YELLOW, x, x / ratio, ratio,
-                     f"{m} = {x:.4g} has been climbing beyond what the schedule predicts while "
-                     f"the loss still falls: Mann-Kendall z = {z:.1f} (> trend_z = {p.trend_z:g}), "
-                     f"robust (Theil-Sen) rise {rise:.2f}x over the last {p.trend_window} steps "
-                     f"(>= trend_min_rise = {p.trend_min_rise:g}), now {ratio:.2f}x the schedule's "
-                     f"prediction {x / ratio:.4g} (>= trend_min_ratio = {p.trend_min_ratio:g}).",
-                     f"{m} started climbing",
-                     details={"mann_kendall_z": z, "rise": rise,
-                              "loss_slope_per_step": lslope})]
+        i = 0 if band.window == p.trend_window else 1
+        nat = band.natural(i, (p.trend_window, 4 * p.trend_window)) or 0.0
+        r = math.exp(band.stat)
+        net = f" (net of the schedule's factor {factor:.2f})" if factor != 1.0 else ""
+        loss = " while the loss still falls" if lslope == lslope else ""
+        return set_(rule, m, Level.YELLOW, x, x / r, r,
+                    f"{m} = {x:.4g}{net} rose {r:.2f}x over the last {band.window} steps{loss}: "
+                    f"beyond trend_metrics[{m!r}] = {rise:g}x and trend_drift_k = "
+                    f"{p.trend_drift_k:g} x the largest rise over {band.window} steps this run "
+                    f"showed before ({math.exp(nat):.2f}x).", f"{m} started climbing",
+                    onset=None if f.active(rule, m) is not None else band.onset,
+                    details={"rise": r, "window": band.window, "natural": math.exp(nat),
+                             "loss_slope_per_step": lslope})
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
-        self.buckets.clear()
+        for bs in self.buckets.values():
+            bs.clear()
+        for band in self.bands.values():
+            band.rollback(t_to)
+        self.smooth = {}
         return []
 
 
@@ -699,7 +737,7 @@ class GroupRule(_Base):
 
     (``noise``: the RMS of its one-sample changes; ``D_W``: the largest change over
     ``W`` steps it showed earlier in the run, up to ``W`` steps ago, fading with
-    half-life ``group_drift_halflife``). So the natural drift of a group (shares moving
+    half-life ``drift_memory``). So the natural drift of a group (shares moving
     between layers as the model learns, the head's share rising) is no alert; an
     abrupt departure, or a drift well beyond the group's own, is. The YELLOW names
     the group (embedding / LM head: "0.5x trunk LR"; a layer: "layer-wise LR
@@ -755,7 +793,7 @@ class GroupRule(_Base):
                     b = self.bands[k] = DriftBand()
                 y = math.log(v / trunk)
                 if b.observe(s, f.t, y, band, p.group_jump, p.group_z, p.group_drift_k,
-                             windows, p.group_drift_halflife, p.group_confirm, p.hysteresis):
+                             windows, p.drift_memory, p.group_confirm, p.hysteresis):
                     size = abs(y - b.anchor) / math.log(band)
                     if g not in hits or size > hits[g][0]:
                         hits[g] = (size, k, fam, v, trunk * math.exp(b.anchor), math.exp(y - b.anchor), b)
@@ -883,16 +921,20 @@ class RouterRule(_Base):
 
 
 class ThroughputRule(_Base):
-    """YELLOW when the first present ``throughput_metrics`` is down more than
-    ``throughput_drop`` from its fixed baseline."""
+    """YELLOW when the first present ``throughput_metrics`` has been down more than
+    ``throughput_drop`` from its fixed baseline at every check for at least
+    ``throughput_hold_steps`` steps (a shared machine's dips are shorter); onset:
+    the first check of the drop. Held while down more than ``hysteresis x
+    throughput_drop``."""
 
     name = "throughput"
-    state_fields = ("baselines",)
+    state_fields = ("baselines", "since")
     state_types = {"baselines": FixedBaseline}
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
         self.baselines = {m: FixedBaseline() for m in policy.throughput_metrics}
+        self.since: dict[str, int] = {}
 
     def check(self, f: Figures) -> list[Change]:
         p, out, judged = self.p, [], False
@@ -907,11 +949,17 @@ class ThroughputRule(_Base):
             drop = 1.0 - v / ref
             is_open = f.active("throughput", m) is not None
             if drop > p.throughput_drop or (is_open and drop > p.hysteresis * p.throughput_drop):
+                since = self.since.setdefault(m, f.step)
+                if not is_open and f.step - since < p.throughput_hold_steps:
+                    continue
                 out.append(set_("throughput", m, Level.YELLOW, v, ref, v / ref,
                                 f"{m} = {v:.4g} is {100 * drop:.0f}% below its baseline {ref:.4g} "
-                                f"(yellow when down > {100 * p.throughput_drop:.0f}%).",
-                                f"{m} fell {100 * p.throughput_drop:.0f}%"))
+                                f"since step {since} (yellow when down > "
+                                f"{100 * p.throughput_drop:.0f}% for {p.throughput_hold_steps} steps: "
+                                "Policy.throughput_drop, throughput_hold_steps).",
+                                f"{m} fell {100 * p.throughput_drop:.0f}%", onset=since))
             else:
+                self.since.pop(m, None)
                 out.append(release("throughput", m))
         return out
 
@@ -919,6 +967,10 @@ class ThroughputRule(_Base):
         super().load_state_dict(d)
         self.baselines = {m: self.baselines.get(m) or FixedBaseline()
                           for m in self.p.throughput_metrics}
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        self.since = {}
+        return []
 
 
 class LossScaleRule(_Base):
@@ -960,14 +1012,22 @@ class LossScaleRule(_Base):
 class GapRule(_Base):
     """Train/val gap growing faster than before, beyond its noise.
 
-    The gap ``g`` is ``val/gap`` or ``val/loss`` minus the loss trend; its
-    samples (from ``start + baseline_steps`` on) are smoothed by an EMA of
-    half-life ``val_gap_halflife`` steps. With ``W = val_gap_window``::
+    The gap ``g`` is ``val/gap`` or ``val/loss`` minus the train loss's level:
+    ``2 e1 - e2`` with ``e1`` an EMA of the loss (half-life ``trend_halflife``,
+    each sample clipped to 1.5x the spike tracker's trend) and ``e2`` an EMA of
+    ``e1`` (Brown's double smoothing: no lag on a falling loss, which would
+    otherwise read as a growing gap as the fall slows); its samples (from
+    ``start + baseline_steps`` on) are smoothed by an EMA of half-life
+    ``val_gap_halflife`` steps. With ``W = val_gap_window``::
 
-        recent = g(t) - g(t-W),  before = g(t-W) - g(t-2W)
+        recent = g(t) - g(t-W),  before = g(t-W) - g(t-2W)  (0 before 2W of history)
         excess = recent - val_gap_ratio * max(before, 0)
-        YELLOW when excess > max(val_gap_min_growth * |loss|, gap_z * sd(excess))
+        YELLOW when excess > floor = max(val_gap_min_growth * |loss|, gap_z * sd(excess))
+               and g(t) > floor + the highest gap of the samples kept before t - W
                at gap_confirm consecutive samples
+
+    (the second condition: a gap that dipped and came back, as healthy runs'
+    gaps wander, is no growth).
 
     ``sd(excess)``: the raw samples' noise ``var = EMA((g_i - 2 g_{i-1} +
     g_{i-2})^2 / 6)`` (second differences: blind to a steady trend; learned
@@ -978,7 +1038,8 @@ class GapRule(_Base):
     """
 
     name = "val_gap"
-    state_fields = ("gap", "ema", "t_last", "raw_prev", "var", "decay", "run", "onset", "last_loss")
+    state_fields = ("gap", "ema", "t_last", "raw_prev", "var", "decay", "run", "onset", "last_loss",
+                    "level")
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
@@ -991,14 +1052,28 @@ class GapRule(_Base):
         self.run = 0
         self.onset: int | None = None
         self.last_loss = _NAN
+        self.level = [_NAN, _NAN, 0]   # e1, e2, t of the last loss
+
+    def _train_level(self, f: Figures) -> float:
+        """``2 e1 - e2`` of the loss (see the class doc); NaN before any loss."""
+        loss = f.get("loss")
+        e1, e2, t0 = self.level
+        if loss is not None and math.isfinite(loss):
+            self.last_loss = loss
+            trend = f.notes.get("loss_trend", _NAN)
+            x = min(loss, 1.5 * trend) if trend == trend and trend > 0 else loss
+            if e1 != e1:
+                e1 = e2 = x
+            else:
+                a = 0.5 ** (max(f.t - t0, 1) / self.p.trend_halflife)
+                e1 = a * e1 + (1.0 - a) * x
+                e2 = a * e2 + (1.0 - a) * e1
+            self.level = [e1, e2, f.t]
+        return 2.0 * e1 - e2
 
     def check(self, f: Figures) -> list[Change]:
         p, s, t = self.p, f.step, f.t
-        loss = f.get("loss")
-        if loss is not None and math.isfinite(loss):
-            self.last_loss = loss
-        trend = f.notes.get("loss_trend", _NAN)
-        loss_ref = trend if trend == trend else self.last_loss
+        loss_ref = self._train_level(f)
         g = f.get("val/gap")
         vl = f.get("val/loss")
         if g is None and vl is not None:
@@ -1021,17 +1096,22 @@ class GapRule(_Base):
         self.t_last = t
         g = self.ema
         self.gap.add(t, g, 2 * w)
-        if not self.gap.covers(t - 2 * w):
+        if not self.gap.covers(t - w):
             return []
-        g1, g2 = self.gap.at(t - w), self.gap.at(t - 2 * w)
-        recent, before = g - g1, g1 - g2
+        g1 = self.gap.at(t - w)
+        # Before 2W of history, the growth before counts as none: the rule then asks for
+        # a growth beyond its floor alone (a gap that grew from the start, as a repeated
+        # data shard makes it).
+        before = g1 - self.gap.at(t - 2 * w) if self.gap.covers(t - 2 * w) else 0.0
+        recent = g - g1
         level_ref = abs(loss_ref) if loss_ref == loss_ref else (
             abs(vl) if vl is not None and math.isfinite(vl) else 0.0)
         var_e = (self.var if self.var == self.var else 0.0) * (1.0 - a) / (1.0 + a)
         r = p.val_gap_ratio
         var_x = var_e * (1.0 + (1.0 + r) ** 2 + r * r) if before > 0 else 2.0 * var_e
         floor = max(p.val_gap_min_growth * level_ref, p.gap_z * math.sqrt(var_x))
-        if recent > r * max(before, 0.0) + floor:
+        high = self.gap.max_before(t - w)       # the highest gap of the history kept before t - W
+        if recent > r * max(before, 0.0) + floor and g - high > floor:
             self.run += 1
             if self.run == 1:
                 self.onset = s
@@ -1040,8 +1120,10 @@ class GapRule(_Base):
             ratio = recent / before if before > 0 else math.inf
             return [set_("val_gap", "val/gap", Level.YELLOW, g, g1, ratio,
                          f"the train/val gap grew by {recent:.4g} over the last {w} steps vs "
-                         f"{before:.4g} over the {w} before (> {r:g}x, noise sd "
-                         f"{math.sqrt(var_x):.2g}); gap now {g:.4g}.",
+                         f"{before:.4g} over the {w} before (> val_gap_ratio = {r:g}x, plus a floor "
+                         f"{floor:.2g}: val_gap_min_growth = {p.val_gap_min_growth:g} x the loss, "
+                         f"gap_z = {p.gap_z:g} noise sd {math.sqrt(var_x):.2g}); gap now {g:.4g}, "
+                         f"above its earlier high {high:.4g} by more than that floor.",
                          "the train/val gap accelerated", onset=self.onset,
                          details={"recent_growth": recent, "previous_growth": before,
                                   "noise_sd": math.sqrt(var_x)})]

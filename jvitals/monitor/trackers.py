@@ -12,6 +12,8 @@ import nothing from ``jvitals.monitor`` or the rules (no import circle):
 - :class:`RollingBaseline`: OLMo-core style mean + k * std over a rolling
   window of steps.
 - :class:`EmaBaseline`: ZClip style EMA mean / variance with a z-score gate.
+- :class:`DriftBaseline`: the fixed median, then an EMA of the log that follows
+  the run's own slow drift (the default reference of the ratio rules).
 - :class:`BucketSeries`: bucket means over a window of steps (the trend rule).
 - :class:`ScoreWindow`: fraction of checks flagged over the last N steps, in
   fixed buckets.
@@ -228,10 +230,10 @@ class FixedBaseline:
     def ready(self) -> bool:
         return self.mean == self.mean
 
-    def step(self, t: int, s: int, v: float, p: Policy,
-             start: int | None) -> tuple[float | None, bool]:
+    def step(self, t: int, s: int, v: float, p: Policy, start: int | None,
+             hold: float | None = None) -> tuple[float | None, bool]:
         """Returns ``(baseline or None, gate)`` for ``v``, then learns from it."""
-        del s
+        del s, hold
         if self.mean == self.mean:
             return self.mean, True
         if start is not None and t >= start:
@@ -274,8 +276,9 @@ class RollingBaseline:
     def mean(self) -> float:
         return math.fsum(self.vals) / len(self.vals) if self.vals else _NAN
 
-    def step(self, t: int, s: int, v: float, p: Policy,
-             start: int | None) -> tuple[float | None, bool]:
+    def step(self, t: int, s: int, v: float, p: Policy, start: int | None,
+             hold: float | None = None) -> tuple[float | None, bool]:
+        del hold
         if start is None or t < start:
             return None, False
         n = len(self.vals)
@@ -328,8 +331,9 @@ class EmaBaseline:
         self.var = _NAN
         self.last_step = 0
 
-    def step(self, t: int, s: int, v: float, p: Policy,
-             start: int | None) -> tuple[float | None, bool]:
+    def step(self, t: int, s: int, v: float, p: Policy, start: int | None,
+             hold: float | None = None) -> tuple[float | None, bool]:
+        del hold
         if start is None or t < start:
             return None, False
         if self.mean != self.mean:
@@ -362,7 +366,67 @@ class EmaBaseline:
         return b
 
 
-BASELINES = {"fixed": FixedBaseline, "rolling": RollingBaseline, "ema": EmaBaseline}
+class DriftBaseline:
+    """A reference that follows the run's own slow drift (the default).
+
+    Starts as :class:`FixedBaseline` (the median over the first ``baseline_steps``
+    after the start), then follows ``log x`` with an EMA of half-life
+    ``drift_halflife`` steps::
+
+        ref = exp(m);  m = a * m + (1 - a) * log(x),  a = 0.5 ** (dt / drift_halflife)
+
+    learning only from samples below ``hold`` x the reference (an excursion above
+    the alert threshold, or any sample while the caller's alert holds, teaches
+    nothing: a fault never becomes its own reference). A healthy run whose figure
+    creeps at a rate ``r`` (log per step) sits ``exp(r * drift_halflife / ln 2)``
+    above it: 1.3x for a grad norm rising 1.25x per 1000 steps at the default 500.
+    """
+
+    __slots__ = ("vals", "log_mean", "last_t")
+    kind = "drift"
+
+    def __init__(self) -> None:
+        self.vals: list[float] = []
+        self.log_mean = _NAN
+        self.last_t = 0
+
+    @property
+    def mean(self) -> float:
+        return math.exp(self.log_mean) if self.log_mean == self.log_mean else _NAN
+
+    def step(self, t: int, s: int, v: float, p: Policy, start: int | None,
+             hold: float | None = None) -> tuple[float | None, bool]:
+        """Returns ``(reference or None, True)`` for ``v``, then learns from it."""
+        del s
+        if self.log_mean == self.log_mean:
+            ref = math.exp(self.log_mean)
+            if v > 0 and (hold is None or v < hold * ref):
+                a = 0.5 ** (max(t - self.last_t, 0) / p.drift_halflife)
+                self.log_mean = a * self.log_mean + (1.0 - a) * math.log(v)
+            self.last_t = t
+            return ref, True
+        if start is not None and t >= start and v > 0:
+            end = start + p.baseline_steps
+            if t < end or len(self.vals) < p.baseline_min_samples:
+                self.vals.append(v)
+            if len(self.vals) >= p.baseline_min_samples and t >= end - 1:
+                self.log_mean, self.last_t = math.log(_median(self.vals)), t
+                self.vals = []
+        return None, False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "drift", "vals": enc_floats(self.vals), "log_mean": enc_float(self.log_mean),
+                "last_t": self.last_t}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DriftBaseline":
+        b = cls()
+        b.vals, b.log_mean, b.last_t = dec_floats(d["vals"]), dec_float(d["log_mean"]), int(d["last_t"])
+        return b
+
+
+BASELINES = {"fixed": FixedBaseline, "rolling": RollingBaseline, "ema": EmaBaseline,
+             "drift": DriftBaseline}
 
 
 def baseline_from_dict(d: dict[str, Any]):
@@ -815,10 +879,15 @@ class DriftBand:
     def noise(self) -> float | None:
         return math.sqrt(self.var) if self.nvar >= 3 else None
 
-    def natural(self, i: int = 0) -> float | None:
+    def natural(self, i: int = 0, windows: tuple[int, ...] = ()) -> float | None:
         """``D_W`` of window ``i``: the largest change over it the figure showed
-        (``None`` before 3 samples matured)."""
-        return self.drift[i] if self.ndrift[i] >= 3 else None
+        (``None`` before 3 samples matured; a longer window not matured yet takes
+        the first window's, scaled by the windows' ratio: a steady drift's)."""
+        if self.ndrift[i] >= 3:
+            return self.drift[i]
+        if i and self.ndrift[0] >= 3 and len(windows) > i:
+            return self.drift[0] * windows[i] / windows[0]
+        return None
 
     def _at(self, x: int) -> float | None:
         """``y`` at model time ``x`` (linear between the samples around it; None before them)."""
@@ -841,8 +910,10 @@ class DriftBand:
             del self.ts[:k], self.ys[:k]
 
     def observe(self, s: int, t: int, y: float, band: float, jump: float, z: float, k: float,
-                windows: tuple[int, ...], memory: float, confirm: int, hysteresis: float) -> bool:
-        """Feeds one sample; True while a confirmed departure holds (see the class doc)."""
+                windows: tuple[int, ...], memory: float, confirm: int, hysteresis: float,
+                abrupt: bool = True) -> bool:
+        """Feeds one sample; True while a confirmed departure holds (see the class doc;
+        ``abrupt=False``: drift departures only)."""
         lband = math.log(band)
         prev = self.last_y if self.last_t is not None else None
         past = [self._at(t - w) for w in windows]
@@ -856,13 +927,13 @@ class DriftBand:
             d = y - prev
             noise = self.noise
             zn = z * (noise if noise is not None else math.sqrt(self.var))
-            if self.nvar and abs(d) >= max(math.log(jump), zn):
+            if abrupt and self.nvar and abs(d) >= max(math.log(jump), zn):
                 self._open(s, prev, d, "jump", confirm)
-            elif noise is not None and abs(d) > max(lband, zn):
+            elif abrupt and noise is not None and abs(d) > max(lband, zn):
                 self._open(s, prev, d, "step", 1)
             else:
                 for i, (w, yp) in enumerate(zip(windows, past)):
-                    nat = self.natural(i)
+                    nat = self.natural(i, windows)
                     if yp is not None and nat is not None and abs(y - yp) > max(lband, k * nat):
                         self._open(s, yp, y - yp, "drift", 1)
                         self.window = w
@@ -952,6 +1023,11 @@ class GapSeries:
             return self.gs[i]
         t0, t1 = self.ts[i], self.ts[i + 1]
         return self.gs[i] + (self.gs[i + 1] - self.gs[i]) * (x - t0) / (t1 - t0)
+
+    def max_before(self, x: int) -> float:
+        """The largest gap of the samples kept at or before ``x`` (-inf if none)."""
+        hi = bisect.bisect_right(self.ts, x, self.head)
+        return max(self.gs[self.head:hi], default=-math.inf)
 
     def drop_after(self, t: int) -> None:
         keep = [i for i in range(self.head, len(self.ts)) if self.ts[i] <= t]
