@@ -1227,7 +1227,9 @@ class BrokenModelRule(_Base):
       ``broken_jump_window`` steps earlier.
 
     A param-norm jump is ORANGE at once and RED once it has held at every
-    check for ``broken_steps`` steps; a chance-level loss alone is ORANGE once
+    check for ``broken_steps`` steps; a chance-level loss alone is YELLOW at
+    once when it is at least 1.5x its pre-spike trend (the loss rule of OLMo-core
+    fires there too; one such batch then recovers: it closes), ORANGE once
     it has held ``broken_steps // 2`` steps (a physiological spike recovers
     sooner) and RED after ``broken_loss_steps`` (a stretch of bad data, whose
     loss is at chance however healthy the model, is over sooner; the weights
@@ -1297,6 +1299,8 @@ class BrokenModelRule(_Base):
             lvl = Level.RED
         elif st["kind"] == "param" or held >= p.broken_steps // 2:
             lvl = Level.ORANGE
+        elif loss is not None and loss >= 1.5 * st["pre"]:
+            lvl = Level.YELLOW   # at chance from well below: garbage data or a broken model, at once
         else:
             return []  # a loss at chance level must hold a while (a physiological spike does not)
         if st["kind"] == "param":
@@ -1315,6 +1319,10 @@ class BrokenModelRule(_Base):
         red_at = st["since"] + (p.broken_steps if st["kind"] == "param" else p.broken_loss_steps)
         tail = (f"not recovered after {held} steps: the model is broken, roll back."
                 if lvl == Level.RED else f"RED if it has not recovered by step {red_at}.")
+        if lvl == Level.YELLOW:
+            tail = (f"a batch of garbage, or a broken model: ORANGE if it holds until step "
+                    f"{st['since'] + p.broken_steps // 2}, {tail} (Policy.broken_chance_frac, "
+                    "broken_steps, broken_loss_steps)")
         return [set_("broken_model", metric, lvl, value, ref, ratio, f"{what}; {tail}",
                      f"{metric} broke", key="", onset=st["since"], diverging=False,
                      details={"since": st["since"], "kind": st["kind"]})]

@@ -854,7 +854,7 @@ class DriftBand:
     """
 
     __slots__ = ("ts", "ys", "last_t", "last_y", "var", "nvar", "drift", "ndrift", "drift_t",
-                 "fresh", "anchor", "sign", "onset", "run", "kind", "stat", "window")
+                 "fresh", "dhist", "anchor", "sign", "onset", "run", "kind", "stat", "window")
 
     def __init__(self, nwin: int = 2) -> None:
         self.ts: list[int] = []
@@ -867,6 +867,7 @@ class DriftBand:
         self.ndrift = [0] * nwin
         self.drift_t = [0] * nwin
         self.fresh: list[list[list]] = [[] for _ in range(nwin)]   # [t, |c|] not yet W old
+        self.dhist: list[list] = []    # [u, D_W0] once matured (3 samples), spanning the longest window
         self.anchor: float | None = None
         self.sign = 0
         self.onset = 0
@@ -879,14 +880,19 @@ class DriftBand:
     def noise(self) -> float | None:
         return math.sqrt(self.var) if self.nvar >= 3 else None
 
-    def natural(self, i: int = 0, windows: tuple[int, ...] = ()) -> float | None:
+    def natural(self, i: int = 0, windows: tuple[int, ...] = (), t: int | None = None) -> float | None:
         """``D_W`` of window ``i``: the largest change over it the figure showed
-        (``None`` before 3 samples matured; a longer window not matured yet takes
-        the first window's, scaled by the windows' ratio: a steady drift's)."""
+        (``None`` before 3 samples matured). A longer window not matured yet takes
+        the first window's as it was when the longer window now judged began (``t -
+        W_i + W_0``: before a creep that started within it), scaled by the windows'
+        ratio (a steady drift's)."""
         if self.ndrift[i] >= 3:
             return self.drift[i]
-        if i and self.ndrift[0] >= 3 and len(windows) > i:
-            return self.drift[0] * windows[i] / windows[0]
+        if i and len(windows) > i and t is not None:
+            then = t - windows[i] + windows[0]
+            k = bisect.bisect_right([u for u, _ in self.dhist], then) - 1
+            if k >= 0:
+                return self.dhist[k][1] * windows[i] / windows[0]
         return None
 
     def _at(self, x: int) -> float | None:
@@ -908,6 +914,9 @@ class DriftBand:
         k = bisect.bisect_left(self.ts, t - span) - 1   # one sample at or before t - span
         if k > 0:
             del self.ts[:k], self.ys[:k]
+        k = bisect.bisect_left([u for u, _ in self.dhist], t - span) - 1
+        if k > 0:
+            del self.dhist[:k]
 
     def observe(self, s: int, t: int, y: float, band: float, jump: float, z: float, k: float,
                 windows: tuple[int, ...], memory: float, confirm: int, hysteresis: float,
@@ -933,7 +942,7 @@ class DriftBand:
                 self._open(s, prev, d, "step", 1)
             else:
                 for i, (w, yp) in enumerate(zip(windows, past)):
-                    nat = self.natural(i, windows)
+                    nat = self.natural(i, windows, t)
                     if yp is not None and nat is not None and abs(y - yp) > max(lband, k * nat):
                         self._open(s, yp, y - yp, "drift", 1)
                         self.window = w
@@ -960,6 +969,8 @@ class DriftBand:
             self.drift[i] = max(self.drift[i] * 0.5 ** (dt / memory), cu)
             self.drift_t[i] = u
             self.ndrift[i] += 1
+            if i == 0 and self.ndrift[0] >= 3:
+                self.dhist.append([u, self.drift[0]])
 
     def _open(self, s: int, anchor: float, change: float, kind: str, run: int) -> None:
         self.anchor, self.sign, self.onset, self.run = anchor, 1 if change > 0 else -1, s, run
@@ -971,6 +982,7 @@ class DriftBand:
         del self.ts[k:], self.ys[k:]
         for fresh in self.fresh:
             fresh[:] = [x for x in fresh if x[0] <= t_to]
+        self.dhist = [x for x in self.dhist if x[0] <= t_to]
         self.last_t = self.ts[-1] if self.ts else None
         self.last_y = self.ys[-1] if self.ys else _NAN
         self.anchor, self.run, self.kind = None, 0, ""
