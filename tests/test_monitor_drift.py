@@ -311,26 +311,55 @@ def blip_stream(seed, blips, fault_at=None):
 
 
 def test_a_new_crossing_after_the_figure_was_back_in_band_is_a_new_episode():
-    """A 3-step blip at 1000, the fault 80 steps later: two alerts, each with its own
-    onset (clear_steps 100 kept the first one open meanwhile)."""
+    """A 25-step blip at 1000, the fault 80 steps after it ended: two alerts, each with
+    its own onset (clear_steps 100 kept the first one open meanwhile); the new one
+    closes the old when it opens (confirmed at its third check)."""
     m = Monitor()
-    feed(m, blip_stream(9, (1000, 1001, 1002), fault_at=1083), range(0, 1200))
+    feed(m, blip_stream(9, tuple(range(1000, 1025)), fault_at=1105), range(0, 1250))
     gn = opened(m, "grad_norm")
-    assert [a.onset_step for a in gn] == [1000, 1083]
+    assert [a.onset_step for a in gn] == [1000, 1105]
     assert gn[0].peak_level == Level.YELLOW and gn[0].details.get("closed_by") == "new episode"
-    assert gn[0].closed_step == 1084 and gn[1].peak_level == Level.ORANGE
+    assert gn[0].closed_step == gn[1].opened_step == 1105 + Policy().confirm_checks - 1
+    assert gn[1].peak_level == Level.ORANGE
     red = opened(m, "divergence")
-    assert red and red[0].onset_step == 1083
+    assert red and red[0].onset_step == 1105
 
 
 def test_a_dip_shorter_than_the_episode_gap_is_the_same_episode():
-    """x2.4 at 1000-1002, back for 10 steps (< episode_gap = 20), x2.4 again from 1013:
+    """x2.4 at 1000-1024, back for 10 steps (< episode_gap = 20), x2.4 again from 1035:
     one alert, its onset the first crossing."""
-    blips = (1000, 1001, 1002) + tuple(range(1013, 1100))
+    blips = tuple(range(1000, 1025)) + tuple(range(1035, 1100))
     m = Monitor()
     feed(m, blip_stream(10, blips), range(0, 1100))
     (a,) = opened(m, "grad_norm")
     assert a.onset_step == 1000 and a.is_open
+
+
+def test_two_spiky_batches_on_consecutive_checks_are_no_alert():
+    """Real text: 1-5% of the batches have a grad norm 2x+ their neighbours'. Two of them
+    on consecutive checks (2.4x, 4.4x, then back) are no alert; a grad norm x4 that
+    stays is ORANGE at its third check (Policy.confirm_checks) and RED there too (the
+    divergence rule counts the confirmed run's checks)."""
+    spiky = {1100: 2.4, 1110: 4.4}
+
+    def stream(s):
+        d = blip_stream(12, ())(s)
+        d["grad/global_norm"] = spiky.get(s, 1.0)
+        return d
+
+    vs = feed(Monitor(), stream, range(0, 1500, 10))
+    assert all(v.level == Level.GREEN for v in vs), [(a.rule, a.opened_step) for v in vs for a in v.new_alerts]
+
+    def fault(s):
+        d = stream(s)
+        d["grad/global_norm"] = 4.0 if s >= 1300 else 1.0
+        return d
+
+    vs = feed(Monitor(), fault, range(0, 1500, 10))
+    (a,) = [a for v in vs for a in v.new_alerts if a.rule == "grad_norm"]
+    assert a.onset_step == 1300 and a.opened_step == 1320 and a.level >= Level.ORANGE
+    red = next(v for v in vs if v.level == Level.RED)
+    assert red.step == 1320 and red.onset_step == 1300
 
 
 # --------------------------------------------------------------------------

@@ -115,7 +115,7 @@ def test_a_creep_after_warmup_is_judged_against_the_post_warmup_level():
         d["grad/global_norm"] *= 1.0 + max(0, s - 2000) / 2000.0  # 2x of the settled level at 4000
         return d
 
-    vs = feed(Monitor(Policy(baseline="fixed")), stream, range(0, 5000))
+    vs = feed(Monitor(Policy(baseline="fixed", confirm_checks=2)), stream, range(0, 5000))
     y = next(v.step for v in vs if any(a.rule == "grad_norm" for a in v.alerts))
     assert 3600 <= y <= 4100, y
 

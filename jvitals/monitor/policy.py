@@ -113,9 +113,15 @@ class Policy:
         ``0`` (no weight decay: no equilibrium, the LR term is off; the
         param-norm term stays); ``None`` (default) or a positive value: the
         LR term applies.
-      confirm_checks: a ratio rule's alert opens (or escalates to ORANGE)
-        only after this many consecutive checks above its threshold (one
-        noisy check is not an alert).
+      confirm_checks, confirm_steps: a ratio rule's alert opens (or escalates
+        to ORANGE) only after its condition held at this many consecutive
+        checks spanning at least this many steps (above the threshold at the
+        first, above its hysteresis level after): one noisy check is not an
+        alert, nor two spiky batches that happen to fall on consecutive checks
+        (1-5% of real-text batches have a grad norm 2x their neighbours'). At a
+        cadence of a few steps, ``confirm_steps=20`` keeps a cluster of spiky
+        batches from confirming. The divergence rule counts a confirmed ORANGE's
+        run of checks as divergent checks.
       hysteresis: an open ratio/throughput alert steps down only once the
         excess falls below ``hysteresis`` x its threshold's excess (e.g.
         grad norm: closes below ``1 + (2 - 1) * 0.9 = 1.9x``). 1 disables.
@@ -287,7 +293,8 @@ class Policy:
         default_factory=_default_jump_metrics, hash=False)
     lr_exponent: float = 0.5
     weight_decay: float | None = None
-    confirm_checks: int = 2
+    confirm_checks: int = 3
+    confirm_steps: int = 0
     hysteresis: float = 0.9
     clear_steps: int = 100
     episode_gap: int = 20
@@ -428,7 +435,7 @@ class Policy:
                              f"{self.broken_chance_frac}")
         for f in ("event_hold_steps", "physiological_steps", "pathological_steps",
                   "post_window", "spike_forget_steps", "periodic_min_interval", "red_min_steps",
-                  "clear_steps", "episode_gap", "throughput_hold_steps",
+                  "clear_steps", "episode_gap", "throughput_hold_steps", "confirm_steps",
                   "spike_min_samples", "broken_steps", "router_steps", "broken_loss_steps"):
             if int(getattr(self, f)) < 0:
                 raise ValueError(f"Policy.{f} expects an integer >= 0, got {getattr(self, f)!r}")

@@ -464,7 +464,8 @@ class RatioRule(_Base):
         self.state_types = {"baselines": BASELINES[policy.baseline], "refs": FixedBaseline}
         self.baselines = {m: BASELINES[policy.baseline]() for m in policy.ratio_rules}
         self.refs = {"lr": FixedBaseline(), "pn": FixedBaseline()}  # the schedule's references
-        self.above: dict[str, list[int]] = {}  # metric -> [count, first step]
+        self.above: dict[str, dict[str, list[int]]] = {}  # metric -> {"y"/"o": [checks, first step]}
+        self.orange_run: dict[str, list[int]] = {}         # this check's confirmed ORANGE runs
         self.last_ratio: dict[str, float] = {}
 
     def _schedule(self, f: Figures) -> tuple[float, str]:
@@ -481,6 +482,7 @@ class RatioRule(_Base):
     def check(self, f: Figures) -> list[Change]:
         p, s, out = self.p, f.step, []
         sched = None
+        self.orange_run = {}
         for m, (y, o) in p.ratio_rules.items():
             v = f.get(m)
             if v is None or not math.isfinite(v):
@@ -499,26 +501,10 @@ class RatioRule(_Base):
                 continue
             ratio = v / (ref * factor)
             self.last_ratio[m] = ratio
-            lvl = _hysteresis_level(ratio, y, o, cur.level if cur else Level.GREEN, gate,
-                                    p.hysteresis)
-            onset = None
-            if cur is None or (o is not None and cur.level < Level.ORANGE):
-                # A new alert, or an escalation, needs confirm_checks checks in a row.
-                thr = y if cur is None else o
-                if gate and ratio > thr:
-                    run = self.above.setdefault(m, [0, s])
-                    run[0] += 1
-                    if cur is None:
-                        onset = run[1]
-                    if run[0] < p.confirm_checks:
-                        lvl = Level.GREEN if cur is None else cur.level
-                else:
-                    self.above.pop(m, None)
+            lvl, onset = self._level(m, s, ratio, y, o, cur, gate)
             if lvl == Level.GREEN:
                 out.append(release(rule, m))
                 continue
-            if self.above.get(m, [p.confirm_checks])[0] >= p.confirm_checks:
-                self.above.pop(m, None)
             thr = o if lvl == Level.ORANGE else y
             orange = f", orange > {o:g}x" if o is not None else ""
             what = (f"what the schedule predicts, {ref * factor:.4g} = its baseline {ref:.4g} x "
@@ -530,7 +516,42 @@ class RatioRule(_Base):
         if "schedule" not in f.notes and sched is not None:
             f.notes["schedule"] = {k: sched[0] for k in p.schedule_metrics}
         f.notes["ratio"] = self.last_ratio
+        f.notes["orange_run"] = self.orange_run
         return out
+
+    orange_run: dict[str, list[int]]
+
+    def _level(self, m: str, s: int, ratio: float, y: float, o: float | None, cur: Alert | None,
+               gate: bool) -> tuple[Level, int | None]:
+        """The level at this check and, for a new alert, its onset.
+
+        A level is confirmed once its run lasted ``confirm_checks`` checks spanning
+        ``confirm_steps`` steps: a run starts at a check above the level's ratio and
+        goes on while above ``1 + hysteresis * (ratio - 1)`` (on real text 1-5% of
+        the batches have a grad norm 2x their neighbours'; two of them at
+        consecutive checks are no fault). A new alert opens at the highest confirmed
+        level (onset: the start of the yellow run); an open one escalates to ORANGE
+        when that run is confirmed, and steps down by the hysteresis.
+        """
+        p = self.p
+        runs = self.above.setdefault(m, {})
+        for name, thr in (("y", y), ("o", o)):
+            run = runs.get(name)
+            if thr is not None and gate and ratio > (thr if run is None else
+                                                     1.0 + p.hysteresis * (thr - 1.0)):
+                if run is None:
+                    run = runs[name] = [0, s]
+                run[0] += 1
+            else:
+                runs.pop(name, None)
+        ok = {k for k, (c, first) in runs.items() if c >= p.confirm_checks and s - first >= p.confirm_steps}
+        if "o" in ok:
+            self.orange_run[m] = list(runs["o"])
+        if cur is None:
+            lvl = Level.ORANGE if "o" in ok else Level.YELLOW if "y" in ok else Level.GREEN
+            return lvl, runs["y"][1] if lvl > Level.GREEN else None
+        held = _hysteresis_level(ratio, y, o, cur.level, gate, p.hysteresis)
+        return (Level.ORANGE if "o" in ok else min(held, cur.level) if held else held), None
 
     def baseline(self, metric: str) -> float | None:
         """The learned baseline of ``metric`` (``None`` while learning)."""
@@ -1358,6 +1379,11 @@ class DivergenceRule(_Base):
             self.consecutive += 1
             if self.consecutive == 1:
                 self.start = s
+            # An ORANGE confirmed over a run of checks counts that run (its checks were
+            # above the orange ratio: divergent before the confirmation said so).
+            for checks, first in f.notes.get("orange_run", {}).values():
+                if checks > self.consecutive:
+                    self.consecutive, self.start = checks, first
             self.keys = {k for k, _ in div}
         elif self.keys and self.keys <= f.touched:
             self.consecutive, self.start = 0, None
