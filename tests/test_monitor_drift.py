@@ -382,6 +382,7 @@ def test_every_rules_state_round_trips_with_non_default_values():
         d["update/param_ratio"] = 0.3 * d["opt/learning_rate"] * (6.0 if s >= 5000 else 1.0)
         if s % 50 == 0:
             d["val/loss"] = loss_at(s) + 0.1 + (2e-4 * (s - 5000) if s > 5000 else 0.0)
+            d["act/attn_logits_abs.max"] = 10.0 * (8.0 if s > 5400 else 1.0)
             d["moe/maxvio.max"] = 0.2 + (0.8 if s > 5300 else 0.0)
         if 5800 <= s < 5803 or s >= 5990:
             d["loss"] = float("nan")          # a blip, then divergence under way at the end

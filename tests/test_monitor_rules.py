@@ -229,14 +229,16 @@ def test_embedding_lr_mismatch_is_a_group_yellow_naming_the_embedding(mult, shar
 
 
 def test_a_schedule_moving_every_group_together_is_not_a_group_alert():
-    """Cosine decay of the LR: every group's update ratio falls 10x together."""
+    """Cosine decay of the LR: every group's update ratio falls 10x together. (The
+    logged opt/learning_rate is the schedule's, as the recorder logs it: the group
+    rule reads the embedding's and the head's update ratios per unit LR.)"""
     base = warmup_stream(6, warm=200)
 
     def stream(s):
         d = base(s)
         f = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(max(s - 200, 0) / 6000, 1)))
         for k in list(d):
-            if k.startswith("update/param_ratio"):
+            if k.startswith("update/param_ratio") or k == "opt/learning_rate":
                 d[k] *= f
         return d
 

@@ -31,7 +31,8 @@ not named. Non-finite samples count as off. Times are model time (after a
 rollback the abandoned steps do not count).
 
 Entries are ranked by departure step, then by size (``|x - prediction| /
-band`` of the latest sample). An alert whose candidates departed only after
+band`` of the latest sample); for a group's own alert (the router, a group
+band, logits), that group's members first. An alert whose candidates departed only after
 its onset (or none did) has "no earlier sign found" (:func:`lead_phrase`).
 """
 
@@ -88,10 +89,9 @@ def localize(hist: LayerHistory, onset: int, event: str, p: Policy, exclude: str
         in model time, so after a rollback the abandoned steps do not count.
       start: the baselines' start (model time): reference samples from before
         it (the warm-up's dynamics) are not used.
-      group: the alert's own group (:func:`group_of` of its metric): among
-        candidates that departed at the same step, its members rank first (a
-        router alert names the router's figure before a gradient that moved
-        with it).
+      group: the alert's own group (:func:`group_of` of its metric): its
+        members that departed rank first (a router alert names the router's
+        figures before a gradient that moved with them), then the others.
 
     Returns:
       Up to ``localize_top`` :class:`Localization` entries, earliest
@@ -168,10 +168,10 @@ def localize(hist: LayerHistory, onset: int, event: str, p: Policy, exclude: str
         size = float(abs(dl[j]) / bl[j]) if bl[j] > 0 else math.inf
         name = hist.names[c]
         own = group is not None and group_of(name) == group
-        entries.append((int(wsteps[k]), not own, -size, name, before, float(W[last[j], j])))
+        entries.append((not own, int(wsteps[k]), -size, name, before, float(W[last[j], j])))
     entries.sort()
     res = []
-    for dep_s, _, _, name, before, vj in entries[: p.localize_top]:
+    for _, dep_s, _, name, before, vj in entries[: p.localize_top]:
         lead = onset - dep_s
         when = (f"{lead} steps before" if lead > 0 else f"{-lead} steps after" if lead < 0
                 else "at the step")

@@ -21,6 +21,10 @@ def _default_group_bands() -> Mapping[str, float]:
     return {"update/param_ratio": 2.0, "grad/share": 2.0, "param/norm": 1.5}
 
 
+def _default_logit_bands() -> Mapping[str, float]:
+    return {"act/attn_logits_abs.max": 2.0, "act/output_layer_logits_abs.max": 2.0}
+
+
 def _default_router_bands() -> Mapping[str, float]:
     return {"moe/maxvio.max": 0.5, "moe/dead_expert_ratio": 0.2}
 
@@ -178,6 +182,9 @@ class Policy:
       post_window: steps averaged for a spike's post-spike level.
       spike_forget_steps: an unrecovered spike's reference is dropped this
         many steps after its onset (the new level is accepted).
+      periodic_metrics: spike metrics whose spike onsets make periodic patterns
+        (the loss: on real text 1-5% of the batches spike the grad norm 2x, and
+        three of them fall near-regularly by chance).
       periodic_min_spikes: spikes making a periodic pattern (3).
       periodic_tolerance: neighbouring intervals may differ by this
         fraction.
@@ -216,6 +223,9 @@ class Policy:
       group_global_ratio: the group rule fires only while
         ``grad/global_norm`` and ``param/global_norm`` are below this x their
         baselines (the global figures "have not moved").
+      logit_bands: metric -> band ratio of the logits rule: the metric and its
+        ``/layer_{i}`` figures judged as the group rule judges a group figure
+        (its ``group_*`` settings) on ``log x``, rises only.
       router_bands, router_z, router_steps: the router rule: metric -> least
         excess over its baseline (median of the baseline window); YELLOW when
         ``x - b > max(router_z * 1.4826 * MAD, excess)`` at every check for
@@ -328,6 +338,7 @@ class Policy:
     pathological_steps: int = 500
     post_window: int = 100
     spike_forget_steps: int = 5000
+    periodic_metrics: tuple[str, ...] = ("loss",)
     periodic_min_spikes: int = 3
     periodic_tolerance: float = 0.25
     periodic_min_interval: int = 100
@@ -344,9 +355,11 @@ class Policy:
     group_jump: float = 5.0
     group_window: int = 500
     group_drift_k: float = 3.0
-    drift_memory: float = 2000.0
+    drift_memory: float = 500.0
     group_confirm: int = 2
     group_global_ratio: float = 1.5
+    logit_bands: Mapping[str, float] = dataclasses.field(
+        default_factory=_default_logit_bands, hash=False)
     router_bands: Mapping[str, float] = dataclasses.field(
         default_factory=_default_router_bands, hash=False)
     router_z: float = 6.0
@@ -373,8 +386,8 @@ class Policy:
     localize_rows: int = 512
     localize_lookback: int = 250
     localize_reference: int = 1000
-    localize_z: float = 6.0
-    localize_min_ratio: float = 0.1
+    localize_z: float = 8.0
+    localize_min_ratio: float = 0.25
     localize_drift_slack: float = 1.0
     localize_top: int = 5
     localize_max_metrics: int = 4096
@@ -401,6 +414,7 @@ class Policy:
         object.__setattr__(self, "ratio_rules", types.MappingProxyType(rules))
         object.__setattr__(self, "group_bands", _bands("group_bands", self.group_bands, "family name -> ratio", 1))
         object.__setattr__(self, "router_bands", _bands("router_bands", self.router_bands, "metric name -> excess", 0))
+        object.__setattr__(self, "logit_bands", _bands("logit_bands", self.logit_bands, "metric name -> ratio", 1))
         object.__setattr__(self, "jump_metrics", _bands("jump_metrics", self.jump_metrics, "metric name -> ratio", 1))
         object.__setattr__(self, "trend_metrics", _bands("trend_metrics", self.trend_metrics, "metric name -> rise", 1))
         for f in ("warmup_steps", "settle_window", "settle_max_steps", "vocab_size"):
@@ -409,7 +423,7 @@ class Policy:
                 raise ValueError(f"Policy.{f} expects None or an integer >= "
                                  f"{1 if f == 'vocab_size' else 0}, got {v!r}")
         for f in ("nonfinite_metrics", "nonfinite_count_metrics", "throughput_metrics",
-                  "spike_metrics", "spike_alert_metrics", "schedule_metrics"):
+                  "spike_metrics", "spike_alert_metrics", "schedule_metrics", "periodic_metrics"):
             v = getattr(self, f)
             if isinstance(v, str):
                 raise TypeError(f"Policy.{f} expects a sequence of metric names, got the string {v!r}")
@@ -474,6 +488,7 @@ class Policy:
         d["ratio_rules"] = {k: list(v) for k, v in self.ratio_rules.items()}
         d["group_bands"] = dict(self.group_bands)
         d["router_bands"] = dict(self.router_bands)
+        d["logit_bands"] = dict(self.logit_bands)
         d["jump_metrics"] = dict(self.jump_metrics)
         d["trend_metrics"] = dict(self.trend_metrics)
         for k, v in d.items():

@@ -82,6 +82,7 @@ __all__ = [
     "GapRule",
     "GroupRule",
     "JumpRule",
+    "LogitRule",
     "LossScaleRule",
     "NonFiniteRule",
     "RatioRule",
@@ -353,7 +354,7 @@ class SpikeRule(_Base):
                 diverging=bool(o is None and ref > 0 and v > p.divergence_loss_ratio * ref)))
         for m, tr in self.trackers.items():
             f.scores[self.score_names[m]] = tr.score.score
-            if m not in seen:
+            if m not in seen or m not in p.periodic_metrics:
                 continue
             per = tr.periodic
             if per is None:
@@ -746,7 +747,10 @@ class GroupRule(_Base):
     Groups: ``embedding``, ``lm_head``, ``layer_{i}``; figures ``{family}/{group}``
     for the families of ``Policy.group_bands``. Each value is divided by the trunk's
     median of the family at the same check (the global figure where no layer figure
-    is logged), so a schedule moving every group together is not a departure, and
+    is logged; the embedding's and the LM head's update ratios by the learning rate
+    where ``lr_metric`` is logged, so that every layer's update moving together, as
+    an attention LR fault makes them, is not read as theirs), so a schedule moving
+    every group together is not a departure, and
     ``y = log(x / trunk)`` is judged against its own history by a
     :class:`~jvitals.monitor.trackers.DriftBand` (``band`` = the family's
     ``group_bands`` ratio, ``W = group_window``)::
@@ -805,19 +809,25 @@ class GroupRule(_Base):
             if not (trunk > 0 and math.isfinite(trunk)):
                 continue
             band = p.group_bands[fam]
-            for k, g, _, v in vals:
+            lr = f.get(p.lr_metric) if fam == "update/param_ratio" else None
+            per_lr = lr is not None and math.isfinite(lr) and lr > 0
+            for k, g, is_layer, v in vals:
                 if not (v > 0 and math.isfinite(v)):
                     continue
                 seen.add(g)
                 b = self.bands.get(k)
                 if b is None:
                     b = self.bands[k] = DriftBand()
-                y = math.log(v / trunk)
+                # The embedding's and the head's update ratios per unit LR (the schedule
+                # cancels; a change of every layer's, e.g. the attention's LR, does not
+                # read as theirs); a layer's relative to the trunk.
+                norm = lr if per_lr and not is_layer else trunk
+                y = math.log(v / norm)
                 if b.observe(s, f.t, y, band, p.group_jump, p.group_z, p.group_drift_k,
                              windows, p.drift_memory, p.group_confirm, p.hysteresis):
                     size = abs(y - b.anchor) / math.log(band)
                     if g not in hits or size > hits[g][0]:
-                        hits[g] = (size, k, fam, v, trunk * math.exp(b.anchor), math.exp(y - b.anchor), b)
+                        hits[g] = (size, k, fam, v, norm * math.exp(b.anchor), math.exp(y - b.anchor), b)
         return hits, seen
 
     def _headline(self, g: str, k: str, fam: str, v: float, ref: float, r: float,
@@ -871,6 +881,92 @@ class GroupRule(_Base):
                 prescription="group_layer_lr" if layer else "group_embedding_lr",
                 details={"group": g, "family": fam, "kind": b.kind}))
         return changes
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        for b in self.bands.values():
+            b.rollback(t_to)
+        return []
+
+
+class LogitRule(_Base):
+    """Logits growing beyond their own drift: the attention's (no QK-norm, Wq/Wk LR
+    too high) and the output's (logit drift).
+
+    For each ``(metric, band)`` of ``Policy.logit_bands`` (``act/attn_logits_abs.max``,
+    ``act/output_layer_logits_abs.max``), the metric and its per-layer figures
+    (``{metric}/layer_{i}``) are judged as the group rule judges a group figure, on
+    ``y = log(x)`` with a :class:`~jvitals.monitor.trackers.DriftBand` (its
+    ``group_*`` settings): a one-sample jump ``>= group_jump`` x (and ``group_z`` x
+    its noise) opens at once; a step beyond ``band`` or a rise over
+    ``group_window`` (or 4x it) beyond ``group_drift_k`` x the rise the figure
+    showed before opens after ``group_confirm`` samples. Only rises count (logits
+    shrinking is no fault). Attention logits grow 10-50x over a healthy run's
+    first thousand steps: that is the figure's own drift (cold start, fading with
+    ``drift_memory``). YELLOW; the guard's default remedies turn QK-clip (attention)
+    or z-loss (output) on.
+    """
+
+    name = "logits"
+    state_fields = ("bands",)
+    state_types = {"bands": DriftBand}
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.bands: dict[str, DriftBand] = {}
+
+    def _plan(self, f: Figures) -> list[tuple[str, str, int]]:
+        got = f.plan.cache.get(self.name)
+        if got is None:
+            got = []
+            for i, k in enumerate(f.plan.keys):
+                for m in self.p.logit_bands:
+                    if k == m or (k.startswith(m + "/layer_") and k[len(m) + 7:].isdigit()):
+                        got.append((m, k, i))
+            got = f.plan.cache[self.name] = got
+        return got
+
+    def check(self, f: Figures) -> list[Change]:
+        items = self._plan(f)
+        if f.warm or not items:
+            return []
+        p, s, out = self.p, f.step, []
+        windows = (p.group_window, 4 * p.group_window)
+        hits: dict[str, tuple] = {}
+        for m, k, i in items:
+            v = float(f.vals[i])
+            if not (v > 0 and math.isfinite(v)):
+                continue
+            b = self.bands.get(k)
+            if b is None:
+                b = self.bands[k] = DriftBand()
+            band = p.logit_bands[m]
+            if b.observe(s, f.t, math.log(v), band, p.group_jump, p.group_z, p.group_drift_k,
+                         windows, p.drift_memory, p.group_confirm, p.hysteresis) and b.sign > 0:
+                size = (math.log(v) - b.anchor) / math.log(band)
+                if m not in hits or size > hits[m][0]:
+                    hits[m] = (size, k, v, math.exp(b.anchor), b)
+        for m in p.logit_bands:
+            hit = hits.get(m)
+            if hit is None:
+                if ("logits", m) in f.open:
+                    out.append(release("logits", m))
+                continue
+            _, k, v, ref, b = hit
+            attn = "attn" in m
+            how = (f"moved {math.exp(abs(b.stat)):.2f}x in one sample (>= group_jump = {p.group_jump:g}x)"
+                   if b.kind == "jump" else
+                   f"moved {math.exp(abs(b.stat)):.2f}x in one sample (beyond its band "
+                   f"logit_bands[{m!r}] = {p.logit_bands[m]:g}x)" if b.kind == "step" else
+                   f"rose {math.exp(abs(b.stat)):.2f}x over the last {b.window} steps, beyond "
+                   f"group_drift_k = {p.group_drift_k:g} x the rise it showed before and its band "
+                   f"logit_bands[{m!r}] = {p.logit_bands[m]:g}x")
+            out.append(set_("logits", k, Level.YELLOW, v, ref, v / ref,
+                            f"{k} = {v:.4g} is {v / ref:.2f}x the level it left ({ref:.4g}): it {how}.",
+                            f"{k} started growing", key=m,
+                            onset=None if f.active("logits", m) is not None else b.onset,
+                            prescription="attn_logit_growth" if attn else "logit_drift",
+                            details={"kind": b.kind}))
+        return out
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         for b in self.bands.values():
@@ -1417,6 +1513,6 @@ class DivergenceRule(_Base):
 def default_rules(policy: Policy) -> list[Any]:
     """The default rule list, in the order ``Monitor.update`` runs it."""
     return [NonFiniteRule(policy), SpikeRule(policy), RatioRule(policy), TrendRule(policy),
-            JumpRule(policy), GroupRule(policy), RouterRule(policy), ThroughputRule(policy),
+            JumpRule(policy), GroupRule(policy), LogitRule(policy), RouterRule(policy), ThroughputRule(policy),
             LossScaleRule(policy), GapRule(policy), ValRiseRule(policy), BrokenModelRule(policy),
             DivergenceRule(policy)]

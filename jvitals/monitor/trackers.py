@@ -839,15 +839,18 @@ class DriftBand:
     - **jump**: ``|d| >= max(log(jump), z * noise)``: confirmed at once (from the
       second change on: the first one only teaches ``noise``);
     - **step**: ``|d| > max(log(band), z * noise)``: a candidate;
-    - **drift**: ``|c_W| > max(log(band), k * D_W)`` for some ``W``: a candidate
-      (``anchor = y(t - W)``).
+    - **drift**: ``|c_W| > max(log(band), k * D_W, z * noise)`` for some ``W``: a
+      candidate (``anchor = y(t - W)``; the noise term matters where samples are
+      sparse, ``c_W`` then being one noisy change).
 
     It holds while ``sign * (y - anchor) > hold`` (``log(band)`` for a candidate,
     ``hysteresis * log(band)`` once confirmed) and is confirmed after ``confirm``
     samples; otherwise it ends. ``noise`` and ``D_W`` learn only from samples in
-    band (a fault never widens the band it is judged by) and judge after 3 samples
-    each; a change enters ``D_W`` only ``W`` steps after it was seen, so a creep is
-    judged against the drift before it, not against its own growth. Two windows
+    band (a fault never widens the band it is judged by); a change enters ``D_W``
+    only ``W`` steps after it was seen, so a creep is judged against the drift
+    before it, not against its own growth; until 3 changes have entered it, ``D_W``
+    is the largest change seen so far once those span ``W / 2`` steps (a cold
+    start: a creep already under way is learned as the figure's own drift). Two windows
     (``W`` and ``4 W`` by default) see a fast creep early and a slow one once it
     has outgrown the group's drift. History: one sample per ``max(windows) // 32``
     steps (the latest kept), spanning the longest window.
@@ -893,6 +896,9 @@ class DriftBand:
             k = bisect.bisect_right([u for u, _ in self.dhist], then) - 1
             if k >= 0:
                 return self.dhist[k][1] * windows[i] / windows[0]
+        fresh = self.fresh[i]
+        if fresh and len(windows) > i and fresh[-1][0] - fresh[0][0] >= windows[i] // 2:
+            return max(c for _, c in fresh)   # cold start: the largest change so far, unlagged
         return None
 
     def _at(self, x: int) -> float | None:
@@ -943,7 +949,7 @@ class DriftBand:
             else:
                 for i, (w, yp) in enumerate(zip(windows, past)):
                     nat = self.natural(i, windows, t)
-                    if yp is not None and nat is not None and abs(y - yp) > max(lband, k * nat):
+                    if yp is not None and nat is not None and abs(y - yp) > max(lband, k * nat, zn):
                         self._open(s, yp, y - yp, "drift", 1)
                         self.window = w
                         break

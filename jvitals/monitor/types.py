@@ -226,6 +226,16 @@ PRESCRIPTIONS: Mapping[str, Prescription] = types.MappingProxyType({
         "unit error) or a step the clip did not bound",
         "check the learning rate actually applied and the clipping; the param-norm, grad-norm "
         "and loss alerts that follow say whether it did damage"),
+    # METRICS.md §2 activation rows (no §6 row): logits growing.
+    "attn_logit_growth": Prescription(
+        "the attention logits growing beyond their own drift",
+        "the query/key weights growing unchecked: their LR too high, no QK-norm",
+        "clip the attention logits (QK-clip at the pre-growth maximum) or add QK-norm; lower "
+        "the LR of Wq/Wk"),
+    "logit_drift": Prescription(
+        "the output logits growing beyond their own drift",
+        "the LM head's weights growing unchecked (its LR or weight decay)",
+        "z-loss (1e-4); embedding and LM head at 0.5x trunk LR; check the head's weight decay"),
     # METRICS.md §2 router rows (no §6 row).
     "router_collapse": Prescription(
         "router load concentrating on a few experts",
@@ -259,6 +269,7 @@ RULE_PRESCRIPTION: Mapping[str, str] = types.MappingProxyType({
     "grad_trend": "grad_norm_climb",
     "group": "group_embedding_lr",
     "jump": "update_jump",
+    "logits": "attn_logit_growth",
     "broken_model": "broken_model",
     "router": "router_collapse",
     "param_norm": "param_norm_jump",
