@@ -57,6 +57,7 @@ from jvitals.monitor.trackers import (
     BASELINES,
     BucketSeries,
     DriftBand,
+    DriftBaseline,
     FixedBaseline,
     GapSeries,
     RollingBaseline,
@@ -1039,18 +1040,20 @@ class RouterRule(_Base):
 
 class ThroughputRule(_Base):
     """YELLOW when the first present ``throughput_metrics`` has been down more than
-    ``throughput_drop`` from its fixed baseline at every check for at least
+    ``throughput_drop`` from its reference at every check for at least
     ``throughput_hold_steps`` steps (a shared machine's dips are shorter); onset:
     the first check of the drop. Held while down more than ``hysteresis x
-    throughput_drop``."""
+    throughput_drop``. The reference is a
+    :class:`~jvitals.monitor.trackers.DriftBaseline` learning only from checks
+    within the drop band (it follows a machine's slow changes, not a drop)."""
 
     name = "throughput"
     state_fields = ("baselines", "since")
-    state_types = {"baselines": FixedBaseline}
+    state_types = {"baselines": DriftBaseline}
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
-        self.baselines = {m: FixedBaseline() for m in policy.throughput_metrics}
+        self.baselines = {m: DriftBaseline() for m in policy.throughput_metrics}
         self.since: dict[str, int] = {}
 
     def check(self, f: Figures) -> list[Change]:
@@ -1059,7 +1062,8 @@ class ThroughputRule(_Base):
             v = f.get(m)
             if v is None or not math.isfinite(v):
                 continue
-            ref, _ = self.baselines[m].step(f.t, f.step, v, p, f.start)
+            ref, _ = self.baselines[m].step(f.t, f.step, v, p, f.start,
+                                            floor=1.0 - p.hysteresis * p.throughput_drop)
             if judged or ref is None or not ref > 0:
                 continue
             judged = True
@@ -1082,7 +1086,7 @@ class ThroughputRule(_Base):
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         super().load_state_dict(d)
-        self.baselines = {m: self.baselines.get(m) or FixedBaseline()
+        self.baselines = {m: self.baselines.get(m) or DriftBaseline()
                           for m in self.p.throughput_metrics}
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:

@@ -395,12 +395,13 @@ class DriftBaseline:
         return math.exp(self.log_mean) if self.log_mean == self.log_mean else _NAN
 
     def step(self, t: int, s: int, v: float, p: Policy, start: int | None,
-             hold: float | None = None) -> tuple[float | None, bool]:
-        """Returns ``(reference or None, True)`` for ``v``, then learns from it."""
+             hold: float | None = None, floor: float | None = None) -> tuple[float | None, bool]:
+        """Returns ``(reference or None, True)`` for ``v``, then learns from it (only
+        from ``floor x ref < v < hold x ref`` where given)."""
         del s
         if self.log_mean == self.log_mean:
             ref = math.exp(self.log_mean)
-            if v > 0 and (hold is None or v < hold * ref):
+            if v > 0 and (hold is None or v < hold * ref) and (floor is None or v > floor * ref):
                 a = 0.5 ** (max(t - self.last_t, 0) / p.drift_halflife)
                 self.log_mean = a * self.log_mean + (1.0 - a) * math.log(v)
             self.last_t = t
