@@ -1096,28 +1096,38 @@ class ThroughputRule(_Base):
 
 class LossScaleRule(_Base):
     """YELLOW when the loss scale falls ``>= loss_scale_drop`` x between two
-    consecutive checks; closes ``event_hold_steps`` after the last drop."""
+    consecutive checks, or collapses: ``>= loss_scale_drop`` x below its peak,
+    ``peak = max(peak * 0.5 ** (dt / event_hold_steps), x)`` (a dynamic scale
+    halves at each overflow and doubles after a run of finite steps: a healthy
+    fp16 run swings 2-4x around its level, a collapse falls step after step);
+    closes ``event_hold_steps`` after the last drop."""
 
     name = "loss_scale"
-    state_fields = ("prev", "drop")
+    state_fields = ("prev", "drop", "peak")
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
         self.prev = _NAN
         self.drop: dict[str, Any] | None = None
+        self.peak = [_NAN, 0]   # the decaying peak, its step
 
     def check(self, f: Figures) -> list[Change]:
         p, s, out = self.p, f.step, []
         m = p.loss_scale_metric
         v = f.get(m)
         if v is not None and math.isfinite(v) and v > 0:
-            prev = self.prev
-            if not f.warm and prev == prev and prev / v >= p.loss_scale_drop:
+            prev, (peak, t0) = self.prev, self.peak
+            peak = v if peak != peak else max(peak * 0.5 ** ((s - t0) / max(p.event_hold_steps, 1)), v)
+            self.peak = [peak, s]
+            one = prev == prev and prev / v >= p.loss_scale_drop
+            if not f.warm and (one or peak / v >= p.loss_scale_drop):
                 first = self.drop["onset"] if self.drop else s
                 self.drop = {"step": s, "onset": first}
-                out.append(set_("loss_scale", m, Level.YELLOW, v, prev, v / prev,
-                                f"{m} fell {prev / v:g}x in one check ({prev:g} -> {v:g}) at step "
-                                f"{s}: gradients overflowed.", f"{m} fell {prev / v:g}x",
+                ref, how = (prev, "in one check") if one else (peak, "from its recent peak")
+                out.append(set_("loss_scale", m, Level.YELLOW, v, ref, v / ref,
+                                f"{m} fell {ref / v:g}x {how} ({ref:g} -> {v:g}) at step {s} "
+                                f"(>= Policy.loss_scale_drop = {p.loss_scale_drop:g}x): gradients "
+                                "overflow float16 again and again.", f"{m} fell {ref / v:g}x",
                                 onset=first))
             self.prev = v
         if self.drop is not None and s - self.drop["step"] >= p.event_hold_steps:
@@ -1126,7 +1136,7 @@ class LossScaleRule(_Base):
         return out
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
-        self.prev, self.drop = _NAN, None
+        self.prev, self.drop, self.peak = _NAN, None, [_NAN, 0]
         return []
 
 
