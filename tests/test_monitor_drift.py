@@ -398,3 +398,14 @@ def test_every_rules_state_round_trips_with_non_default_values():
         assert json.dumps(d) != blank, f"{r.name}: the test left its state at the defaults"
         fresh.load_state_dict(d)
         assert json.dumps(fresh.state_dict()) == json.dumps(r.state_dict()), r.name
+
+
+def test_older_monitor_states_are_refused_with_a_clear_message():
+    m = Monitor()
+    feed(m, lion_stream(13, 2000), range(0, 1000, 10))
+    state = json.loads(json.dumps(m.state_dict()))
+    assert state["version"] == 3
+    Monitor.from_state_dict(state)
+    state["version"] = 2
+    with pytest.raises(ValueError, match="version 2 .*drift-aware rules.*start a fresh Monitor"):
+        Monitor.from_state_dict(state)

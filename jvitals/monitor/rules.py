@@ -17,28 +17,31 @@ Rule table (every number a Policy field)::
     class               rule id          level    condition
     NonFiniteRule       nonfinite        ORANGE   loss / grad norm non-finite, nonfinite count > 0
     SpikeRule           loss_spike       YELLOW   a loss spike not back in its band after 300 steps
-                        periodic_spike   YELLOW/  >= 3 spikes at near-regular intervals
+                        periodic_spike   YELLOW/  >= 3 loss spikes at near-regular intervals
                                          ORANGE   (intervals shrinking)
-    RatioRule           grad_norm,       YELLOW,  x / baseline > 2 (2 checks running), > 3;
-                        param_norm,      ORANGE   param norm > 1.5; user ratio rules
-                        ratio
-    TrendRule           grad_trend       YELLOW   grad norm rising (Mann-Kendall z > 3.5, Theil-Sen
-                                                  rise >= 1.3x over 1000 steps, >= 1.3x baseline)
-                                                  while the loss's Theil-Sen slope falls
-    GroupRule           group            YELLOW   one group's update/param ratio, grad share or
-                                                  param norm (relative to the trunk) left its band
-                                                  while the global figures did not
+    RatioRule           grad_norm,       YELLOW,  x / (reference x the schedule's factor) > 2, > 3,
+                        ratio            ORANGE   confirmed over 3 checks; the reference follows the
+                                                  run's own slow drift (DriftBaseline)
+    TrendRule           grad_trend,      YELLOW   a rise over 1000 (4000) steps beyond 1.3x (1.5x)
+                        param_norm                and 3x the run's own (grad norm: net of the
+                                                  schedule, while the loss falls)
+    JumpRule            jump             YELLOW   update/param_ratio per unit LR x5 in one check
+    GroupRule           group            YELLOW   a group figure jumped x5, stepped beyond its band,
+                                                  or drifted beyond 3x its own drift, while the
+                                                  global figures did not move
+    LogitRule           logits           YELLOW   attention / output logits rising beyond their drift
     RouterRule          router           YELLOW   moe/maxvio.max (+0.5) or moe/dead_expert_ratio
                                                   (+0.2) above its baseline for 50 steps
-    ThroughputRule      throughput       YELLOW   tokens/s (else steps/s) down > 30%
-    LossScaleRule       loss_scale       YELLOW   loss scale falls >= 2**4 between two checks
-    GapRule             val_gap          YELLOW   gap growth > 1.5x the growth before, above
-                                                  the noise (4 sd) and a floor, 2 samples running
+    ThroughputRule      throughput       YELLOW   tokens/s (else steps/s) down > 45% for 40 steps
+    LossScaleRule       loss_scale       YELLOW   loss scale falls >= 2**4 between two checks or
+                                                  from its recent peak
+    GapRule             val_gap          YELLOW   gap growth > 1.5x the growth before, above the
+                                                  noise (4 sd), 5% of the loss and its earlier high
     ValRiseRule         val_rise         YELLOW   val loss rising (Mann-Kendall z > 3, Theil-Sen rise
                                                   >= 2% over 500 steps) while the loss trend falls
-    BrokenModelRule     broken_model     ORANGE,  loss at chance level (log vocab) or param norm
-                                         RED      1.5x its value 100 steps before; RED when not
-                                                  recovered after 50 steps
+    BrokenModelRule     broken_model     YELLOW,  loss at chance level (log vocab) or param norm
+                                         ORANGE,  1.5x its value 100 steps before; RED when not
+                                         RED      recovered after 50 (param) / 100 (loss) steps
     DivergenceRule      divergence       RED      red_after consecutive checks with an ORANGE
                                                   condition (or the loss > 1.25x its pre-spike trend
                                                   after the pathological window)
