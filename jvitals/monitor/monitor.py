@@ -475,6 +475,9 @@ class Monitor:
         f = Figures(s, t, start, plan, vals.tolist(), self._open, p)
         for rule in self.rules:
             for c in rule.check(f):
+                if c.op != "set" and (c.rule, c.key) not in self._open:
+                    f.touched.add((c.rule, c.key))     # nothing to release: only re-observed
+                    continue
                 self._apply(c, f)
         self._spikes.extend(f.spikes)
         self._last_step = s

@@ -134,6 +134,8 @@ class Figures:
       plan: the key set's :class:`Plan` (``plan.keys``, ``plan.cache`` for a
         rule's own per-key-set data).
       vals: the values as Python floats, in ``plan.keys`` order.
+      get: ``get(name)``, the value of ``name`` at this check (``None`` when not
+        logged).
       open: the open alerts, ``{(rule, key): Alert}`` (read only).
       notes: what earlier rules published this check.
       diverging: ``[(key, alert)]`` of this check's divergent alerts.
@@ -144,10 +146,12 @@ class Figures:
     """
 
     __slots__ = ("step", "t", "start", "warm", "plan", "vals", "open", "notes", "diverging",
-                 "touched", "scores", "spikes", "policy")
+                 "touched", "scores", "spikes", "policy", "get")
 
     def __init__(self, step: int, t: int, start: int | None, plan: Plan, vals: list[float],
                  open_: Mapping[tuple[str, str], Alert], policy: Policy) -> None:
+        # ``get(name)``: the value of ``name`` at this check (``None`` when not logged).
+        self.get = dict(zip(plan.keys, vals)).get
         self.step, self.t, self.start = step, t, start
         self.warm = start is None or t < start
         self.plan, self.vals, self.open, self.policy = plan, vals, open_, policy
@@ -156,11 +160,6 @@ class Figures:
         self.touched: set[tuple[str, str]] = set()
         self.scores: dict[str, float] = {}
         self.spikes: list[Spike] = []
-
-    def get(self, name: str) -> float | None:
-        """The value of ``name`` at this check (``None`` when not logged)."""
-        i = self.plan.named.get(name)
-        return None if i is None else self.vals[i]
 
     def active(self, rule: str, key: str) -> Alert | None:
         """The open alert ``(rule, key)`` of the current episode: ``None`` when there is
@@ -430,7 +429,8 @@ def schedule_factor(lr: float | None, lr_ref: float | None, pn: float | None,
     scale as ``1 / ||w||``). The larger of the two, never below 1.
 
     Returns:
-      ``(factor, why)``: ``why`` says which term and its figures ("" for 1).
+      ``(factor, why)``: ``why`` (a callable: formatted only for a message) says which
+      term and its figures ("" for a factor of 1).
     """
     sched = pnf = 1.0
     if lr is not None and lr_ref is not None and lr > 0 and lr_ref > 0 and p.weight_decay != 0 \
@@ -439,11 +439,15 @@ def schedule_factor(lr: float | None, lr_ref: float | None, pn: float | None,
     if pn is not None and pn_ref is not None and pn > 0 and pn_ref > 0:
         pnf = max(pn_ref / pn, 1.0)
     if sched <= 1.0 and pnf <= 1.0:
-        return 1.0, ""
+        return 1.0, _no_why
     if sched >= pnf:
-        return sched, (f"(lr at baseline {lr_ref:.3g} / lr now {lr:.3g}) ** {p.lr_exponent:g}, "
-                       "Policy.lr_exponent")
-    return pnf, f"param norm at baseline {pn_ref:.4g} / now {pn:.4g}"
+        return sched, lambda: (f"(lr at baseline {lr_ref:.3g} / lr now {lr:.3g}) ** "
+                               f"{p.lr_exponent:g}, Policy.lr_exponent")
+    return pnf, lambda: f"param norm at baseline {pn_ref:.4g} / now {pn:.4g}"
+
+
+def _no_why() -> str:
+    return ""
 
 
 class RatioRule(_Base):
@@ -473,16 +477,20 @@ class RatioRule(_Base):
         self.orange_run: dict[str, list[int]] = {}         # this check's confirmed ORANGE runs
         self.last_ratio: dict[str, float] = {}
 
-    def _schedule(self, f: Figures) -> tuple[float, str]:
+    def _schedule(self, f: Figures) -> tuple[float, Any]:
         """:func:`schedule_factor` at this check (the references learn here)."""
-        p, got = self.p, []
-        for key, m in (("lr", p.lr_metric), ("pn", "param/global_norm")):
-            v = f.get(m)
-            ref = None
-            if v is not None and math.isfinite(v) and v > 0:
-                ref = self.refs[key].step(f.t, f.step, v, p, f.start)[0]
-            got += [v, ref]
-        return schedule_factor(*got, p)
+        p, refs = self.p, self.refs
+        lr, pn = f.get(p.lr_metric), f.get("param/global_norm")
+        lr_ref = pn_ref = None
+        if lr is not None and lr > 0 and math.isfinite(lr):
+            b = refs["lr"]
+            lr_ref = b.mean if b.mean == b.mean else b.step(f.t, f.step, lr, p, f.start)[0]
+        if pn is not None and pn > 0 and math.isfinite(pn):
+            b = refs["pn"]
+            pn_ref = b.mean if b.mean == b.mean else b.step(f.t, f.step, pn, p, f.start)[0]
+        if (lr_ref is None or lr >= lr_ref) and (pn_ref is None or pn >= pn_ref):
+            return 1.0, _no_why          # the LR and the param norm at or above their baselines
+        return schedule_factor(lr, lr_ref, pn, pn_ref, p)
 
     def check(self, f: Figures) -> list[Change]:
         p, s, out = self.p, f.step, []
@@ -496,7 +504,7 @@ class RatioRule(_Base):
             if m in p.schedule_metrics:
                 if sched is None:
                     sched = self._schedule(f)
-                    f.notes["schedule"] = {k: sched[0] for k in p.schedule_metrics}
+                    f.notes["schedule"] = dict.fromkeys(p.schedule_metrics, sched[0])
                 factor, why = sched
             rule = _RATIO_RULE_IDS.get(m, "ratio")
             cur = f.active(rule, m)
@@ -506,20 +514,22 @@ class RatioRule(_Base):
                 continue
             ratio = v / (ref * factor)
             self.last_ratio[m] = ratio
+            if cur is None and not self.above.get(m) and not (gate and ratio > y):
+                out.append(release(rule, m))      # the common case: nothing under way
+                continue
             lvl, onset = self._level(m, s, ratio, y, o, cur, gate)
             if lvl == Level.GREEN:
                 out.append(release(rule, m))
                 continue
             thr = o if lvl == Level.ORANGE else y
             orange = f", orange > {o:g}x" if o is not None else ""
+            why_ = why() if callable(why) else why
             what = (f"what the schedule predicts, {ref * factor:.4g} = its baseline {ref:.4g} x "
-                    f"{factor:.2f} ({why})" if why else f"its baseline {ref:.4g}")
+                    f"{factor:.2f} ({why_})" if why_ else f"its baseline {ref:.4g}")
             out.append(set_(rule, m, lvl, v, ref * factor, ratio,
                             f"{m} = {v:.4g} is {ratio:.2f}x {what} (yellow > {y:g}x{orange}: "
                             f"Policy.ratio_rules[{m!r}]).", f"{m} crossed {thr:g}x", onset=onset,
                             details={"schedule_factor": factor, "baseline": ref}))
-        if "schedule" not in f.notes and sched is not None:
-            f.notes["schedule"] = {k: sched[0] for k in p.schedule_metrics}
         f.notes["ratio"] = self.last_ratio
         f.notes["orange_run"] = self.orange_run
         return out
@@ -589,8 +599,9 @@ class TrendRule(_Base):
 
     For each ``(metric, rise)`` of ``Policy.trend_metrics``: bucket means (width
     ``trend_window // trend_buckets`` steps, from ``baseline_steps`` after the start
-    on) of ``log(x / factor)`` (``factor``: :func:`schedule_factor` for
-    ``schedule_metrics``, else 1) and of the loss; each closed bucket's mean,
+    on; one sample per ``width // 8`` steps) of ``log(x / factor)`` (``factor``:
+    :func:`schedule_factor` for ``schedule_metrics``, else 1) and of the loss; each
+    closed bucket's mean,
     smoothed (``y += 0.3 (mean - y)``: one noisy check a bucket at a sparse
     cadence), feeds a
     :class:`~jvitals.monitor.trackers.DriftBand` (drift departures only, windows
@@ -611,7 +622,7 @@ class TrendRule(_Base):
     """
 
     name = "trend"
-    state_fields = ("buckets", "bands", "smooth")
+    state_fields = ("buckets", "bands", "smooth", "last_t")
     state_types = {"buckets": BucketSeries, "bands": DriftBand}
 
     def __init__(self, policy: Policy) -> None:
@@ -619,11 +630,16 @@ class TrendRule(_Base):
         self.buckets: dict[str, BucketSeries] = {}
         self.bands: dict[str, DriftBand] = {}
         self.smooth: dict[str, float] = {}
+        self.last_t = -(10 ** 9)
 
     def check(self, f: Figures) -> list[Change]:
         p, out = self.p, []
         if f.warm or f.t < f.start + p.baseline_steps:
             return out
+        width = max(1, p.trend_window // p.trend_buckets)
+        if 0 <= f.t - self.last_t < max(1, width // 8):
+            return out      # checked more often than width / 8: a sample per width / 8 is enough
+        self.last_t = f.t
         loss = f.get("loss")
         loss = loss if loss is not None and math.isfinite(loss) else _NAN
         for m, rise in p.trend_metrics.items():
@@ -633,8 +649,7 @@ class TrendRule(_Base):
             factor = f.notes.get("schedule", {}).get(m, 1.0) if m in p.schedule_metrics else 1.0
             bs = self.buckets.get(m)
             if bs is None:
-                bs = self.buckets[m] = BucketSeries(max(1, p.trend_window // p.trend_buckets),
-                                                    p.trend_buckets, 2)
+                bs = self.buckets[m] = BucketSeries(width, p.trend_buckets, 2)
             if not bs.add(f.t, [math.log(x / factor), loss]):     # model time
                 continue
             ids, means = bs.arrays()
@@ -681,7 +696,7 @@ class TrendRule(_Base):
             bs.clear()
         for band in self.bands.values():
             band.rollback(t_to)
-        self.smooth = {}
+        self.smooth, self.last_t = {}, -(10 ** 9)
         return []
 
 
@@ -705,22 +720,25 @@ class JumpRule(_Base):
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
+        self.items = tuple(policy.jump_metrics.items())
         self.prev: dict[str, float] = {}
         self.anchor: dict[str, list] = {}   # metric -> [r before the jump, onset step]
 
     def check(self, f: Figures) -> list[Change]:
         p, out = self.p, []
-        if f.warm or not p.jump_metrics:
+        if f.warm:
             return out
         lr = f.get(p.lr_metric)
-        lr = lr if lr is not None and math.isfinite(lr) and lr > 0 else 1.0
-        for m, jump in p.jump_metrics.items():
+        lr = lr if lr is not None and lr > 0 and math.isfinite(lr) else 1.0
+        for m, jump in self.items:
             x = f.get(m)
-            if x is None or not (math.isfinite(x) and x > 0):
+            if x is None or not (x > 0 and math.isfinite(x)):
                 continue
             r, prev = x / lr, self.prev.get(m)
             self.prev[m] = r
-            a = self.anchor.get(m) if f.active("jump", m) is not None else None
+            a = self.anchor.get(m)
+            if a is not None and f.active("jump", m) is None:
+                a = None
             if a is None and prev is not None and r >= jump * prev:
                 a = self.anchor[m] = [prev, f.step]
             if a is None or r < 0.5 * jump * a[0]:
@@ -906,17 +924,19 @@ class LogitRule(_Base):
     showed before opens after ``group_confirm`` samples. Only rises count (logits
     shrinking is no fault). Attention logits grow 10-50x over a healthy run's
     first thousand steps: that is the figure's own drift (cold start, fading with
-    ``drift_memory``). YELLOW; the guard's default remedies turn QK-clip (attention)
-    or z-loss (output) on.
+    ``drift_memory``). A figure logged more often is judged once per ``group_window
+    // 16`` steps. YELLOW; the guard's default remedies turn QK-clip (attention) or
+    z-loss (output) on.
     """
 
     name = "logits"
-    state_fields = ("bands",)
+    state_fields = ("bands", "last_t")
     state_types = {"bands": DriftBand}
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
         self.bands: dict[str, DriftBand] = {}
+        self.last_t = -(10 ** 9)
 
     def _plan(self, f: Figures) -> list[tuple[str, str, int]]:
         got = f.plan.cache.get(self.name)
@@ -931,9 +951,12 @@ class LogitRule(_Base):
 
     def check(self, f: Figures) -> list[Change]:
         items = self._plan(f)
-        if f.warm or not items:
-            return []
-        p, s, out = self.p, f.step, []
+        p = self.p
+        stride = max(1, p.group_window // 16)
+        if f.warm or not items or 0 <= f.t - self.last_t < stride:
+            return []       # logged more often than a stride: judged once per stride
+        self.last_t = f.t
+        s, out = f.step, []
         windows = (p.group_window, 4 * p.group_window)
         hits: dict[str, tuple] = {}
         for m, k, i in items:
@@ -975,6 +998,7 @@ class LogitRule(_Base):
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         for b in self.bands.values():
             b.rollback(t_to)
+        self.last_t = -(10 ** 9)
         return []
 
 
@@ -1120,7 +1144,10 @@ class LossScaleRule(_Base):
         v = f.get(m)
         if v is not None and math.isfinite(v) and v > 0:
             prev, (peak, t0) = self.prev, self.peak
-            peak = v if peak != peak else max(peak * 0.5 ** ((s - t0) / max(p.event_hold_steps, 1)), v)
+            if peak != peak or v >= peak:
+                peak = v
+            else:
+                peak = max(peak * 0.5 ** ((s - t0) / max(p.event_hold_steps, 1)), v)
             self.peak = [peak, s]
             one = prev == prev and prev / v >= p.loss_scale_drop
             if not f.warm and (one or peak / v >= p.loss_scale_drop):
@@ -1192,6 +1219,9 @@ class GapRule(_Base):
         """``2 e1 - e2`` of the loss (see the class doc); NaN before any loss."""
         loss = f.get("loss")
         e1, e2, t0 = self.level
+        if e1 == e1 and 0 <= f.t - t0 < max(1, self.p.trend_halflife / 10) and f.get("val/loss") is None \
+                and f.get("val/gap") is None:
+            return 2.0 * e1 - e2      # a sample per trend_halflife / 10 steps is enough
         if loss is not None and math.isfinite(loss):
             self.last_loss = loss
             trend = f.notes.get("loss_trend", _NAN)

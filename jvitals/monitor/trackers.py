@@ -375,20 +375,23 @@ class DriftBaseline:
 
         ref = exp(m);  m = a * m + (1 - a) * log(x),  a = 0.5 ** (dt / drift_halflife)
 
-    learning only from samples below ``hold`` x the reference (an excursion above
+    at most once per ``drift_halflife / 50`` steps (a finer cadence adds nothing but
+    cost), learning only from samples below ``hold`` x the reference (an excursion above
     the alert threshold, or any sample while the caller's alert holds, teaches
     nothing: a fault never becomes its own reference). A healthy run whose figure
     creeps at a rate ``r`` (log per step) sits ``exp(r * drift_halflife / ln 2)``
     above it: 1.3x for a grad norm rising 1.25x per 1000 steps at the default 500.
     """
 
-    __slots__ = ("vals", "log_mean", "last_t")
+    __slots__ = ("vals", "log_mean", "last_t", "ref", "_decay")
     kind = "drift"
 
     def __init__(self) -> None:
         self.vals: list[float] = []
         self.log_mean = _NAN
         self.last_t = 0
+        self.ref = _NAN                  # exp(log_mean), kept (not state)
+        self._decay = (0, 1.0, 0.0)      # (dt, halflife) -> a, cached (not state)
 
     @property
     def mean(self) -> float:
@@ -400,11 +403,18 @@ class DriftBaseline:
         from ``floor x ref < v < hold x ref`` where given)."""
         del s
         if self.log_mean == self.log_mean:
-            ref = math.exp(self.log_mean)
-            if v > 0 and (hold is None or v < hold * ref) and (floor is None or v > floor * ref):
-                a = 0.5 ** (max(t - self.last_t, 0) / p.drift_halflife)
-                self.log_mean = a * self.log_mean + (1.0 - a) * math.log(v)
-            self.last_t = t
+            ref = self.ref
+            if ref != ref:
+                ref = self.ref = math.exp(self.log_mean)
+            dt = t - self.last_t
+            if dt < 0 or dt >= p.drift_halflife / 50:     # learns once per drift_halflife / 50 steps
+                if v > 0 and (hold is None or v < hold * ref) and (floor is None or v > floor * ref):
+                    c = self._decay
+                    if c[0] != dt or c[2] != p.drift_halflife:
+                        c = self._decay = (dt, 0.5 ** (max(dt, 0) / p.drift_halflife), p.drift_halflife)
+                    self.log_mean = c[1] * self.log_mean + (1.0 - c[1]) * math.log(v)
+                    self.ref = math.exp(self.log_mean)
+                self.last_t = t
             return ref, True
         if start is not None and t >= start and v > 0:
             end = start + p.baseline_steps
@@ -412,6 +422,7 @@ class DriftBaseline:
                 self.vals.append(v)
             if len(self.vals) >= p.baseline_min_samples and t >= end - 1:
                 self.log_mean, self.last_t = math.log(_median(self.vals)), t
+                self.ref = math.exp(self.log_mean)
                 self.vals = []
         return None, False
 
@@ -423,6 +434,7 @@ class DriftBaseline:
     def from_dict(cls, d: dict[str, Any]) -> "DriftBaseline":
         b = cls()
         b.vals, b.log_mean, b.last_t = dec_floats(d["vals"]), dec_float(d["log_mean"]), int(d["last_t"])
+        b.ref = math.exp(b.log_mean) if b.log_mean == b.log_mean else _NAN
         return b
 
 
@@ -858,7 +870,7 @@ class DriftBand:
     """
 
     __slots__ = ("ts", "ys", "last_t", "last_y", "var", "nvar", "drift", "ndrift", "drift_t",
-                 "fresh", "dhist", "anchor", "sign", "onset", "run", "kind", "stat", "window")
+                 "fresh", "dh_t", "dh_d", "anchor", "sign", "onset", "run", "kind", "stat", "window")
 
     def __init__(self, nwin: int = 2) -> None:
         self.ts: list[int] = []
@@ -871,7 +883,8 @@ class DriftBand:
         self.ndrift = [0] * nwin
         self.drift_t = [0] * nwin
         self.fresh: list[list[list]] = [[] for _ in range(nwin)]   # [t, |c|] not yet W old
-        self.dhist: list[list] = []    # [u, D_W0] once matured (3 samples), spanning the longest window
+        self.dh_t: list[int] = []      # D_W0 once matured (3 samples), and when: spanning the
+        self.dh_d: list[float] = []    # longest window
         self.anchor: float | None = None
         self.sign = 0
         self.onset = 0
@@ -894,9 +907,9 @@ class DriftBand:
             return self.drift[i]
         if i and len(windows) > i and t is not None:
             then = t - windows[i] + windows[0]
-            k = bisect.bisect_right([u for u, _ in self.dhist], then) - 1
+            k = bisect.bisect_right(self.dh_t, then) - 1
             if k >= 0:
-                return self.dhist[k][1] * windows[i] / windows[0]
+                return self.dh_d[k] * windows[i] / windows[0]
         fresh = self.fresh[i]
         if fresh and len(windows) > i and fresh[-1][0] - fresh[0][0] >= windows[i] // 2:
             return max(c for _, c in fresh)   # cold start: the largest change so far, unlagged
@@ -921,9 +934,9 @@ class DriftBand:
         k = bisect.bisect_left(self.ts, t - span) - 1   # one sample at or before t - span
         if k > 0:
             del self.ts[:k], self.ys[:k]
-        k = bisect.bisect_left([u for u, _ in self.dhist], t - span) - 1
+        k = bisect.bisect_left(self.dh_t, t - span) - 1
         if k > 0:
-            del self.dhist[:k]
+            del self.dh_t[:k], self.dh_d[:k]
 
     def observe(self, s: int, t: int, y: float, band: float, jump: float, z: float, k: float,
                 windows: tuple[int, ...], memory: float, confirm: int, hysteresis: float,
@@ -977,7 +990,8 @@ class DriftBand:
             self.drift_t[i] = u
             self.ndrift[i] += 1
             if i == 0 and self.ndrift[0] >= 3:
-                self.dhist.append([u, self.drift[0]])
+                self.dh_t.append(u)
+                self.dh_d.append(self.drift[0])
 
     def _open(self, s: int, anchor: float, change: float, kind: str, run: int) -> None:
         self.anchor, self.sign, self.onset, self.run = anchor, 1 if change > 0 else -1, s, run
@@ -989,7 +1003,8 @@ class DriftBand:
         del self.ts[k:], self.ys[k:]
         for fresh in self.fresh:
             fresh[:] = [x for x in fresh if x[0] <= t_to]
-        self.dhist = [x for x in self.dhist if x[0] <= t_to]
+        k = bisect.bisect_right(self.dh_t, t_to)
+        del self.dh_t[k:], self.dh_d[k:]
         self.last_t = self.ts[-1] if self.ts else None
         self.last_y = self.ys[-1] if self.ys else _NAN
         self.anchor, self.run, self.kind = None, 0, ""
