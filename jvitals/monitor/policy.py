@@ -117,6 +117,10 @@ class Policy:
         ``0`` (no weight decay: no equilibrium, the LR term is off; the
         param-norm term stays); ``None`` (default) or a positive value: the
         LR term applies.
+      ratio_noise_z: with the drift reference, a ratio rule's thresholds widen to
+        ``exp(ratio_noise_z * noise)`` where that exceeds the yellow ratio
+        (``noise``: the metric's check-to-check spread in log, learned with the
+        reference), the orange ratio by as much.
       confirm_checks, confirm_steps: a ratio rule's alert opens (or escalates
         to ORANGE) only after its condition held at this many consecutive
         checks spanning at least this many steps (above the threshold at the
@@ -220,6 +224,10 @@ class Policy:
         largest change over a window, fades (the group and creep rules).
       group_confirm: samples a step or drift departure must hold before the
         YELLOW (a jump opens at once).
+      group_min_share: a ``grad/share`` figure below this share both before and
+        after its departure is not judged (a layer with 0.1% of the gradient
+        swings 25x in healthy runs). Shares are judged as they are, not
+        relative to the trunk.
       group_global_ratio: the group rule fires only while
         ``grad/global_norm`` and ``param/global_norm`` are below this x their
         baselines (the global figures "have not moved").
@@ -303,6 +311,7 @@ class Policy:
         default_factory=_default_jump_metrics, hash=False)
     lr_exponent: float = 0.5
     weight_decay: float | None = None
+    ratio_noise_z: float = 3.0
     confirm_checks: int = 3
     confirm_steps: int = 0
     hysteresis: float = 0.9
@@ -357,6 +366,7 @@ class Policy:
     group_drift_k: float = 3.0
     drift_memory: float = 500.0
     group_confirm: int = 2
+    group_min_share: float = 0.01
     group_global_ratio: float = 1.5
     logit_bands: Mapping[str, float] = dataclasses.field(
         default_factory=_default_logit_bands, hash=False)
@@ -444,6 +454,8 @@ class Policy:
         for f in ("broken_param_jump", "group_jump", "group_drift_k", "trend_drift_k"):
             if not getattr(self, f) > 1:
                 raise ValueError(f"Policy.{f} expects a ratio > 1, got {getattr(self, f)!r}")
+        if not 0 <= self.group_min_share < 1:
+            raise ValueError(f"Policy.group_min_share expects a share in [0, 1), got {self.group_min_share}")
         if not 0 < self.broken_chance_frac <= 1:
             raise ValueError(f"Policy.broken_chance_frac expects a fraction in (0, 1], got "
                              f"{self.broken_chance_frac}")

@@ -496,10 +496,16 @@ class RatioRule(_Base):
         p, s, out = self.p, f.step, []
         sched = None
         self.orange_run = {}
-        for m, (y, o) in p.ratio_rules.items():
+        for m, (y0, o0) in p.ratio_rules.items():
             v = f.get(m)
             if v is None or not math.isfinite(v):
                 continue
+            b = self.baselines[m]
+            # A metric whose own check-to-check spread is wide (single steps of a
+            # mixture-of-experts on mixed text: 2-3x) needs more than y0 to be a departure.
+            widen = max(1.0, math.exp(p.ratio_noise_z * b.noise) / y0) if isinstance(
+                b, DriftBaseline) else 1.0
+            y, o = y0 * widen, None if o0 is None else o0 * widen
             factor, why = 1.0, ""
             if m in p.schedule_metrics:
                 if sched is None:
@@ -508,8 +514,7 @@ class RatioRule(_Base):
                 factor, why = sched
             rule = _RATIO_RULE_IDS.get(m, "ratio")
             cur = f.active(rule, m)
-            ref, gate = self.baselines[m].step(f.t, s, v / factor, p, f.start,
-                                               hold=0.0 if cur is not None else y)
+            ref, gate = b.step(f.t, s, v / factor, p, f.start, hold=0.0 if cur is not None else y)
             if ref is None or not ref > 0:
                 continue
             ratio = v / (ref * factor)
@@ -522,14 +527,17 @@ class RatioRule(_Base):
                 out.append(release(rule, m))
                 continue
             thr = o if lvl == Level.ORANGE else y
-            orange = f", orange > {o:g}x" if o is not None else ""
+            orange = f", orange > {o:.3g}x" if o is not None else ""
             why_ = why() if callable(why) else why
             what = (f"what the schedule predicts, {ref * factor:.4g} = its baseline {ref:.4g} x "
                     f"{factor:.2f} ({why_})" if why_ else f"its baseline {ref:.4g}")
+            wide = (f"; widened {widen:.2f}x: ratio_noise_z = {p.ratio_noise_z:g} x its "
+                    f"check-to-check spread {b.noise:.2f} in log" if widen > 1.0 else "")
             out.append(set_(rule, m, lvl, v, ref * factor, ratio,
-                            f"{m} = {v:.4g} is {ratio:.2f}x {what} (yellow > {y:g}x{orange}: "
-                            f"Policy.ratio_rules[{m!r}]).", f"{m} crossed {thr:g}x", onset=onset,
-                            details={"schedule_factor": factor, "baseline": ref}))
+                            f"{m} = {v:.4g} is {ratio:.2f}x {what} (yellow > {y:.3g}x{orange}: "
+                            f"Policy.ratio_rules[{m!r}]{wide}; confirmed over confirm_checks = "
+                            f"{p.confirm_checks} checks).", f"{m} crossed {thr:.3g}x", onset=onset,
+                            details={"schedule_factor": factor, "baseline": ref, "widen": widen}))
         f.notes["ratio"] = self.last_ratio
         f.notes["orange_run"] = self.orange_run
         return out
@@ -784,7 +792,9 @@ class GroupRule(_Base):
 
     (``noise``: the RMS of its one-sample changes; ``D_W``: the largest change over
     ``W`` steps it showed earlier in the run, up to ``W`` steps ago, fading with
-    half-life ``drift_memory``). So the natural drift of a group (shares moving
+    half-life ``drift_memory``). Gradient shares are judged for drift only: one
+    batch of real text moves them 5x and back (the update ratios and the param
+    norms show an abrupt fault; the shares follow). So the natural drift of a group (shares moving
     between layers as the model learns, the head's share rising) is no alert; an
     abrupt departure, or a drift well beyond the group's own, is. The YELLOW names
     the group (embedding / LM head: "0.5x trunk LR"; a layer: "layer-wise LR
@@ -822,7 +832,9 @@ class GroupRule(_Base):
         for fam, items in fams.items():
             vals = [(k, g, is_layer, float(f.vals[i])) for k, g, is_layer, i in items]
             layer_vals = [v for _, _, is_layer, v in vals if is_layer and v > 0 and math.isfinite(v)]
-            if len(layer_vals) >= 2:
+            if fam == "grad/share":
+                trunk = 1.0     # shares are relative already (a tiny trunk share makes any ratio huge)
+            elif len(layer_vals) >= 2:
                 trunk = median(layer_vals)
             elif fam in _GLOBAL_OF:
                 trunk = f.get(_GLOBAL_OF[fam]) or _NAN
@@ -833,6 +845,7 @@ class GroupRule(_Base):
             band = p.group_bands[fam]
             lr = f.get(p.lr_metric) if fam == "update/param_ratio" else None
             per_lr = lr is not None and math.isfinite(lr) and lr > 0
+            floor = p.group_min_share if fam == "grad/share" else 0.0
             for k, g, is_layer, v in vals:
                 if not (v > 0 and math.isfinite(v)):
                     continue
@@ -844,21 +857,27 @@ class GroupRule(_Base):
                 # cancels; a change of every layer's, e.g. the attention's LR, does not
                 # read as theirs); a layer's relative to the trunk.
                 norm = lr if per_lr and not is_layer else trunk
+                rel = ("per unit LR" if norm is lr else "as it is" if trunk == 1.0
+                       else "relative to the trunk's median")
                 y = math.log(v / norm)
                 if b.observe(s, f.t, y, band, p.group_jump, p.group_z, p.group_drift_k,
-                             windows, p.drift_memory, p.group_confirm, p.hysteresis):
+                             windows, p.drift_memory, p.group_confirm, p.hysteresis,
+                             abrupt=fam != "grad/share"):
+                    if max(v, norm * math.exp(b.anchor)) < floor:
+                        continue   # a share below group_min_share before and after: noise
                     size = abs(y - b.anchor) / math.log(band)
                     if g not in hits or size > hits[g][0]:
-                        hits[g] = (size, k, fam, v, norm * math.exp(b.anchor), math.exp(y - b.anchor), b)
+                        hits[g] = (size, k, fam, v, norm * math.exp(b.anchor), math.exp(y - b.anchor), b,
+                                   rel)
         return hits, seen
 
     def _headline(self, g: str, k: str, fam: str, v: float, ref: float, r: float,
-                  b: DriftBand) -> str:
+                  b: DriftBand, rel: str) -> str:
         p = self.p
         band = p.group_bands[fam]
         if b.kind == "drift":
             i = 0 if b.window == p.group_window else 1
-            nat = b.natural(i) or 0.0
+            nat = b.natural(i, (p.group_window, 4 * p.group_window), b.last_t) or 0.0
             why = (f"it changed {math.exp(abs(b.stat)):.2f}x over the last {b.window} steps, "
                    f"beyond group_drift_k = {p.group_drift_k:g} x the largest change over "
                    f"{b.window} steps it showed before in this run ({math.exp(nat):.2f}x) and "
@@ -873,8 +892,8 @@ class GroupRule(_Base):
         layer = g.startswith("layer_")
         what = "layer-wise LR decay" if layer else "embedding and LM head at 0.5x trunk LR"
         return (f"the {g} group left its own band while the global figures did not: {k} = {v:.4g} "
-                f"is {r:.2f}x the level it left ({ref:.4g}, relative to the trunk); {why}. "
-                f"Suggests {what} (Policy fields named tune it).")
+                f"is {r:.2f}x the level it left ({ref:.4g}; judged {rel}); {why}. "
+                f"Suggests {what}.")
 
     def check(self, f: Figures) -> list[Change]:
         fams = self._plan(f)
@@ -895,10 +914,10 @@ class GroupRule(_Base):
                 continue
             if not active and not calm:
                 continue
-            _, k, fam, v, ref, r, b = hit
+            _, k, fam, v, ref, r, b, rel = hit
             layer = g.startswith("layer_")
             changes.append(set_(
-                "group", k, Level.YELLOW, v, ref, r, self._headline(g, k, fam, v, ref, r, b),
+                "group", k, Level.YELLOW, v, ref, r, self._headline(g, k, fam, v, ref, r, b, rel),
                 f"{k} left its band", key=g, onset=None if active else b.onset,
                 prescription="group_layer_lr" if layer else "group_embedding_lr",
                 details={"group": g, "family": fam, "kind": b.kind}))

@@ -376,26 +376,35 @@ class DriftBaseline:
         ref = exp(m);  m = a * m + (1 - a) * log(x),  a = 0.5 ** (dt / drift_halflife)
 
     at most once per ``drift_halflife / 50`` steps (a finer cadence adds nothing but
-    cost), learning only from samples below ``hold`` x the reference (an excursion above
-    the alert threshold, or any sample while the caller's alert holds, teaches
-    nothing: a fault never becomes its own reference). A healthy run whose figure
+    cost), each sample clipped at ``hold`` x the reference (an excursion above the
+    alert threshold counts as that much: excluding it would bias the reference low
+    where single steps are heavy-tailed, as a mixture-of-experts on mixed text is),
+    none while the caller's alert holds (``hold=0``: a fault never becomes its own
+    reference), none below ``floor`` x the reference where given (a drop). It also
+    keeps ``var``, the EMA of the squared log residual: ``noise = sqrt(var)``, the
+    figure's own check-to-check spread. A healthy run whose figure
     creeps at a rate ``r`` (log per step) sits ``exp(r * drift_halflife / ln 2)``
     above it: 1.3x for a grad norm rising 1.25x per 1000 steps at the default 500.
     """
 
-    __slots__ = ("vals", "log_mean", "last_t", "ref", "_decay")
+    __slots__ = ("vals", "log_mean", "last_t", "var", "ref", "_decay")
     kind = "drift"
 
     def __init__(self) -> None:
         self.vals: list[float] = []
         self.log_mean = _NAN
         self.last_t = 0
+        self.var = 0.0
         self.ref = _NAN                  # exp(log_mean), kept (not state)
         self._decay = (0, 1.0, 0.0)      # (dt, halflife) -> a, cached (not state)
 
     @property
     def mean(self) -> float:
         return math.exp(self.log_mean) if self.log_mean == self.log_mean else _NAN
+
+    @property
+    def noise(self) -> float:
+        return math.sqrt(self.var)
 
     def step(self, t: int, s: int, v: float, p: Policy, start: int | None,
              hold: float | None = None, floor: float | None = None) -> tuple[float | None, bool]:
@@ -408,11 +417,14 @@ class DriftBaseline:
                 ref = self.ref = math.exp(self.log_mean)
             dt = t - self.last_t
             if dt < 0 or dt >= p.drift_halflife / 50:     # learns once per drift_halflife / 50 steps
-                if v > 0 and (hold is None or v < hold * ref) and (floor is None or v > floor * ref):
+                if v > 0 and hold != 0.0 and (floor is None or v > floor * ref):
                     c = self._decay
                     if c[0] != dt or c[2] != p.drift_halflife:
                         c = self._decay = (dt, 0.5 ** (max(dt, 0) / p.drift_halflife), p.drift_halflife)
-                    self.log_mean = c[1] * self.log_mean + (1.0 - c[1]) * math.log(v)
+                    x = math.log(v if hold is None else min(v, hold * ref))
+                    d = x - self.log_mean
+                    self.var = c[1] * self.var + (1.0 - c[1]) * d * d
+                    self.log_mean += (1.0 - c[1]) * d
                     self.ref = math.exp(self.log_mean)
                 self.last_t = t
             return ref, True
@@ -423,17 +435,19 @@ class DriftBaseline:
             if len(self.vals) >= p.baseline_min_samples and t >= end - 1:
                 self.log_mean, self.last_t = math.log(_median(self.vals)), t
                 self.ref = math.exp(self.log_mean)
+                self.var = _median([(math.log(x) - self.log_mean) ** 2 for x in self.vals])
                 self.vals = []
         return None, False
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "drift", "vals": enc_floats(self.vals), "log_mean": enc_float(self.log_mean),
-                "last_t": self.last_t}
+                "last_t": self.last_t, "var": enc_float(self.var)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DriftBaseline":
         b = cls()
         b.vals, b.log_mean, b.last_t = dec_floats(d["vals"]), dec_float(d["log_mean"]), int(d["last_t"])
+        b.var = dec_float(d["var"])
         b.ref = math.exp(b.log_mean) if b.log_mean == b.log_mean else _NAN
         return b
 
