@@ -114,10 +114,12 @@ def test_no_import_circle():
     ("jvitals.monitor.trackers", ("jvitals.monitor.monitor", "jvitals.monitor.rules")),
     ("jvitals.monitor.policy", ("jvitals.monitor.monitor", "jvitals.monitor.trackers", "jvitals.monitor.rules")),
     ("jvitals.monitor.localize", ("jvitals.monitor.monitor", "jvitals.monitor.rules")),
+    ("jvitals.monitor.replicas", ("jvitals.monitor.monitor", "jvitals.monitor.rules")),
+    ("jvitals.monitor.types", ("jvitals.monitor.monitor", "jvitals.monitor.rules", "jvitals.monitor.replicas")),
     ("jvitals.monitor.rules", ("jvitals.monitor.monitor",)),
 ])
 def test_monitor_helpers_import_nothing_above_them(mod, banned):
-    """Trackers, policy, types and localization import nothing from the monitor or the rules."""
+    """Trackers, policy, types, localization and the replica rule import nothing from the monitor or the rules."""
     g = graph()
     seen, todo = set(), [mod]
     while todo:  # everything mod pulls in, transitively, apart from package re-exports

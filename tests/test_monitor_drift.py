@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jvitals.monitor.monitor import Level, Monitor, Policy
+from jvitals.monitor.replicas import flat_replicas
 from jvitals.monitor.rules import default_rules
 
 WARM, PEAK = 200, 3e-3
@@ -386,6 +387,10 @@ def test_every_rules_state_round_trips_with_non_default_values():
             d["moe/maxvio.max"] = 0.2 + (0.8 if s > 5300 else 0.0)
         if 5800 <= s < 5803 or s >= 5990:
             d["loss"] = float("nan")          # a blip, then divergence under way at the end
+        per_replica = loss_at(s) * (1 + 0.01 * rng.standard_normal(8))
+        if 5600 <= s < 5700:
+            per_replica[3] *= 3.0             # replica 3 an outlier while its data moves
+        d.update(flat_replicas({"replica/loss": per_replica}, data=np.roll(np.arange(8), s // 5)))
         return d
 
     feed(m, stream, range(0, 6000, 5))

@@ -49,7 +49,6 @@ NumPy only, as the rest of the monitor.
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from typing import Any, Mapping, Sequence
@@ -57,7 +56,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from jvitals.monitor.policy import Policy
-from jvitals.monitor.types import PRESCRIPTIONS, Level, Spike
+from jvitals.monitor.types import PRESCRIPTIONS, Level, RuleBase, Spike, release, set_
 
 __all__ = [
     "DATA_FIGURE",
@@ -229,16 +228,6 @@ def replica_summaries(vectors: Mapping[str, np.ndarray], rel_floor: float = 0.02
 # The rule.
 
 
-def _rules() -> Any:
-    """``jvitals.monitor.rules`` (its ``set_``/``release`` build the monitor's ``Change`` s).
-
-    Looked up by name when a check runs, not imported: ``rules.default_rules`` imports
-    this module to append :class:`ReplicaRule`, so a static import back would be an
-    import circle (``tests/test_layout.py``). By then ``rules`` is loaded.
-    """
-    return importlib.import_module("jvitals.monitor.rules")
-
-
 def _layout_dict(layout: Any) -> dict[str, Any] | None:
     if layout is None:
         return None
@@ -254,7 +243,7 @@ def _ids(xs: Sequence[Any]) -> str:
     return ", ".join(map(str, xs[:6])) + (f" +{len(xs) - 6} more" if len(xs) > 6 else "")
 
 
-class ReplicaRule:
+class ReplicaRule(RuleBase):
     """Names the replica (devices, process, host) whose figures left the others'.
 
     See the module docstring for the conditions; every number is a ``Policy.replica_*``
@@ -273,6 +262,7 @@ class ReplicaRule:
     """
 
     name = "replica"
+    state_fields = ("streaks", "spread")   # the layout is the run's: set it again after a restart
     FIGURES = ("loss", "hidden_states_rms", "hidden_states_abs.max", "output_layer_logits_abs.max",
                "grad_norm")
 
@@ -343,7 +333,6 @@ class ReplicaRule:
         return got
 
     def check(self, f: Any) -> list[Any]:
-        release = _rules().release
         plan = self._plan(f)
         if not plan:
             return []
@@ -425,7 +414,6 @@ class ReplicaRule:
 
     def _nonfinite(self, f: Any, nf: np.ndarray, data: np.ndarray | None,
                    first: np.ndarray | None) -> list[Any]:
-        release = _rules().release
         key = REPLICA_PREFIX + NONFINITE_FIGURE
         bad = ~(nf == 0)
         n = nf.size
@@ -491,7 +479,7 @@ class ReplicaRule:
                    "data_seen": [s["data"] for s in streak], "steps_seen": [s["step"] for s in streak],
                    **{k: (float(v) if isinstance(v, (float, np.floating)) else v) for k, v in extra.items()}}
         ratio = value / baseline if baseline and math.isfinite(baseline) else _NAN
-        return _rules().set_("replica", key, level, value, baseline, ratio, head,
+        return set_("replica", key, level, value, baseline, ratio, head,
                     f"{key} left the other replicas' on replica {streak[-1]['replica']}",
                     key=key, onset=streak[0]["step"], details=details, diverging=False,
                     prescription=pres_key if pres_key in PRESCRIPTIONS else None)
@@ -544,19 +532,6 @@ class ReplicaRule:
                 f"host; if the outlier stays on replica {last['replica']}, restart without host {hosts}")
 
     # -- state --------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """The streaks and typical spreads (the layout is the run's: set it again after a restart)."""
-        return {"streaks": {k: [dict(e, z=None if not math.isfinite(e["z"]) else e["z"],
-                                     value=None if not math.isfinite(e["value"]) else e["value"])
-                                for e in v] for k, v in self.streaks.items()},
-                "spread": dict(self.spread)}
-
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        self.streaks = {k: [dict(e, z=_NAN if e["z"] is None else float(e["z"]),
-                                 value=_NAN if e["value"] is None else float(e["value"])) for e in v]
-                        for k, v in (d.get("streaks") or {}).items()}
-        self.spread = {k: float(v) for k, v in (d.get("spread") or {}).items()}
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         """Forgets the streaks (the replicas run from the restored state); keeps the spreads."""

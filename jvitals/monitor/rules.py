@@ -51,11 +51,12 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any, Mapping, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 
 from jvitals.monitor.policy import Policy
+from jvitals.monitor.replicas import ReplicaRule
 from jvitals.monitor.trackers import (
     BASELINES,
     BucketSeries,
@@ -71,10 +72,13 @@ from jvitals.monitor.trackers import (
 )
 from jvitals.monitor.types import (
     Alert,
+    Change,
     Level,
+    RuleBase,
     Spike,
-    dec_state,
-    enc_state,
+    clear,
+    release,
+    set_,
     split_group,
 )
 
@@ -175,62 +179,6 @@ class Figures:
         return a
 
 
-class Change(NamedTuple):
-    """One alert change a rule returns.
-
-    ``op``: ``"set"`` opens or updates the alert ``(rule, key)`` at
-    ``level``; ``"release"`` says its condition did not hold (it closes after
-    ``Policy.clear_steps`` clear steps); ``"clear"`` closes it now.
-    ``diverging``: counts toward the divergence rule (``None``: every
-    ORANGE-or-worse set does). ``prescription``: a key of ``PRESCRIPTIONS``
-    overriding the rule's own.
-    """
-
-    op: str
-    rule: str
-    key: str
-    metric: str = ""
-    level: Level = Level.GREEN
-    value: float = _NAN
-    baseline: float = _NAN
-    ratio: float = _NAN
-    headline: str = ""
-    event: str = ""
-    onset: int | None = None
-    details: dict[str, Any] | None = None
-    diverging: bool | None = None
-    prescription: str | None = None
-
-
-def set_(rule: str, metric: str, level: Level, value: float, baseline: float, ratio: float,
-         headline: str, event: str, *, key: str | None = None, **kw: Any) -> Change:
-    """A ``"set"`` change (``key`` defaults to the metric)."""
-    return Change("set", rule, metric if key is None else key, metric, level, value, baseline,
-                  ratio, headline, event, **kw)
-
-
-_CACHED: dict[tuple[str, str, str], Change] = {}
-
-
-def _cached(op: str, rule: str, key: str) -> Change:
-    c = _CACHED.get((op, rule, key))
-    if c is None:
-        if len(_CACHED) > 4096:
-            _CACHED.clear()
-        c = _CACHED[(op, rule, key)] = Change(op, rule, key)
-    return c
-
-
-def release(rule: str, key: str) -> Change:
-    """A ``"release"`` change (immutable, so one object per (rule, key) is reused)."""
-    return _cached("release", rule, key)
-
-
-def clear(rule: str, key: str) -> Change:
-    """A ``"clear"`` change."""
-    return _cached("clear", rule, key)
-
-
 @runtime_checkable
 class Rule(Protocol):
     """What the monitor needs of a rule (the others are optional)."""
@@ -241,35 +189,7 @@ class Rule(Protocol):
         ...
 
 
-class _Base:
-    """What every default rule shares: its policy, its state, a no-op rollback.
-
-    A rule's state is the attributes named in ``state_fields``: ``state_dict``
-    writes each with :func:`~jvitals.monitor.types.enc_state` (plain JSON) and
-    ``load_state_dict`` reads each back shaped like the fresh rule's own value
-    (:func:`~jvitals.monitor.types.dec_state`; ``state_types[name]`` names the
-    tracker class of a dict-of-trackers field). A field missing from the saved
-    dict keeps its fresh value.
-    """
-
-    name = ""
-    state_fields: tuple[str, ...] = ()
-    state_types: Mapping[str, type] = {}
-
-    def __init__(self, policy: Policy) -> None:
-        self.p = policy
-
-    def state_dict(self) -> dict[str, Any]:
-        return {k: enc_state(getattr(self, k)) for k in self.state_fields}
-
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        for k in self.state_fields:
-            if k in d:
-                setattr(self, k, dec_state(d[k], getattr(self, k), self.state_types.get(k)))
-
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
-        del step, t_to
-        return []
+_Base = RuleBase
 
 
 # --------------------------------------------------------------------------
@@ -1578,8 +1498,6 @@ class DivergenceRule(_Base):
 
 def default_rules(policy: Policy) -> list[Any]:
     """The default rule list, in the order ``Monitor.update`` runs it."""
-    from jvitals.monitor.replicas import ReplicaRule  # the per-replica rule (it builds Changes of this module)
-
     return [NonFiniteRule(policy), SpikeRule(policy), RatioRule(policy), TrendRule(policy),
             JumpRule(policy), GroupRule(policy), LogitRule(policy), RouterRule(policy), ThroughputRule(policy),
             LossScaleRule(policy), GapRule(policy), ValRiseRule(policy), BrokenModelRule(policy),

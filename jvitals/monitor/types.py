@@ -19,7 +19,7 @@ import math
 import numbers
 import re
 import types
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 __all__ = [
     "Alert",
@@ -257,6 +257,20 @@ PRESCRIPTIONS: Mapping[str, Prescription] = types.MappingProxyType({
         "restore the latest healthy checkpoint (params and optimizer state), "
         "cut the learning rate by 10% (20-50% if it recurs), keep the data "
         "position"),
+    # The replica rule (monitor/replicas.py), by what it suspects.
+    "replica_device": Prescription(
+        "one replica's figures off the others' while its data moves",
+        "a sick device (a chip returning wrong numbers or NaN)",
+        "restart without that host from the healthy checkpoint; do not lower the learning rate"),
+    "replica_data": Prescription(
+        "one replica's figures off the others', following a data shard across replicas",
+        "a bad data shard (corrupt or off-distribution)",
+        "skip or repair that shard; keep the learning rate and the hosts"),
+    "replica_unknown": Prescription(
+        "one replica's figures off the others' (device or data not yet told apart)",
+        "a sick device or the data shard it read",
+        "rotate the data shards between replicas to tell; if it stays on the replica, restart "
+        "without its host"),
     "generic": Prescription(
         "a metric left its baseline",
         "see the localization for the earliest departing metric",
@@ -283,6 +297,7 @@ RULE_PRESCRIPTION: Mapping[str, str] = types.MappingProxyType({
     "throughput": "low_throughput",
     "divergence": "divergence",
     "rollback": "divergence",
+    "replica": "replica_unknown",
 })
 """Rule id -> key of :data:`PRESCRIPTIONS`."""
 
@@ -558,3 +573,98 @@ class Verdict:
         """Earliest ``onset_step`` among the alerts at the verdict's level."""
         onsets = [a.onset_step for a in self.alerts if a.level == self.level]
         return min(onsets) if onsets else None
+
+
+# --------------------------------------------------------------------------
+# The changes a rule returns (rules.py and replicas.py build them).
+# --------------------------------------------------------------------------
+
+
+_NAN = float("nan")
+
+
+class Change(NamedTuple):
+    """One alert change a rule returns.
+
+    ``op``: ``"set"`` opens or updates the alert ``(rule, key)`` at
+    ``level``; ``"release"`` says its condition did not hold (it closes after
+    ``Policy.clear_steps`` clear steps); ``"clear"`` closes it now.
+    ``diverging``: counts toward the divergence rule (``None``: every
+    ORANGE-or-worse set does). ``prescription``: a key of ``PRESCRIPTIONS``
+    overriding the rule's own.
+    """
+
+    op: str
+    rule: str
+    key: str
+    metric: str = ""
+    level: Level = Level.GREEN
+    value: float = _NAN
+    baseline: float = _NAN
+    ratio: float = _NAN
+    headline: str = ""
+    event: str = ""
+    onset: int | None = None
+    details: dict[str, Any] | None = None
+    diverging: bool | None = None
+    prescription: str | None = None
+
+
+def set_(rule: str, metric: str, level: Level, value: float, baseline: float, ratio: float,
+         headline: str, event: str, *, key: str | None = None, **kw: Any) -> Change:
+    """A ``"set"`` change (``key`` defaults to the metric)."""
+    return Change("set", rule, metric if key is None else key, metric, level, value, baseline,
+                  ratio, headline, event, **kw)
+
+
+_CACHED: dict[tuple[str, str, str], Change] = {}
+
+
+def _cached(op: str, rule: str, key: str) -> Change:
+    c = _CACHED.get((op, rule, key))
+    if c is None:
+        if len(_CACHED) > 4096:
+            _CACHED.clear()
+        c = _CACHED[(op, rule, key)] = Change(op, rule, key)
+    return c
+
+
+def release(rule: str, key: str) -> Change:
+    """A ``"release"`` change (immutable, so one object per (rule, key) is reused)."""
+    return _cached("release", rule, key)
+
+
+def clear(rule: str, key: str) -> Change:
+    """A ``"clear"`` change."""
+    return _cached("clear", rule, key)
+
+
+class RuleBase:
+    """What every default rule shares: its policy, its state, a no-op rollback.
+
+    A rule's state is the attributes named in ``state_fields``: ``state_dict``
+    writes each with :func:`~jvitals.monitor.types.enc_state` (plain JSON) and
+    ``load_state_dict`` reads each back shaped like the fresh rule's own value
+    (:func:`~jvitals.monitor.types.dec_state`; ``state_types[name]`` names the
+    tracker class of a dict-of-trackers field). A field missing from the saved
+    dict keeps its fresh value.
+    """
+
+    name = ""
+    state_fields: tuple[str, ...] = ()
+    state_types: Mapping[str, type] = {}
+
+    def __init__(self, policy: Any) -> None:
+        self.p = policy
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: enc_state(getattr(self, k)) for k in self.state_fields}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        for k in self.state_fields:
+            if k in d:
+                setattr(self, k, dec_state(d[k], getattr(self, k), self.state_types.get(k)))
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        del step, t_to
+        return []
