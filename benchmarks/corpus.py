@@ -393,19 +393,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
 RULE_POLICY: dict[str, str] = {
     "nonfinite": "nonfinite_metrics, nonfinite_count_metrics",
     "loss_spike": "spike_z, spike_min_ratio, physiological_steps, spike_alert_metrics",
-    "periodic_spike": "periodic_min_spikes, periodic_tolerance, periodic_min_interval",
-    "grad_norm": "ratio_rules['grad/global_norm'], confirm_checks, hysteresis, baseline_steps",
-    "param_norm": "ratio_rules['param/global_norm'], confirm_checks, hysteresis",
-    "ratio": "ratio_rules",
-    "grad_trend": "trend_z, trend_min_rise, trend_min_ratio, trend_window",
-    "group": "group_bands, group_z, group_confirm, group_global_ratio",
+    "periodic_spike": "periodic_metrics, periodic_min_spikes, periodic_tolerance, periodic_min_interval",
+    "grad_norm": ("ratio_rules['grad/global_norm'], baseline, drift_halflife, schedule_metrics, lr_exponent, "
+                  "ratio_noise_z, confirm_checks, hysteresis"),
+    "param_norm": "trend_metrics['param/global_norm'], trend_window, trend_drift_k",
+    "ratio": "ratio_rules, baseline, drift_halflife, confirm_checks, hysteresis",
+    "grad_trend": "trend_metrics['grad/global_norm'], trend_window, trend_buckets, trend_drift_k",
+    "jump": "jump_metrics",
+    "group": "group_bands, group_jump, group_window, group_drift_k, group_z, group_min_share, group_global_ratio",
+    "logits": "logit_bands, group_window, group_drift_k",
     "router": "router_bands, router_z, router_steps",
-    "throughput": "throughput_drop, throughput_metrics",
-    "loss_scale": "loss_scale_drop, loss_scale_metric",
-    "val_gap": "val_gap_ratio, val_gap_min_growth, gap_z, gap_confirm",
+    "throughput": "throughput_metrics, throughput_drop, throughput_hold_steps",
+    "loss_scale": "loss_scale_metric, loss_scale_drop",
+    "val_gap": "val_gap_ratio, val_gap_min_growth, val_gap_window, gap_z, gap_confirm",
     "val_rise": "val_rise_z, val_rise_min, val_rise_window",
     "broken_model": "broken_chance_frac, broken_param_jump, broken_steps, broken_loss_steps",
     "divergence": "red_after, red_min_steps, divergence_loss_ratio",
+    "replica": "replica_z, replica_min_ratio, replica_rel_floor, replica_confirm",
 }
 
 

@@ -45,6 +45,9 @@ Rule table (every number a Policy field)::
     DivergenceRule      divergence       RED      red_after consecutive checks with an ORANGE
                                                   condition (or the loss > 1.25x its pre-spike trend
                                                   after the pathological window)
+    ReplicaRule         replica          YELLOW,  one replica's figure a robust outlier (median/MAD
+      (monitor/replicas.py)              ORANGE   across replicas) on consecutive checks; one
+                                                  replica non-finite while the others are finite
 """
 
 from __future__ import annotations
