@@ -167,6 +167,7 @@ def test_user_rule_objects_run_and_resume():
     assert state["rules"]["loss_above"] == {"count": 250}
     rule2 = LossAbove(7.0)
     m2 = Monitor.from_state_dict(state, rules=default_rules(p) + [rule2])
+    assert m2.rule("loss_above") is rule2
     assert rule2.count == 250
     with pytest.raises(ValueError, match="unique names"):
         Monitor(p, rules=[LossAbove(1), LossAbove(2)])
