@@ -115,20 +115,27 @@ Example (the loop of USER-LOOP.md)::
 from __future__ import annotations
 
 import collections
-import dataclasses
 import enum
 import json
 import logging
 import math
 import os
-import re
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import jax
 import numpy as np
-import optax
 
 from jvitals.monitor.types import PRESCRIPTIONS, RULE_PRESCRIPTION, Alert, Level
+from jvitals.guard.actions import (
+    action_text,
+    keep_step,
+    parse_reset,
+    reset_adam_moments,  # noqa: F401 - re-exported (tests, users)
+    reset_moments,
+    scale_lr,
+    skip_batches,
+)
+from jvitals.guard.alertlog import AlertLog
 from jvitals.guard.checkpoints import (
     CADENCE,
     MANUAL,
@@ -139,23 +146,25 @@ from jvitals.guard.checkpoints import (
     CheckpointInfo,
     CheckpointSaveError,
     CheckpointStore,
-    agree,
     allgather_ints,
     allgather_json,
     json_default,
-    level_name,
-)
-from jvitals.optim.lr_scale import has_lr_scale, set_lr_scale
-from jvitals.guard.remedies import (
-    _matches,
-    applied_text,
-    apply_remedies,
-    causes_of,
-    check_regex,
-    parse_remedies,
-    reapply_lr_groups,
 )
 from jvitals.guard.events import ROLLBACK_COUNT, ROLLBACK_LR_SCALE, write_events
+from jvitals.guard.remedies import _matches, applied_text, apply_remedies, causes_of, parse_remedies, reapply_lr_groups
+from jvitals.guard.target import (
+    Target,
+    cutoff_before,
+    level_name,
+    newest_first,
+    no_target_message,
+    pick_target,
+    pins,
+    restore_order,
+    sick_after,
+    why_not,
+)
+from jvitals.optim.lr_scale import has_lr_scale
 
 __all__ = [
     "Action",
@@ -171,7 +180,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("jvitals.guard.rollback")
-_MOMENTS = ("mu", "nu")
 
 
 class Action(enum.Enum):
@@ -268,149 +276,8 @@ class TrainingPaused(Exception):
 
 
 # ----------------------------------------------------------------------------
-# The guard's record of the alerts it has seen.
-# ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Seen:
-    """One alert id as the guard saw it across its checks."""
-
-    id: int
-    rule: str
-    onset: int
-    departures: tuple[int, ...]
-    peak: int
-    first_check: int
-    revived: int | None = None      # the check at which it held again after clearing
-    clearing: bool = False
-    closed: int | None = None
-    lead: int | None = None
-
-    def sign(self) -> int:
-        """The alert's earliest sign: its onset or a change point of its localization."""
-        e = min((self.onset, *self.departures))
-        return e if self.revived is None else max(e, self.revived)
-
-
-def _is_spike(rule: str) -> bool:
-    """A spike alert (its onset is the spike's first step); periodic patterns are not."""
-    return "spike" in rule and rule != "periodic_spike"
-
-
-def _alert_id(a: Any) -> int | None:
-    i = getattr(a, "id", None)
-    return int(i) if isinstance(i, (int, np.integer)) and int(i) >= 0 else None
-
-
-class _AlertLog:
-    """What the guard knows of the monitor's alerts, by id (from the verdicts only)."""
-
-    def __init__(self) -> None:
-        self.seen: dict[int, _Seen] = {}
-        self.last_calm: int | None = None      # last check with no open alert that reached ORANGE
-
-    def observe(self, step: int, verdict: Any) -> None:
-        open_alerts = list(getattr(verdict, "alerts", None) or []) if verdict is not None else []
-        closed = list(getattr(verdict, "closed_alerts", None) or []) if verdict is not None else []
-        now_open = set()
-        for a in open_alerts:
-            i = _alert_id(a)
-            if i is None:
-                continue
-            now_open.add(i)
-            rec = self.seen.get(i)
-            clearing = getattr(a, "clearing_since", None) is not None
-            deps = tuple(int(loc.departure_step) for loc in (getattr(a, "localization", None) or [])
-                         if getattr(loc, "departure_step", None) is not None)
-            peak = int(max(int(getattr(a, "peak_level", a.level)), int(a.level)))
-            lead = (getattr(a, "details", None) or {}).get("lead_alert")
-            if rec is None or rec.closed is not None:
-                rec = self.seen[i] = _Seen(i, str(getattr(a, "rule", "")), int(a.onset_step), deps,
-                                           peak, step)
-            else:
-                if rec.clearing and not clearing:
-                    rec.revived = step
-                rec.onset, rec.departures = int(a.onset_step), deps
-                rec.peak = max(rec.peak, peak)
-            rec.clearing = clearing
-            rec.lead = int(lead) if isinstance(lead, (int, np.integer)) else None
-        for a in closed:
-            i = _alert_id(a)
-            if i is not None and i in self.seen and i not in now_open:
-                self.seen[i].closed = step
-        for i, rec in self.seen.items():
-            if i not in now_open and rec.closed is None:
-                rec.closed = step                   # gone from the open alerts: closed
-        if all(self.seen[i].peak < Level.ORANGE for i in now_open):
-            self.last_calm = step
-        if len(self.seen) > 512:                    # forget long-closed alerts
-            for i in sorted(i for i, r in self.seen.items() if r.closed is not None)[:-256]:
-                del self.seen[i]
-
-    def open_peak(self, verdict: Any) -> int:
-        peaks = [self.seen[i].peak for i in self._open_ids(verdict) if i in self.seen]
-        return max(peaks, default=int(Level.GREEN))
-
-    @staticmethod
-    def _open_ids(verdict: Any) -> list[int]:
-        out = []
-        for a in (getattr(verdict, "alerts", None) or []) if verdict is not None else []:
-            i = _alert_id(a)
-            if i is not None:
-                out.append(i)
-        return out
-
-    def chain_sign(self, verdict: Any, step: int, remedied: Iterable[int] = ()) -> int:
-        """Earliest sign of the chain of alerts that escalated to the red (see module doc);
-        ``remedied``: ids of the alerts whose remedy the guard applies (in the chain too)."""
-        ids = {i for i in self._open_ids(verdict) if i in self.seen and (
-            self.seen[i].peak >= Level.ORANGE or _is_spike(self.seen[i].rule))}
-        ids |= {i for i in remedied if i in self.seen}
-        calm = self.last_calm if self.last_calm is not None else -1
-        ids |= {i for i, r in self.seen.items()
-                if r.peak >= Level.ORANGE and r.closed is not None and r.closed > calm}
-        for i in list(ids):
-            lead = self.seen[i].lead
-            if lead is not None and lead in self.seen:
-                ids.add(lead)
-        signs = [self.seen[i].sign() for i in ids]
-        if not signs and verdict is not None and getattr(verdict, "onset_step", None) is not None:
-            signs.append(int(verdict.onset_step))
-        return min(signs) if signs else int(step)
-
-    def open_signs(self, verdict: Any) -> dict[int, int]:
-        """``{alert id: earliest sign}`` of the open alerts."""
-        return {i: self.seen[i].sign() for i in self._open_ids(verdict) if i in self.seen}
-
-
-# ----------------------------------------------------------------------------
 # Small helpers.
 # ----------------------------------------------------------------------------
-
-
-def _get_field(state: Any, name: str) -> Any:
-    if isinstance(state, Mapping):
-        return state.get(name, None)
-    return getattr(state, name, None)
-
-
-def _set_field(state: Any, name: str, value: Any) -> Any:
-    if isinstance(state, Mapping):
-        if name not in state:
-            return state
-        out = dict(state)
-        out[name] = value
-        return type(state)(out) if type(state) is not dict else out
-    if not hasattr(state, name):
-        return state
-    if hasattr(state, "_replace"):          # NamedTuple
-        return state._replace(**{name: value})
-    if hasattr(state, "replace"):           # flax.struct / TrainState
-        return state.replace(**{name: value})
-    if dataclasses.is_dataclass(state):
-        return dataclasses.replace(state, **{name: value})
-    return state
 
 
 def _alert_lines(alerts: Iterable[Any], limit: int = 5) -> str:
@@ -451,98 +318,42 @@ def _make_alert(rule: str, metric: str, level: Level, step: int, value: float, o
                  closed_step=int(step), details=details)
 
 
-def _parse_reset(spec: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """``reset_optimizer`` as ``((path regex, moments), ...)``; see :class:`Rollback`."""
-    if spec is None or spec is False:
-        return ()
-    if isinstance(spec, str):
-        spec = (spec,)
-    if isinstance(spec, Mapping):
-        items = list(spec.items())
-    elif isinstance(spec, (list, tuple)) and all(isinstance(m, str) for m in spec):
-        items = [(".*", tuple(spec))]
-    else:
-        raise ValueError(f"Rollback expects reset_optimizer=('nu',), ('mu', 'nu') or "
-                         f"{{path_regex: moments}}, got {spec!r}")
-    out = []
-    for pattern, moments in items:
-        moments = (moments,) if isinstance(moments, str) else tuple(moments)
-        bad = [m for m in moments if m not in _MOMENTS]
-        if bad or not moments:
-            raise ValueError(f"Rollback: reset_optimizer names Adam moments among {_MOMENTS}, got "
-                             f"{moments!r} for {pattern!r}")
-        check_regex(pattern, "Rollback: reset_optimizer")
-        out.append((str(pattern), moments))
-    return tuple(out)
+def _check_args(*, save_every: int, lr_factor: float, max_rollbacks: int | None, pause: Any,
+                onset_margin: int, rewind_steps: int | None, skip_data: Any,
+                snapshots: "Snapshots | None") -> None:
+    """Raises a ValueError naming the first :class:`Rollback` argument out of range."""
+    if int(save_every) < 1:
+        raise ValueError(f"Rollback expects save_every >= 1, got {save_every}")
+    if not 0.0 < float(lr_factor) <= 1.0:
+        raise ValueError(f"Rollback expects 0 < lr_factor <= 1, got {lr_factor}")
+    if max_rollbacks is not None and int(max_rollbacks) < 0:
+        raise ValueError(f"Rollback expects max_rollbacks >= 0 or None, got {max_rollbacks}")
+    if not (pause in ("return", "raise") or callable(pause)):
+        raise ValueError(f"Rollback expects pause='return', 'raise' or a callable, got {pause!r}")
+    if int(onset_margin) < 0:
+        raise ValueError(f"Rollback expects onset_margin >= 0, got {onset_margin}")
+    if rewind_steps is not None and int(rewind_steps) < 0:
+        raise ValueError(f"Rollback expects rewind_steps >= 0 or None, got {rewind_steps}")
+    if not (isinstance(skip_data, bool) or (isinstance(skip_data, int) and skip_data >= 0)):
+        raise ValueError(f"Rollback expects skip_data=False, True or an int >= 0, got {skip_data!r}")
+    if snapshots is not None and (int(snapshots.every) < 1 or int(snapshots.keep) < 1):
+        raise ValueError(f"Rollback expects Snapshots(every >= 1, keep >= 1), got {snapshots}")
 
 
-def _path_name(path: Sequence[Any]) -> str:
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
-
-
-def _zeros_like(x: Any) -> Any:
-    """Zeros of ``x``'s shape, dtype and sharding (no retrace of a jitted step)."""
-    if isinstance(x, jax.Array):
-        host = np.zeros(x.shape, x.dtype)
-        if x.sharding.is_fully_addressable:
-            return jax.device_put(host, x.sharding)
-        return jax.make_array_from_callback(x.shape, x.sharding, lambda idx: host[idx])
-    return np.zeros_like(x)
-
-
-def reset_adam_moments(state: Any, spec: Sequence[tuple[str, Sequence[str]]]) -> tuple[Any, dict[str, Any]]:
-    """Zeroes the Adam moments named by ``spec`` in every ``ScaleByAdamState`` of ``state``.
-
-    Args:
-      state: any pytree holding optax Adam states.
-      spec: ``((path regex, moments), ...)``; a leaf's moment is reset when the
-        leaf's ``/``-joined parameter path matches a regex (``re.search``) listed
-        with that moment.
-
-    Returns:
-      ``(state, summary)``: the new state, and ``{"leaves": {moment: [paths]},
-      "count_reset": bool}`` (the count is zeroed when every moment of every leaf
-      was reset: a fresh Adam).
-    """
-    done: dict[str, list[str]] = {m: [] for m in _MOMENTS}
-    total = {"n": 0, "all": True, "found": False}
-
-    def node(x: Any) -> Any:
-        if not isinstance(x, optax.ScaleByAdamState):
-            return x
-        total["found"] = True
-        new = {}
-        for m in _MOMENTS:
-            def leaf(path, v, m=m):
-                name = _path_name(path)
-                if any(m in ms and re.search(p, name) for p, ms in spec):
-                    done[m].append(name)
-                    return _zeros_like(v)
-                total["all"] = False
-                return v
-            new[m] = jax.tree_util.tree_map_with_path(leaf, getattr(x, m))
-        out = x._replace(mu=new["mu"], nu=new["nu"])
-        if total["all"]:
-            out = out._replace(count=_zeros_like(x.count))
-        return out
-
-    out = jax.tree.map(node, state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
-    if not total["found"]:
-        raise ValueError("Rollback(reset_optimizer=...) expects an Adam-family optimizer state "
-                         "(optax.ScaleByAdamState, as in adam/adamw) in the train state; found none. "
-                         "Pass reset_optimizer=None for this optimizer.")
-    count_reset = total["all"] and bool(done["mu"] or done["nu"])
-    if not count_reset and total["all"]:
-        count_reset = False
-    return out, {"leaves": {m: sorted(set(v)) for m, v in done.items() if v}, "count_reset": count_reset}
+def _open_stores(directory: str | os.PathLike, snapshots: "Snapshots | None", *,
+                 healthy_levels: frozenset[int], keep_last: int, keep_every: int | None,
+                 keep_green: int, keep_quarantined: int) -> tuple[CheckpointStore, CheckpointStore | None]:
+    """The checkpoint store, and the snapshot store with ``snapshots`` (default
+    directory ``<directory>/snapshots``)."""
+    store = CheckpointStore(directory, keep_last=keep_last, keep_every=keep_every, keep_green=keep_green,
+                            keep_quarantined=keep_quarantined, healthy_levels=healthy_levels,
+                            name="checkpoints")
+    if snapshots is None:
+        return store, None
+    where = snapshots.directory if snapshots.directory is not None else store.directory / "snapshots"
+    return store, CheckpointStore(where, keep_last=int(snapshots.keep), keep_every=None, keep_green=0,
+                                  keep_quarantined=0, healthy_levels=healthy_levels, name="snapshots",
+                                  quarantine_file=True)
 
 
 # ----------------------------------------------------------------------------
@@ -634,22 +445,9 @@ class Rollback:
                  reset_optimizer: Any = None, snapshots: Snapshots | None = None,
                  writer: Any = None, remedies: Any = None) -> None:
         self.remedy_table = parse_remedies(remedies)
-        if int(save_every) < 1:
-            raise ValueError(f"Rollback expects save_every >= 1, got {save_every}")
-        if not 0.0 < float(lr_factor) <= 1.0:
-            raise ValueError(f"Rollback expects 0 < lr_factor <= 1, got {lr_factor}")
-        if max_rollbacks is not None and int(max_rollbacks) < 0:
-            raise ValueError(f"Rollback expects max_rollbacks >= 0 or None, got {max_rollbacks}")
-        if not (pause in ("return", "raise") or callable(pause)):
-            raise ValueError(f"Rollback expects pause='return', 'raise' or a callable, got {pause!r}")
-        if int(onset_margin) < 0:
-            raise ValueError(f"Rollback expects onset_margin >= 0, got {onset_margin}")
-        if rewind_steps is not None and int(rewind_steps) < 0:
-            raise ValueError(f"Rollback expects rewind_steps >= 0 or None, got {rewind_steps}")
-        if not (isinstance(skip_data, bool) or (isinstance(skip_data, int) and skip_data >= 0)):
-            raise ValueError(f"Rollback expects skip_data=False, True or an int >= 0, got {skip_data!r}")
-        if snapshots is not None and (int(snapshots.every) < 1 or int(snapshots.keep) < 1):
-            raise ValueError(f"Rollback expects Snapshots(every >= 1, keep >= 1), got {snapshots}")
+        _check_args(save_every=save_every, lr_factor=lr_factor, max_rollbacks=max_rollbacks, pause=pause,
+                    onset_margin=onset_margin, rewind_steps=rewind_steps, skip_data=skip_data,
+                    snapshots=snapshots)
         self.save_every = int(save_every)
         self.lr_factor = float(lr_factor)
         self.max_rollbacks = None if max_rollbacks is None else int(max_rollbacks)
@@ -663,10 +461,23 @@ class Rollback:
         self.onset_margin = int(onset_margin)
         self.rewind_steps = None if rewind_steps is None else int(rewind_steps)
         self.skip_data = skip_data
-        self.reset_optimizer = _parse_reset(reset_optimizer)
+        self.reset_optimizer = parse_reset(reset_optimizer)
         self.snapshots = snapshots
         self.writer = writer
+        self._init_bookkeeping()
+        self.store, self.snapshot_store = _open_stores(
+            directory, snapshots, healthy_levels=self.healthy_levels, keep_last=keep_last,
+            keep_every=keep_every, keep_green=keep_green, keep_quarantined=keep_quarantined)
+        self.directory = self.store.directory
+        self._collect_failures()
+        regular = [r.step for r in self.store.checkpoints if r.kind in (CADENCE, ROLLBACK_SAVE, MANUAL)
+                   and r.quarantined is None]
+        self._last_regular = max(regular) if regular else None
+        self._found_at_open = max((s.latest_step() for s in self._stores() if s.latest_step() is not None),
+                                  default=None)
 
+    def _init_bookkeeping(self) -> None:
+        """The public record (actions, history, alerts, events) and the guard's own state."""
         self.last_action: Action | None = None
         self.last_response: Response | None = None
         self.lr_scale = 1.0
@@ -686,26 +497,8 @@ class Rollback:
         self._resumed = False
         self._warned_no_resume = False
         self._checks: collections.deque[int] = collections.deque(maxlen=4096)
-        self._log = _AlertLog()
+        self._log = AlertLog()
         self._open_peak = int(Level.GREEN)
-
-        self.store = CheckpointStore(directory, keep_last=keep_last, keep_every=keep_every,
-                                     keep_green=keep_green, keep_quarantined=keep_quarantined,
-                                     healthy_levels=self.healthy_levels, name="checkpoints")
-        self.directory = self.store.directory
-        self.snapshot_store: CheckpointStore | None = None
-        if snapshots is not None:
-            where = snapshots.directory if snapshots.directory is not None else self.directory / "snapshots"
-            self.snapshot_store = CheckpointStore(
-                where, keep_last=int(snapshots.keep), keep_every=None, keep_green=0,
-                keep_quarantined=0, healthy_levels=self.healthy_levels, name="snapshots",
-                quarantine_file=True)
-        self._collect_failures()
-        regular = [r.step for r in self.store.checkpoints if r.kind in (CADENCE, ROLLBACK_SAVE, MANUAL)
-                   and r.quarantined is None]
-        self._last_regular = max(regular) if regular else None
-        self._found_at_open = max((s.latest_step() for s in self._stores() if s.latest_step() is not None),
-                                  default=None)
 
     # ------------------------------------------------------------------
     # Public API.
@@ -761,8 +554,9 @@ class Rollback:
         self._check_lr_scale(state)
         for s in self._stores():
             s.wait()
-        found = self._first_restorable(None, state, finite=self.check_finite)
-        skipped = [f"{r.step} ({self._why_not(r)})" for r in self._all_records()
+        found = self._restore_first(restore_order(self._all_records(), healthy_levels=self.healthy_levels),
+                                    state)
+        skipped = [f"{r.step} ({why_not(r, self.healthy_levels)})" for r in self._all_records()
                    if found is None or r.step > found[0].step]
         if found is None:
             if skipped:
@@ -935,27 +729,18 @@ class Rollback:
 
     def _all_records(self) -> list[CheckpointInfo]:
         """Every record of every store, newest first (a checkpoint before a snapshot at one step)."""
-        recs = [r for s in self._stores() for r in s.records.values()]
-        return sorted(recs, key=lambda r: (-r.step, r.store != "checkpoints"))
+        return newest_first(r for s in self._stores() for r in s.records.values())
 
     def _store_of(self, rec: CheckpointInfo) -> CheckpointStore:
         return self.store if rec.store == self.store.name else self.snapshot_store  # type: ignore[return-value]
-
-    def _why_not(self, rec: CheckpointInfo) -> str:
-        if rec.quarantined:
-            return f"quarantined: {rec.quarantined}"
-        if rec.level not in self.healthy_levels:
-            return f"saved at {level_name(rec.level)}"
-        if rec.open_peak >= Level.ORANGE:
-            return f"saved during an open {level_name(rec.open_peak)} alert"
-        return "not needed"
 
     def _decide(self, step: int, verdict: Any) -> tuple[int, int, int]:
         """Process 0's (level, earliest sign, cutoff), the same on every process (and its
         open peak level, in ``_open_peak``)."""
         level = int(getattr(verdict, "level", Level.GREEN)) if verdict is not None else int(Level.GREEN)
         sign = self._log.chain_sign(verdict, step, self._remedied(verdict)) if level >= Level.RED else step
-        rows = allgather_ints([step, level, sign, self._cutoff(sign), self._log.open_peak(verdict)])
+        rows = allgather_ints([step, level, sign, cutoff_before(sign, self._checks, self.onset_margin),
+                             self._log.open_peak(verdict)])
         if (rows[:, 0] != rows[0, 0]).any():
             raise RuntimeError(
                 f"Rollback: processes called respond at different steps {rows[:, 0].tolist()}; "
@@ -974,22 +759,6 @@ class Rollback:
         return {c.alert_id for c in causes_of(alerts)
                 if c.alert_id >= 0 and any(_matches(p, c) for p, _ in self.remedy_table)}
 
-    def _cutoff(self, sign: int) -> int:
-        """A target's step must be below this: one host cadence before the earliest sign.
-
-        The metrics seen at a check may come from any update since the previous
-        check, that check's own included (its effect shows from the next step), so
-        the target must be older than the last check before ``sign``: with ``sign``
-        at a check, the previous check; with ``sign`` between checks (a change
-        point, or a monitor fed more often than the guard acts), the check before
-        it. Without an earlier check: ``sign - onset_margin``.
-        """
-        before = [c for c in self._checks if c < sign]
-        cutoff = sign - self.onset_margin
-        if before:
-            cutoff = min(cutoff, max(before))
-        return cutoff
-
     def _cadence_due(self, step: int) -> bool:
         last = self._last_regular
         return last is None or step // self.save_every > last // self.save_every
@@ -1001,58 +770,29 @@ class Rollback:
         last = max((x for x in (self._last_snapshot, self._last_regular) if x is not None), default=None)
         return last is None or step // every > last // every
 
-    def _first_restorable(self, before: int | None, like: Any, *, finite: bool,
-                          not_after: int | None = None) -> tuple[CheckpointInfo, Any, dict] | None:
-        """The newest healthy checkpoint (``step < before``, ``<= not_after``) that restores."""
-        for allow_suspect in (False, True):
-            for rec in self._all_records():
-                if before is not None and rec.step >= before:
-                    continue
-                if not_after is not None and rec.step > not_after:
-                    continue
-                store = self._store_of(rec)
-                if not store.is_healthy(rec, allow_suspect=allow_suspect):
-                    continue
-                got = store.try_restore(rec.step, like, finite=finite)
-                self._collect_failures()
-                if got is not None:
-                    if allow_suspect:
-                        _log.warning("Rollback: no healthy checkpoint left; using the relapse "
-                                     "suspect %d (%s).", rec.step, rec.quarantined)
-                    return (rec, *got)
+    def _restore_first(self, candidates: Iterable[CheckpointInfo],
+                       like: Any) -> tuple[CheckpointInfo, Any, dict] | None:
+        """The first of ``candidates`` that restores (finite, with ``check_finite``) on every
+        process; one that does not is quarantined by its store (an alert) and the next tried."""
+        for rec in candidates:
+            got = self._store_of(rec).try_restore(rec.step, like, finite=self.check_finite)
+            self._collect_failures()
+            if got is not None:
+                if rec.quarantined is not None:
+                    _log.warning("Rollback: no healthy checkpoint left; using the relapse "
+                                 "suspect %d (%s).", rec.step, rec.quarantined)
+                return (rec, *got)
         return None
 
     def _update_pins(self, verdict: Any) -> None:
-        """Pins the newest healthy checkpoint, the rollback targets, and the newest healthy
-        one before each open alert's earliest sign."""
-        pins: dict[int, str] = {}
-        for h in self.history:
-            pins.setdefault(int(h["to_step"]), f"rollback target (restored at step {h['step']})")
-            if h.get("source_step") is not None:
-                pins.setdefault(int(h["source_step"]), f"params of a rollback target (step {h['step']})")
-        recs = [r for r in self._all_records() if self._store_of(r).is_healthy(r)]
-        if recs:
-            pins.setdefault(recs[0].step, "newest healthy")
-        rewind = self.rewind_steps
-        if rewind is not None and self._checks:
-            now = max(self._checks)
-            # Any later onset is >= now: keep the newest healthy checkpoint at least N
-            # steps back, and the newer healthy ones that will take its place.
-            reserve = [r for r in recs if r.step <= now - rewind]
-            floor = reserve[0].step if reserve else -1
-            for r in recs:
-                if r.step >= floor:
-                    pins.setdefault(r.step, f"rewind_steps={rewind} reserve (step {now})")
-        for i, sign in sorted(self._log.open_signs(verdict).items()):
-            cut = self._cutoff(sign)
-            before = [r for r in recs if r.step < cut and (rewind is None or r.step <= sign - rewind)]
-            if before:
-                pins.setdefault(before[0].step, f"newest healthy before the onset {sign} of open alert "
-                                                f"#{i} ({self._log.seen[i].rule})")
+        """Sets the stores' pins (:func:`jvitals.guard.target.pins`), process 0's for all."""
+        keep = pins(self.history, self._all_records(), open_alerts=self._log.open_records(verdict),
+                    checks=list(self._checks), onset_margin=self.onset_margin,
+                    healthy_levels=self.healthy_levels, rewind_steps=self.rewind_steps)
         if jax.process_count() > 1:
-            pins = {int(s): r for s, r in allgather_json({str(s): r for s, r in pins.items()})[0].items()}
+            keep = {int(s): r for s, r in allgather_json({str(s): r for s, r in keep.items()})[0].items()}
         for s in self._stores():
-            s.set_pins(pins)
+            s.set_pins(keep)
 
     # ------------------------------------------------------------------
     # Red.
@@ -1060,112 +800,96 @@ class Rollback:
 
     def _rollback(self, step: int, state: Any, verdict: Any, position: Any, sign: int,
                   cutoff: int, alerts: list[Alert]) -> Response:
+        """Red: the target (:func:`jvitals.guard.target.pick_target`), its restore, the
+        sick checkpoints quarantined, the actions, the record of it, and its save."""
         verdict_alerts = list(getattr(verdict, "alerts", []) or [])
-        not_after = None if self.rewind_steps is None else sign - self.rewind_steps
         for s in self._stores():
             s.wait()
         if self.max_rollbacks is not None and len(self.history) >= self.max_rollbacks:
             self._limit(step, verdict_alerts, position, sign, cutoff)
-        if self.history and (self._last_healthy_check is None
-                             or self._last_healthy_check <= self.history[-1]["step"]):
-            prev = self.history[-1]
-            reason = (f"relapse: red again at step {step} without a healthy check since the "
-                      f"rollback at step {prev['step']} to step {prev['to_step']}")
-            source = prev.get("source_step", prev["to_step"])
-            for r in self._all_records():
-                if r.quarantined is None and (r.step == prev["to_step"]
-                                              or r.restored_from in (prev["to_step"], source)):
-                    self._store_of(r).quarantine(r.step, reason)
-        found = self._first_restorable(cutoff, state, finite=self.check_finite, not_after=not_after)
+        target = pick_target(self._all_records(), sign=sign, cutoff=cutoff, step=step,
+                             healthy_levels=self.healthy_levels, rewind_steps=self.rewind_steps,
+                             history=self.history, last_healthy_check=self._last_healthy_check)
+        for r in target.suspects:
+            self._store_of(r).quarantine(r.step, str(target.relapse_reason))
+        found = self._restore_first(target.candidates, state)
         if found is None:
-            listing = ", ".join(f"{r.step}:{level_name(r.level)}" + (f" ({self._why_not(r)})"
-                                if not self._store_of(r).is_healthy(r) else "")
-                                for r in reversed(self._all_records())) or "none"
-            for s in self._stores():
-                s.write_quarantine()
-            bound = f"step {cutoff}" + (f" and at most step {not_after}" if not_after is not None else "")
-            raise RollbackError(
-                f"Rollback: red at step {step} (earliest sign {sign}) but no "
-                f"healthy checkpoint before {bound} in {str(self.directory)!r}; expected one saved at "
-                f"a level in {sorted(level_name(x) for x in self.healthy_levels)} with no open "
-                f"ORANGE/RED alert that restores. On disk: {listing}. Alerts: "
-                f"{_alert_lines(verdict_alerts)}. Save earlier (a smaller save_every, snapshots=, "
-                "or a larger keep_last) or restart from an older run.")
+            self._no_target(step, target, verdict_alerts)
         rec, restored, meta = found
         alerts.extend(self._drain())            # corrupt candidates skipped on the way
-        target = rec.step
-        source = rec.restored_from if rec.restored_from is not None else target   # whose params
-        for r in self._all_records():
-            if target < r.step <= step and r.quarantined is None:
-                self._store_of(r).quarantine(
-                    r.step, f"sick: after rollback target {target}; red at step {step} (earliest sign {sign})")
-        actions: list[dict[str, Any]] = [{"action": "restore", "to_step": target, "store": rec.store}]
-        new_scale = self.lr_scale * self.lr_factor
-        if self.lr_factor != 1.0:
-            restored = set_lr_scale(restored, new_scale)
-            actions.append({"action": "lr_scale", "factor": self.lr_factor, "value": new_scale})
-        if self.step_attr is not None:
-            current = _get_field(state, self.step_attr)
-            if current is not None:
-                restored = _set_field(restored, self.step_attr, current)
-        if self.reset_optimizer:
-            restored, summary = reset_adam_moments(restored, self.reset_optimizer)
-            actions.append({"action": "reset_optimizer",
-                            "spec": {p: list(m) for p, m in self.reset_optimizer},
-                            "moments": sorted(summary["leaves"]),
-                            "leaves": sum(len(v) for v in summary["leaves"].values()),
-                            "count_reset": summary["count_reset"]})
-        if self.remedy_table:
-            restored = reapply_lr_groups(restored, self.remedies)
-            closed = list(getattr(verdict, "closed_alerts", []) or [])
-            restored, flags, applied = apply_remedies(restored, verdict_alerts + closed,
-                                                      self.remedy_table, self.remedies,
-                                                      lr_factor=self.lr_factor)
-            self.remedies = flags
-            actions.extend(applied)
-        new_position = position
-        if self.skip_data is not False:
-            positions = meta.get("positions")
-            then = positions[jax.process_index()] if isinstance(positions, list) and \
-                len(positions) == jax.process_count() else meta.get("position")
-            n = int(self.skip_data) if not isinstance(self.skip_data, bool) else \
-                max(0, int(position) - int(then if isinstance(then, (int, float)) else position))
-            new_position = int(position) + n
-            actions.append({"action": "skip_data", "batches": n, "from_position": int(position),
-                            "position": new_position})
+        source = rec.restored_from if rec.restored_from is not None else rec.step   # whose params
+        for r in sick_after(self._all_records(), rec.step, step):
+            self._store_of(r).quarantine(
+                r.step, f"sick: after rollback target {rec.step}; red at step {step} (earliest sign {sign})")
+        restored, new_scale, new_position, actions = self._actions(rec, restored, meta, state, verdict,
+                                                                   position)
         self.lr_scale = new_scale
         self.position = new_position
-        self.history.append({"step": step, "to_step": target, "source_step": source,
+        self.history.append({"step": step, "to_step": rec.step, "source_step": source,
                              "onset_step": sign, "cutoff": cutoff,
                              "lr_scale": new_scale, "position": _jsonable(new_position),
                              "actions": actions,
                              "alerts": [_alert_lines([a]) for a in verdict_alerts[:5]]})
-        note = None
-        if self.monitor is not None and hasattr(self.monitor, "note_rollback"):
-            note = self.monitor.note_rollback(step, target)
-        did = ", ".join(_action_text(a) for a in actions[1:] if a["action"] != "remedy") or "no other action"
-        cure = applied_text(actions)
-        did += f"; {cure}" if cure else ""
-        message = (f"[RED] rolled back at step {step} (earliest sign {sign}) to the healthy {rec.store[:-1]} "
-                   f"of step {target}; {did}; data position {new_position!r}; "
-                   f"{len(self.history)} rollback(s) so far; quarantined: {sorted(self.quarantined)}. "
-                   f"Cause: {_alert_lines(verdict_alerts, 2)}")
-        alerts.append(_make_alert("rollback", ROLLBACK_COUNT, Level.RED, step, len(self.history), sign,
-                                  message, {"to_step": target, "lr_scale": new_scale, "actions": actions,
-                                            "monitor_alert_id": getattr(note, "id", None)}))
-        self._event({"event": "rollback", "step": step, "to_step": target, "onset_step": sign,
-                     "lr_scale": new_scale, "position": _jsonable(new_position), "actions": actions,
-                     "remedies": [a["text"] for a in actions if a["action"] == "remedy"],
-                     "reason": _alert_lines(verdict_alerts, 1)})
+        alerts.append(self._announce(step, rec, sign, actions, verdict_alerts))
         for s in self._stores():
             s.write_quarantine()
         self._orange_saved = False
         saved = None
         if self.save_on_rollback:
             saved = self._save(step, restored, new_position, rec.level, ROLLBACK_SAVE, restored_from=source)
-        metrics = {**self.metrics(), "rollback/from_step": float(step), "rollback/to_step": float(target)}
-        return Response(Action.ROLLBACK, restored, step, saved, target, new_scale,
+        metrics = {**self.metrics(), "rollback/from_step": float(step), "rollback/to_step": float(rec.step)}
+        return Response(Action.ROLLBACK, restored, step, saved, rec.step, new_scale,
                         tuple(alerts + self._drain()), metrics, tuple(self._drain_events()), new_position)
+
+    def _no_target(self, step: int, target: Target, verdict_alerts: list[Any]) -> None:
+        """Raises :class:`RollbackError`: nothing restorable below the target's bound."""
+        for s in self._stores():
+            s.write_quarantine()
+        text = no_target_message(target, self._all_records(), step=step, healthy_levels=self.healthy_levels,
+                                 where=f" in {str(self.directory)!r}")
+        raise RollbackError(
+            f"Rollback: {text} Alerts: {_alert_lines(verdict_alerts)}. Save earlier (a smaller "
+            "save_every, snapshots=, or a larger keep_last) or restart from an older run.")
+
+    def _actions(self, rec: CheckpointInfo, restored: Any, meta: Mapping[str, Any], state: Any,
+                 verdict: Any, position: Any) -> tuple[Any, float, Any, list[dict[str, Any]]]:
+        """The actions after the restore (:mod:`jvitals.guard.actions`), in order:
+        ``(state, LR scale, data position, actions)``."""
+        actions: list[dict[str, Any]] = [{"action": "restore", "to_step": rec.step, "store": rec.store}]
+        restored, new_scale, did = scale_lr(restored, self.lr_scale, self.lr_factor)
+        actions += did
+        restored = keep_step(restored, state, self.step_attr)
+        restored, did = reset_moments(restored, self.reset_optimizer)
+        actions += did
+        if self.remedy_table:
+            restored = reapply_lr_groups(restored, self.remedies)
+            seen = list(getattr(verdict, "alerts", []) or []) + list(getattr(verdict, "closed_alerts", []) or [])
+            restored, self.remedies, did = apply_remedies(restored, seen, self.remedy_table, self.remedies,
+                                                          lr_factor=self.lr_factor)
+            actions += did
+        new_position, did = skip_batches(position, meta, self.skip_data)
+        return restored, new_scale, new_position, actions + did
+
+    def _announce(self, step: int, rec: CheckpointInfo, sign: int, actions: list[dict[str, Any]],
+                  verdict_alerts: list[Any]) -> Alert:
+        """The rollback's alert (RED, rule ``'rollback'``) and event; tells the monitor."""
+        note = None
+        if self.monitor is not None and hasattr(self.monitor, "note_rollback"):
+            note = self.monitor.note_rollback(step, rec.step)
+        did = ", ".join(action_text(a) for a in actions[1:] if a["action"] != "remedy") or "no other action"
+        cure = applied_text(actions)
+        did += f"; {cure}" if cure else ""
+        message = (f"[RED] rolled back at step {step} (earliest sign {sign}) to the healthy {rec.store[:-1]} "
+                   f"of step {rec.step}; {did}; data position {self.position!r}; "
+                   f"{len(self.history)} rollback(s) so far; quarantined: {sorted(self.quarantined)}. "
+                   f"Cause: {_alert_lines(verdict_alerts, 2)}")
+        self._event({"event": "rollback", "step": step, "to_step": rec.step, "onset_step": sign,
+                     "lr_scale": self.lr_scale, "position": _jsonable(self.position), "actions": actions,
+                     "remedies": [a["text"] for a in actions if a["action"] == "remedy"],
+                     "reason": _alert_lines(verdict_alerts, 1)})
+        return _make_alert("rollback", ROLLBACK_COUNT, Level.RED, step, len(self.history), sign,
+                           message, {"to_step": rec.step, "lr_scale": self.lr_scale, "actions": actions,
+                                     "monitor_alert_id": getattr(note, "id", None)})
 
     def _limit(self, step: int, verdict_alerts: list[Any], position: Any, sign: int, cutoff: int) -> None:
         """Raises :class:`RollbackLimitError` after quarantining what was saved since the sign."""
@@ -1289,17 +1013,3 @@ class Rollback:
         if self.writer is None:
             return
         write_events(self.writer, step, response.metrics, response.events)
-
-
-def _action_text(a: Mapping[str, Any]) -> str:
-    kind = a.get("action")
-    if kind == "lr_scale":
-        return f"LR scale {a['value']:.4g} (x{a['factor']} per rollback)"
-    if kind == "skip_data":
-        return f"skipped {a['batches']} batches"
-    if kind == "remedy":
-        return str(a.get("text"))
-    if kind == "reset_optimizer":
-        return f"reset Adam {'/'.join(a['moments']) or 'nothing'} of {a['leaves']} leaves" + (
-            " and its count" if a.get("count_reset") else "")
-    return str(kind)
