@@ -24,12 +24,14 @@ import jax
 import numpy as np
 import optax
 
-from jvitals.optim.lr_scale import set_lr_scale
+from jvitals.optim.lr_scale import has_lr_scale, set_lr_scale
 from jvitals.guard.remedies import check_regex
+from jvitals.guard.stores import own_position
 
 __all__ = [
     "MOMENTS",
     "action_text",
+    "check_lr_scale",
     "get_field",
     "keep_step",
     "parse_reset",
@@ -161,6 +163,18 @@ def reset_adam_moments(state: Any, spec: Sequence[tuple[str, Sequence[str]]]) ->
     return out, {"leaves": {m: sorted(set(v)) for m, v in done.items() if v}, "count_reset": count_reset}
 
 
+def check_lr_scale(state: Any, lr_factor: float) -> None:
+    """Raises a ValueError when ``lr_factor`` turns an LR scale that ``state`` lacks
+    (its optimizer not wrapped with :func:`jvitals.with_lr_scale`)."""
+    if lr_factor == 1.0 or has_lr_scale(state):
+        return
+    raise ValueError(
+        f"Rollback(lr_factor={lr_factor}) expects the train state's optimizer to be "
+        "wrapped with jvitals.with_lr_scale(tx) (an inject_hyperparams state holding "
+        f"'lr_scale'), found none in the {type(state).__name__}. Build the optimizer as "
+        "tx = jvitals.with_lr_scale(tx), or pass lr_factor=1.0 to keep the LR.")
+
+
 def scale_lr(restored: Any, lr_scale: float, lr_factor: float) -> tuple[Any, float, list[dict[str, Any]]]:
     """The LR scale x ``lr_factor`` in ``restored``: ``(state, new scale, actions)``
     (no action and the state untouched when ``lr_factor`` is 1)."""
@@ -199,9 +213,7 @@ def skip_batches(position: Any, meta: Mapping[str, Any], skip_data: bool | int) 
     """
     if skip_data is False:
         return position, []
-    positions = meta.get("positions")
-    then = positions[jax.process_index()] if isinstance(positions, list) and \
-        len(positions) == jax.process_count() else meta.get("position")
+    then = own_position(meta)
     n = int(skip_data) if not isinstance(skip_data, bool) else \
         max(0, int(position) - int(then if isinstance(then, (int, float)) else position))
     new_position = int(position) + n

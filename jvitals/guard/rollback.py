@@ -17,8 +17,15 @@ of :meth:`Rollback.respond` (at the host's check cadence) does one of::
                                   moments; data position kept by default
 
 The checkpoints live in a :class:`jvitals.guard.checkpoints.CheckpointStore` (save,
-levels, pins, quarantine, retention); this module decides what to save, what to
-pin and what to restore, and knows nothing about orbax.
+levels, pins, quarantine, retention; the checkpoints and the snapshots together in
+:class:`jvitals.guard.stores.Stores`); this module decides what to save and what to
+pin, and knows nothing about orbax. Its parts, each in a module of its own: the
+target of a rollback is a pure function of the alerts seen and the checkpoints on
+disk (:mod:`jvitals.guard.target`, over the records of :mod:`jvitals.guard.alertlog`);
+the restores (the rollback's steps, the resume) are in :mod:`jvitals.guard.restore`
+(a base class of :class:`Rollback`); the actions after a restore in
+:mod:`jvitals.guard.actions`; the types it returns and raises in
+:mod:`jvitals.guard.response`.
 
 Decisions (each is tested):
 
@@ -115,26 +122,14 @@ Example (the loop of USER-LOOP.md)::
 from __future__ import annotations
 
 import collections
-import enum
-import json
 import logging
-import math
 import os
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable
 
-import jax
 import numpy as np
 
-from jvitals.monitor.types import PRESCRIPTIONS, RULE_PRESCRIPTION, Alert, Level
-from jvitals.guard.actions import (
-    action_text,
-    keep_step,
-    parse_reset,
-    reset_adam_moments,  # noqa: F401 - re-exported (tests, users)
-    reset_moments,
-    scale_lr,
-    skip_batches,
-)
+from jvitals.monitor.types import Alert, Level
+from jvitals.guard.actions import check_lr_scale, parse_reset, reset_adam_moments  # noqa: F401 - re-exported
 from jvitals.guard.alertlog import AlertLog
 from jvitals.guard.checkpoints import (
     CADENCE,
@@ -145,26 +140,25 @@ from jvitals.guard.checkpoints import (
     SNAPSHOT,
     CheckpointInfo,
     CheckpointSaveError,
-    CheckpointStore,
     allgather_ints,
     allgather_json,
-    json_default,
 )
 from jvitals.guard.events import ROLLBACK_COUNT, ROLLBACK_LR_SCALE, write_events
-from jvitals.guard.remedies import _matches, applied_text, apply_remedies, causes_of, parse_remedies, reapply_lr_groups
-from jvitals.guard.target import (
-    Target,
-    cutoff_before,
-    level_name,
-    newest_first,
-    no_target_message,
-    pick_target,
-    pins,
-    restore_order,
-    sick_after,
-    why_not,
+from jvitals.guard.remedies import parse_remedies, remedied_ids
+from jvitals.guard.response import (
+    Action,
+    Response,
+    RollbackError,
+    RollbackLimitError,
+    Snapshots,
+    TrainingPaused,
+    alert_lines,
+    check_position,
+    make_alert,
 )
-from jvitals.optim.lr_scale import has_lr_scale
+from jvitals.guard.restore import Restores
+from jvitals.guard.stores import Stores
+from jvitals.guard.target import cutoff_before, level_name, pins
 
 __all__ = [
     "Action",
@@ -182,140 +176,9 @@ __all__ = [
 _log = logging.getLogger("jvitals.guard.rollback")
 
 
-class Action(enum.Enum):
-    """What :meth:`Rollback.act` did."""
-
-    CONTINUE = "continue"   # nothing to do at this step
-    SAVED = "saved"         # a cadence checkpoint (or a snapshot) was written
-    PAUSE = "pause"         # orange: a checkpoint was written; the loop should pause
-    ROLLBACK = "rollback"   # red: the returned state is a restored healthy one
-    RESUMED = "resumed"     # resume() restored a checkpoint
-
-
-class Response(NamedTuple):
-    """The result of :meth:`Rollback.act`.
-
-    Attributes:
-      action: what happened.
-      state: the train state to continue with (the input one unless ROLLBACK or RESUMED).
-      step: the step the call was made at.
-      saved_step: the checkpoint written by this call, or None.
-      target_step: the checkpoint restored (ROLLBACK, RESUMED), or None.
-      lr_scale: the learning-rate scale in force after the call.
-      alerts: alerts raised by the guard at this call (``rule`` ``'rollback'``,
-        ``'checkpoint_corrupt'``).
-      metrics: ``rollback/*`` scalars to log (see :meth:`Rollback.metrics`).
-      events: the guard's events at this call (dicts with ``event`` and ``step``).
-      position: the data position to continue from (the input one unless
-        ``skip_data`` moved it, or RESUMED).
-      snapshot_step: the snapshot written by this call, or None.
-    """
-
-    action: Action
-    state: Any
-    step: int
-    saved_step: int | None
-    target_step: int | None
-    lr_scale: float
-    alerts: tuple[Alert, ...]
-    metrics: dict[str, float]
-    events: tuple[dict[str, Any], ...] = ()
-    position: Any = None
-    snapshot_step: int | None = None
-
-
-class Snapshots(NamedTuple):
-    """Light recent snapshots between the cadence checkpoints.
-
-    Attributes:
-      every: steps between snapshots (a snapshot when ``step // every`` grows and
-        no cadence checkpoint is written at that call).
-      keep: snapshots kept (the newest; rollback targets are pinned beyond it).
-      directory: where (a local disk is best); default ``<directory>/snapshots``.
-    """
-
-    every: int = 50
-    keep: int = 2
-    directory: str | os.PathLike | None = None
-
-
-class RollbackError(RuntimeError):
-    """A red verdict that cannot be answered with a rollback."""
-
-
-class RollbackLimitError(RollbackError):
-    """The run went red again after ``max_rollbacks`` rollbacks.
-
-    Attributes:
-      step: the step of the red verdict.
-      history: the previous rollbacks (dicts with ``step``, ``to_step``, ``onset_step``,
-        ``lr_scale``, ``actions``, ``alerts``).
-      alerts: the red verdict's alerts.
-      position: the data position at the red step.
-      healthy: the healthy checkpoints on disk a restart can continue from, newest first.
-    """
-
-    def __init__(self, message: str, *, step: int, history: list[dict[str, Any]],
-                 alerts: Sequence[Any], position: Any, healthy: Sequence[int] = ()) -> None:
-        super().__init__(message)
-        self.step, self.history, self.alerts, self.position = step, history, list(alerts), position
-        self.healthy = list(healthy)
-
-
-class TrainingPaused(Exception):
-    """Raised by ``respond`` on orange when ``pause='raise'``, after the save.
-
-    Attributes: ``step``, ``saved_step`` (the checkpoint written, or None if this
-    orange episode was already saved), ``alerts`` (the verdict's), ``response``.
-    """
-
-    def __init__(self, message: str, *, step: int, saved_step: int | None,
-                 alerts: Sequence[Any], response: Response) -> None:
-        super().__init__(message)
-        self.step, self.saved_step, self.alerts, self.response = step, saved_step, list(alerts), response
-
-
 # ----------------------------------------------------------------------------
 # Small helpers.
 # ----------------------------------------------------------------------------
-
-
-def _alert_lines(alerts: Iterable[Any], limit: int = 5) -> str:
-    lines = [getattr(a, "message", str(a)).split("\n")[0] for a in list(alerts)[:limit]]
-    return "; ".join(lines) if lines else "(no alerts)"
-
-
-def _jsonable(x: Any) -> Any:
-    return json.loads(json.dumps(x, default=json_default))
-
-
-def _check_position(position: Any) -> Any:
-    """``position`` as plain JSON types, or a TypeError saying what is accepted."""
-    try:
-        return _jsonable(position)
-    except (TypeError, ValueError) as e:
-        raise TypeError(
-            "Rollback: the data position must be JSON-serialisable (an int, or a dict/list of "
-            f"ints, floats and strings), got {type(position).__name__}: {e}") from e
-
-
-def _load_monitor(monitor: Any, d: Mapping[str, Any]) -> None:
-    """Loads a monitor's saved state into ``monitor`` in place."""
-    if hasattr(monitor, "load_state_dict"):
-        monitor.load_state_dict(d)
-        return
-    fresh = type(monitor).from_state_dict(d)
-    monitor.__dict__.update(fresh.__dict__)
-
-
-def _make_alert(rule: str, metric: str, level: Level, step: int, value: float, onset: int,
-                message: str, details: dict[str, Any]) -> Alert:
-    pres = PRESCRIPTIONS[RULE_PRESCRIPTION.get(rule, "generic")]
-    return Alert(id=-1, rule=rule, metric=metric, level=Level(level), step=int(step),
-                 value=float(value), baseline=math.nan, ratio=math.nan, onset_step=int(onset),
-                 opened_step=int(step), message=message, cause=pres.cause,
-                 prescription=pres.prescription, localization=[], peak_level=Level(level),
-                 closed_step=int(step), details=details)
 
 
 def _check_args(*, save_every: int, lr_factor: float, max_rollbacks: int | None, pause: Any,
@@ -340,28 +203,12 @@ def _check_args(*, save_every: int, lr_factor: float, max_rollbacks: int | None,
         raise ValueError(f"Rollback expects Snapshots(every >= 1, keep >= 1), got {snapshots}")
 
 
-def _open_stores(directory: str | os.PathLike, snapshots: "Snapshots | None", *,
-                 healthy_levels: frozenset[int], keep_last: int, keep_every: int | None,
-                 keep_green: int, keep_quarantined: int) -> tuple[CheckpointStore, CheckpointStore | None]:
-    """The checkpoint store, and the snapshot store with ``snapshots`` (default
-    directory ``<directory>/snapshots``)."""
-    store = CheckpointStore(directory, keep_last=keep_last, keep_every=keep_every, keep_green=keep_green,
-                            keep_quarantined=keep_quarantined, healthy_levels=healthy_levels,
-                            name="checkpoints")
-    if snapshots is None:
-        return store, None
-    where = snapshots.directory if snapshots.directory is not None else store.directory / "snapshots"
-    return store, CheckpointStore(where, keep_last=int(snapshots.keep), keep_every=None, keep_green=0,
-                                  keep_quarantined=0, healthy_levels=healthy_levels, name="snapshots",
-                                  quarantine_file=True)
-
-
 # ----------------------------------------------------------------------------
 # The guard.
 # ----------------------------------------------------------------------------
 
 
-class Rollback:
+class Rollback(Restores):
     """Saves on a cadence, pauses on orange, rolls back on red (see module doc).
 
     Args:
@@ -465,16 +312,15 @@ class Rollback:
         self.snapshots = snapshots
         self.writer = writer
         self._init_bookkeeping()
-        self.store, self.snapshot_store = _open_stores(
-            directory, snapshots, healthy_levels=self.healthy_levels, keep_last=keep_last,
-            keep_every=keep_every, keep_green=keep_green, keep_quarantined=keep_quarantined)
+        self._disk = Stores(directory, snapshots, healthy_levels=self.healthy_levels, keep_last=keep_last,
+                            keep_every=keep_every, keep_green=keep_green, keep_quarantined=keep_quarantined)
+        self.store, self.snapshot_store = self._disk.main, self._disk.snapshots
         self.directory = self.store.directory
         self._collect_failures()
         regular = [r.step for r in self.store.checkpoints if r.kind in (CADENCE, ROLLBACK_SAVE, MANUAL)
                    and r.quarantined is None]
         self._last_regular = max(regular) if regular else None
-        self._found_at_open = max((s.latest_step() for s in self._stores() if s.latest_step() is not None),
-                                  default=None)
+        self._found_at_open = self._disk.latest_step()
 
     def _init_bookkeeping(self) -> None:
         """The public record (actions, history, alerts, events) and the guard's own state."""
@@ -500,9 +346,7 @@ class Rollback:
         self._log = AlertLog()
         self._open_peak = int(Level.GREEN)
 
-    # ------------------------------------------------------------------
-    # Public API.
-    # ------------------------------------------------------------------
+    # -- Public API. -------------------------------------------------
 
     @property
     def checkpoints(self) -> list[CheckpointInfo]:
@@ -527,74 +371,6 @@ class Rollback:
     def metrics(self) -> dict[str, float]:
         """Scalars to log at any step: ``rollback/count`` and ``rollback/lr_scale``."""
         return {ROLLBACK_COUNT: float(len(self.history)), ROLLBACK_LR_SCALE: float(self.lr_scale)}
-
-    def resume(self, state: Any, position: Any = None, monitor: Any = None) -> tuple[Any, Any]:
-        """Restores the newest healthy checkpoint, if any (after a crash or a restart).
-
-        Picks, among the checkpoints and snapshots, the newest healthy one (saved
-        at a healthy level with no open ORANGE/RED alert, not quarantined, restores
-        on every process and is finite); logs which and why the newer ones were
-        skipped. Loads the monitor's state from it into ``monitor``, and the LR
-        scale and rollback history into the guard. Without a healthy checkpoint
-        a relapse suspect is used; without any, the inputs are returned.
-
-        Args:
-          state: a train state of the right structure, shapes, dtypes and shardings
-            (the freshly initialised one): the restore target.
-          position: the data position to use when there is no checkpoint.
-          monitor: the Monitor to restore (in place) and to use from now on.
-
-        Returns:
-          ``(state, position)``: restored from the checkpoint (this process's
-          position), or the inputs unchanged when the directory has none.
-        """
-        if monitor is not None:
-            self.monitor = monitor
-        self._resumed = True
-        self._check_lr_scale(state)
-        for s in self._stores():
-            s.wait()
-        found = self._restore_first(restore_order(self._all_records(), healthy_levels=self.healthy_levels),
-                                    state)
-        skipped = [f"{r.step} ({why_not(r, self.healthy_levels)})" for r in self._all_records()
-                   if found is None or r.step > found[0].step]
-        if found is None:
-            if skipped:
-                _log.warning("Rollback: resume found no healthy checkpoint in %s (skipped: %s); "
-                             "starting fresh.", self.directory, ", ".join(skipped))
-            self.position = position
-            self._done(Response(Action.CONTINUE, state, -1, None, None, self.lr_scale,
-                                tuple(self._drain()), self.metrics(), tuple(self._drain_events()),
-                                position))
-            return state, position
-        rec, restored, meta = found
-        _log.info("Rollback: resumed from %s %d (%s, %s)%s.", rec.store, rec.step, rec.kind,
-                  level_name(rec.level), f"; skipped newer: {', '.join(skipped)}" if skipped else "")
-        if self.monitor is not None and meta.get("monitor") is not None:
-            _load_monitor(self.monitor, meta["monitor"])
-        self.lr_scale = float(meta.get("lr_scale", 1.0))
-        self.history = list(meta.get("rollbacks", []))
-        self.remedies = dict(meta.get("remedies") or {})
-        self.resumed_step = rec.step
-        self._last_regular = rec.step
-        self._last_snapshot = rec.step
-        checks = [r.step for r in self._all_records() if r.step <= rec.step
-                  and r.level in self.healthy_levels and r.kind != ROLLBACK_SAVE]
-        self._last_healthy_check = max(checks) if checks else None
-        self._orange_saved = False
-        positions = meta.get("positions")
-        if isinstance(positions, list) and len(positions) == jax.process_count():
-            position = positions[jax.process_index()]
-        else:
-            position = meta.get("position")
-        self.position = position
-        self._update_pins(None)
-        self._event({"event": "resume", "step": rec.step, "store": rec.store, "kind": rec.kind,
-                     "skipped": skipped})
-        self._done(Response(Action.RESUMED, restored, rec.step, None, rec.step, self.lr_scale,
-                            tuple(self._drain()), self.metrics(), tuple(self._drain_events(keep=True)),
-                            position))
-        return restored, position
 
     def respond(self, step: int, state: Any, verdict: Any, position: Any = None) -> Any:
         """Acts on ``verdict`` and returns the state to continue with.
@@ -624,7 +400,7 @@ class Rollback:
           CheckpointSaveError: a save failed (the state is untouched).
         """
         step = int(step)
-        _check_position(position)
+        check_position(position)
         if self.skip_data is not False and not isinstance(position, (int, np.integer)):
             raise TypeError(f"Rollback(skip_data={self.skip_data!r}) expects an int data position "
                             f"(batches consumed), got {type(position).__name__} {position!r}; pass "
@@ -638,8 +414,7 @@ class Rollback:
             _log.warning("Rollback: %s already held checkpoints up to step %d but resume() "
                          "was not called; starting fresh alongside them.",
                          self.directory, self._found_at_open)
-        for s in self._stores():
-            s.poll()
+        self._disk.poll()
         alerts = self._drain()
         open_peak = max(self._open_peak, level)
         self.position = position
@@ -690,12 +465,7 @@ class Rollback:
         Returns:
           ``(state, metadata)``.
         """
-        step = int(step)
-        store = self.store
-        if step not in self.store.records and self.snapshot_store is not None \
-                and step in self.snapshot_store.records:
-            store = self.snapshot_store
-        return store.restore(step, state)
+        return self._disk.holding(int(step)).restore(int(step), state)
 
     def wait(self) -> None:
         """Blocks until pending saves have landed.
@@ -703,16 +473,14 @@ class Rollback:
         Raises:
           CheckpointSaveError: an asynchronous save failed.
         """
-        for s in self._stores():
-            s.wait()
+        self._disk.wait()
 
     def close(self) -> None:
         """Waits for pending saves and releases orbax's resources."""
         try:
             self.wait()
         finally:
-            for s in self._stores():
-                s.close()
+            self._disk.close()
 
     def __enter__(self) -> "Rollback":
         return self
@@ -720,19 +488,7 @@ class Rollback:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # ------------------------------------------------------------------
-    # Decisions.
-    # ------------------------------------------------------------------
-
-    def _stores(self) -> list[CheckpointStore]:
-        return [self.store] + ([self.snapshot_store] if self.snapshot_store is not None else [])
-
-    def _all_records(self) -> list[CheckpointInfo]:
-        """Every record of every store, newest first (a checkpoint before a snapshot at one step)."""
-        return newest_first(r for s in self._stores() for r in s.records.values())
-
-    def _store_of(self, rec: CheckpointInfo) -> CheckpointStore:
-        return self.store if rec.store == self.store.name else self.snapshot_store  # type: ignore[return-value]
+    # -- Decisions. --------------------------------------------------
 
     def _decide(self, step: int, verdict: Any) -> tuple[int, int, int]:
         """Process 0's (level, earliest sign, cutoff), the same on every process (and its
@@ -754,10 +510,8 @@ class Rollback:
         remedy in the guard's table: the alerts :func:`apply_remedies` acts on."""
         if not self.remedy_table or verdict is None:
             return set()
-        alerts = list(getattr(verdict, "alerts", None) or []) + list(
-            getattr(verdict, "closed_alerts", None) or [])
-        return {c.alert_id for c in causes_of(alerts)
-                if c.alert_id >= 0 and any(_matches(p, c) for p, _ in self.remedy_table)}
+        return remedied_ids(list(getattr(verdict, "alerts", None) or []) + list(
+            getattr(verdict, "closed_alerts", None) or []), self.remedy_table)
 
     def _cadence_due(self, step: int) -> bool:
         last = self._last_regular
@@ -770,154 +524,14 @@ class Rollback:
         last = max((x for x in (self._last_snapshot, self._last_regular) if x is not None), default=None)
         return last is None or step // every > last // every
 
-    def _restore_first(self, candidates: Iterable[CheckpointInfo],
-                       like: Any) -> tuple[CheckpointInfo, Any, dict] | None:
-        """The first of ``candidates`` that restores (finite, with ``check_finite``) on every
-        process; one that does not is quarantined by its store (an alert) and the next tried."""
-        for rec in candidates:
-            got = self._store_of(rec).try_restore(rec.step, like, finite=self.check_finite)
-            self._collect_failures()
-            if got is not None:
-                if rec.quarantined is not None:
-                    _log.warning("Rollback: no healthy checkpoint left; using the relapse "
-                                 "suspect %d (%s).", rec.step, rec.quarantined)
-                return (rec, *got)
-        return None
-
     def _update_pins(self, verdict: Any) -> None:
         """Sets the stores' pins (:func:`jvitals.guard.target.pins`), process 0's for all."""
-        keep = pins(self.history, self._all_records(), open_alerts=self._log.open_records(verdict),
+        keep = pins(self.history, self._disk.records(), open_alerts=self._log.open_records(verdict),
                     checks=list(self._checks), onset_margin=self.onset_margin,
                     healthy_levels=self.healthy_levels, rewind_steps=self.rewind_steps)
-        if jax.process_count() > 1:
-            keep = {int(s): r for s, r in allgather_json({str(s): r for s, r in keep.items()})[0].items()}
-        for s in self._stores():
-            s.set_pins(keep)
+        self._disk.set_pins(keep)
 
-    # ------------------------------------------------------------------
-    # Red.
-    # ------------------------------------------------------------------
-
-    def _rollback(self, step: int, state: Any, verdict: Any, position: Any, sign: int,
-                  cutoff: int, alerts: list[Alert]) -> Response:
-        """Red: the target (:func:`jvitals.guard.target.pick_target`), its restore, the
-        sick checkpoints quarantined, the actions, the record of it, and its save."""
-        verdict_alerts = list(getattr(verdict, "alerts", []) or [])
-        for s in self._stores():
-            s.wait()
-        if self.max_rollbacks is not None and len(self.history) >= self.max_rollbacks:
-            self._limit(step, verdict_alerts, position, sign, cutoff)
-        target = pick_target(self._all_records(), sign=sign, cutoff=cutoff, step=step,
-                             healthy_levels=self.healthy_levels, rewind_steps=self.rewind_steps,
-                             history=self.history, last_healthy_check=self._last_healthy_check)
-        for r in target.suspects:
-            self._store_of(r).quarantine(r.step, str(target.relapse_reason))
-        found = self._restore_first(target.candidates, state)
-        if found is None:
-            self._no_target(step, target, verdict_alerts)
-        rec, restored, meta = found
-        alerts.extend(self._drain())            # corrupt candidates skipped on the way
-        source = rec.restored_from if rec.restored_from is not None else rec.step   # whose params
-        for r in sick_after(self._all_records(), rec.step, step):
-            self._store_of(r).quarantine(
-                r.step, f"sick: after rollback target {rec.step}; red at step {step} (earliest sign {sign})")
-        restored, new_scale, new_position, actions = self._actions(rec, restored, meta, state, verdict,
-                                                                   position)
-        self.lr_scale = new_scale
-        self.position = new_position
-        self.history.append({"step": step, "to_step": rec.step, "source_step": source,
-                             "onset_step": sign, "cutoff": cutoff,
-                             "lr_scale": new_scale, "position": _jsonable(new_position),
-                             "actions": actions,
-                             "alerts": [_alert_lines([a]) for a in verdict_alerts[:5]]})
-        alerts.append(self._announce(step, rec, sign, actions, verdict_alerts))
-        for s in self._stores():
-            s.write_quarantine()
-        self._orange_saved = False
-        saved = None
-        if self.save_on_rollback:
-            saved = self._save(step, restored, new_position, rec.level, ROLLBACK_SAVE, restored_from=source)
-        metrics = {**self.metrics(), "rollback/from_step": float(step), "rollback/to_step": float(rec.step)}
-        return Response(Action.ROLLBACK, restored, step, saved, rec.step, new_scale,
-                        tuple(alerts + self._drain()), metrics, tuple(self._drain_events()), new_position)
-
-    def _no_target(self, step: int, target: Target, verdict_alerts: list[Any]) -> None:
-        """Raises :class:`RollbackError`: nothing restorable below the target's bound."""
-        for s in self._stores():
-            s.write_quarantine()
-        text = no_target_message(target, self._all_records(), step=step, healthy_levels=self.healthy_levels,
-                                 where=f" in {str(self.directory)!r}")
-        raise RollbackError(
-            f"Rollback: {text} Alerts: {_alert_lines(verdict_alerts)}. Save earlier (a smaller "
-            "save_every, snapshots=, or a larger keep_last) or restart from an older run.")
-
-    def _actions(self, rec: CheckpointInfo, restored: Any, meta: Mapping[str, Any], state: Any,
-                 verdict: Any, position: Any) -> tuple[Any, float, Any, list[dict[str, Any]]]:
-        """The actions after the restore (:mod:`jvitals.guard.actions`), in order:
-        ``(state, LR scale, data position, actions)``."""
-        actions: list[dict[str, Any]] = [{"action": "restore", "to_step": rec.step, "store": rec.store}]
-        restored, new_scale, did = scale_lr(restored, self.lr_scale, self.lr_factor)
-        actions += did
-        restored = keep_step(restored, state, self.step_attr)
-        restored, did = reset_moments(restored, self.reset_optimizer)
-        actions += did
-        if self.remedy_table:
-            restored = reapply_lr_groups(restored, self.remedies)
-            seen = list(getattr(verdict, "alerts", []) or []) + list(getattr(verdict, "closed_alerts", []) or [])
-            restored, self.remedies, did = apply_remedies(restored, seen, self.remedy_table, self.remedies,
-                                                          lr_factor=self.lr_factor)
-            actions += did
-        new_position, did = skip_batches(position, meta, self.skip_data)
-        return restored, new_scale, new_position, actions + did
-
-    def _announce(self, step: int, rec: CheckpointInfo, sign: int, actions: list[dict[str, Any]],
-                  verdict_alerts: list[Any]) -> Alert:
-        """The rollback's alert (RED, rule ``'rollback'``) and event; tells the monitor."""
-        note = None
-        if self.monitor is not None and hasattr(self.monitor, "note_rollback"):
-            note = self.monitor.note_rollback(step, rec.step)
-        did = ", ".join(action_text(a) for a in actions[1:] if a["action"] != "remedy") or "no other action"
-        cure = applied_text(actions)
-        did += f"; {cure}" if cure else ""
-        message = (f"[RED] rolled back at step {step} (earliest sign {sign}) to the healthy {rec.store[:-1]} "
-                   f"of step {rec.step}; {did}; data position {self.position!r}; "
-                   f"{len(self.history)} rollback(s) so far; quarantined: {sorted(self.quarantined)}. "
-                   f"Cause: {_alert_lines(verdict_alerts, 2)}")
-        self._event({"event": "rollback", "step": step, "to_step": rec.step, "onset_step": sign,
-                     "lr_scale": self.lr_scale, "position": _jsonable(self.position), "actions": actions,
-                     "remedies": [a["text"] for a in actions if a["action"] == "remedy"],
-                     "reason": _alert_lines(verdict_alerts, 1)})
-        return _make_alert("rollback", ROLLBACK_COUNT, Level.RED, step, len(self.history), sign,
-                           message, {"to_step": rec.step, "lr_scale": self.lr_scale, "actions": actions,
-                                     "monitor_alert_id": getattr(note, "id", None)})
-
-    def _limit(self, step: int, verdict_alerts: list[Any], position: Any, sign: int, cutoff: int) -> None:
-        """Raises :class:`RollbackLimitError` after quarantining what was saved since the sign."""
-        for r in self._all_records():
-            if r.step >= cutoff and r.quarantined is None and r.step <= step:
-                self._store_of(r).quarantine(
-                    r.step, f"sick: saved after the earliest sign {sign} of the red at step {step} "
-                            "(rollback limit reached)")
-        healthy = [r.step for r in self._all_records() if self._store_of(r).is_healthy(r)]
-        for s in self._stores():
-            s.write_quarantine()
-        self._update_pins(None)
-        done = ", ".join(f"{h['step']}->{h['to_step']}" for h in self.history) or "none"
-        self._event({"event": "rollback_limit", "step": step, "onset_step": sign, "healthy": healthy})
-        raise RollbackLimitError(
-            f"Rollback: {len(self.history)} rollback(s) already (steps {done}; LR scale now "
-            f"{self.lr_scale:.4g}) and the run went red again at step {step} (earliest sign "
-            f"{sign}): {_alert_lines(verdict_alerts)}. max_rollbacks={self.max_rollbacks} "
-            f"reached: lower the learning rate further or inspect the data at position "
-            f"{position!r}. Healthy checkpoints on disk in {str(self.directory)!r}, newest first: "
-            f"{healthy or 'none'}; a restart (Rollback(..., max_rollbacks=N).resume()) continues "
-            f"from {healthy[0] if healthy else 'nothing'}; quarantined: {sorted(self.quarantined)}.",
-            step=step, history=list(self.history), alerts=verdict_alerts, position=position,
-            healthy=healthy)
-
-    # ------------------------------------------------------------------
-    # Orange.
-    # ------------------------------------------------------------------
+    # -- Orange. -----------------------------------------------------
 
     def _pause(self, response: Response, verdict: Any) -> None:
         if self.pause == "return":
@@ -927,20 +541,18 @@ class Rollback:
                      else "this orange episode was already saved")
             raise TrainingPaused(
                 f"Rollback: training paused at step {response.step} on ORANGE "
-                f"({_alert_lines(getattr(verdict, 'alerts', []) or [])}); {where} in "
+                f"({alert_lines(getattr(verdict, 'alerts', []) or [])}); {where} in "
                 f"{str(self.directory)!r}. Fix the cause, then restart and call guard.resume() "
                 "(it resumes from the newest healthy checkpoint).",
                 step=response.step, saved_step=response.saved_step,
                 alerts=getattr(verdict, "alerts", []) or [], response=response)
         self.pause(response)
 
-    # ------------------------------------------------------------------
-    # Saving.
-    # ------------------------------------------------------------------
+    # -- Saving. -----------------------------------------------------
 
     def _save(self, step: int, state: Any, position: Any, level: int, kind: str,
               restored_from: int | None = None, open_peak: int = 0) -> int | None:
-        position = _check_position(position)
+        position = check_position(position)
         store = self.snapshot_store if kind == SNAPSHOT else self.store
         assert store is not None
         positions = allgather_json(position)
@@ -962,32 +574,21 @@ class Rollback:
                          "kind": kind, "level": level_name(level)})
         return saved
 
-    # ------------------------------------------------------------------
-    # Small helpers.
-    # ------------------------------------------------------------------
+    # -- Small helpers. ----------------------------------------------
 
     def _check_lr_scale(self, state: Any) -> None:
-        if self._lr_checked or self.lr_factor == 1.0:
-            return
-        if not has_lr_scale(state):
-            raise ValueError(
-                f"Rollback(lr_factor={self.lr_factor}) expects the train state's optimizer to be "
-                "wrapped with jvitals.with_lr_scale(tx) (an inject_hyperparams state holding "
-                f"'lr_scale'), found none in the {type(state).__name__}. Build the optimizer as "
-                "tx = jvitals.with_lr_scale(tx), or pass lr_factor=1.0 to keep the LR.")
-        self._lr_checked = True
+        if not self._lr_checked:
+            check_lr_scale(state, self.lr_factor)
+            self._lr_checked = True
 
     def _collect_failures(self) -> None:
         """Turns the stores' skipped checkpoints into alerts and events (one each)."""
-        for s in self._stores():
-            for step, reason in s.failures:
-                self._pending.append(_make_alert(
-                    "checkpoint_corrupt", "checkpoint/corrupt", Level.YELLOW, step, step, step,
-                    f"[YELLOW] {s.name[:-1]} of step {step} in {str(s.directory)!r} cannot be used "
-                    f"({reason}); skipped and quarantined.", {"reason": reason}))
-                self._event({"event": "checkpoint_skipped", "step": step, "store": s.name,
-                             "reason": reason})
-            s.failures.clear()
+        for s, step, reason in self._disk.failures():
+            self._pending.append(make_alert(
+                "checkpoint_corrupt", "checkpoint/corrupt", Level.YELLOW, step, step, step,
+                f"[YELLOW] {s.name[:-1]} of step {step} in {str(s.directory)!r} cannot be used "
+                f"({reason}); skipped and quarantined.", {"reason": reason}))
+            self._event({"event": "checkpoint_skipped", "step": step, "store": s.name, "reason": reason})
 
     def _event(self, e: dict[str, Any]) -> None:
         self._pending_events.append(e)
