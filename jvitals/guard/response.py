@@ -16,7 +16,7 @@ import os
 from typing import Any, Iterable, NamedTuple, Sequence
 
 from jvitals.monitor.types import PRESCRIPTIONS, RULE_PRESCRIPTION, Alert, Level
-from jvitals.guard.events import json_default
+from jvitals.guard.checkpoints import json_default
 
 __all__ = [
     "Action",
