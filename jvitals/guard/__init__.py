@@ -1,10 +1,16 @@
 """The response: the only part of jvitals that acts on a verdict.
 
-``rollback`` (the response policy: save, pause, roll back with remedies),
-``checkpoints`` (the orbax store: levels, pins, quarantine, retention, resume),
-``remedies`` (the table of causes and the remedy the guard applies) and ``events``
-(the names the guard writes). Imports ``jvitals.monitor`` (levels, alerts) and
-``jvitals.optim`` (the LR scales it turns).
+``rollback`` (the response policy: :class:`Rollback` decides to save, pause or
+roll back), ``restore`` (its restores: a rollback's steps and a resume),
+``target`` (the rollback target, a pure function of the alerts seen and the
+checkpoints on disk: :func:`choose_target`), ``alertlog`` (the guard's record of
+the monitor's alerts, by id), ``actions`` (the actions after a restore: LR scale,
+Adam moments, data position), ``response`` (what the guard returns and raises),
+``stores`` (the checkpoints and the snapshots as one), ``checkpoints`` (the orbax
+store: levels, pins, quarantine, retention, resume), ``remedies`` (the table of
+causes and the remedy the guard applies) and ``events`` (the names the guard
+writes). Imports ``jvitals.monitor`` (levels, alerts) and ``jvitals.optim`` (the
+LR scales it turns).
 """
 
 from jvitals.guard.events import (
@@ -37,18 +43,20 @@ from jvitals.guard.remedies import (
     REMEDY_NAMES,
     RemedyTable,
 )
-from jvitals.guard.rollback import (
+from jvitals.guard.response import (
     Action,
     Response,
-    Rollback,
     RollbackError,
     RollbackLimitError,
     Snapshots,
     TrainingPaused,
 )
+from jvitals.guard.rollback import Rollback
+from jvitals.guard.target import AlertRecord, choose_target, Target
 
 __all__ = [
     "Action",
+    "AlertRecord",
     "applied_text",
     "apply_remedies",
     "CADENCE",
@@ -57,6 +65,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointSaveError",
     "CheckpointStore",
+    "choose_target",
     "DEFAULT_REMEDIES",
     "EVENTS_TAG",
     "json_default",
@@ -77,6 +86,7 @@ __all__ = [
     "RollbackLimitError",
     "SNAPSHOT",
     "Snapshots",
+    "Target",
     "TrainingPaused",
     "write_events",
 ]

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import datetime
 import json
 import logging
@@ -61,6 +60,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jvitals.monitor.types import Level
+from jvitals.guard.target import CheckpointInfo, is_healthy, level_name
 
 __all__ = [
     "CADENCE",
@@ -83,31 +83,6 @@ META_VERSION = 2
 
 CADENCE, ORANGE_SAVE, ROLLBACK_SAVE, MANUAL, SNAPSHOT = "cadence", "orange", "rollback", "manual", "snapshot"
 REGULAR = (CADENCE, ROLLBACK_SAVE, MANUAL)
-
-
-@dataclasses.dataclass
-class CheckpointInfo:
-    """What the store knows about one checkpoint on disk.
-
-    Attributes:
-      step: the checkpoint's step number.
-      level: the verdict level when it was saved (-1: unknown, unreadable).
-      kind: ``'cadence'``, ``'orange'``, ``'rollback'``, ``'manual'`` or ``'snapshot'``.
-      lr_scale: the LR scale saved with it.
-      restored_from: for a ``'rollback'`` checkpoint, the step whose params it holds.
-      quarantined: why it must never be restored (None: usable).
-      open_peak: the highest peak level of the alerts open when it was saved.
-      store: the name of the store holding it (``'checkpoints'``, ``'snapshots'``).
-    """
-
-    step: int
-    level: int
-    kind: str
-    lr_scale: float = 1.0
-    restored_from: int | None = None
-    quarantined: str | None = None
-    open_peak: int = 0
-    store: str = "checkpoints"
 
 
 class CheckpointSaveError(RuntimeError):
@@ -305,13 +280,6 @@ def all_finite(tree: Any) -> bool:
     return bool(jax.device_get(jnp.all(jnp.stack(flags))))
 
 
-def level_name(level: int) -> str:
-    try:
-        return Level(level).name
-    except ValueError:
-        return "UNKNOWN"
-
-
 # ----------------------------------------------------------------------------
 # Retention.
 # ----------------------------------------------------------------------------
@@ -424,8 +392,7 @@ class CheckpointStore:
 
     def is_healthy(self, rec: CheckpointInfo, *, allow_suspect: bool = False) -> bool:
         """Saved at a healthy level, no open ORANGE/RED alert, not quarantined."""
-        usable = rec.quarantined is None or (allow_suspect and rec.quarantined.startswith("relapse"))
-        return usable and rec.level in self.healthy_levels and rec.open_peak < Level.ORANGE
+        return is_healthy(rec, self.healthy_levels, allow_suspect=allow_suspect)
 
     def healthy(self, *, before: int | None = None, allow_suspect: bool = False) -> list[CheckpointInfo]:
         """Healthy checkpoints (step ``< before`` if given), newest first."""

@@ -76,6 +76,7 @@ __all__ = [
     "causes_of",
     "parse_remedies",
     "reapply_lr_groups",
+    "remedied_ids",
     "restart_without",
 ]
 
@@ -281,6 +282,13 @@ def parse_remedies(remedies: None | str | Mapping[str, Remedy]) -> RemedyTable:
 
 def _matches(pattern: str, cause: Cause) -> bool:
     return pattern == cause.rule or re.search(pattern, cause.metric) is not None
+
+
+def remedied_ids(alerts: Iterable[Any], table: RemedyTable) -> set[int]:
+    """Ids of the alerts whose cause has a remedy in ``table``: the alerts
+    :func:`apply_remedies` acts on (the guard counts them in the fault's chain)."""
+    return {c.alert_id for c in causes_of(alerts)
+            if c.alert_id >= 0 and any(_matches(p, c) for p, _ in table)}
 
 
 def _remedy_name(remedy: Remedy) -> str:

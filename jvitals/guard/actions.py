@@ -1,0 +1,235 @@
+"""The actions after a rollback's restore, each a function of the restored state.
+
+:meth:`jvitals.Rollback` restores the target, then, in this order, each recorded
+as an action (a dict with ``action``) in the rollback's history and event:
+
+- :func:`scale_lr`: the LR scale x ``lr_factor`` (compounding over rollbacks);
+- :func:`keep_step`: the train state's step field keeps going forward (the
+  restored state gets the current one);
+- :func:`reset_moments`: the Adam moments of the named parameter groups zeroed
+  (:func:`reset_adam_moments`; the count too when every moment is reset);
+- the remedies of the alerts' causes (:mod:`jvitals.guard.remedies`);
+- :func:`skip_batches`: the data position moved past the bad stretch.
+
+:func:`action_text` says an action in words for the rollback alert's message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+import optax
+
+from jvitals.optim.lr_scale import has_lr_scale, set_lr_scale
+from jvitals.guard.remedies import check_regex
+from jvitals.guard.stores import own_position
+
+__all__ = [
+    "MOMENTS",
+    "action_text",
+    "check_lr_scale",
+    "get_field",
+    "keep_step",
+    "parse_reset",
+    "reset_adam_moments",
+    "reset_moments",
+    "scale_lr",
+    "set_field",
+    "skip_batches",
+]
+
+MOMENTS = ("mu", "nu")
+
+
+def get_field(state: Any, name: str) -> Any:
+    if isinstance(state, Mapping):
+        return state.get(name, None)
+    return getattr(state, name, None)
+
+
+def set_field(state: Any, name: str, value: Any) -> Any:
+    if isinstance(state, Mapping):
+        if name not in state:
+            return state
+        out = dict(state)
+        out[name] = value
+        return type(state)(out) if type(state) is not dict else out
+    if not hasattr(state, name):
+        return state
+    if hasattr(state, "_replace"):          # NamedTuple
+        return state._replace(**{name: value})
+    if hasattr(state, "replace"):           # flax.struct / TrainState
+        return state.replace(**{name: value})
+    if dataclasses.is_dataclass(state):
+        return dataclasses.replace(state, **{name: value})
+    return state
+
+
+def parse_reset(spec: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``reset_optimizer`` as ``((path regex, moments), ...)``; see :class:`Rollback`."""
+    if spec is None or spec is False:
+        return ()
+    if isinstance(spec, str):
+        spec = (spec,)
+    if isinstance(spec, Mapping):
+        items = list(spec.items())
+    elif isinstance(spec, (list, tuple)) and all(isinstance(m, str) for m in spec):
+        items = [(".*", tuple(spec))]
+    else:
+        raise ValueError(f"Rollback expects reset_optimizer=('nu',), ('mu', 'nu') or "
+                         f"{{path_regex: moments}}, got {spec!r}")
+    out = []
+    for pattern, moments in items:
+        moments = (moments,) if isinstance(moments, str) else tuple(moments)
+        bad = [m for m in moments if m not in MOMENTS]
+        if bad or not moments:
+            raise ValueError(f"Rollback: reset_optimizer names Adam moments among {MOMENTS}, got "
+                             f"{moments!r} for {pattern!r}")
+        check_regex(pattern, "Rollback: reset_optimizer")
+        out.append((str(pattern), moments))
+    return tuple(out)
+
+
+def path_name(path: Sequence[Any]) -> str:
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def zeros_like(x: Any) -> Any:
+    """Zeros of ``x``'s shape, dtype and sharding (no retrace of a jitted step)."""
+    if isinstance(x, jax.Array):
+        host = np.zeros(x.shape, x.dtype)
+        if x.sharding.is_fully_addressable:
+            return jax.device_put(host, x.sharding)
+        return jax.make_array_from_callback(x.shape, x.sharding, lambda idx: host[idx])
+    return np.zeros_like(x)
+
+
+def reset_adam_moments(state: Any, spec: Sequence[tuple[str, Sequence[str]]]) -> tuple[Any, dict[str, Any]]:
+    """Zeroes the Adam moments named by ``spec`` in every ``ScaleByAdamState`` of ``state``.
+
+    Args:
+      state: any pytree holding optax Adam states.
+      spec: ``((path regex, moments), ...)``; a leaf's moment is reset when the
+        leaf's ``/``-joined parameter path matches a regex (``re.search``) listed
+        with that moment.
+
+    Returns:
+      ``(state, summary)``: the new state, and ``{"leaves": {moment: [paths]},
+      "count_reset": bool}`` (the count is zeroed when every moment of every leaf
+      was reset: a fresh Adam).
+    """
+    done: dict[str, list[str]] = {m: [] for m in MOMENTS}
+    total = {"n": 0, "all": True, "found": False}
+
+    def node(x: Any) -> Any:
+        if not isinstance(x, optax.ScaleByAdamState):
+            return x
+        total["found"] = True
+        new = {}
+        for m in MOMENTS:
+            def leaf(path, v, m=m):
+                name = path_name(path)
+                if any(m in ms and re.search(p, name) for p, ms in spec):
+                    done[m].append(name)
+                    return zeros_like(v)
+                total["all"] = False
+                return v
+            new[m] = jax.tree_util.tree_map_with_path(leaf, getattr(x, m))
+        out = x._replace(mu=new["mu"], nu=new["nu"])
+        if total["all"]:
+            out = out._replace(count=zeros_like(x.count))
+        return out
+
+    out = jax.tree.map(node, state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+    if not total["found"]:
+        raise ValueError("Rollback(reset_optimizer=...) expects an Adam-family optimizer state "
+                         "(optax.ScaleByAdamState, as in adam/adamw) in the train state; found none. "
+                         "Pass reset_optimizer=None for this optimizer.")
+    count_reset = total["all"] and bool(done["mu"] or done["nu"])
+    if not count_reset and total["all"]:
+        count_reset = False
+    return out, {"leaves": {m: sorted(set(v)) for m, v in done.items() if v}, "count_reset": count_reset}
+
+
+def check_lr_scale(state: Any, lr_factor: float) -> None:
+    """Raises a ValueError when ``lr_factor`` turns an LR scale that ``state`` lacks
+    (its optimizer not wrapped with :func:`jvitals.with_lr_scale`)."""
+    if lr_factor == 1.0 or has_lr_scale(state):
+        return
+    raise ValueError(
+        f"Rollback(lr_factor={lr_factor}) expects the train state's optimizer to be "
+        "wrapped with jvitals.with_lr_scale(tx) (an inject_hyperparams state holding "
+        f"'lr_scale'), found none in the {type(state).__name__}. Build the optimizer as "
+        "tx = jvitals.with_lr_scale(tx), or pass lr_factor=1.0 to keep the LR.")
+
+
+def scale_lr(restored: Any, lr_scale: float, lr_factor: float) -> tuple[Any, float, list[dict[str, Any]]]:
+    """The LR scale x ``lr_factor`` in ``restored``: ``(state, new scale, actions)``
+    (no action and the state untouched when ``lr_factor`` is 1)."""
+    new_scale = lr_scale * lr_factor
+    if lr_factor == 1.0:
+        return restored, new_scale, []
+    return set_lr_scale(restored, new_scale), new_scale, [
+        {"action": "lr_scale", "factor": lr_factor, "value": new_scale}]
+
+
+def keep_step(restored: Any, state: Any, step_attr: str | None) -> Any:
+    """``restored`` with ``state``'s step field (``step_attr``): the step counter goes on."""
+    if step_attr is None:
+        return restored
+    current = get_field(state, step_attr)
+    return restored if current is None else set_field(restored, step_attr, current)
+
+
+def reset_moments(restored: Any, spec: Sequence[tuple[str, Sequence[str]]]) -> tuple[Any, list[dict[str, Any]]]:
+    """:func:`reset_adam_moments` as an action: ``(state, actions)`` (none for an empty ``spec``)."""
+    if not spec:
+        return restored, []
+    restored, summary = reset_adam_moments(restored, spec)
+    return restored, [{"action": "reset_optimizer", "spec": {p: list(m) for p, m in spec},
+                       "moments": sorted(summary["leaves"]),
+                       "leaves": sum(len(v) for v in summary["leaves"].values()),
+                       "count_reset": summary["count_reset"]}]
+
+
+def skip_batches(position: Any, meta: Mapping[str, Any], skip_data: bool | int) -> tuple[Any, list[dict[str, Any]]]:
+    """The data position after the restore: ``(position, actions)``.
+
+    ``skip_data=False``: unchanged, no action. ``True``: as many batches again as
+    were consumed between the target (its saved position, this process's) and now.
+    An int ``N``: ``N`` batches.
+    """
+    if skip_data is False:
+        return position, []
+    then = own_position(meta)
+    n = int(skip_data) if not isinstance(skip_data, bool) else \
+        max(0, int(position) - int(then if isinstance(then, (int, float)) else position))
+    new_position = int(position) + n
+    return new_position, [{"action": "skip_data", "batches": n, "from_position": int(position),
+                           "position": new_position}]
+
+
+def action_text(a: Mapping[str, Any]) -> str:
+    kind = a.get("action")
+    if kind == "lr_scale":
+        return f"LR scale {a['value']:.4g} (x{a['factor']} per rollback)"
+    if kind == "skip_data":
+        return f"skipped {a['batches']} batches"
+    if kind == "remedy":
+        return str(a.get("text"))
+    if kind == "reset_optimizer":
+        return f"reset Adam {'/'.join(a['moments']) or 'nothing'} of {a['leaves']} leaves" + (
+            " and its count" if a.get("count_reset") else "")
+    return str(kind)

@@ -1,0 +1,154 @@
+"""What :class:`jvitals.Rollback` returns and raises, and the text of its alerts.
+
+:class:`Action` and :class:`Response` (the result of each call), :class:`Snapshots`
+(its light snapshots' settings), the errors (:class:`RollbackError`,
+:class:`RollbackLimitError`, :class:`TrainingPaused`), and the small helpers its
+halves share (:mod:`jvitals.guard.rollback`, the decisions; :mod:`jvitals.guard.restore`,
+the restores): an alert's one-line text, a position as JSON, the guard's own alerts.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import os
+from typing import Any, Iterable, NamedTuple, Sequence
+
+from jvitals.monitor.types import PRESCRIPTIONS, RULE_PRESCRIPTION, Alert, Level
+from jvitals.guard.checkpoints import json_default
+
+__all__ = [
+    "Action",
+    "Response",
+    "RollbackError",
+    "RollbackLimitError",
+    "Snapshots",
+    "TrainingPaused",
+    "alert_lines",
+    "check_position",
+    "jsonable",
+    "make_alert",
+]
+
+
+class Action(enum.Enum):
+    """What :meth:`Rollback.act` did."""
+
+    CONTINUE = "continue"   # nothing to do at this step
+    SAVED = "saved"         # a cadence checkpoint (or a snapshot) was written
+    PAUSE = "pause"         # orange: a checkpoint was written; the loop should pause
+    ROLLBACK = "rollback"   # red: the returned state is a restored healthy one
+    RESUMED = "resumed"     # resume() restored a checkpoint
+
+
+class Response(NamedTuple):
+    """The result of :meth:`Rollback.act`.
+
+    Attributes:
+      action: what happened.
+      state: the train state to continue with (the input one unless ROLLBACK or RESUMED).
+      step: the step the call was made at.
+      saved_step: the checkpoint written by this call, or None.
+      target_step: the checkpoint restored (ROLLBACK, RESUMED), or None.
+      lr_scale: the learning-rate scale in force after the call.
+      alerts: alerts raised by the guard at this call (``rule`` ``'rollback'``,
+        ``'checkpoint_corrupt'``).
+      metrics: ``rollback/*`` scalars to log (see :meth:`Rollback.metrics`).
+      events: the guard's events at this call (dicts with ``event`` and ``step``).
+      position: the data position to continue from (the input one unless
+        ``skip_data`` moved it, or RESUMED).
+      snapshot_step: the snapshot written by this call, or None.
+    """
+
+    action: Action
+    state: Any
+    step: int
+    saved_step: int | None
+    target_step: int | None
+    lr_scale: float
+    alerts: tuple[Alert, ...]
+    metrics: dict[str, float]
+    events: tuple[dict[str, Any], ...] = ()
+    position: Any = None
+    snapshot_step: int | None = None
+
+
+class Snapshots(NamedTuple):
+    """Light recent snapshots between the cadence checkpoints.
+
+    Attributes:
+      every: steps between snapshots (a snapshot when ``step // every`` grows and
+        no cadence checkpoint is written at that call).
+      keep: snapshots kept (the newest; rollback targets are pinned beyond it).
+      directory: where (a local disk is best); default ``<directory>/snapshots``.
+    """
+
+    every: int = 50
+    keep: int = 2
+    directory: str | os.PathLike | None = None
+
+
+class RollbackError(RuntimeError):
+    """A red verdict that cannot be answered with a rollback."""
+
+
+class RollbackLimitError(RollbackError):
+    """The run went red again after ``max_rollbacks`` rollbacks.
+
+    Attributes:
+      step: the step of the red verdict.
+      history: the previous rollbacks (dicts with ``step``, ``to_step``, ``onset_step``,
+        ``lr_scale``, ``actions``, ``alerts``).
+      alerts: the red verdict's alerts.
+      position: the data position at the red step.
+      healthy: the healthy checkpoints on disk a restart can continue from, newest first.
+    """
+
+    def __init__(self, message: str, *, step: int, history: list[dict[str, Any]],
+                 alerts: Sequence[Any], position: Any, healthy: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.step, self.history, self.alerts, self.position = step, history, list(alerts), position
+        self.healthy = list(healthy)
+
+
+class TrainingPaused(Exception):
+    """Raised by ``respond`` on orange when ``pause='raise'``, after the save.
+
+    Attributes: ``step``, ``saved_step`` (the checkpoint written, or None if this
+    orange episode was already saved), ``alerts`` (the verdict's), ``response``.
+    """
+
+    def __init__(self, message: str, *, step: int, saved_step: int | None,
+                 alerts: Sequence[Any], response: Response) -> None:
+        super().__init__(message)
+        self.step, self.saved_step, self.alerts, self.response = step, saved_step, list(alerts), response
+
+
+def alert_lines(alerts: Iterable[Any], limit: int = 5) -> str:
+    lines = [getattr(a, "message", str(a)).split("\n")[0] for a in list(alerts)[:limit]]
+    return "; ".join(lines) if lines else "(no alerts)"
+
+
+def jsonable(x: Any) -> Any:
+    return json.loads(json.dumps(x, default=json_default))
+
+
+def check_position(position: Any) -> Any:
+    """``position`` as plain JSON types, or a TypeError saying what is accepted."""
+    try:
+        return jsonable(position)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            "Rollback: the data position must be JSON-serialisable (an int, or a dict/list of "
+            f"ints, floats and strings), got {type(position).__name__}: {e}") from e
+
+
+def make_alert(rule: str, metric: str, level: Level, step: int, value: float, onset: int,
+                message: str, details: dict[str, Any]) -> Alert:
+    pres = PRESCRIPTIONS[RULE_PRESCRIPTION.get(rule, "generic")]
+    return Alert(id=-1, rule=rule, metric=metric, level=Level(level), step=int(step),
+                 value=float(value), baseline=math.nan, ratio=math.nan, onset_step=int(onset),
+                 opened_step=int(step), message=message, cause=pres.cause,
+                 prescription=pres.prescription, localization=[], peak_level=Level(level),
+                 closed_step=int(step), details=details)
