@@ -45,7 +45,8 @@ def local(x):
     return float(np.asarray(x.addressable_shards[0].data).ravel()[0])
 
 directory = os.environ["CKPT_DIR"]
-monitor = Monitor(Policy(warmup_steps=0, baseline_steps=20))
+# A drop held 10 steps (the default 40 is for long runs): process 1's throughput falls at 30.
+monitor = Monitor(Policy(warmup_steps=0, baseline_steps=20, throughput_hold_steps=10))
 guard = Rollback(directory, save_every=10, keep_last=10)
 _, pos = guard.resume(state(0), {"pid": pid, "i": 0}, monitor)
 out = {"levels": [], "actions": []}
