@@ -162,9 +162,9 @@ SETUPS: tuple[Setup, ...] = (
     # source (pysite), the order-2 Markov language (markov2), AdaBelief, RMSProp + momentum, the
     # linear-decay and inverse-square-root schedules appear only here (none tuned on, none looked at).
     _setup("gptneo", "pysite", "adabelief", "linear", 2e-3, 0.1, 4000, "blind", end_frac=0.05),
-    _setup("opt-l3", "markov2", "rmsprop", "rsqrt", 3e-4, 1e-4, 4000, "blind"),
+    _setup("opt-l3", "markov2", "rmsprop", "rsqrt", 3e-4, 1e-4, 4000, "blind", vocab=64),
     _setup("ref-l3g", "pysite", "rmsprop", "linear", 3e-4, 1e-4, 4000, "blind", end_frac=0.05),
-    _setup("gptneo", "markov2", "adabelief", "rsqrt", 2e-3, 0.1, 4000, "blind"),
+    _setup("gptneo", "markov2", "adabelief", "rsqrt", 2e-3, 0.1, 4000, "blind", vocab=64),
     _setup("opt-l3", "pysite", "adabelief", "rsqrt", 2e-3, 0.1, 4000, "blind"),
 )
 SETUP_BY_NAME = {s.name: s for s in SETUPS}

@@ -12,7 +12,8 @@
   installed third-party packages (:data:`PYSITE_PACKAGES` under ``site-packages``).
 - ``markov2`` (BLIND split only): a synthetic order-2 Markov language
   (:func:`markov2_batch`): each pair of previous tokens has :data:`MARKOV2_SUCCESSORS`
-  possible successors with Dirichlet(0.5) probabilities, the table fixed by
+  possible successors (half of them set by the last token alone, half by both) with
+  Dirichlet(0.5) probabilities, the table fixed by
   :data:`MARKOV2_LANGUAGE_SEED`; vocabulary ``vocab``.
 
 Byte tokens: id = byte + 2 (0 = pad, 1 = BOS), vocabulary 258. File lists are
@@ -168,11 +169,13 @@ def shard_starts(tokens: np.ndarray, seed: int, n_sequences: int, seq: int) -> n
 
 @functools.lru_cache(maxsize=4)
 def markov2_table(vocab: int) -> tuple[np.ndarray, np.ndarray]:
-    """The order-2 language: ``succ[a, b]`` (``[V, V, K]`` token ids >= 2) and the cumulative
-    probabilities ``cum[a, b]`` (``[V, V, K]``, last 1) of the token after ``a, b``."""
+    """The order-2 language: ``succ[a, b]`` (``[V, V, K]`` token ids >= 2; the first ``K // 2``
+    depend on ``b`` only, the rest on both) and the cumulative probabilities ``cum[a, b]``
+    (``[V, V, K]``, last 1) of the token after ``a, b``."""
     rng = np.random.default_rng(MARKOV2_LANGUAGE_SEED + vocab)
     k = MARKOV2_SUCCESSORS
     succ = rng.integers(2, vocab, size=(vocab, vocab, k))
+    succ[:, :, : k // 2] = rng.integers(2, vocab, size=(1, vocab, k // 2))   # half the successors: b's alone
     p = rng.dirichlet(np.full(k, 0.5), size=(vocab, vocab))
     cum = np.cumsum(p, axis=-1)
     cum[..., -1] = 1.0
