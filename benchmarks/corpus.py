@@ -169,8 +169,8 @@ SETUPS: tuple[Setup, ...] = (
 )
 SETUP_BY_NAME = {s.name: s for s in SETUPS}
 #: Seeds: TUNING 1-99, HELD-OUT 1000+, BLIND 2000+ (none shared; fault_suite's runs use 11-21, 100-202).
-HEALTHY_SEEDS = {"tuning": (1, 2), "heldout": (1001, 1002), "blind": (2001,)}
-EXTRA_SEEDS = {"ref-dense/pystdlib/adamw/cosine": (3,), "gptneo/pysite/adabelief/linear": (2002,)}
+HEALTHY_SEEDS = {"tuning": (1, 2), "heldout": (1001, 1002), "blind": (2001, 2002)}
+EXTRA_SEEDS = {"ref-dense/pystdlib/adamw/cosine": (3,)}
 
 
 # ----------------------------------------------------------------------------------
@@ -284,18 +284,18 @@ FAULT_PLAN: dict[str, list[tuple[str, int]]] = {
 }
 #: The BLIND part's faults (the same templates; no MoE or fp16 setup there, so no router or loss-scale fault).
 BLIND_FAULT_PLAN: dict[str, list[tuple[str, int]]] = {
-    "lr_x100": [(_B[1], 1200)],
-    "lr_x1000_once": [(_B[4], 1200)],
-    "emb_lr_x30": [(_B[0], 1200)],
-    "emb_wd_creep": [(_B[3], 1200)],
+    "lr_x100": [(_B[1], 1200), (_B[0], 1200)],
+    "lr_x1000_once": [(_B[4], 1200), (_B[2], 1200)],
+    "emb_lr_x30": [(_B[0], 1200), (_B[4], 1200)],
+    "emb_wd_creep": [(_B[3], 1200), (_B[1], 1200)],
     "logit_drift": [(_B[2], 1200)],
-    "nan_batch": [(_B[3], 1200)],
-    "corrupt_data": [(_B[4], 1200)],
+    "nan_batch": [(_B[3], 1200), (_B[0], 1200)],
+    "corrupt_data": [(_B[4], 1200), (_B[2], 1200)],
     "overfit": [(_B[2], 1200)],
     "periodic_shocks": [(_B[1], 1200)],
     "throughput_drop": [(_B[3], 1200)],
-    "attn_logit_growth": [(_B[1], 1200), (_B[2], 1200)],
-    "repeated_shard": [(_B[0], 1200)],
+    "attn_logit_growth": [(_B[1], 1200), (_B[2], 1200), (_B[3], 1200)],
+    "repeated_shard": [(_B[0], 1200), (_B[4], 1200)],
 }
 
 
