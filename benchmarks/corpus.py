@@ -5,7 +5,7 @@ optimizers and schedules, healthy and faulty, split into a TUNING and a HELD-OUT
 
     python benchmarks/corpus.py list                                   # setups, runs, split
     python benchmarks/corpus.py generate --split tuning [--only NAME..] [--cache /tmp/jaxcache]
-    python benchmarks/corpus.py score --split tuning|heldout --cadence 50 [--heavy-every 500] [--json F]
+    python benchmarks/corpus.py score --split tuning|heldout|blind --cadence 50 [--heavy-every 500] [--json F]
 
 Streams are ``benchmarks/fault_suite.py``'s format (:func:`fault_suite.save_stream`,
 :func:`fault_suite.load_stream`) with more metadata (``setup``, ``split``, the
@@ -19,7 +19,11 @@ same entries (:func:`fault_run`).
 The split (:data:`SETUPS`, ``split`` field; README ``tests/data/corpus/README.md``):
 the HELD-OUT part holds a model family (HF Llama), a data source (the packages'
 documentation, ``pydocs``) and an optimizer (SGD with momentum) that no TUNING stream
-uses, and seeds (>= 1000) that no TUNING stream uses.
+uses, and seeds (>= 1000) that no TUNING stream uses. The BLIND part (``tests/data/corpus/
+blind/``, never tuned on) holds model families (HF GPT-Neo, OPT; the reference model as
+``ref-l3g``), data (``pysite``, ``markov2``), optimizers (AdaBelief, RMSProp + momentum),
+schedules (linear decay, inverse square root) and seeds (>= 2000) that neither other part
+uses; its faults are :data:`BLIND_FAULT_PLAN`.
 
 ``score`` (and :func:`score_corpus`, for tests) replays a split through ``jvitals.Monitor()``
 (or any monitor factory) and OLMo-core's loss rule fed the same checks
@@ -49,7 +53,7 @@ import fault_suite as fs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "data" / "corpus"
-SPLITS = ("tuning", "heldout")
+SPLITS = ("tuning", "heldout", "blind")
 
 # ----------------------------------------------------------------------------------
 # Models: (family, kwargs). The reference model's sizes are fault_suite's, with the
@@ -64,6 +68,14 @@ MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
                             num_key_value_heads=2)),
     "llama-l3": ("llama", dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                                num_key_value_heads=2)),
+    # BLIND only: HF-Flax GPT-Neo (a global and a local-window layer) and OPT, and the reference
+    # model at 3 layers, width 48, gated attention, scan-stacked.
+    "gptneo": ("gptneo", dict(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=128, window_size=32,
+                              attention_types=[[["global", "local"], 1]])),
+    "opt-l3": ("opt", dict(hidden_size=48, num_hidden_layers=3, num_attention_heads=4, ffn_dim=192,
+                           word_embed_proj_dim=48)),
+    "ref-l3g": ("ref", dict(vocab=128, d_model=48, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=8, d_ff=96,
+                            attn_gate=True, scan_layers=True, use_probes=True, sow_attn_logits=True)),
 }
 
 
@@ -74,12 +86,12 @@ class Setup:
     Attributes:
       name: ``{model}/{data}/{optimizer}/{schedule}[/fp16]``.
       model: key of :data:`MODEL_SPECS`.
-      data: ``bigram``, ``pystdlib`` or ``pydocs`` (see ``corpus_data``).
-      optimizer: ``adamw``, ``lion``, ``sgdm`` or ``adafactor``.
-      schedule: ``cosine``, ``constant`` or ``wsd``.
+      data: ``bigram``, ``pystdlib``, ``pydocs``, ``pysite`` or ``markov2`` (see ``corpus_data``).
+      optimizer: ``adamw``, ``lion``, ``sgdm``, ``adafactor``, ``adabelief`` or ``rmsprop``.
+      schedule: ``cosine``, ``constant``, ``wsd``, ``linear`` or ``rsqrt``.
       peak_lr, weight_decay: the optimizer's.
       horizon: the schedule's length in steps (healthy runs train this long).
-      split: ``tuning`` or ``heldout``.
+      split: ``tuning``, ``heldout`` or ``blind``.
       warmup: linear warm-up steps.
       end_frac: the final LR as a fraction of the peak (cosine, WSD).
       decay_frac: WSD: the decay's share of the horizon.
@@ -120,7 +132,7 @@ class Setup:
 def _setup(model: str, data: str, opt: str, sched: str, lr: float, wd: float, horizon: int, split: str,
            **kw: Any) -> Setup:
     name = "/".join([model, data, opt, sched] + (["fp16"] if kw.get("precision") == "fp16" else []))
-    vocab = kw.pop("vocab", 128 if data == "bigram" else 258)
+    vocab = kw.pop("vocab", 128 if data in ("bigram", "markov2") else 258)
     return Setup(name, model, data, opt, sched, lr, wd, horizon, split, vocab=vocab, **kw)
 
 
@@ -146,10 +158,18 @@ SETUPS: tuple[Setup, ...] = (
     _setup("ref-dense", "pydocs", "sgdm", "constant", 0.1, 1e-4, 4000, "heldout"),
     _setup("ref-moe", "pydocs", "lion", "cosine", 5e-4, 0.5, 3000, "heldout", end_frac=0.05),
     _setup("ref-dense", "pydocs", "adamw", "cosine", 3e-3, 0.1, 4000, "heldout", precision="fp16"),
+    # BLIND: GPT-Neo, OPT, the reference model's ref-l3g configuration, the third-party packages'
+    # source (pysite), the order-2 Markov language (markov2), AdaBelief, RMSProp + momentum, the
+    # linear-decay and inverse-square-root schedules appear only here (none tuned on, none looked at).
+    _setup("gptneo", "pysite", "adabelief", "linear", 2e-3, 0.1, 4000, "blind", end_frac=0.05),
+    _setup("opt-l3", "markov2", "rmsprop", "rsqrt", 3e-4, 1e-4, 4000, "blind", vocab=64),
+    _setup("ref-l3g", "pysite", "rmsprop", "linear", 3e-4, 1e-4, 4000, "blind", end_frac=0.05),
+    _setup("gptneo", "markov2", "adabelief", "rsqrt", 2e-3, 0.1, 4000, "blind", vocab=64),
+    _setup("opt-l3", "pysite", "adabelief", "rsqrt", 2e-3, 0.1, 4000, "blind"),
 )
 SETUP_BY_NAME = {s.name: s for s in SETUPS}
-#: Seeds: TUNING 1-99, HELD-OUT 1000+ (none shared; fault_suite's runs use 11-21, 100-202).
-HEALTHY_SEEDS = {"tuning": (1, 2), "heldout": (1001, 1002)}
+#: Seeds: TUNING 1-99, HELD-OUT 1000+, BLIND 2000+ (none shared; fault_suite's runs use 11-21, 100-202).
+HEALTHY_SEEDS = {"tuning": (1, 2), "heldout": (1001, 1002), "blind": (2001, 2002)}
 EXTRA_SEEDS = {"ref-dense/pystdlib/adamw/cosine": (3,)}
 
 
@@ -242,6 +262,8 @@ _T = ("ref-dense/pystdlib/adamw/cosine", "ref-dense/pystdlib/lion/cosine", "ref-
 _H = ("llama/pydocs/adamw/cosine", "llama/pystdlib/lion/cosine", "llama-l3/bigram/adamw/wsd",
       "gpt2/pydocs/lion/cosine", "ref-dense/pydocs/sgdm/constant", "ref-moe/pydocs/lion/cosine",
       "ref-dense/pydocs/adamw/cosine/fp16")
+_B = ("gptneo/pysite/adabelief/linear", "opt-l3/markov2/rmsprop/rsqrt", "ref-l3g/pysite/rmsprop/linear",
+      "gptneo/markov2/adabelief/rsqrt", "opt-l3/pysite/adabelief/rsqrt")
 #: fault -> [(setup, fault step)]; fault_suite's own stream of each of its faults is in the
 #: TUNING part too (tests/data/streams).
 FAULT_PLAN: dict[str, list[tuple[str, int]]] = {
@@ -260,9 +282,25 @@ FAULT_PLAN: dict[str, list[tuple[str, int]]] = {
     "repeated_shard": [(_T[0], 1200), (_T[7], 1200), (_H[1], 1200), (_H[3], 1200)],
     "loss_scale_collapse": [(_T[3], 1200), (_H[6], 1200)],
 }
+#: The BLIND part's faults (the same templates; no MoE or fp16 setup there, so no router or loss-scale fault).
+BLIND_FAULT_PLAN: dict[str, list[tuple[str, int]]] = {
+    "lr_x100": [(_B[1], 1200), (_B[0], 1200)],
+    "lr_x1000_once": [(_B[4], 1200), (_B[2], 1200)],
+    "emb_lr_x30": [(_B[0], 1200), (_B[4], 1200)],
+    "emb_wd_creep": [(_B[3], 1200), (_B[1], 1200)],
+    "logit_drift": [(_B[2], 1200)],
+    "nan_batch": [(_B[3], 1200), (_B[0], 1200)],
+    "corrupt_data": [(_B[4], 1200), (_B[2], 1200)],
+    "overfit": [(_B[2], 1200)],
+    "periodic_shocks": [(_B[1], 1200)],
+    "throughput_drop": [(_B[3], 1200)],
+    "attn_logit_growth": [(_B[1], 1200), (_B[2], 1200), (_B[3], 1200)],
+    "repeated_shard": [(_B[0], 1200), (_B[4], 1200)],
+}
 
 
-#: Fault seeds: ``30 + 4 k + j`` (TUNING) or ``1100 + 4 k + j`` (HELD-OUT), k the fault's index here.
+#: Fault seeds: ``30 + 4 k + j`` (TUNING), ``1100 + 4 k + j`` (HELD-OUT) or ``2100 + 4 k + j`` (BLIND),
+#: k the fault's index here.
 _SEED_ORDER = ("lr_x100", "lr_x1000_once", "emb_lr_x30", "emb_wd_creep", "logit_drift", "nan_batch", "corrupt_data",
                "overfit", "periodic_shocks", "router_collapse", "throughput_drop", "attn_logit_growth",
                "repeated_shard", "warmup_skip", "loss_scale_collapse", "restart_no_warmup")
@@ -275,6 +313,9 @@ def _fault_runs() -> list[CorpusRun]:
         for j, (setup, fstep) in enumerate(where):
             base = 30 if SETUP_BY_NAME[setup].split == "tuning" else 1100
             out.append(fault_run(template, setup, base + 4 * k + j, fstep))
+    for template, where in BLIND_FAULT_PLAN.items():
+        k = _SEED_ORDER.index(template)
+        out += [fault_run(template, setup, 2100 + 4 * k + j, fstep) for j, (setup, fstep) in enumerate(where)]
     return out
 
 

@@ -8,6 +8,13 @@
   packages: every ``*.md``, ``*.rst``, ``*.txt`` of at least 1 KiB and every
   ``*.dist-info/METADATA`` (the packages' long descriptions) under ``site-packages``
   (``sysconfig`` ``purelib``), duplicates (same bytes) kept once.
+- ``pysite`` (BLIND split only): byte-level tokens of the ``.py`` source of a few
+  installed third-party packages (:data:`PYSITE_PACKAGES` under ``site-packages``).
+- ``markov2`` (BLIND split only): a synthetic order-2 Markov language
+  (:func:`markov2_batch`): each pair of previous tokens has :data:`MARKOV2_SUCCESSORS`
+  possible successors (half of them set by the last token alone, half by both) with
+  Dirichlet(0.5) probabilities, the table fixed by
+  :data:`MARKOV2_LANGUAGE_SEED`; vocabulary ``vocab``.
 
 Byte tokens: id = byte + 2 (0 = pad, 1 = BOS), vocabulary 258. File lists are
 sorted by relative path; each file contributes at most its first 64 KiB; the
@@ -33,7 +40,10 @@ BYTE_VOCAB = 258          # 256 bytes + pad (0) + BOS (1)
 PAD_ID, BOS_ID = 0, 1
 MAX_FILE_BYTES = 65_536
 VAL_MOD = 10              # crc32(relpath) % VAL_MOD == 0: validation file
-TEXT_SOURCES = ("pystdlib", "pydocs")
+TEXT_SOURCES = ("pystdlib", "pydocs", "pysite")
+PYSITE_PACKAGES = ("numpy", "jax", "flax", "optax", "orbax")
+MARKOV2_LANGUAGE_SEED = 2718
+MARKOV2_SUCCESSORS = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +84,12 @@ def _doc_files() -> tuple[Path, list[Path]]:
     return root, files
 
 
+def _site_py_files() -> tuple[Path, list[Path]]:
+    root = Path(sysconfig.get_paths()["purelib"])
+    files = [p for pkg in PYSITE_PACKAGES if (root / pkg).is_dir() for p in (root / pkg).rglob("*.py")]
+    return root, files
+
+
 @functools.lru_cache(maxsize=2)
 def load_text(name: str) -> TextCorpus:
     """Read, split and tokenize one text source (cached per process).
@@ -88,6 +104,8 @@ def load_text(name: str) -> TextCorpus:
         root, files = _stdlib_files()
     elif name == "pydocs":
         root, files = _doc_files()
+    elif name == "pysite":
+        root, files = _site_py_files()
     else:
         raise KeyError(f"unknown text source {name!r}; known: {TEXT_SOURCES}")
     rels = sorted((str(p.relative_to(root)), p) for p in files)
@@ -147,3 +165,38 @@ def text_batch(tokens: np.ndarray, seed: int, batch: int, seq: int, pad_fraction
 def shard_starts(tokens: np.ndarray, seed: int, n_sequences: int, seq: int) -> np.ndarray:
     """The window starts of a fixed shard of ``n_sequences`` sequences (repeated-shard fault)."""
     return np.random.default_rng(seed).integers(0, tokens.size - seq, size=n_sequences)
+
+
+@functools.lru_cache(maxsize=4)
+def markov2_table(vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """The order-2 language: ``succ[a, b]`` (``[V, V, K]`` token ids >= 2; the first ``K // 2``
+    depend on ``b`` only, the rest on both) and the cumulative probabilities ``cum[a, b]``
+    (``[V, V, K]``, last 1) of the token after ``a, b``."""
+    rng = np.random.default_rng(MARKOV2_LANGUAGE_SEED + vocab)
+    k = MARKOV2_SUCCESSORS
+    succ = rng.integers(2, vocab, size=(vocab, vocab, k))
+    succ[:, :, : k // 2] = rng.integers(2, vocab, size=(1, vocab, k // 2))   # half the successors: b's alone
+    p = rng.dirichlet(np.full(k, 0.5), size=(vocab, vocab))
+    cum = np.cumsum(p, axis=-1)
+    cum[..., -1] = 1.0
+    return succ, cum
+
+
+def markov2_batch(seed: int, batch: int, seq: int, pad_fraction: float, vocab: int) -> dict[str, np.ndarray]:
+    """One batch of the order-2 Markov language: two uniform tokens, then each token drawn
+    from the table given the two before; rows ``[BOS, x_0 .. x_{T-2}]``, labels
+    ``[x_0 .. x_{T-1}]``, right-padded as :func:`text_batch`."""
+    succ, cum = markov2_table(vocab)
+    rng = np.random.default_rng(seed)
+    x = np.empty((batch, seq), np.int64)
+    x[:, :2] = rng.integers(2, vocab, size=(batch, 2))
+    u = rng.random((batch, seq))
+    for t in range(2, seq):
+        a, b = x[:, t - 2], x[:, t - 1]
+        j = np.minimum((u[:, t, None] > cum[a, b]).sum(-1), MARKOV2_SUCCESSORS - 1)
+        x[:, t] = succ[a, b, j]
+    rows = np.empty((batch, seq + 1), np.int64)
+    rows[:, 0] = BOS_ID
+    rows[:, 1:] = x
+    tok, lab, mask = _pad(rows, rng, pad_fraction)
+    return dict(tokens=tok.astype(np.int32), labels=lab.astype(np.int32), mask=mask)

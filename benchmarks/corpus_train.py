@@ -56,7 +56,9 @@ def make_schedule(kind: str, peak: float, warmup: int, steps: int, end_frac: flo
       kind: ``cosine`` (linear warm-up, cosine to ``end_frac * peak`` at ``steps``),
         ``constant`` (linear warm-up, then ``peak``) or ``wsd`` (linear warm-up,
         ``peak``, a linear decay to ``end_frac * peak`` over the last ``decay_frac``
-        of the steps).
+        of the steps); BLIND only: ``linear`` (linear warm-up, linear decay to
+        ``end_frac * peak`` at ``steps``), ``rsqrt`` (linear warm-up, then
+        ``peak * sqrt(warmup / t)``).
       peak, warmup, steps, end_frac, decay_frac: see ``kind``.
 
     Returns:
@@ -71,6 +73,11 @@ def make_schedule(kind: str, peak: float, warmup: int, steps: int, end_frac: flo
         d = int(round(decay_frac * steps))
         return optax.join_schedules([warm, optax.constant_schedule(peak),
                                      optax.linear_schedule(peak, peak * end_frac, d)], [warmup, steps - d])
+    if kind == "linear":     # BLIND: linear warm-up, then linear decay to end_frac * peak at ``steps``
+        return optax.join_schedules([warm, optax.linear_schedule(peak, peak * end_frac, steps - warmup)], [warmup])
+    if kind == "rsqrt":      # BLIND: linear warm-up, then peak * sqrt(warmup / t)
+        w = float(max(warmup, 1))
+        return optax.join_schedules([warm, lambda c: peak * jnp.sqrt(w / (c + w))], [warmup])
     raise KeyError(f"unknown schedule {kind!r}")
 
 
@@ -152,6 +159,14 @@ def _hf_build(family: str, kw: Mapping[str, Any], vocab: int, seq: int, seed: in
         conf = tf.GPT2Config(vocab_size=vocab, n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                              bos_token_id=cd.BOS_ID, eos_token_id=cd.BOS_ID, **kw)
         return tf.FlaxGPT2LMHeadModel(conf, seed=seed, dtype=dtype)
+    if family == "gptneo":   # BLIND: tied head, q/k/v/out_proj, global + local attention layers
+        conf = tf.GPTNeoConfig(vocab_size=vocab, max_position_embeddings=seq, embed_dropout=0.0, attention_dropout=0.0,
+                               resid_dropout=0.0, bos_token_id=cd.BOS_ID, eos_token_id=cd.BOS_ID, **kw)
+        return tf.FlaxGPTNeoForCausalLM(conf, seed=seed, dtype=dtype)
+    if family == "opt":      # BLIND: tied head, learned positions (offset 2), q/k/v_proj with biases, fc1/fc2
+        conf = tf.OPTConfig(vocab_size=vocab, max_position_embeddings=seq, dropout=0.0, attention_dropout=0.0,
+                            bos_token_id=cd.BOS_ID, eos_token_id=cd.BOS_ID, pad_token_id=cd.PAD_ID, **kw)
+        return tf.FlaxOPTForCausalLM(conf, seed=seed, dtype=dtype)
     conf = tf.LlamaConfig(vocab_size=vocab, max_position_embeddings=seq, tie_word_embeddings=False,
                           bos_token_id=cd.BOS_ID, eos_token_id=cd.BOS_ID, pad_token_id=cd.PAD_ID, **kw)
     return tf.FlaxLlamaForCausalLM(conf, seed=seed, dtype=dtype)
@@ -163,6 +178,8 @@ def _hf_qk(family: str, d: int) -> Callable[[str, tuple[int, ...]], np.ndarray |
             m = np.zeros(shape, np.float32)   # Conv1D kernel [3D, D], bias [3D]: rows [Q | K | V]
             m[: 2 * d] = 1.0
             return m
+        if family in ("gptneo", "opt") and re.search(r"attn/(attention/)?(q_proj|k_proj)/", path):
+            return np.ones(shape, np.float32)
         if family == "llama" and re.search(r"self_attn/(q_proj|k_proj)/", path):
             return np.ones(shape, np.float32)
         return None
@@ -170,7 +187,8 @@ def _hf_qk(family: str, d: int) -> Callable[[str, tuple[int, ...]], np.ndarray |
 
 
 def hf_adapter(family: str, kwargs: Mapping[str, Any], vocab: int, seq: int, dtype: Any) -> ModelAdapter:
-    """A tiny random-init HF-Flax GPT-2 (tied head) or Llama (untied), under ``vitals.instrument()``."""
+    """A tiny random-init HF-Flax GPT-2 (tied head) or Llama (untied), or (BLIND) GPT-Neo or OPT
+    (tied), under ``vitals.instrument()``."""
     model = _hf_build(family, kwargs, vocab, seq, 0, dtype)
     roles = vitals.Roles(qkv_split=vitals.QKVSplit.from_config(model.config))
     module = model.module
@@ -186,8 +204,9 @@ def hf_adapter(family: str, kwargs: Mapping[str, Any], vocab: int, seq: int, dty
         return forward(params, batch)[0]
 
     d = kwargs["n_embd"] if family == "gpt2" else kwargs["hidden_size"]
-    emb = r"^transformer/wte/" if family == "gpt2" else r"^model/embed_tokens/"
-    head = None if family == "gpt2" else r"^lm_head/"
+    emb = {"gpt2": r"^transformer/wte/", "gptneo": r"^transformer/wte/",
+           "opt": r"^model/decoder/embed_tokens/"}.get(family, r"^model/embed_tokens/")
+    head = r"^lm_head/" if family == "llama" else None      # GPT-2, GPT-Neo, OPT: tied
     return ModelAdapter(family, vocab, roles, init, forward, lm_loss, None, emb, head, _hf_qk(family, d),
                         dict(kwargs, vocab=vocab, dtype=jnp.dtype(dtype).name))
 
@@ -202,7 +221,8 @@ def _decay_mask(params: Any) -> Any:
 
 def make_optimizer(kind: str, schedule: optax.Schedule, weight_decay: float) -> optax.GradientTransformation:
     """``adamw`` (b2 0.95), ``lion``, ``sgdm`` (Nesterov momentum 0.9, coupled decay) or
-    ``adafactor``; weight decay on matrices only (not on norm scales and biases)."""
+    ``adafactor``; BLIND only: ``adabelief`` (decoupled decay) and ``rmsprop`` (momentum 0.9,
+    coupled decay); weight decay on matrices only (not on norm scales and biases)."""
     if kind == "adamw":
         return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=_decay_mask)
     if kind == "lion":
@@ -212,6 +232,12 @@ def make_optimizer(kind: str, schedule: optax.Schedule, weight_decay: float) -> 
                            optax.sgd(schedule, momentum=0.9, nesterov=True))
     if kind == "adafactor":
         return optax.adafactor(schedule, weight_decay_rate=weight_decay or None, weight_decay_mask=_decay_mask)
+    if kind == "adabelief":  # BLIND: AdaBelief with decoupled weight decay
+        return optax.chain(optax.scale_by_belief(b1=0.9, b2=0.999), optax.add_decayed_weights(weight_decay, _decay_mask),
+                           optax.scale_by_learning_rate(schedule))
+    if kind == "rmsprop":    # BLIND: RMSProp (decay 0.95) with heavy-ball momentum 0.9, coupled decay
+        return optax.chain(optax.add_decayed_weights(weight_decay, _decay_mask),
+                           optax.rmsprop(schedule, decay=0.95, eps=1e-8, momentum=0.9))
     raise KeyError(f"unknown optimizer {kind!r}")
 
 
@@ -347,11 +373,13 @@ class Data:
                  shard_sequences: int = 1024) -> None:
         self.kind, self.vocab, self.seed = kind, vocab, seed
         self.batch_size, self.seq, self.pad = batch, seq, pad_fraction
-        self.text = None if kind == "bigram" else cd.load_text(kind)
+        self.text = None if kind in ("bigram", "markov2") else cd.load_text(kind)
         self.cfg = rm.ModelConfig(vocab=vocab)
         self.shard_n = shard_sequences
 
     def _plain(self, key: int) -> dict[str, np.ndarray]:
+        if self.kind == "markov2":
+            return cd.markov2_batch(key, self.batch_size, self.seq, self.pad, self.vocab)
         if self.text is None:
             b = rm.make_batch(key, self.cfg, self.batch_size, self.seq, pad_fraction=self.pad)
             return {k: np.asarray(v) for k, v in b.items()}

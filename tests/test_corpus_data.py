@@ -7,7 +7,8 @@ token rate against the batch shape, the dynamic loss scale against its rule repl
 from the skipped steps, the group shares against 1. Then the split: the held-out part
 holds a model family, a data source and an optimizer no tuning stream uses, and seeds
 disjoint from the tuning part's (fault_suite's included); every fault is on at least two
-setups, one of them held out. NumPy only, no training.
+setups, one of them held out. The BLIND part: model families, data, optimizers, schedules
+and seeds of its own, no fault_suite stream. NumPy only, no training.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def schedule(meta: dict, t: np.ndarray) -> np.ndarray:
         after = end + (peak - end) * 0.5 * (1 + np.cos(np.pi * np.clip((t - w) / (h - w), 0, 1)))
     elif meta["schedule"] == "constant":
         after = np.full_like(t, peak)
+    elif meta["schedule"] == "linear":   # BLIND
+        after = peak + (end - peak) * np.clip((t - w) / (h - w), 0, 1)
+    elif meta["schedule"] == "rsqrt":    # BLIND
+        after = peak * np.sqrt(w / np.maximum(t, w))
     else:  # wsd
         d = round(meta["decay_frac"] * h)
         after = np.where(t < h - d, peak, peak + (end - peak) * np.clip((t - (h - d)) / d, 0, 1))
@@ -214,3 +219,23 @@ def test_the_scorers_policy_fields_exist_and_cover_every_default_rule():
              "ratio": {"ratio", "grad_norm"}}
     ids = set().union(*(finer.get(r.name, {r.name}) for r in vitals.default_rules(vitals.Policy())))
     assert ids - set(corpus.RULE_POLICY) == set()
+
+
+def test_blind_split_is_new():
+    """The BLIND part (never tuned on): its model configurations, data sources, optimizers and
+    schedules appear in no other part, at least one model family is new, its seeds are >= 2000
+    and its own; at least 5 healthy streams and 20,000 healthy steps; ``load_split`` adds no
+    fault_suite stream to it."""
+    blind = _split("blind")
+    others = _split("tuning") + _split("heldout")
+    assert blind, "run `python benchmarks/corpus.py generate --split blind`"
+    for key in ("model", "data", "optimizer", "schedule"):
+        assert not {st.meta[key] for st in blind} & {st.meta[key] for st in others}, key
+    assert {st.meta["model_family"] for st in blind} - {st.meta["model_family"] for st in others}
+    fs_seeds = {r.seed for r in fs.RUNS + fs.EXTRA_RUNS}
+    seeds = {st.meta["seed"] for st in blind}
+    assert min(seeds) >= 2000 and not seeds & ({st.meta["seed"] for st in others} | fs_seeds)
+    healthy = [st for st in blind if not st.meta["fault"]]
+    assert len(healthy) >= 5 and sum(st.steps for st in healthy) >= 20_000
+    loaded = corpus.load_split("blind", CORPUS_DIR)
+    assert len(loaded) == len(blind) and all(st.meta["split"] == "blind" for st in loaded)
