@@ -18,10 +18,6 @@ from conftest import assert_second_calls_compile_nothing
 from jvitals.metrics.gradients import global_norm, global_norm_metrics, gradient_metrics, update_metrics
 from jvitals.metrics.roles import QKVSplit, Roles
 
-# Each test runs with both non-finite paths (conftest.nonfinite_path): the gradient
-# summaries are summarize_many's, grouped by mesh axes inside shard_map.
-pytestmark = pytest.mark.usefixtures("nonfinite_path")
-
 D, F, V, E = 8, 16, 24, 4
 
 

@@ -71,7 +71,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jvitals.metrics.probes import LogitsRows, LogitsSummary, attention_valid_mask, summarize_logits, vary_along
+from jvitals.metrics.probes import (LogitsRows, LogitsSummary, attention_valid_mask, row_argmax, summarize_logits,
+                                    vary_along)
 from jvitals.metrics.stats import (Summary, TokenSummary, check_axes, eager_jit, reduce, sharded_axes, summarize,
                            summarize_max, varying_axes)
 
@@ -359,7 +360,7 @@ def _argmaxes(name: str, entries: list[_Entry], tok: _Tokens) -> list[jax.Array]
             raise ValueError(f"activation_metrics: a plain Summary was sown as '{name}' at '{path}'; "
                              f"MTP agreement needs jvitals.logits_probe or the raw logits.")
         x = jnp.asarray(v)
-        a = jnp.argmax(x, axis=-1).astype(jnp.int32)
+        a = row_argmax(x)
         if tok.shape is not None and tuple(a.shape) not in (tok.shape,) and tuple(a.shape[1:]) == tok.shape:
             out.extend(list(a))
         elif tok.shape is not None and tuple(a.shape) != tok.shape:
