@@ -250,7 +250,9 @@ def _tree_stats(trees: Mapping[str, Any], *, role_tree: str | None, layered: Seq
             parts = _pieces(x, leaf, roles, axes, o_sizes, split and n == role_tree)
             red = reduction_axes(x, axes, leaf.spec, has_specs)
             owners.append((n, leaf, red, [name for name, *_ in parts]))
-            items.extend((px, pm, pa, fields) for _, px, pm, pa in parts)
+            # One kernel per leaf position (its gradient, parameter and update):
+            # kernels over several leaves would keep them all live at once.
+            items.extend((px, pm, pa, fields, leaf.index) for _, px, pm, pa in parts)
     summaries = iter(summarize_fields(items))
     accs = {n: Accumulator() for n in names}
     stack_first: dict[str, int] = {}

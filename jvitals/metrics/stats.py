@@ -302,27 +302,28 @@ def _fold_one(x: jax.Array, valid: jax.Array | None, red: tuple[int, ...] | None
     return _fold_groups([(x, valid, red, fields)])[0]
 
 
-def _fold_groups(items: Sequence[tuple[jax.Array, jax.Array | None, tuple[int, ...] | None,
-                                       Sequence[str]]]) -> list[dict[str, jax.Array]]:
+def _fold_groups(items: Sequence[tuple]) -> list[dict[str, jax.Array]]:
     """The :class:`Summary` ``fields`` of several arrays, one read each.
 
-    Items ``(x, valid, red, fields)`` with the same shape and reduced axes (and,
-    inside ``shard_map``, the same varying mesh axes: a reduction's outputs take
-    the type of all its operands) share one variadic reduction: one kernel
-    reading each of their arrays once (``fold.py``).
+    Items ``(x, valid, red, fields[, tag])`` with the same shape, reduced axes and
+    ``tag`` (and, inside ``shard_map``, the same varying mesh axes: a reduction's
+    outputs take the type of all its operands) share one variadic reduction: one
+    kernel reading each of their arrays once (``fold.py``). A tag keeps items
+    apart: the arrays of one kernel are all live while it runs.
 
     Returns:
       Per item, ``{field: array}`` (``abs_max`` before the NaN rule).
     """
     groups: dict[Any, list[int]] = {}
-    for i, (x, valid, red, _) in enumerate(items):
-        key = (tuple(jnp.shape(x)), red, _manual_varying(x), None if valid is None else _manual_varying(valid))
+    for i, (x, valid, red, *_) in enumerate(items):
+        tag = items[i][4] if len(items[i]) > 4 else None
+        key = (tuple(jnp.shape(x)), red, _manual_varying(x), None if valid is None else _manual_varying(valid), tag)
         groups.setdefault(key, []).append(i)
     out: list[dict[str, jax.Array]] = [{} for _ in items]
     for idx in groups.values():
         ops, inits, names, where = [], [], [], []
         for i in idx:
-            x, valid, _, fields = items[i]
+            x, valid, _, fields = items[i][:4]
             o, z, k = fold.finite_parts(x, valid, fields)
             ops += o
             inits += z
@@ -452,22 +453,23 @@ def _summarize_many(items: Sequence[tuple[jax.Array, jax.Array | None, int | Non
 def summarize_fields(items: Sequence[tuple[jax.Array, jax.Array | None, int | None, Sequence[str]]]) -> list[Summary]:
     """Summaries measuring only some fields, arrays of one shape sharing one reduction.
 
-    Each item is ``(x, mask, axis, fields)`` with ``fields`` among ``fold.FULL``
-    (``"sum"``, ``"sumsq"``, ``"abs_max"``, ``"nonfinite"``); ``count`` is always
-    measured (from the mask, at its own size), the fields not asked for are NaN.
-    Every array is read once (``fold.py``).
+    Each item is ``(x, mask, axis, fields[, tag])`` with ``fields`` among
+    ``fold.FULL`` (``"sum"``, ``"sumsq"``, ``"abs_max"``, ``"nonfinite"``);
+    ``count`` is always measured (from the mask, at its own size), the fields
+    not asked for are NaN. Every array is read once (``fold.py``); items of one
+    shape and tag share a kernel.
 
     Returns:
       One :class:`Summary` per item, in order.
     """
     counts, folds = [], []
-    for x, mask, axis, fields in items:
+    for x, mask, axis, fields, *tag in items:
         x = jnp.asarray(x)
         shape = tuple(x.shape)
         red, axis = _reduced_axes(shape, axis)
         count, valid = _count_and_valid(mask, shape, red, axis)
         counts.append(count)
-        folds.append((x, valid, red, tuple(fields)))
+        folds.append((x, valid, red, tuple(fields), tag[0] if tag else None))
     out = []
     for count, f in zip(counts, _fold_groups(folds)):
         nan = jnp.full_like(count, jnp.nan)
