@@ -74,7 +74,7 @@ from jax.sharding import PartitionSpec
 from jvitals.metrics.probes import (LogitsRows, LogitsSummary, attention_valid_mask, row_argmax, summarize_logits,
                                     vary_along)
 from jvitals.metrics.stats import (Summary, TokenSummary, check_axes, eager_jit, reduce, sharded_axes, summarize,
-                           summarize_max, varying_axes)
+                                   summarize_many, summarize_max, varying_axes)
 
 __all__ = ["activation_metrics", "bos_value_grad_metrics", "mtp_metrics"]
 
@@ -685,8 +685,10 @@ def bos_value_grad_metrics(
                 f"has shape {tuple(g.shape)}; expected [B, T, ...] = ({', '.join(map(str, shape))}, "
                 f"...) or [L, B, T, ...] when nn.scan-stacked.")
         axis = 0 if stacked else None
-        bos_s.append(summarize(g, valid & is_bos, axis=axis))
-        rest_s.append(summarize(g, valid & ~is_bos, axis=axis))
+        # One reduction over g for both masks (summarize_many): g is read once.
+        b, r = summarize_many([(g, valid & is_bos, axis), (g, valid & ~is_bos, axis)])
+        bos_s.append(b)
+        rest_s.append(r)
     red = _red_axes(name, [[v for _, v in entries[name]], valid, is_bos], axes, specs)
     bos, rest = _reduce((_cat(bos_s), _cat(rest_s)), red)
     out: dict[str, jax.Array] = {}
