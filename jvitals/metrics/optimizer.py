@@ -42,6 +42,7 @@ from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
@@ -94,6 +95,23 @@ def _bins(x: jax.Array) -> jax.Array:
     return (lax.bitcast_convert_type(jnp.abs(x.astype(_F32)), jnp.uint32) >> 16).astype(jnp.int32)
 
 
+_SCATTER = lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(0,),
+                                       scatter_dims_to_operand_dims=(0,))
+
+
+def _bins16(x: jax.Array) -> jax.Array:
+    """The bins of ``x``, flat, as uint16 (they fit: ``NU_BINS = 2^15``)."""
+    return (lax.bitcast_convert_type(jnp.abs(jnp.ravel(x).astype(_F32)), jnp.uint32) >> 16).astype(jnp.uint16)
+
+
+def _count_bins(hist: jax.Array, idx: jax.Array) -> jax.Array:
+    """``hist`` plus one count per bin index of ``idx`` (uint16: half the bytes of
+    int32 indices on a backend that writes them out before scattering, XLA:CPU)."""
+    return lax.scatter_add(hist, idx[:, None], jnp.ones(idx.shape, hist.dtype), _SCATTER,
+                           indices_are_sorted=False, unique_indices=False,
+                           mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
 def log_histogram(x: jax.Array, hist: jax.Array | None = None) -> jax.Array:
     """Counts of ``|x|`` per float32 top-16-bit bin (``NU_BINS`` int32); non-finite skipped.
 
@@ -111,7 +129,7 @@ def log_histogram(x: jax.Array, hist: jax.Array | None = None) -> jax.Array:
     n = xf.shape[0]
 
     def add(hist: jax.Array, part: jax.Array) -> tuple[jax.Array, None]:
-        return hist.at[_bins(part)].add(1, mode="promise_in_bounds"), None
+        return _count_bins(hist, _bins16(part)), None
 
     hist = jnp.zeros([NU_BINS], jnp.int32) if hist is None else hist
     whole = (n // _HIST_CHUNK) * _HIST_CHUNK
@@ -122,6 +140,36 @@ def log_histogram(x: jax.Array, hist: jax.Array | None = None) -> jax.Array:
             hist = lax.scan(add, hist, lax.slice(xf, (0,), (whole,)).reshape(-1, _HIST_CHUNK))[0]
         if whole < n:
             hist = add(hist, lax.slice(xf, (whole,), (n,)))[0]
+    return hist.at[_NONFINITE_BIN:].set(0)
+
+
+def _log_histogram_many(xs: Sequence[jax.Array]) -> jax.Array:
+    """:func:`log_histogram` of every array of ``xs`` together.
+
+    A scatter reads and writes the whole ``NU_BINS`` histogram (128 KiB) besides its
+    indices, so leaves smaller than a chunk are binned together: their bins are
+    concatenated (one fusion reading each leaf once) into batches of at most
+    ``_HIST_CHUNK`` indices, one scatter a batch; larger leaves go through
+    :func:`log_histogram`'s chunks. The non-finite bins are cleared once.
+    """
+    hist = jnp.zeros([NU_BINS], jnp.int32)
+    batch: list[jax.Array] = []
+    size = 0
+
+    def flush(hist: jax.Array, batch: list[jax.Array]) -> jax.Array:
+        return _count_bins(hist, jnp.concatenate([_bins16(b) for b in batch]))
+
+    for x in xs:
+        n = int(np.prod(jnp.shape(x)))
+        if n >= _HIST_CHUNK:
+            hist = log_histogram(x, hist)
+            continue
+        if size + n > _HIST_CHUNK and batch:
+            hist, batch, size = flush(hist, batch), [], 0
+        batch.append(jnp.asarray(x))
+        size += n
+    if batch:
+        hist = flush(hist, batch)
     return hist.at[_NONFINITE_BIN:].set(0)
 
 
@@ -224,10 +272,7 @@ def _histogram_median(groups: Mapping[tuple[str, ...], Sequence[jax.Array]]) -> 
     """:func:`histogram_quantile` (0.5) of the leaves' summed, ``psum``-ed :func:`log_histogram`."""
     hist = jnp.zeros([NU_BINS], _F32)
     for red, xs in groups.items():
-        h = None
-        for x in xs:
-            h = log_histogram(x, h)  # one buffer, threaded through the leaves
-        h = h.astype(_F32)
+        h = _log_histogram_many(xs).astype(_F32)
         hist = hist + (psum_over(h, red, PartitionSpec(red)) if red else h)
     return histogram_quantile(hist, 0.5)
 
