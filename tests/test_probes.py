@@ -188,12 +188,13 @@ def test_logits_statistics_and_argmax_read_the_logits_once():
     for chunk in (None, 0, 2 * 512):
         full = probes.summarize_logits(x, chunk_elements=chunk)
         np.testing.assert_array_equal(full.argmax, np.argmax(logits, -1))
-    compiled = jax.jit(probes.summarize_logits).lower(x).compile()
+    big = jnp.asarray(rng.normal(size=(4, 16, 4096)), jnp.float32)  # per-row outputs: 8 / 4096 of it
+    compiled = jax.jit(probes.summarize_logits).lower(big).compile()
     text = compiled.as_text()
     assert " while(" not in text and " conditional(" not in text
     ca = compiled.cost_analysis()
     got = (ca[0] if isinstance(ca, (list, tuple)) else ca)["bytes accessed"]
-    assert x.nbytes <= got <= 1.05 * x.nbytes, got / x.nbytes
+    assert big.nbytes <= got <= 1.03 * big.nbytes, got / big.nbytes
 
 
 def test_row_argmax_past_2_23_columns_takes_the_int32_iota():

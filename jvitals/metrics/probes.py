@@ -141,9 +141,10 @@ def _argmax_combine(a: tuple, b: tuple) -> tuple:
 def row_argmax(x: jax.Array) -> jax.Array:
     """``jnp.argmax(x, -1)`` as int32 in one read of ``x`` (a two-operand reduction of
     the values and their indices; the first NaN, else the first maximum)."""
-    xf = jnp.asarray(x).astype(_F32)
-    iota = lax.broadcasted_iota(jnp.int32, xf.shape, xf.ndim - 1)
-    return fold.fold((xf, iota), (-jnp.inf, xf.shape[-1]), _argmax_combine, (xf.ndim - 1,))[1]
+    x = jnp.asarray(x)
+    iota = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return fold.fold_map(lambda a, i: (a.astype(_F32), i), (x, iota), (-jnp.inf, x.shape[-1]), _argmax_combine,
+                         (x.ndim - 1,))[1]
 
 
 def _logits_combine(a: tuple, b: tuple) -> tuple:
@@ -190,14 +191,20 @@ def _row_stats(x: jax.Array) -> tuple[jax.Array, ...]:
     are read once, on every backend (``lax.top_k`` and XLA:CPU's ``argmax`` are
     both far slower on the CPU).
     """
-    xf = jnp.asarray(x).astype(_F32)
-    v = xf.shape[-1]
-    fin = jnp.isfinite(xf)
-    xg = jnp.where(fin, xf, 0.0)
-    ops = (xf, jnp.full_like(xf, -jnp.inf), lax.broadcasted_iota(jnp.int32, xf.shape, xf.ndim - 1),
-           jnp.ones_like(xf), xg, xg * xg, jnp.abs(xg), jnp.where(fin, 0.0, 1.0).astype(_F32))
+    x = jnp.asarray(x)
+    v = x.shape[-1]
+
+    def make(x: jax.Array, iota: jax.Array) -> tuple[jax.Array, ...]:
+        xf = x.astype(_F32)
+        fin = jnp.isfinite(xf)
+        xg = jnp.where(fin, xf, 0.0)
+        return (xf, jnp.full_like(xf, -jnp.inf), iota, jnp.ones_like(xf), xg, xg * xg, jnp.abs(xg),
+                jnp.where(fin, 0.0, 1.0).astype(_F32))
+
+    iota = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     inits = (-jnp.inf, -jnp.inf, v, 0.0, 0.0, 0.0, 0.0, 0.0)
-    top1, top2, first, s, total, sumsq, amax, bad = fold.fold(ops, inits, _logits_combine, (xf.ndim - 1,))
+    top1, top2, first, s, total, sumsq, amax, bad = fold.fold_map(make, (x, iota), inits, _logits_combine,
+                                                                  (x.ndim - 1,))
     lse = top1 + jnp.log(s)
     return top1, top2, lse, total, sumsq, amax, bad, first.astype(jnp.int32)
 
@@ -335,12 +342,9 @@ def _rows_summary(top1: jax.Array, top2: jax.Array, lse: jax.Array, r_sum: jax.A
     diff = top1 - top2
     tie_f = jnp.where(jnp.isfinite(diff), (top2 == top1).astype(_F32), jnp.nan)
     ok = valid & (r_bad == 0)
-    ops, inits, names = [], [], []
-    for x, m in ((lse, valid), (diff, valid), (tie_f, valid)):
-        o, z, k = fold.finite_parts(x, m, fold.FULL)
-        ops += o
-        inits += z
-        names += k
+    ops, inits, names = [], [0.0] * 12, ["sum", "sum", "max", "sum"] * 3
+    for x in (lse, diff, tie_f):
+        ops += fold.summary_ops(x, valid, fold.FULL)
     ops += [jnp.where(ok, r_sum, 0.0), jnp.where(ok, r_sumsq, 0.0), jnp.where(ok, r_amax, 0.0),
             jnp.where(valid, r_bad, 0.0), jnp.where(valid, lse, -jnp.inf), valid.astype(_F32)]
     inits += [0.0, 0.0, 0.0, 0.0, -jnp.inf, 0.0]

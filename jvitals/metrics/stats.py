@@ -321,17 +321,12 @@ def _fold_groups(items: Sequence[tuple]) -> list[dict[str, jax.Array]]:
         groups.setdefault(key, []).append(i)
     out: list[dict[str, jax.Array]] = [{} for _ in items]
     for idx in groups.values():
-        ops, inits, names, where = [], [], [], []
-        for i in idx:
-            x, valid, _, fields = items[i][:4]
-            o, z, k = fold.finite_parts(x, valid, fields)
-            ops += o
-            inits += z
-            names += k
-            where += [(i, f) for f in fields]
-        _, combine = fold.kinds(names)
-        for (i, f), r in zip(where, fold.fold(ops, inits, combine, items[idx[0]][2])):
-            out[i][f] = r
+        shape = tuple(jnp.shape(items[idx[0]][0]))
+        got = fold.fold_summaries([(items[i][0], None if items[i][1] is None else
+                                    jnp.broadcast_to(items[i][1], shape), items[i][3]) for i in idx],
+                                  items[idx[0]][2])
+        for i, g in zip(idx, got):
+            out[i] = g
     return out
 
 
