@@ -662,6 +662,19 @@ def bos_value_grad_metrics(
             f"bos_value_grad_metrics: no perturbation named '{name}' in the gradients; found "
             f"{sorted(entries)}. Put jvitals.perturb_values(self, v, '{name}') on the "
             f"attention values and differentiate w.r.t. the 'perturbations' collection.")
+    tok, valid, is_bos = _bos_positions(tokens, mask, bos_id)
+    bos, rest = _bos_summaries(entries[name], name, tok, valid, is_bos)
+    red = _red_axes(name, [[v for _, v in entries[name]], valid, is_bos], axes, specs)
+    return _bos_figures(*_reduce((bos, rest), red))
+
+
+def _bos_positions(tokens: Any, mask: Any, bos_id: int | None) -> tuple[_Tokens, jax.Array, jax.Array]:
+    """The ``[B, T]`` token shape, the valid positions and the BOS ones (``tokens ==
+    bos_id`` given both, else position 0).
+
+    Raises:
+      ValueError: neither tokens nor mask, or their shapes differ.
+    """
     if tokens is None and mask is None:
         raise ValueError("bos_value_grad_metrics: pass tokens=[B, T] or mask=[B, T] so that the "
                          "[B, T] token axes of the gradients can be located.")
@@ -674,30 +687,35 @@ def bos_value_grad_metrics(
         is_bos = jnp.asarray(tokens) == bos_id
     else:
         is_bos = jnp.broadcast_to(jnp.arange(shape[-1]) == 0, shape)
-    tok = _Tokens(shape, "tokens" if tokens is not None else "mask")
+    return _Tokens(shape, "tokens" if tokens is not None else "mask"), valid, is_bos
+
+
+def _bos_summaries(entries: list[_Entry], name: str, tok: _Tokens, valid: jax.Array,
+                   is_bos: jax.Array) -> tuple[Summary, Summary]:
+    """Per layer, the Summary of the gradients at valid BOS positions and at the other
+    valid ones: one reduction per sown value for both (each gradient read once)."""
     bos_s, rest_s = [], []
-    for path, v in entries[name]:
+    for path, v in entries:
         g = jnp.asarray(v)
         stacked = _stacked(name, tuple(g.shape), tok, path, strict=False)
         if stacked is None:
             raise ValueError(
                 f"bos_value_grad_metrics: {tok.describe()} but the '{name}' gradient at '{path}' "
-                f"has shape {tuple(g.shape)}; expected [B, T, ...] = ({', '.join(map(str, shape))}, "
+                f"has shape {tuple(g.shape)}; expected [B, T, ...] = ({', '.join(map(str, tok.shape))}, "
                 f"...) or [L, B, T, ...] when nn.scan-stacked.")
         axis = 0 if stacked else None
-        # One reduction over g for both masks (summarize_many): g is read once.
         b, r = summarize_many([(g, valid & is_bos, axis), (g, valid & ~is_bos, axis)])
         bos_s.append(b)
         rest_s.append(r)
-    red = _red_axes(name, [[v for _, v in entries[name]], valid, is_bos], axes, specs)
-    bos, rest = _reduce((_cat(bos_s), _cat(rest_s)), red)
-    out: dict[str, jax.Array] = {}
+    return _cat(bos_s), _cat(rest_s)
+
+
+def _bos_figures(bos: Summary, rest: Summary) -> dict[str, jax.Array]:
+    """``diag/bos_value_grad_*``: the pooled RMS, max and ratio, and per layer."""
     base = "diag/bos_value_grad"
     tb, tr = bos.total(), rest.total()
-    out[f"{base}_rms"] = tb.rms
-    out[f"{base}_abs.max"] = tb.abs_max
-    out[f"{base}_ratio"] = tb.rms / tr.rms
-    out[f"{base}.nonfinite"] = tb.nonfinite + tr.nonfinite
+    out = {f"{base}_rms": tb.rms, f"{base}_abs.max": tb.abs_max, f"{base}_ratio": tb.rms / tr.rms,
+           f"{base}.nonfinite": tb.nonfinite + tr.nonfinite}
     ratio = bos.rms / rest.rms
     for i in range(bos.count.shape[0]):
         out[f"{base}_rms/layer_{i}"] = bos.rms[i]

@@ -318,69 +318,91 @@ def optimizer_metrics(opt_state: Any, *, specs: Any = None, axes: Sequence[str] 
     axes = check_axes(axes)
     p = prefix
     out: dict[str, jax.Array] = {}
-
-    def find(pred: Any) -> list[Any]:
-        return [n for n in jax.tree.leaves(opt_state, is_leaf=pred) if pred(n)]
-
-    # Adam nu.
-    adam = find(_is_adam)
+    adam = _find(opt_state, _is_adam)
     if adam:
-        acc = Accumulator()
-        groups: dict[tuple[str, ...], list[jax.Array]] = {}
-        for st in adam:
-            nu = st.nu
-            leaves = jax.tree.leaves(nu)
-            sp = flat_specs(nu, specs, "Adam nu (the params' structure)")
-            for i, x in enumerate(leaves):
-                red = reduction_axes(x, axes, sp[i] if sp is not None else None, sp is not None)
-                groups.setdefault(red, []).append(x)
-        for red, xs in groups.items():  # nu >= 0: only its max and non-finite count, one cond per group
-            acc.add(red, "nu", summarize_max(xs))
-        s = acc.result().get("nu", Summary.empty())
-        if median == "histogram":
-            med = _histogram_median(groups)
-        elif median == "search":
-            med = search_quantile(groups, 0.5)
-        else:
-            med = lax.platform_dependent(cpu=lambda: _histogram_median(groups),
-                                         default=lambda: search_quantile(groups, 0.5))
-        out[f"{p}/adam_nu_abs.max"] = s.abs_max
-        out[f"{p}/adam_nu_median"] = jnp.where(s.nonfinite > 0, jnp.nan, med).astype(_F32)
-        out[f"{p}/adam_nu_log10_spread"] = (jnp.log10(s.abs_max) - jnp.log10(out[f"{p}/adam_nu_median"])).astype(_F32)
-
-    # Loss scale.
-    ls = loss_scale
-    if ls is None:
-        objs = find(_is_loss_scale_obj)
-        if objs:
-            ls = objs[0]
-        else:
-            for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
-                if path_str(path).split("/")[-1] == "loss_scale":
-                    ls = leaf
-                    break
+        out.update(_nu_figures(adam, specs=specs, axes=axes, median=median, prefix=p))
+    ls = _find_loss_scale(opt_state, loss_scale)
     if ls is not None:
-        if not hasattr(ls, "shape"):
-            ls = getattr(ls, "loss_scale", None) if hasattr(ls, "loss_scale") else getattr(ls, "scale", None)
-            if ls is None:
-                raise ValueError(f"loss_scale: expected an array or an object with .loss_scale or .scale, "
-                                 f"got {type(loss_scale).__name__}")
-        out[f"{p}/loss_scale"] = jnp.asarray(ls).astype(_F32)
-
-    # Skipped steps.
-    aif = find(_is_apply_if_finite)
+        out[f"{p}/loss_scale"] = ls
+    aif = _find(opt_state, _is_apply_if_finite)
     if aif:
         out[f"{p}/skipped_steps"] = sum(jnp.asarray(n.total_notfinite).astype(jnp.int32) for n in aif)
         out[f"{p}/consecutive_nonfinite"] = sum(jnp.asarray(n.notfinite_count).astype(jnp.int32) for n in aif)
-
-    # Injected learning rate, times every LR scale injected (jvitals.with_lr_scale).
     lrs = injected_hyperparams(opt_state, "learning_rate")
-    if lrs:
+    if lrs:  # times every LR scale injected (jvitals.with_lr_scale)
         lr = jnp.asarray(lrs[0], _F32).reshape(())
         for s in injected_hyperparams(opt_state, LR_SCALE):
             lr = lr * jnp.asarray(s, _F32).reshape(())
         out[f"{p}/learning_rate"] = lr
     return out
+
+
+def _find(tree: Any, pred: Any) -> list[Any]:
+    """The nodes of ``tree`` (outermost first) for which ``pred`` holds."""
+    return [n for n in jax.tree.leaves(tree, is_leaf=pred) if pred(n)]
+
+
+def _nu_groups(adam: Sequence[Any], specs: Any, axes: tuple[str, ...]) -> dict[tuple[str, ...], list[jax.Array]]:
+    """Every ``nu`` leaf of the Adam states, grouped by the mesh axes it is reduced over."""
+    groups: dict[tuple[str, ...], list[jax.Array]] = {}
+    for st in adam:
+        leaves = jax.tree.leaves(st.nu)
+        sp = flat_specs(st.nu, specs, "Adam nu (the params' structure)")
+        for i, x in enumerate(leaves):
+            red = reduction_axes(x, axes, sp[i] if sp is not None else None, sp is not None)
+            groups.setdefault(red, []).append(x)
+    return groups
+
+
+def _median(groups: Mapping[tuple[str, ...], Sequence[jax.Array]], median: str) -> jax.Array:
+    """The ``nu`` median by the method asked for (``'auto'``: the histogram on the CPU,
+    the search elsewhere; the backend compiling the step decides)."""
+    if median == "histogram":
+        return _histogram_median(groups)
+    if median == "search":
+        return search_quantile(groups, 0.5)
+    return lax.platform_dependent(cpu=lambda: _histogram_median(groups),
+                                  default=lambda: search_quantile(groups, 0.5))
+
+
+def _nu_figures(adam: Sequence[Any], *, specs: Any, axes: tuple[str, ...], median: str,
+                prefix: str) -> dict[str, jax.Array]:
+    """``{p}/adam_nu_abs.max``, ``_median`` (NaN with a non-finite ``nu``) and
+    ``_log10_spread`` over every ``nu`` leaf (``max |nu|`` and the count: one read each)."""
+    groups = _nu_groups(adam, specs, axes)
+    acc = Accumulator()
+    for red, xs in groups.items():  # nu >= 0: only its max and non-finite count
+        acc.add(red, "nu", summarize_max(xs))
+    s = acc.result().get("nu", Summary.empty())
+    med = jnp.where(s.nonfinite > 0, jnp.nan, _median(groups, median)).astype(_F32)
+    return {f"{prefix}/adam_nu_abs.max": s.abs_max, f"{prefix}/adam_nu_median": med,
+            f"{prefix}/adam_nu_log10_spread": (jnp.log10(s.abs_max) - jnp.log10(med)).astype(_F32)}
+
+
+def _find_loss_scale(opt_state: Any, loss_scale: Any) -> jax.Array | None:
+    """The dynamic loss scale (float32): ``loss_scale`` if given, else the first
+    loss-scale object in the state (flax ``DynamicScale``, jmp's), else the first
+    leaf named ``loss_scale``; an object is read through ``.loss_scale`` or ``.scale``.
+
+    Raises:
+      ValueError: an object with neither attribute.
+    """
+    ls = loss_scale
+    if ls is None:
+        objs = _find(opt_state, _is_loss_scale_obj)
+        if objs:
+            ls = objs[0]
+        else:
+            ls = next((leaf for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]
+                       if path_str(path).split("/")[-1] == "loss_scale"), None)
+    if ls is None:
+        return None
+    if not hasattr(ls, "shape"):
+        ls = getattr(ls, "loss_scale", None) if hasattr(ls, "loss_scale") else getattr(ls, "scale", None)
+        if ls is None:
+            raise ValueError(f"loss_scale: expected an array or an object with .loss_scale or .scale, "
+                             f"got {type(loss_scale).__name__}")
+    return jnp.asarray(ls).astype(_F32)
 
 
 def injected_hyperparams(tree: Any, key: str) -> list[jax.Array]:
