@@ -263,3 +263,32 @@ def test_logits_rows_then_mask_equals_summarize_logits():
     np.testing.assert_array_equal(a.argmax, b.argmax)
     xv = x[m].astype(np.float64)
     np.testing.assert_allclose(b.logits.rms, np.sqrt(np.mean(xv ** 2)), rtol=1e-6)
+
+
+def test_logits_combine_is_associative_and_commutative_on_ties_nans_and_infs():
+    """The row merge gives the same top-1, index, top-2 and exp sum whatever order the
+    partials meet in (XLA reorders them; GPUs combine as a tree)."""
+    vals = [(-np.inf, 3), (2.0, 1), (2.0, 0), (np.nan, 5), (np.inf, 4), (-1.0, 2), (np.nan, 6)]
+
+    def elem(v, i):
+        return (jnp.float32(v), jnp.float32(-np.inf), jnp.int32(i), jnp.float32(1.0),
+                jnp.float32(0), jnp.float32(0), jnp.float32(0), jnp.float32(0))
+
+    def run(order):
+        acc = None
+        for v, i in order:
+            e = elem(v, i)
+            acc = e if acc is None else probes._logits_combine(acc, e)
+        return acc
+
+    def tree(items):
+        if len(items) == 1:
+            return elem(*items[0])
+        mid = len(items) // 2
+        return probes._logits_combine(tree(items[:mid]), tree(items[mid:]))
+
+    for subset in (vals[:3], vals[:4], vals[1:3] + vals[4:6], vals):
+        ref = run(subset)
+        for other in (run(list(reversed(subset))), tree(subset), tree(list(reversed(subset)))):
+            for a, b in zip(ref[:4], other[:4]):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, equal_nan=True)

@@ -405,3 +405,48 @@ def test_two_dimensional_reductions_keep_float32_accuracy():
     per = jax.jit(lambda a: vitals.metrics.stats.summarize(a.reshape(4, 512, 1024), axis=0))(x)
     np.testing.assert_allclose(np.asarray(per.sumsq),
                                (x.astype(np.float64) ** 2).reshape(4, -1).sum(1), rtol=2e-6)
+
+
+# ----------------------------------------------------------------------------------
+# fold.py: the one-read reduction's own decisions.
+
+
+def test_fold_levels_lanes_and_custom_combiners_match_numpy():
+    """Lanes (last axis % 4 == 0), two levels (long blocks), neither (odd sizes, a kept
+    middle axis): the same figures as NumPy; a max and a min combined with sums."""
+    from jvitals.metrics import fold
+
+    rng = np.random.default_rng(7)
+    for shape, axes in [((3, 5), None), ((8, 4096), (1,)), ((6, 7, 515), (1, 2)), ((5, 12, 64), (0, 2)),
+                        ((2, 3000), None), ((64, 4, 1000), (1, 2))]:
+        x = rng.normal(size=shape).astype(np.float32)
+        inits, combine = fold.kinds(("sum", "max", "min", "sum"))
+        got = jax.jit(lambda a: fold.fold_map(lambda v: (v, v, v, v * v), (a,), inits, combine, axes))(x)
+        ax = tuple(range(x.ndim)) if axes is None else axes
+        x64 = x.astype(np.float64)
+        for g, want in zip(got, (x64.sum(ax), x.max(ax), x.min(ax), (x64 ** 2).sum(ax))):
+            np.testing.assert_allclose(np.asarray(g), want, rtol=2e-6, atol=3e-4, err_msg=str(shape))
+
+
+def test_fold_two_levels_only_when_the_partials_are_cheap():
+    """A trailing run long enough that its partials add <= 5% of the input's bytes;
+    a short block stays one reduction."""
+    from jvitals.metrics import fold
+
+    def reduces(shape, n_ops):
+        f = lambda a: fold.fold_map(lambda v: (v,) * n_ops, (a,), (0.0,) * n_ops, fold.kinds(("sum",) * n_ops)[1])
+        return jax.jit(f).lower(jnp.ones(shape)).compile().as_text().count(" reduce(")
+
+    assert reduces((8, 64), 4) == 1            # 512 elements: one level
+    assert reduces((512, 1024), 4) == 2        # rows of 256 (after lanes), then the 512 partials
+    assert reduces((1 << 20,), 2) == 2         # one long axis split in rows
+    x = jnp.ones((512, 1024))
+    ca = jax.jit(lambda a: fold.fold((a, a * a), (0.0, 0.0), fold.kinds(("sum", "sum"))[1])).lower(
+        x).compile().cost_analysis()
+    assert (ca[0] if isinstance(ca, (list, tuple)) else ca)["bytes accessed"] <= 1.05 * x.nbytes
+
+
+def test_fold_kinds_are_cached_so_eager_calls_reuse_their_compilation():
+    from jvitals.metrics import fold
+
+    assert fold.kinds(("sum", "max"))[1] is fold.kinds(["sum", "max"])[1]
