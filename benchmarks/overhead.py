@@ -328,29 +328,39 @@ def _parse(line: str) -> tuple[str, str, str, list[str]]:
     return lhs.replace("ROOT ", "").strip().lstrip("%"), shape, op, re.findall(r"%([\w.\-]+)", args.split("), ", 1)[0])
 
 
-def _param_reads(hlo: str, fused: str) -> dict[int, int]:
-    """Bytes a fusion reads of each parameter that it only slices (XLA counts the slices)."""
+def _fusion_io(hlo: str, fused: str) -> tuple[dict[int, int], int | None]:
+    """What a fusion reads of the parameters it only slices (the slices; a buffer it
+    updates in place: nothing), and its result's bytes when its root is an in-place
+    ``dynamic-update-slice`` (the update's), as XLA's cost analysis counts them."""
     params: dict[str, int] = {}
+    sizes: dict[str, int] = {}
     sliced: dict[int, int] = {}
     whole: set[int] = set()
+    root_bytes = None
     for ln in _computation(hlo, fused):
         name, shape, op, args = _parse(ln)
+        sizes[name] = _shape_bytes(shape)
         if op == "parameter":
             params[name] = int(re.search(r"parameter\((\d+)\)", ln).group(1))
             continue
+        if op == "dynamic-update-slice" and ln.startswith("ROOT"):
+            root_bytes = sizes.get(args[1], 0)
         for j, a in enumerate(args):
-            if a in params:
-                if op in ("slice", "dynamic-slice") and j == 0:
-                    sliced[params[a]] = sliced.get(params[a], 0) + _shape_bytes(shape)
-                else:
-                    whole.add(params[a])
-    return {i: b for i, b in sliced.items() if i not in whole}
+            if a not in params:
+                continue
+            if op in ("slice", "dynamic-slice") and j == 0:
+                sliced[params[a]] = sliced.get(params[a], 0) + _shape_bytes(shape)
+            elif op == "dynamic-update-slice" and j == 0:
+                sliced.setdefault(params[a], 0)
+            else:
+                whole.add(params[a])
+    return {i: b for i, b in sliced.items() if i not in whole}, root_bytes
 
 
 def _body_bytes(hlo: str, name: str) -> int:
     """Approximately what XLA's cost analysis counts for one run of a computation:
     results and operands of its top-level instructions (an operand a fusion only
-    slices: the slices)."""
+    slices: the slices; a buffer updated in place: the update)."""
     sizes: dict[str, int] = {}
     total = 0
     for ln in _computation(hlo, name):
@@ -359,8 +369,9 @@ def _body_bytes(hlo: str, name: str) -> int:
         if op in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast"):
             continue
         fused = re.search(r"calls=%?([\w.\-]+)", ln)
-        reads = _param_reads(hlo, fused.group(1)) if op == "fusion" and fused else {}
-        total += sizes[var] + sum(reads.get(j, sizes.get(a, 0)) for j, a in enumerate(dict.fromkeys(args)))
+        reads, out = _fusion_io(hlo, fused.group(1)) if op == "fusion" and fused else ({}, None)
+        total += (sizes[var] if out is None else out) + sum(
+            reads.get(j, sizes.get(a, 0)) for j, a in enumerate(dict.fromkeys(args)))
     return total
 
 
