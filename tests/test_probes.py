@@ -271,7 +271,8 @@ def test_logits_combine_is_associative_and_commutative_on_ties_nans_and_infs():
     vals = [(-np.inf, 3), (2.0, 1), (2.0, 0), (np.nan, 5), (np.inf, 4), (-1.0, 2), (np.nan, 6)]
 
     def elem(v, i):
-        return (jnp.float32(v), jnp.float32(-np.inf), jnp.int32(i), jnp.float32(1.0),
+        key, idx, first_nan = probes._keys(jnp.float32(v), jnp.int32(i))
+        return (key, jnp.float32(-np.inf), idx, first_nan, jnp.where(jnp.isnan(v), jnp.nan, 1.0).astype(jnp.float32),
                 jnp.float32(0), jnp.float32(0), jnp.float32(0), jnp.float32(0))
 
     def run(order):
@@ -290,5 +291,5 @@ def test_logits_combine_is_associative_and_commutative_on_ties_nans_and_infs():
     for subset in (vals[:3], vals[:4], vals[1:3] + vals[4:6], vals):
         ref = run(subset)
         for other in (run(list(reversed(subset))), tree(subset), tree(list(reversed(subset)))):
-            for a, b in zip(ref[:4], other[:4]):
+            for a, b in zip(ref[:5], other[:5]):
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, equal_nan=True)

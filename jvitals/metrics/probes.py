@@ -126,39 +126,53 @@ def vary_along(tree: Any, axes: tuple[str, ...]) -> Any:
 
 
 def _first_max_wins(a1: jax.Array, ai: jax.Array, b1: jax.Array, bi: jax.Array) -> jax.Array:
-    """Whether ``(a1, ai)`` ranks before ``(b1, bi)`` for ``jnp.argmax``: a NaN above
-    every number, then the larger value, then (equal values, or two NaNs) the
-    smaller index."""
-    a_nan, b_nan = a1 != a1, b1 != b1
-    return (a_nan & ~b_nan) | (a1 > b1) | (((a1 == b1) | (a_nan & b_nan)) & (ai < bi))
+    """Whether ``(a1, ai)`` ranks before ``(b1, bi)``: the larger value, then (equal
+    values) the smaller index. Keys hold no NaN (see :func:`_keys`)."""
+    return (a1 > b1) | ((a1 == b1) & (ai < bi))
+
+
+def _keys(x: jax.Array, iota: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(key, index, first NaN)`` per element: ``key`` is ``x`` with NaN read as
+    ``-inf`` (so ranking needs no NaN test: three comparisons a merge), and the
+    NaNs are tracked apart by the smallest index holding one (``BIG`` if none), which
+    takes ``jnp.argmax``'s place when there is one."""
+    nan = jnp.isnan(x)
+    return jnp.where(nan, -jnp.inf, x), iota, jnp.where(nan, iota, jnp.iinfo(jnp.int32).max)
 
 
 def _argmax_combine(a: tuple, b: tuple) -> tuple:
     a_wins = _first_max_wins(a[0], a[1], b[0], b[1])
-    return jnp.where(a_wins, a[0], b[0]), jnp.where(a_wins, a[1], b[1])
+    return jnp.where(a_wins, a[0], b[0]), jnp.where(a_wins, a[1], b[1]), lax.min(a[2], b[2])
+
+
+def _first_nan_or(first: jax.Array, first_nan: jax.Array) -> jax.Array:
+    """``jnp.argmax``'s index: the first NaN where the row holds one, else ``first``."""
+    return jnp.where(first_nan < jnp.iinfo(jnp.int32).max, first_nan, first).astype(jnp.int32)
 
 
 def row_argmax(x: jax.Array) -> jax.Array:
-    """``jnp.argmax(x, -1)`` as int32 in one read of ``x`` (a two-operand reduction of
-    the values and their indices; the first NaN, else the first maximum)."""
+    """``jnp.argmax(x, -1)`` as int32 in one read of ``x`` (a reduction of the values,
+    their indices and the first NaN; the first NaN, else the first maximum)."""
     x = jnp.asarray(x)
     iota = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    return fold.fold_map(lambda a, i: (a.astype(_F32), i), (x, iota), (-jnp.inf, x.shape[-1]), _argmax_combine,
-                         (x.ndim - 1,))[1]
+    big = jnp.iinfo(jnp.int32).max
+    _, first, first_nan = fold.fold_map(lambda a, i: _keys(a.astype(_F32), i), (x, iota), (-jnp.inf, big, big),
+                                        _argmax_combine, (x.ndim - 1,))
+    return _first_nan_or(first, first_nan)
 
 
 def _logits_combine(a: tuple, b: tuple) -> tuple:
     """Merge two partial row statistics (associative and commutative; see :func:`_row_stats`).
 
-    Fields: ``(top1, top2, first, s, sum, sumsq, abs_max, nonfinite)``. The larger
-    ``top1`` wins (a NaN above everything; equal values: the smaller index), so
-    ``first`` is ``jnp.argmax``'s index; ``top2`` is the second largest of the
-    multiset (a tie gives ``top2 == top1``, as ``lax.top_k`` does); ``s = sum
-    exp(x - top1)`` is rescaled to the winner's maximum (the online log-sum-exp:
-    one ``exp`` per merge).
+    Fields: ``(top1, top2, first, first_nan, s, sum, sumsq, abs_max, nonfinite)`` over
+    NaN-free keys. The larger ``top1`` wins (equal values: the smaller index), so
+    ``first`` is the first maximum; ``top2`` is the second largest of the multiset
+    (a tie gives ``top2 == top1``, as ``lax.top_k`` does); ``s = sum exp(x - top1)``
+    is rescaled to the winner's maximum (the online log-sum-exp: one ``exp`` per
+    merge; an element's ``s`` is NaN for a NaN, so a row's is).
     """
-    a1, a2, ai, a_s, *ra = a
-    b1, b2, bi, b_s, *rb = b
+    a1, a2, ai, an, a_s, *ra = a
+    b1, b2, bi, bn, b_s, *rb = b
     a_wins = _first_max_wins(a1, ai, b1, bi)
     top1 = jnp.where(a_wins, a1, b1)
     loser = jnp.where(a_wins, b1, a1)
@@ -167,7 +181,7 @@ def _logits_combine(a: tuple, b: tuple) -> tuple:
     top2 = lax.max(lax.min(a1, b1), lax.max(a2, b2))
     first = jnp.where(a_wins, ai, bi)
     rest = (ra[0] + rb[0], ra[1] + rb[1], lax.max(ra[2], rb[2]), ra[3] + rb[3])
-    return (top1, top2, first, s) + rest
+    return (top1, top2, first, lax.min(an, bn), s) + rest
 
 
 def _row_stats(x: jax.Array) -> tuple[jax.Array, ...]:
@@ -187,26 +201,29 @@ def _row_stats(x: jax.Array) -> tuple[jax.Array, ...]:
       ``nonfinite``, the number of NaN/Inf entries (the caller leaves out a row's
       sums where it is > 0).
 
-    All eight are the fields of one variadic reduction (``fold.py``): the logits
-    are read once, on every backend (``lax.top_k`` and XLA:CPU's ``argmax`` are
-    both far slower on the CPU).
+    All are the fields of one variadic reduction (``fold.py``): the logits are read
+    once, on every backend (``lax.top_k`` and XLA:CPU's ``argmax`` are both far
+    slower on the CPU).
     """
     x = jnp.asarray(x)
-    v = x.shape[-1]
+    big = jnp.iinfo(jnp.int32).max
 
     def make(x: jax.Array, iota: jax.Array) -> tuple[jax.Array, ...]:
         xf = x.astype(_F32)
         fin = jnp.isfinite(xf)
         xg = jnp.where(fin, xf, 0.0)
-        return (xf, jnp.full_like(xf, -jnp.inf), iota, jnp.ones_like(xf), xg, xg * xg, jnp.abs(xg),
+        key, idx, first_nan = _keys(xf, iota)
+        one = jnp.where(jnp.isnan(xf), jnp.nan, 1.0).astype(_F32)
+        return (key, jnp.full_like(xf, -jnp.inf), idx, first_nan, one, xg, xg * xg, jnp.abs(xg),
                 jnp.where(fin, 0.0, 1.0).astype(_F32))
 
     iota = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    inits = (-jnp.inf, -jnp.inf, v, 0.0, 0.0, 0.0, 0.0, 0.0)
-    top1, top2, first, s, total, sumsq, amax, bad = fold.fold_map(make, (x, iota), inits, _logits_combine,
-                                                                  (x.ndim - 1,))
+    inits = (-jnp.inf, -jnp.inf, big, big, 0.0, 0.0, 0.0, 0.0, 0.0)
+    top1, top2, first, first_nan, s, total, sumsq, amax, bad = fold.fold_map(
+        make, (x, iota), inits, _logits_combine, (x.ndim - 1,))
+    top1 = jnp.where(first_nan < big, jnp.nan, top1)
     lse = top1 + jnp.log(s)
-    return top1, top2, lse, total, sumsq, amax, bad, first.astype(jnp.int32)
+    return top1, top2, lse, total, sumsq, amax, bad, _first_nan_or(first, first_nan)
 
 
 def _chunk_rows(rows: int, v: int, chunk_elements: int | None) -> int:
