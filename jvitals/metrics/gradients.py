@@ -1,14 +1,17 @@
 """Gradient, parameter and update vitals from pytrees (METRICS.md §2-§3).
 
-Every figure comes from one :func:`~jvitals.metrics.stats.summarize` pass per leaf (a
-scan-stacked leaf is summarised with ``axis=`` its layer axis, giving every layer's
-summary in the same pass; a fused QKV kernel is summarised as its Q, K and V
-parts). Each leaf's summaries are reduced over the mesh axes *that leaf* is
-sharded along (its ``PartitionSpec`` in ``specs``, or, without ``specs``, the axes
-JAX's type system says it varies along inside ``shard_map``), so an expert weight
-sharded over ``expert`` gives the figures of the whole tensor while a replicated
-gradient is never counted twice. Leaves with the same reduction axes are packed
-into one collective. Then summaries are merged per role, per layer and globally:
+Every figure comes from one read of each leaf: for each leaf position, the
+gradient, its parameter and its update are measured together by one variadic
+reduction (:mod:`jvitals.metrics.fold`: sum, sum of squares, max |x| and the
+non-finite count of the gradient, the sums of squares and non-finite counts of the
+others), a scan-stacked leaf with ``axis=`` its layer axis (every layer's figures
+from the same read), a fused QKV kernel as its Q, K and V parts. Each leaf's
+summaries are reduced over the mesh axes *that leaf* is sharded along (its
+``PartitionSpec`` in ``specs``, or, without ``specs``, the axes JAX's type system
+says it varies along inside ``shard_map``), so an expert weight sharded over
+``expert`` gives the figures of the whole tensor while a replicated gradient is
+never counted twice. Leaves with the same reduction axes are packed into one
+collective. Then summaries are merged per role, per layer and globally:
 
     global_norm        = sqrt(sum over leaves of sum g^2)
     norm/layer_i       = sqrt(sum over layer i's elements of g^2)
@@ -22,9 +25,11 @@ into one collective. Then summaries are merged per role, per layer and globally:
 A non-finite element makes every figure it enters NaN (never hidden) and is
 counted in ``nonfinite_count`` (per layer too, to find the first bad layer).
 
-Families and their cost, for a recorder running them at different cadences:
+Families, for a recorder running them at different cadences (each reads its trees
+once):
 
-* :func:`global_norm_metrics`: global norm and non-finite count only (every step).
+* :func:`global_norm_metrics`: global norm and non-finite count only (every step);
+  :func:`norm_metrics`: the global norms of gradients, params and updates together.
 * :func:`update_metrics`: ``update/global_norm`` and ``update/param_ratio``.
 * :func:`gradient_metrics`: everything, per role and per layer (heavier cadence).
 """
@@ -50,6 +55,8 @@ __all__ = [
     "global_norm",
     "global_norm_metrics",
     "gradient_metrics",
+    "norm_metrics",
+    "tree_stats",
     "update_metrics",
 ]
 

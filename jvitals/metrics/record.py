@@ -62,16 +62,19 @@ compiled twice on a static flag::
 ``vitals_layers=True`` computes every family this update, ``False`` only the
 global one (its cadence still applies), with no conditional and nothing of the
 per-layer pass compiled; a traced boolean is used as the predicate of the
-``lax.cond``; None (the default) follows ``every``. Without a conditional, the
-global sum of squares, written as ``optax.global_norm`` writes it, is computed
-once by XLA for these figures and for an ``optax.clip_by_global_norm`` in the
-same step. The post-clip norm of a wrapped ``optax.clip_by_global_norm(max_norm)``
-is ``min(||g||, max_norm)`` (NaN if ``||g||`` is), known without reading the
-clipped gradients; any other wrapped transform's outputs (an optimizer's
-updates) cost one more pass for their global norm, made outside any conditional
-and kept only when the pre-clip figures are fresh; their per-layer figures are
-in the per-layer pass (with the ``lax.cond`` cadence the updates then enter the
-conditional). ``RecordState.last_step`` records, per family, the update at which its
+``lax.cond``; None (the default) follows ``every``. Without a conditional, every
+figure of an update comes from one read of each leaf of the gradients, the
+parameters and ``inner``'s outputs, one reduction per leaf (``gradient_metrics``
+with ``updates=``; the light step measures their global norms the same way). The
+post-clip norm of a wrapped ``optax.clip_by_global_norm(max_norm)`` is
+``min(||g||, max_norm)`` (NaN if ``||g||`` is), known without reading the clipped
+gradients; any other wrapped transform's outputs (an optimizer's updates) are read
+for their norm in that same reduction (with the ``lax.cond`` cadence: outside the
+conditional, kept only when the pre-clip figures are fresh, the per-layer ones in
+the per-layer branch, which the outputs then enter). Reading the updates costs more
+than a read on XLA:CPU, which has no multi-output fusion: the update is written out
+once and read by the recorder and by ``optax.apply_updates`` (docs/COST.md).
+``RecordState.last_step`` records, per family, the update at which its
 figures were last computed (-1: never).
 
 Placement:
