@@ -40,7 +40,7 @@ def run_block(code: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def check_run(proc: subprocess.CompletedProcess, cwd: Path) -> None:
     assert proc.returncode == 0, f"the README block failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    from jvitals.report import page as report
+    from jvitals import report
 
     run = report.read_run(str(cwd / "runs" / "usage" / "logs"))
     steps, values = run.scalars["loss"]
@@ -59,7 +59,7 @@ def test_readme_usage_block_runs_as_written(tmp_path, variant):
     proc = run_block(code, tmp_path)
     check_run(proc, tmp_path)
     if variant == "moe":
-        from jvitals.report import page as report
+        from jvitals import report
 
         run = report.read_run(str(tmp_path / "runs" / "usage" / "logs"))
         assert "moe/dead_expert_ratio" in run.scalars

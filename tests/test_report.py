@@ -16,7 +16,8 @@ metric_writers = pytest.importorskip("clu.metric_writers")
 
 from jvitals.report import cli
 
-from jvitals.report import page as report  # noqa: E402
+from jvitals import report  # noqa: E402
+from jvitals.report import guide  # noqa: E402
 
 EVIL = "<script>alert(1)</script> & <b>bold</b>"
 NUM_LAYERS = 4
@@ -230,7 +231,7 @@ def test_checkup_items(run):
     assert report.run_phase(run, total_steps=2000) == "late"
     assert report.run_phase(run, total_steps=10_000) == "middle"
     items = {(it.phase, it.text): it for it in report.checkup(run, all_phases=True)}
-    assert len(items) == len(report.CHECKLIST)
+    assert len(items) == len(guide.CHECKLIST)
     by_text = {t: it for (_, t), it in items.items()}
     nan = by_text["No NaN or Inf at any step"]
     assert nan.status == "FAILED" and f"step {NAN_STEP}" in nan.figure
@@ -391,7 +392,7 @@ def test_per_layer_figures_drawn_at_their_own_steps(tmp_path):
         np.testing.assert_array_equal(ln.get_xdata(), np.arange(0, 101, 10))
         np.testing.assert_allclose(ln.get_ydata(), [1.0 + i + s / 100 for s in range(0, 101, 10)])
         assert ln.get_marker() == "."
-    layers, steps, mat, _ = report._share_matrix(run)
+    layers, steps, mat, _ = report.share_matrix(run)
     np.testing.assert_array_equal(steps, np.arange(0, 101, 10))
     norms = np.array([[1.0 + i + s / 100 for s in range(0, 101, 10)] for i in range(3)])
     np.testing.assert_allclose(mat, norms ** 2 / (norms ** 2).sum(0), rtol=1e-6)

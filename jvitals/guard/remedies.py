@@ -19,6 +19,13 @@ METRICS.md §6::
                                                                    calls vitals.qk_clip)
     act/output_layer_logits... | act/logits...       z_loss        flag z_loss = 1e-4 (the loop
                                                                    adds vitals.z_loss)
+    replica/...  (the per-replica rule)              restart_      the alert's suspect: a device ->
+                                                     without (a    flag exclude_hosts / exclude_devices
+                                                     callable)
+                                                                   (restart without that host from the
+                                                                   restored healthy checkpoint; the LR
+                                                                   cut is not the cure); a data shard ->
+                                                                   flag suspect_data; unknown -> says so
 
 Remedies that change the optimizer (``group_lr``, ``layer_decay``) use the
 per-group LR scales of :func:`jvitals.with_lr_scale` (``groups="roles"``); the
@@ -69,6 +76,7 @@ __all__ = [
     "causes_of",
     "parse_remedies",
     "reapply_lr_groups",
+    "restart_without",
 ]
 
 GROUP_LR_FACTOR = 0.5
@@ -83,13 +91,63 @@ Z_LOSS_WEIGHT = 1e-4
 REMEDY_NAMES: tuple[str, ...] = ("group_lr", "layer_decay", "qk_clip", "z_loss", "lr_factor")
 """The built-in remedies; ``lr_factor`` does nothing beyond the guard's global LR factor."""
 
-DEFAULT_REMEDIES: Mapping[str, str] = {
+
+def _add_flag(flags: dict[str, Any], key: str, values: Iterable[Any]) -> list[Any]:
+    have = list(flags.get(key) or [])
+    for v in values:
+        if v not in have:
+            have.append(v)
+    flags[key] = have
+    return have
+
+
+def restart_without(state: Any, cause: Cause, flags: dict[str, Any]) -> tuple[Any, str]:
+    """The per-replica rule's remedy (the default table's ``replica/`` entry): a sick device
+    is cured by leaving its host out, not by a lower learning rate.
+
+    The guard cannot remove a host: after it restored the healthy checkpoint this flags
+    the host for the restart (``flags["exclude_hosts"]``, ``flags["exclude_devices"]``,
+    saved with every checkpoint and given back by ``resume``) and says so in the
+    rollback's message; a suspect data shard is flagged as ``flags["suspect_data"]`` for
+    the loader; an unknown suspect is only named. The state is returned unchanged.
+
+    Args:
+      state: the restored train state.
+      cause: a :class:`Cause` of the ``replica`` rule (its ``details`` name the replica,
+        devices, processes, hosts, the suspect and the data shards seen).
+      flags: the guard's remedies dict, updated in place.
+
+    Returns:
+      ``(state, text)``.
+    """
+    d = dict(cause.details or {})
+    suspect, r = d.get("suspect", "unknown"), d.get("replica", "?")
+    hosts, devices = list(d.get("hosts") or []), list(d.get("devices") or [])
+    data = [x for x in (d.get("data_seen") or []) if x is not None]
+    if suspect == "device":
+        _add_flag(flags, "exclude_hosts", hosts)
+        _add_flag(flags, "exclude_devices", devices)
+        where = f"host {', '.join(map(str, hosts))}" if hosts else f"replica {r}'s host"
+        return state, (f"restart without {where} (devices {', '.join(map(str, devices)) or '?'}, "
+                       f"replica {r}) from this healthy checkpoint: its device is suspect, and a lower "
+                       f"learning rate is not the cure; flagged exclude_hosts")
+    if suspect == "data" and data:
+        _add_flag(flags, "suspect_data", data[-1:])
+        return state, (f"data shard {data[-1]} is suspect: skip or repair it (flagged suspect_data "
+                       "for the loader); hosts kept")
+    return state, (f"replica {r} (hosts {', '.join(map(str, hosts)) or '?'}) left the other replicas, "
+                   "device or data not told apart: rotate the data shards between replicas to tell")
+
+
+DEFAULT_REMEDIES: Mapping[str, Any] = {
+    r"^replica/": restart_without,   # the per-replica rule's alerts: a callable, see restart_without
     r"^(update/param_ratio|grad/share|param/norm)/(embedding|lm_head)$": "group_lr",
     r"^(update/param_ratio|grad/share)/layer_\d+$": "layer_decay",
     r"^act/attn_logits": "qk_clip",
     r"^act/(output_layer_logits|logits)": "z_loss",
 }
-"""The ``remedies="default"`` table: metric regex -> remedy name (see the module doc)."""
+"""The ``remedies="default"`` table: metric regex -> remedy name, or the callable
+:func:`restart_without` for the per-replica rule's alerts (see the module doc)."""
 
 Remedy = Union[str, Callable[..., Any]]
 RemedyTable = tuple[tuple[str, Remedy], ...]
@@ -108,6 +166,7 @@ class Cause(NamedTuple):
       value: the metric's latest value.
       baseline: the metric's pre-fault reference (NaN if none).
       alert_id: the monitor's alert id (-1 if none).
+      details: the alert's ``details`` (the per-replica rule's names and suspicion), or None.
     """
 
     rule: str
@@ -117,6 +176,7 @@ class Cause(NamedTuple):
     value: float
     baseline: float
     alert_id: int = -1
+    details: Mapping[str, Any] | None = None
 
 
 def _get(a: Any, name: str, default: Any = None) -> Any:
@@ -159,7 +219,8 @@ def causes_of(alerts: Iterable[Any]) -> list[Cause]:
             group = sg[1] if sg else None
         out.append(Cause(str(_get(a, "rule", "")), metric, None if group is None else str(group),
                          int(_get(a, "level", 0) or 0), _float(_get(a, "value")),
-                         _float(_get(a, "baseline")), i))
+                         _float(_get(a, "baseline")), i,
+                         dict(details) if isinstance(details, Mapping) else None))
     return out
 
 

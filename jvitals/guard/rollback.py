@@ -37,11 +37,14 @@ Decisions (each is tested):
   minus one host cadence ``k``. ``E`` is the earliest of the onsets
   and localization change points (``Localization.departure_step``) of the chain
   of alerts that escalated to the red: the open alerts whose peak reached ORANGE
-  or RED, the open spike alerts (a spike's onset), the alerts they name (``details['lead_alert']``), and the ORANGE+
-  alerts that closed since the last calm check. An alert that closed without
-  escalating is not in the chain; an alert the guard saw stop holding (its
-  ``clearing_since`` set) and hold again counts from the check it held again, so a
-  closed noise YELLOW never moves the target. ``k``, the margin of one host
+  or RED, the open spike alerts (a spike's onset), the alerts they name (``details['lead_alert']``),
+  the ORANGE+ alerts that closed since the last calm check, and, with ``remedies=``,
+  the alerts whose remedy the guard applies (a group YELLOW that names the cause the
+  remedy treats: its onset is the fault's). An alert that closed without
+  escalating is not in the chain; the monitor opens a new alert (a new episode,
+  with its own onset) when a condition that had cleared holds again, and an alert
+  the guard saw stop holding (its ``clearing_since`` set) and hold again counts
+  from the check it held again, so a closed noise YELLOW never moves the target. ``k``, the margin of one host
   cadence, takes the target older than the last check before ``E``: the metrics
   seen at a check may come from any update since the previous check (that
   check's own included: its effect shows from the next step), so the checkpoint
@@ -143,7 +146,15 @@ from jvitals.guard.checkpoints import (
     level_name,
 )
 from jvitals.optim.lr_scale import has_lr_scale, set_lr_scale
-from jvitals.guard.remedies import applied_text, apply_remedies, check_regex, parse_remedies, reapply_lr_groups
+from jvitals.guard.remedies import (
+    _matches,
+    applied_text,
+    apply_remedies,
+    causes_of,
+    check_regex,
+    parse_remedies,
+    reapply_lr_groups,
+)
 from jvitals.guard.events import ROLLBACK_COUNT, ROLLBACK_LR_SCALE, write_events
 
 __all__ = [
@@ -350,10 +361,12 @@ class _AlertLog:
                 out.append(i)
         return out
 
-    def chain_sign(self, verdict: Any, step: int) -> int:
-        """Earliest sign of the chain of alerts that escalated to the red (see module doc)."""
+    def chain_sign(self, verdict: Any, step: int, remedied: Iterable[int] = ()) -> int:
+        """Earliest sign of the chain of alerts that escalated to the red (see module doc);
+        ``remedied``: ids of the alerts whose remedy the guard applies (in the chain too)."""
         ids = {i for i in self._open_ids(verdict) if i in self.seen and (
             self.seen[i].peak >= Level.ORANGE or _is_spike(self.seen[i].rule))}
+        ids |= {i for i in remedied if i in self.seen}
         calm = self.last_calm if self.last_calm is not None else -1
         ids |= {i for i, r in self.seen.items()
                 if r.peak >= Level.ORANGE and r.closed is not None and r.closed > calm}
@@ -941,7 +954,7 @@ class Rollback:
         """Process 0's (level, earliest sign, cutoff), the same on every process (and its
         open peak level, in ``_open_peak``)."""
         level = int(getattr(verdict, "level", Level.GREEN)) if verdict is not None else int(Level.GREEN)
-        sign = self._log.chain_sign(verdict, step) if level >= Level.RED else step
+        sign = self._log.chain_sign(verdict, step, self._remedied(verdict)) if level >= Level.RED else step
         rows = allgather_ints([step, level, sign, self._cutoff(sign), self._log.open_peak(verdict)])
         if (rows[:, 0] != rows[0, 0]).any():
             raise RuntimeError(
@@ -950,6 +963,16 @@ class Rollback:
                 "every process.")
         self._open_peak = int(rows[0, 4])
         return int(rows[0, 1]), int(rows[0, 2]), int(rows[0, 3])
+
+    def _remedied(self, verdict: Any) -> set[int]:
+        """Ids of the verdict's alerts (open, and closed at this check) whose cause has a
+        remedy in the guard's table: the alerts :func:`apply_remedies` acts on."""
+        if not self.remedy_table or verdict is None:
+            return set()
+        alerts = list(getattr(verdict, "alerts", None) or []) + list(
+            getattr(verdict, "closed_alerts", None) or [])
+        return {c.alert_id for c in causes_of(alerts)
+                if c.alert_id >= 0 and any(_matches(p, c) for p, _ in self.remedy_table)}
 
     def _cutoff(self, sign: int) -> int:
         """A target's step must be below this: one host cadence before the earliest sign.

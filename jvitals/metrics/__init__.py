@@ -5,7 +5,9 @@ nothing here syncs with the host, logs or checkpoints. ``stats`` (the one-pass
 ``Summary`` and the mesh reductions) is the floor every other module stands on;
 ``roles``/``qkv`` name the parameters; ``probes``/``instrument`` capture activations;
 ``activations``, ``gradients``, ``moe`` and ``optimizer`` turn them into METRICS.md's
-figures; ``record`` is the optax recorder; ``host`` measures step time and memory.
+figures; ``record`` is the optax recorder; ``host`` measures step time and memory;
+``replicas`` keeps a few figures per data-parallel replica and maps each replica to its
+devices, process and host.
 Imports: jax, flax, optax and this package only.
 """
 
@@ -109,9 +111,31 @@ from jvitals.metrics.host import (
     device_memory_metrics,
     StepTimer,
 )
+from jvitals.metrics.replicas import (
+    process_hostnames,
+    REPLICA_FIGURES,
+    replica_layout,
+    replica_metrics,
+    ReplicaLayout,
+    ReplicaPlace,
+    replica_window_init,
+    replica_window_metrics,
+    replica_window_update,
+    ReplicaWindow,
+)
 
 __all__ = [
     "activation_metrics",
+    "process_hostnames",
+    "REPLICA_FIGURES",
+    "replica_layout",
+    "replica_metrics",
+    "ReplicaLayout",
+    "ReplicaPlace",
+    "replica_window_init",
+    "replica_window_metrics",
+    "replica_window_update",
+    "ReplicaWindow",
     "assign_roles",
     "attention_valid_mask",
     "attn_logits_probe",

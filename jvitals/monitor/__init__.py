@@ -3,7 +3,9 @@
 Plain Python and NumPy, no JAX: ``types`` (``Level``, ``Alert``, ``Verdict``, the
 prescriptions), ``policy`` (every threshold), ``trackers`` (baselines, spikes, change
 points), ``rules`` (one small class each), ``localize`` (the earliest sign) and
-``monitor`` (runs the rules, builds the verdict). A verdict never acts by itself.
+``monitor`` (runs the rules, builds the verdict); ``replicas`` (the per-replica figures'
+host side and the rule that names a sick device or data shard). A verdict never acts by
+itself.
 """
 
 from jvitals.monitor.types import (
@@ -28,6 +30,8 @@ from jvitals.monitor.rules import (
     Figures,
     GapRule,
     GroupRule,
+    JumpRule,
+    LogitRule,
     LossScaleRule,
     NonFiniteRule,
     RatioRule,
@@ -46,9 +50,21 @@ from jvitals.monitor.localize import (
 from jvitals.monitor.monitor import (
     Monitor,
 )
+from jvitals.monitor.replicas import (
+    flat_replicas,
+    replica_summaries,
+    replica_vectors,
+    ReplicaRule,
+    robust_z,
+)
 
 __all__ = [
     "Alert",
+    "flat_replicas",
+    "replica_summaries",
+    "replica_vectors",
+    "ReplicaRule",
+    "robust_z",
     "BASELINE_KINDS",
     "BrokenModelRule",
     "Change",
@@ -57,7 +73,9 @@ __all__ = [
     "Figures",
     "GapRule",
     "GroupRule",
+    "JumpRule",
     "lead_phrase",
+    "LogitRule",
     "Level",
     "Localization",
     "localize",

@@ -14,10 +14,14 @@ sqrt(S_uu) / sigma > 3``), else the reference is its mean level. A window
 sample is off when::
 
     |x - prediction| > max(localize_z * sigma * sqrt(1 + 1/n + (u - u_mean)^2 / S_uu),
-                           localize_min_ratio * |prediction|)     (log space: log1p(min_ratio))
+                           localize_min_ratio * |prediction|,     (log space: log1p(min_ratio))
+                           localize_drift_slack * |b| * (u - u_last))
 
 (``sigma``: 1.4826 x the median absolute residual, ``n`` the reference
-samples; the root is the least-squares prediction interval). The latest
+samples; the root is the least-squares prediction interval; the last term
+lets the extrapolated drift stop or run twice as fast, ``u_last`` the last
+reference sample: a decelerating drift overshoots its line, and that is no
+departure). The latest
 sample must be off, on the side it moved to from the reference's level
 (a drift that merely stopped is no departure); the departure is the first
 sample of that final run of off samples. So a metric drifting as it did
@@ -27,7 +31,8 @@ not named. Non-finite samples count as off. Times are model time (after a
 rollback the abandoned steps do not count).
 
 Entries are ranked by departure step, then by size (``|x - prediction| /
-band`` of the latest sample). An alert whose candidates departed only after
+band`` of the latest sample); for a group's own alert (the router, a group
+band, logits), that group's members first. An alert whose candidates departed only after
 its onset (or none did) has "no earlier sign found" (:func:`lead_phrase`).
 """
 
@@ -84,10 +89,9 @@ def localize(hist: LayerHistory, onset: int, event: str, p: Policy, exclude: str
         in model time, so after a rollback the abandoned steps do not count.
       start: the baselines' start (model time): reference samples from before
         it (the warm-up's dynamics) are not used.
-      group: the alert's own group (:func:`group_of` of its metric): among
-        candidates that departed at the same step, its members rank first (a
-        router alert names the router's figure before a gradient that moved
-        with it).
+      group: the alert's own group (:func:`group_of` of its metric): its
+        members that departed rank first (a router alert names the router's
+        figures before a gradient that moved with them), then the others.
 
     Returns:
       Up to ``localize_top`` :class:`Localization` entries, earliest
@@ -140,7 +144,11 @@ def localize(hist: LayerHistory, onset: int, event: str, p: Policy, exclude: str
         psd = sig * np.sqrt(1.0 + 1.0 / n + np.where(suu > 0, dw * dw / np.where(suu > 0, suu, 1.0),
                                                       0.0))
         rel = np.where(logs, math.log1p(p.localize_min_ratio), p.localize_min_ratio * np.abs(pred))
-        band = np.maximum(p.localize_z * psd, rel)
+        # The drift the line extrapolates may stop or run twice as fast (a decelerating
+        # drift overshoots its line): only a change beyond that is a departure.
+        u_end = np.nanmax(uu, axis=0)
+        slack = p.localize_drift_slack * np.abs(b) * np.maximum(uw[:, None] - u_end, 0.0)
+        band = np.maximum(np.maximum(p.localize_z * psd, rel), slack)
         dev = Wt - pred
         rows = np.arange(len(uw))[:, None]
         last = np.where(valid_w, rows, -1).max(axis=0)
@@ -160,10 +168,10 @@ def localize(hist: LayerHistory, onset: int, event: str, p: Policy, exclude: str
         size = float(abs(dl[j]) / bl[j]) if bl[j] > 0 else math.inf
         name = hist.names[c]
         own = group is not None and group_of(name) == group
-        entries.append((int(wsteps[k]), not own, -size, name, before, float(W[last[j], j])))
+        entries.append((not own, int(wsteps[k]), -size, name, before, float(W[last[j], j])))
     entries.sort()
     res = []
-    for dep_s, _, _, name, before, vj in entries[: p.localize_top]:
+    for _, dep_s, _, name, before, vj in entries[: p.localize_top]:
         lead = onset - dep_s
         when = (f"{lead} steps before" if lead > 0 else f"{-lead} steps after" if lead < 0
                 else "at the step")

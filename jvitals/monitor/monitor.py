@@ -18,47 +18,64 @@ escalates. Rules (every number a :class:`Policy` field)::
     rule            metric(s)                              level
     nonfinite       loss, grad/global_norm non-finite;     ORANGE
                     grad/nonfinite_count > 0
-    grad_norm       grad/global_norm / baseline > 2        YELLOW (2 checks
-                    (> 3)                                  running), ORANGE
-    param_norm      param/global_norm / baseline > 1.5     YELLOW (2 checks)
-    grad_trend      grad norm rising (Mann-Kendall z >     YELLOW
-                    3.5, Theil-Sen rise >= 1.3x over 1000
-                    steps, >= 1.3x baseline) while the
-                    loss's Theil-Sen slope falls
-    group           update/param_ratio, grad/share or      YELLOW
-                    param/norm of embedding, lm_head or
-                    layer_i, relative to the trunk, out
-                    of its band (2x, 2x, 1.5x) at 2
-                    samples while the global figures are
-                    < 1.5x their baselines
+    grad_norm       grad/global_norm / (reference x the    YELLOW, ORANGE
+                    schedule's factor) > 2 (> 3) at 3      (3 checks running)
+                    checks running; reference: the run's
+                    own level (an EMA, half-life 500
+                    steps); factor: max((lr_b/lr)^0.5,
+                    pn_b/pn) (Defazio 2025)
+    grad_trend,     the grad norm (net of the schedule)    YELLOW
+    param_norm      or the param norm rose over 1000 (or
+                    4000) steps beyond 1.3x (1.5x) and 3x
+                    the rise the run showed before (grad
+                    norm: while the loss falls)
+    jump            update/param_ratio per unit LR x5 in   YELLOW at that
+                    one check                              check
+    group           update/param_ratio, grad/share or      YELLOW (a jump at
+                    param/norm of embedding, lm_head or    once, else 2
+                    layer_i (relative to the trunk; the    samples)
+                    embedding's and head's update ratio
+                    per unit LR) jumped x5, stepped beyond
+                    its band (2x, 2x, 1.5x) or drifted
+                    beyond 3x its own drift, while the
+                    global figures are calm
+    logits          act/attn_logits_abs.max,               YELLOW
+                    act/output_layer_logits_abs.max (and
+                    per layer) rising beyond their own
+                    drift, as the group rule judges
     router          moe/maxvio.max (+0.5) or               YELLOW
                     moe/dead_expert_ratio (+0.2) above its
                     baseline for 50 steps
     throughput      sys/tokens_per_sec (else               YELLOW
-                    sys/steps_per_sec) down > 30%
+                    sys/steps_per_sec) down > 45% for 40
+                    steps (vs its own slow level)
     loss_scale      opt/loss_scale falls >= 2**4 between   YELLOW
-                    two consecutive checks
-    val_gap         val/gap (or val/loss - loss trend):    YELLOW
-                    g(t) - g(t-W) > 1.5 (g(t-W) - g(t-2W))
-                    + max(floor, 4 sd of noise), W = 1000,
-                    2 samples running
+                    two checks or from its recent peak
+    val_gap         val/gap (or val/loss - the train       YELLOW
+                    level): g(t) - g(t-W) > 1.5 (g(t-W) -
+                    g(t-2W)) + max(5% of the loss, 4 sd),
+                    above its earlier high, W = 1000
     val_rise        val/loss rising (Mann-Kendall z > 3,   YELLOW
                     Theil-Sen +2% over 500 steps, 2
                     samples running) while the loss falls
     loss_spike      a loss spike not back within its       YELLOW
                     recovery band after 300 steps
-    periodic_spike  >= 3 spikes at near-regular            YELLOW (ORANGE
-                    intervals (loss or grad norm)          when shrinking)
-    broken_model    param norm >= 1.5x its value 100       ORANGE, RED after
-                    steps before, or the loss >= 0.9       50 (param) / 100
-                    log(vocab) (without a vocab size:      (loss) steps not
-                    0.9x the first loss seen)              recovered
+    periodic_spike  >= 3 loss spikes at near-regular       YELLOW (ORANGE
+                    intervals                              when shrinking)
+    broken_model    param norm >= 1.5x its value 100       YELLOW (loss at
+                    steps before, or the loss >= 0.9       once), ORANGE, RED
+                    log(vocab) (without a vocab size:      after 50 (param) /
+                    0.9x the first loss seen)              100 (loss) steps
     divergence      red_after consecutive checks with an   RED
                     ORANGE grad-norm/non-finite condition
                     or the loss > 1.25x its pre-spike
                     trend after 500 steps
 
-Baselines are medians over ``baseline_steps`` steps from the start.
+An alert is one episode: once its condition has been clear for
+``episode_gap`` steps, a new crossing closes it and opens a new alert with its
+own onset (``clear_steps`` only keeps a cleared alert visible meanwhile).
+
+Baselines start as medians over ``baseline_steps`` steps from the start.
 Localization ranks the per-group candidates by the change point of their own
 recent history (drift the history extrapolates is no departure); without
 one before the onset the message says "no earlier sign found".
@@ -121,7 +138,7 @@ __all__ = [
 ]
 
 _NAN = math.nan
-_FORMAT_VERSION = 2
+_FORMAT_VERSION = 3
 _PLANS = 8  # key sets remembered (a loop alternates a few: per-layer families every N steps)
 
 
@@ -162,12 +179,14 @@ class Monitor:
     ``update/param_ratio/embedding``, ``param/norm/lm_head``); other names
     are ignored.
 
-    Alerts: one object per ongoing condition ``(rule, key)``, updated in
-    place (same ``id``); level changes within it; it closes when the
+    Alerts: one object per episode of a condition ``(rule, key)``, updated
+    in place (same ``id``); level changes within it; it closes when the
     condition has been clear for ``Policy.clear_steps`` steps (ratio,
     throughput, non-finite, group, trend, broken model, divergence) or at
     once (spike, periodic, gap; the loss-scale alert after
-    ``event_hold_steps``), then moves to :attr:`history`.
+    ``event_hold_steps``), then moves to :attr:`history`; a condition that
+    holds again after ``Policy.episode_gap`` clear steps is a new alert
+    (``details['closed_by'] == 'new episode'`` on the old one).
 
     Missing metrics: a rule whose metric is absent at a step keeps its
     state (its alert neither updates nor closes). Steps must increase;
@@ -338,10 +357,20 @@ class Monitor:
         level = Level(c.level)
         pres = PRESCRIPTIONS[c.prescription or RULE_PRESCRIPTION.get(c.rule, "generic")]
         a = self._open.get(k)
+        onset = c.onset
+        if a is not None and a.clearing_since is not None:
+            if s - a.clearing_since >= self.policy.episode_gap:
+                # Its condition had cleared (the figure back in band that long): this
+                # crossing is a new episode, with its own onset and localization.
+                a.details = {**a.details, "closed_by": "new episode"}
+                self._close(k, s)
+                a = None
+            else:
+                onset = None  # a dip shorter than episode_gap: the same episode goes on
         if a is None:
             a = Alert(id=self._next_id, rule=c.rule, metric=c.metric, level=level, step=s,
                       value=c.value, baseline=c.baseline, ratio=c.ratio,
-                      onset_step=s if c.onset is None else c.onset, opened_step=s, message="",
+                      onset_step=s if onset is None else onset, opened_step=s, message="",
                       cause=pres.cause, prescription=pres.prescription, localization=[],
                       peak_level=level, details=dict(c.details or {}))
             self._next_id += 1
@@ -352,8 +381,8 @@ class Monitor:
         else:
             a.metric, a.level, a.step, a.value, a.baseline, a.ratio = (
                 c.metric, level, s, c.value, c.baseline, c.ratio)
-            if c.onset is not None:
-                a.onset_step = c.onset
+            if onset is not None:
+                a.onset_step = onset
             if c.details is not None:
                 a.details = dict(c.details)
             a.clearing_since = None
@@ -446,6 +475,9 @@ class Monitor:
         f = Figures(s, t, start, plan, vals.tolist(), self._open, p)
         for rule in self.rules:
             for c in rule.check(f):
+                if c.op != "set" and (c.rule, c.key) not in self._open:
+                    f.touched.add((c.rule, c.key))     # nothing to release: only re-observed
+                    continue
                 self._apply(c, f)
         self._spikes.extend(f.spikes)
         self._last_step = s
@@ -638,5 +670,7 @@ def _check_state(d: Any) -> None:
                          f"{type(d).__name__} with keys {sorted(d)[:8] if isinstance(d, Mapping) else '-'}")
     if d.get("version") != _FORMAT_VERSION:
         raise ValueError(f"Monitor state version {d.get('version')!r} is not supported (expected "
-                         f"{_FORMAT_VERSION}; version 1 states, from before the rule-based "
-                         "monitor, cannot be resumed: start a fresh Monitor)")
+                         f"{_FORMAT_VERSION}; version 1 states (before the rule-based monitor) and "
+                         "version 2 states (before the drift-aware rules: their baselines, group "
+                         "bands and creep windows are not this version's) "
+                         "cannot be resumed: start a fresh Monitor)")

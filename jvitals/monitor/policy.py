@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 __all__ = ["BASELINE_KINDS", "Policy"]
 
-BASELINE_KINDS = ("fixed", "rolling", "ema")
+BASELINE_KINDS = ("drift", "fixed", "rolling", "ema")
 """Values of ``Policy.baseline``."""
 
 
@@ -21,12 +21,24 @@ def _default_group_bands() -> Mapping[str, float]:
     return {"update/param_ratio": 2.0, "grad/share": 2.0, "param/norm": 1.5}
 
 
+def _default_logit_bands() -> Mapping[str, float]:
+    return {"act/attn_logits_abs.max": 2.0, "act/output_layer_logits_abs.max": 2.0}
+
+
 def _default_router_bands() -> Mapping[str, float]:
     return {"moe/maxvio.max": 0.5, "moe/dead_expert_ratio": 0.2}
 
 
+def _default_jump_metrics() -> Mapping[str, float]:
+    return {"update/param_ratio": 5.0}
+
+
 def _default_ratio_rules() -> Mapping[str, tuple[float, float | None]]:
-    return {"grad/global_norm": (2.0, 3.0), "param/global_norm": (1.5, None)}
+    return {"grad/global_norm": (2.0, 3.0)}
+
+
+def _default_trend_metrics() -> Mapping[str, float]:
+    return {"grad/global_norm": 1.3, "param/global_norm": 1.5}
 
 
 def _bands(field: str, mapping: Mapping[str, Any], what: str, above: float) -> Mapping[str, float]:
@@ -71,18 +83,53 @@ class Policy:
         outliers).
       baseline_min_samples: at least this many samples make a fixed
         baseline (a sparse metric extends its window until it has them).
-      baseline: baseline of the ratio rules: ``"fixed"`` (§5),
+      baseline: reference of the ratio rules: ``"drift"`` (default: the
+        fixed median, then an EMA of ``log x`` with half-life
+        ``drift_halflife`` steps that learns only from samples below the
+        yellow ratio while no alert of that metric holds: it follows the
+        run's own slow drift, as healthy real-text runs creep 1.25-1.5x per
+        1000 steps, and a fault never becomes its own reference), ``"fixed"``
+        (§5: the median over the first ``baseline_steps`` after the start),
         ``"rolling"`` (OLMo-core: ``x > mean + rolling_k * std`` over the
         last ``rolling_window`` steps) or ``"ema"`` (ZClip: EMA mean/var
         with ``ema_alpha`` per step, ``x > mean + ema_z * std``). With the
         adaptive ones an alert opens (or escalates) when the ratio to the
         adaptive mean crosses the threshold *and* the z-gate holds.
+      drift_halflife: see ``baseline``.
       ratio_rules: metric -> ``(yellow_ratio, orange_ratio or None)``:
-        yellow when ``x / baseline > yellow_ratio``, orange when
-        ``> orange_ratio``.
-      confirm_checks: a ratio rule's alert opens (or escalates to ORANGE)
-        only after this many consecutive checks above its threshold (one
-        noisy check is not an alert).
+        yellow when ``x / reference > yellow_ratio``, orange when
+        ``> orange_ratio``; the reference is the baseline, times the
+        schedule's factor for ``schedule_metrics``.
+      schedule_metrics: ratio-rule metrics judged against what the schedule
+        predicts: baseline x ``max((lr_b / lr) ** lr_exponent, pn_b / pn, 1)``
+        (``lr`` = ``lr_metric``, ``pn`` = ``param/global_norm``, ``_b`` their
+        baselines; the LR term capped at 100x). Default: the grad norm, whose
+        steady state under normalization and decoupled weight decay is
+        ``||g|| / ||w|| ~ sqrt(2 lambda / lr)`` (Defazio 2025,
+        arXiv:2506.02285): a healthy run's grad norm rises ~3x as a cosine
+        decays the LR to 0.1x.
+      jump_metrics: metric -> ratio of the jump rule: YELLOW at the very check
+        where ``x / lr`` is at least this ratio times its value at the check
+        before (an unmistakable departure needs no second check); held while at
+        least half that. Default: the global ``update/param_ratio`` x5.
+      lr_exponent: the exponent of that LR term (0 turns it off).
+      weight_decay: the optimizer's decoupled weight decay where you know it;
+        ``0`` (no weight decay: no equilibrium, the LR term is off; the
+        param-norm term stays); ``None`` (default) or a positive value: the
+        LR term applies.
+      ratio_noise_z: with the drift reference, a ratio rule's thresholds widen to
+        ``exp(ratio_noise_z * noise)`` where that exceeds the yellow ratio
+        (``noise``: the metric's check-to-check spread in log, learned with the
+        reference), the orange ratio by as much.
+      confirm_checks, confirm_steps: a ratio rule's alert opens (or escalates
+        to ORANGE) only after its condition held at this many consecutive
+        checks spanning at least this many steps (above the threshold at the
+        first, above its hysteresis level after): one noisy check is not an
+        alert, nor two spiky batches that happen to fall on consecutive checks
+        (1-5% of real-text batches have a grad norm 2x their neighbours'). At a
+        cadence of a few steps, ``confirm_steps=20`` keeps a cluster of spiky
+        batches from confirming. The divergence rule counts a confirmed ORANGE's
+        run of checks as divergent checks.
       hysteresis: an open ratio/throughput alert steps down only once the
         excess falls below ``hysteresis`` x its threshold's excess (e.g.
         grad norm: closes below ``1 + (2 - 1) * 0.9 = 1.9x``). 1 disables.
@@ -90,6 +137,11 @@ class Policy:
         closes once its condition has been clear at every check for this
         many steps (it keeps its level meanwhile; 0 closes at once), so a
         noisy value near a threshold does not open and close alerts.
+      episode_gap: a condition that has been clear (the rule released its alert:
+        the figure back in its band) for at least this many steps has ended; when
+        it holds again, that is a new episode: the clearing alert closes and a new
+        one opens with its own onset (the guard's earliest sign comes from the
+        episode that escalated). A shorter dip is noise within one episode.
       rolling_window, rolling_k: OLMo-core rolling baseline (128 steps, 6).
       ema_alpha, ema_z: ZClip EMA baseline (0.97 per step, 2.5).
       adaptive_min_samples: samples before an adaptive baseline judges; also
@@ -97,7 +149,10 @@ class Policy:
       nonfinite_metrics: a non-finite value is ORANGE.
       nonfinite_count_metrics: a value > 0 (or non-finite) is ORANGE.
       throughput_metrics: the first present one is judged, in this order.
-      throughput_drop: YELLOW when ``1 - x / baseline > throughput_drop``.
+      throughput_drop, throughput_hold_steps: YELLOW when ``1 - x / baseline
+        > throughput_drop`` at every check for ``throughput_hold_steps``
+        steps (healthy runs on a shared machine dip 30-43% for a check or two,
+        35% for 100-150 steps; a slow loader doubling the step time is -50%).
       loss_scale_metric, loss_scale_drop: YELLOW when ``prev / x >=
         loss_scale_drop`` between two consecutive checks.
       event_hold_steps: a loss-scale alert stays open this many steps after
@@ -109,7 +164,9 @@ class Policy:
         Samples count from ``warmup_steps + baseline_steps`` on.
       val_gap_ratio: YELLOW when ``g(t) - g(t-W) > val_gap_ratio *
         max(g(t-W) - g(t-2W), 0) + val_gap_min_growth * |train loss|``.
-      val_gap_min_growth: noise floor of that rule, relative to the loss.
+      val_gap_min_growth: floor of that rule, relative to the loss: healthy
+        real-text runs' gaps wander by up to ~3% of the loss per 1000 steps.
+        Before ``2W`` of gap history the growth before counts as 0.
       val_gap_halflife: the gap samples are smoothed by an EMA with this
         half-life in steps before the rule reads them (the three-point
         growth comparison is otherwise dominated by noise).
@@ -129,6 +186,9 @@ class Policy:
       post_window: steps averaged for a spike's post-spike level.
       spike_forget_steps: an unrecovered spike's reference is dropped this
         many steps after its onset (the new level is accepted).
+      periodic_metrics: spike metrics whose spike onsets make periodic patterns
+        (the loss: on real text 1-5% of the batches spike the grad norm 2x, and
+        three of them fall near-regularly by chance).
       periodic_min_spikes: spikes making a periodic pattern (3).
       periodic_tolerance: neighbouring intervals may differ by this
         fraction.
@@ -136,27 +196,44 @@ class Policy:
       periodic_escalate_min_spikes, periodic_shrink: ORANGE when at least
         this many spikes have strictly shrinking intervals and the last is
         ``<= periodic_shrink`` x the first.
-      trend_metric, trend_window, trend_buckets, trend_z, trend_min_rise,
-        trend_min_ratio: the creep rule. Samples after the baseline start are
-        averaged into ``trend_buckets`` buckets over the last
-        ``trend_window`` steps (log of ``trend_metric``, and the loss); YELLOW
-        when the Mann-Kendall z of the log grad norm exceeds ``trend_z``, its
-        Theil-Sen slope implies a rise of at least ``trend_min_rise`` x over
-        the window, the grad norm is at least ``trend_min_ratio`` x its
-        baseline and below the grad-norm rule's yellow ratio, and the loss's
-        Theil-Sen slope over the same buckets is negative.
+      trend_metrics, trend_window, trend_buckets, trend_drift_k: the creep
+        rule: metric -> least rise. Each metric (net of the schedule's factor
+        for ``schedule_metrics``) is averaged into buckets of ``trend_window
+        // trend_buckets`` steps from ``baseline_steps`` after the start on;
+        YELLOW when the log of the bucket means rose over the last ``W`` steps
+        by more than ``max(log(least rise), trend_drift_k * D_W)`` at two
+        buckets running (``W`` = ``trend_window`` or 4x it; ``D_W`` the
+        largest rise over ``W`` steps the metric showed up to ``W`` steps
+        before: a creep beyond the run's own), and for the grad norm while the
+        loss's Theil-Sen slope over the last ``trend_buckets`` buckets is
+        negative (the loss looks fine).
       group_bands: family -> band ratio of the group rule. Each group's
         figure (``{family}/{group}``, group ``embedding``, ``lm_head`` or
         ``layer_{i}``) is divided by the trunk's median of that family at the
         same step (the global figure where no layer figure is logged), and
-        its log compared with its own baseline (median over the baseline
-        window): out of band when ``|log(x / b)| > max(group_z * mad,
-        log(band))`` (``mad`` the robust spread of the baseline samples).
-      group_z: see ``group_bands``.
-      group_confirm: consecutive out-of-band samples before the YELLOW.
+        ``y = log(x / trunk)`` judged against its own history: a one-sample
+        change ``>= max(log(group_jump), group_z * noise)`` (an unmistakable
+        jump: YELLOW at once), a one-sample change ``> max(log(band), group_z *
+        noise)`` that holds, or a change over the last ``group_window`` steps
+        ``> max(log(band), group_drift_k * D)`` that holds (``noise``: the RMS
+        of its one-sample changes; ``D``: the largest change over
+        ``group_window`` steps it showed before in the run, fading with
+        half-life ``drift_memory``).
+      group_z, group_jump, group_window, group_drift_k: see ``group_bands``.
+      drift_memory: half-life (steps) with which ``D_W``, a figure's own
+        largest change over a window, fades (the group and creep rules).
+      group_confirm: samples a step or drift departure must hold before the
+        YELLOW (a jump opens at once).
+      group_min_share: a ``grad/share`` figure below this share both before and
+        after its departure is not judged (a layer with 0.1% of the gradient
+        swings 25x in healthy runs). Shares are judged as they are, not
+        relative to the trunk.
       group_global_ratio: the group rule fires only while
         ``grad/global_norm`` and ``param/global_norm`` are below this x their
         baselines (the global figures "have not moved").
+      logit_bands: metric -> band ratio of the logits rule: the metric and its
+        ``/layer_{i}`` figures judged as the group rule judges a group figure
+        (its ``group_*`` settings) on ``log x``, rises only.
       router_bands, router_z, router_steps: the router rule: metric -> least
         excess over its baseline (median of the baseline window); YELLOW when
         ``x - b > max(router_z * 1.4826 * MAD, excess)`` at every check for
@@ -197,14 +274,18 @@ class Policy:
         localization (per layer, embedding, LM head, router).
       localize_window, localize_rows: candidate history: ``localize_rows``
         rows, one per ``localize_window // localize_rows`` steps.
-      localize_lookback, localize_reference, localize_z, localize_min_ratio:
+      localize_lookback, localize_reference, localize_z, localize_min_ratio,
+        localize_drift_slack:
         a candidate departed when its own recent history changed: a line is
         fitted to its samples in the ``localize_reference`` steps before the
         lookback window ``[onset - localize_lookback, now]``, and the
         departure is the first sample of the final run of same-sign samples
         off that line's extrapolation by more than ``max(localize_z *
-        prediction sd, localize_min_ratio * |prediction|)``, the latest
-        sample included. Drift that the line extrapolates is no departure.
+        prediction sd, localize_min_ratio * |prediction|,
+        localize_drift_slack * |extrapolated change|)``, the latest sample
+        included. Drift that the line extrapolates (slowing to a stop or
+        running up to twice as fast, with the default slack 1) is no
+        departure.
       localize_top: entries kept per alert.
       localize_max_metrics: per-layer metrics tracked at most.
       history_size, spikes_size: bounded lengths of ``Monitor.history``
@@ -221,12 +302,21 @@ class Policy:
     settle_max_steps: int | None = None
     baseline_steps: int = 500
     baseline_min_samples: int = 3
-    baseline: str = "fixed"
+    baseline: str = "drift"
+    drift_halflife: float = 500.0
     ratio_rules: Mapping[str, tuple[float, float | None]] = dataclasses.field(
         default_factory=_default_ratio_rules, hash=False)
-    confirm_checks: int = 2
+    schedule_metrics: tuple[str, ...] = ("grad/global_norm",)
+    jump_metrics: Mapping[str, float] = dataclasses.field(
+        default_factory=_default_jump_metrics, hash=False)
+    lr_exponent: float = 0.5
+    weight_decay: float | None = None
+    ratio_noise_z: float = 3.0
+    confirm_checks: int = 3
+    confirm_steps: int = 0
     hysteresis: float = 0.9
     clear_steps: int = 100
+    episode_gap: int = 20
     rolling_window: int = 128
     rolling_k: float = 6.0
     ema_alpha: float = 0.97
@@ -235,13 +325,14 @@ class Policy:
     nonfinite_metrics: tuple[str, ...] = ("loss", "grad/global_norm")
     nonfinite_count_metrics: tuple[str, ...] = ("grad/nonfinite_count",)
     throughput_metrics: tuple[str, ...] = ("sys/tokens_per_sec", "sys/steps_per_sec")
-    throughput_drop: float = 0.30
+    throughput_drop: float = 0.45
+    throughput_hold_steps: int = 40
     loss_scale_metric: str = "opt/loss_scale"
     loss_scale_drop: float = 16.0
     event_hold_steps: int = 300
     val_gap_window: int = 1000
     val_gap_ratio: float = 1.5
-    val_gap_min_growth: float = 0.01
+    val_gap_min_growth: float = 0.05
     val_gap_halflife: float = 250.0
     spike_metrics: tuple[str, ...] = ("loss", "grad/global_norm")
     spike_alert_metrics: tuple[str, ...] = ("loss",)
@@ -256,22 +347,29 @@ class Policy:
     pathological_steps: int = 500
     post_window: int = 100
     spike_forget_steps: int = 5000
+    periodic_metrics: tuple[str, ...] = ("loss",)
     periodic_min_spikes: int = 3
     periodic_tolerance: float = 0.25
     periodic_min_interval: int = 100
     periodic_escalate_min_spikes: int = 4
     periodic_shrink: float = 0.9
-    trend_metric: str = "grad/global_norm"
+    trend_metrics: Mapping[str, float] = dataclasses.field(
+        default_factory=_default_trend_metrics, hash=False)
     trend_window: int = 1000
     trend_buckets: int = 24
-    trend_z: float = 3.5
-    trend_min_rise: float = 1.3
-    trend_min_ratio: float = 1.3
+    trend_drift_k: float = 3.0
     group_bands: Mapping[str, float] = dataclasses.field(
         default_factory=_default_group_bands, hash=False)
     group_z: float = 6.0
+    group_jump: float = 5.0
+    group_window: int = 500
+    group_drift_k: float = 3.0
+    drift_memory: float = 500.0
     group_confirm: int = 2
+    group_min_share: float = 0.01
     group_global_ratio: float = 1.5
+    logit_bands: Mapping[str, float] = dataclasses.field(
+        default_factory=_default_logit_bands, hash=False)
     router_bands: Mapping[str, float] = dataclasses.field(
         default_factory=_default_router_bands, hash=False)
     router_z: float = 6.0
@@ -298,8 +396,9 @@ class Policy:
     localize_rows: int = 512
     localize_lookback: int = 250
     localize_reference: int = 1000
-    localize_z: float = 6.0
-    localize_min_ratio: float = 0.1
+    localize_z: float = 8.0
+    localize_min_ratio: float = 0.25
+    localize_drift_slack: float = 1.0
     localize_top: int = 5
     localize_max_metrics: int = 4096
     history_size: int = 256
@@ -325,13 +424,16 @@ class Policy:
         object.__setattr__(self, "ratio_rules", types.MappingProxyType(rules))
         object.__setattr__(self, "group_bands", _bands("group_bands", self.group_bands, "family name -> ratio", 1))
         object.__setattr__(self, "router_bands", _bands("router_bands", self.router_bands, "metric name -> excess", 0))
+        object.__setattr__(self, "logit_bands", _bands("logit_bands", self.logit_bands, "metric name -> ratio", 1))
+        object.__setattr__(self, "jump_metrics", _bands("jump_metrics", self.jump_metrics, "metric name -> ratio", 1))
+        object.__setattr__(self, "trend_metrics", _bands("trend_metrics", self.trend_metrics, "metric name -> rise", 1))
         for f in ("warmup_steps", "settle_window", "settle_max_steps", "vocab_size"):
             v = getattr(self, f)
             if v is not None and (isinstance(v, bool) or int(v) < (1 if f == "vocab_size" else 0)):
                 raise ValueError(f"Policy.{f} expects None or an integer >= "
                                  f"{1 if f == 'vocab_size' else 0}, got {v!r}")
         for f in ("nonfinite_metrics", "nonfinite_count_metrics", "throughput_metrics",
-                  "spike_metrics", "spike_alert_metrics"):
+                  "spike_metrics", "spike_alert_metrics", "schedule_metrics", "periodic_metrics"):
             v = getattr(self, f)
             if isinstance(v, str):
                 raise TypeError(f"Policy.{f} expects a sequence of metric names, got the string {v!r}")
@@ -343,21 +445,23 @@ class Policy:
                   "history_size", "spikes_size", "periodic_min_spikes", "localize_top",
                   "localize_max_metrics", "confirm_checks", "trend_window", "group_confirm",
                   "gap_confirm", "settle_min_samples", "broken_jump_window",
-                  "localize_lookback", "localize_reference", "val_rise_window",
+                  "localize_lookback", "localize_reference", "val_rise_window", "group_window",
                   "val_rise_min_samples"):
             if int(getattr(self, f)) < 1:
                 raise ValueError(f"Policy.{f} expects an integer >= 1, got {getattr(self, f)!r}")
         if self.trend_buckets < 8:
             raise ValueError(f"Policy.trend_buckets expects >= 8, got {self.trend_buckets}")
-        for f in ("trend_min_rise", "trend_min_ratio", "broken_param_jump"):
+        for f in ("broken_param_jump", "group_jump", "group_drift_k", "trend_drift_k"):
             if not getattr(self, f) > 1:
                 raise ValueError(f"Policy.{f} expects a ratio > 1, got {getattr(self, f)!r}")
+        if not 0 <= self.group_min_share < 1:
+            raise ValueError(f"Policy.group_min_share expects a share in [0, 1), got {self.group_min_share}")
         if not 0 < self.broken_chance_frac <= 1:
             raise ValueError(f"Policy.broken_chance_frac expects a fraction in (0, 1], got "
                              f"{self.broken_chance_frac}")
         for f in ("event_hold_steps", "physiological_steps", "pathological_steps",
                   "post_window", "spike_forget_steps", "periodic_min_interval", "red_min_steps",
-                  "clear_steps",
+                  "clear_steps", "episode_gap", "throughput_hold_steps", "confirm_steps",
                   "spike_min_samples", "broken_steps", "router_steps", "broken_loss_steps"):
             if int(getattr(self, f)) < 0:
                 raise ValueError(f"Policy.{f} expects an integer >= 0, got {getattr(self, f)!r}")
@@ -369,6 +473,12 @@ class Policy:
             raise ValueError(f"Policy.throughput_drop expects a fraction in (0, 1), got {self.throughput_drop}")
         if not 0 < self.hysteresis <= 1:
             raise ValueError(f"Policy.hysteresis expects a value in (0, 1], got {self.hysteresis}")
+        if self.lr_exponent < 0 or (self.weight_decay is not None and self.weight_decay < 0):
+            raise ValueError(f"Policy.lr_exponent and weight_decay expect values >= 0, got "
+                             f"{self.lr_exponent} and {self.weight_decay}")
+        if not self.drift_memory > 0 or not self.drift_halflife > 0:
+            raise ValueError(f"Policy.drift_memory and drift_halflife expect positive "
+                             f"steps, got {self.drift_memory} and {self.drift_halflife}")
         if self.trend_halflife <= 0 or self.scale_halflife <= 0 or self.val_gap_halflife < 0:
             raise ValueError("Policy.trend_halflife and scale_halflife expect positive steps, got "
                              f"{self.trend_halflife} and {self.scale_halflife}")
@@ -390,6 +500,9 @@ class Policy:
         d["ratio_rules"] = {k: list(v) for k, v in self.ratio_rules.items()}
         d["group_bands"] = dict(self.group_bands)
         d["router_bands"] = dict(self.router_bands)
+        d["logit_bands"] = dict(self.logit_bands)
+        d["jump_metrics"] = dict(self.jump_metrics)
+        d["trend_metrics"] = dict(self.trend_metrics)
         for k, v in d.items():
             if isinstance(v, tuple):
                 d[k] = list(v)
@@ -407,3 +520,20 @@ class Policy:
         if "ratio_rules" in kw:
             kw["ratio_rules"] = {k: tuple(v) for k, v in kw["ratio_rules"].items()}
         return cls(**kw)
+
+    # -- Per-replica figures (jvitals.monitor.replicas.ReplicaRule; docs/REPLICAS.md). --
+    # replica_z: a replica is an outlier when |robust z| against the others exceeds it
+    #   (z = (x - median) / max(1.4826 MAD, replica_rel_floor |median|)) ...
+    # replica_min_ratio: ... and its ratio to the median is beyond this (either way).
+    # replica_rel_floor: the least scale of the z-score, as a fraction of |median|.
+    # replica_spread_halflife: half-life, in checks, of each figure's typical spread between
+    #   replicas (an EMA of scale / |median|); the z-score's scale is at least that spread,
+    #   so a check whose replicas happen to agree closely does not make a noisy one an outlier.
+    # replica_confirm: consecutive checks (same replica or same data shard) -> YELLOW.
+    # replica_min_replicas: fewer finite replicas than this name no outlier.
+    replica_z: float = 8.0
+    replica_min_ratio: float = 1.5
+    replica_rel_floor: float = 0.02
+    replica_spread_halflife: float = 20.0
+    replica_confirm: int = 2
+    replica_min_replicas: int = 3

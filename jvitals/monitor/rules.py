@@ -17,28 +17,31 @@ Rule table (every number a Policy field)::
     class               rule id          level    condition
     NonFiniteRule       nonfinite        ORANGE   loss / grad norm non-finite, nonfinite count > 0
     SpikeRule           loss_spike       YELLOW   a loss spike not back in its band after 300 steps
-                        periodic_spike   YELLOW/  >= 3 spikes at near-regular intervals
+                        periodic_spike   YELLOW/  >= 3 loss spikes at near-regular intervals
                                          ORANGE   (intervals shrinking)
-    RatioRule           grad_norm,       YELLOW,  x / baseline > 2 (2 checks running), > 3;
-                        param_norm,      ORANGE   param norm > 1.5; user ratio rules
-                        ratio
-    TrendRule           grad_trend       YELLOW   grad norm rising (Mann-Kendall z > 3.5, Theil-Sen
-                                                  rise >= 1.3x over 1000 steps, >= 1.3x baseline)
-                                                  while the loss's Theil-Sen slope falls
-    GroupRule           group            YELLOW   one group's update/param ratio, grad share or
-                                                  param norm (relative to the trunk) left its band
-                                                  while the global figures did not
+    RatioRule           grad_norm,       YELLOW,  x / (reference x the schedule's factor) > 2, > 3,
+                        ratio            ORANGE   confirmed over 3 checks; the reference follows the
+                                                  run's own slow drift (DriftBaseline)
+    TrendRule           grad_trend,      YELLOW   a rise over 1000 (4000) steps beyond 1.3x (1.5x)
+                        param_norm                and 3x the run's own (grad norm: net of the
+                                                  schedule, while the loss falls)
+    JumpRule            jump             YELLOW   update/param_ratio per unit LR x5 in one check
+    GroupRule           group            YELLOW   a group figure jumped x5, stepped beyond its band,
+                                                  or drifted beyond 3x its own drift, while the
+                                                  global figures did not move
+    LogitRule           logits           YELLOW   attention / output logits rising beyond their drift
     RouterRule          router           YELLOW   moe/maxvio.max (+0.5) or moe/dead_expert_ratio
                                                   (+0.2) above its baseline for 50 steps
-    ThroughputRule      throughput       YELLOW   tokens/s (else steps/s) down > 30%
-    LossScaleRule       loss_scale       YELLOW   loss scale falls >= 2**4 between two checks
-    GapRule             val_gap          YELLOW   gap growth > 1.5x the growth before, above
-                                                  the noise (4 sd) and a floor, 2 samples running
+    ThroughputRule      throughput       YELLOW   tokens/s (else steps/s) down > 45% for 40 steps
+    LossScaleRule       loss_scale       YELLOW   loss scale falls >= 2**4 between two checks or
+                                                  from its recent peak
+    GapRule             val_gap          YELLOW   gap growth > 1.5x the growth before, above the
+                                                  noise (4 sd), 5% of the loss and its earlier high
     ValRiseRule         val_rise         YELLOW   val loss rising (Mann-Kendall z > 3, Theil-Sen rise
                                                   >= 2% over 500 steps) while the loss trend falls
-    BrokenModelRule     broken_model     ORANGE,  loss at chance level (log vocab) or param norm
-                                         RED      1.5x its value 100 steps before; RED when not
-                                                  recovered after 50 steps
+    BrokenModelRule     broken_model     YELLOW,  loss at chance level (log vocab) or param norm
+                                         ORANGE,  1.5x its value 100 steps before; RED when not
+                                         RED      recovered after 50 (param) / 100 (loss) steps
     DivergenceRule      divergence       RED      red_after consecutive checks with an ORANGE
                                                   condition (or the loss > 1.25x its pre-spike trend
                                                   after the pathological window)
@@ -56,16 +59,24 @@ from jvitals.monitor.policy import Policy
 from jvitals.monitor.trackers import (
     BASELINES,
     BucketSeries,
+    DriftBand,
+    DriftBaseline,
     FixedBaseline,
     GapSeries,
     RollingBaseline,
     SpikeTracker,
-    baseline_from_dict,
     mann_kendall_z,
     median,
     theil_sen,
 )
-from jvitals.monitor.types import Alert, Level, Spike, dec_float, enc_float, split_group
+from jvitals.monitor.types import (
+    Alert,
+    Level,
+    Spike,
+    dec_state,
+    enc_state,
+    split_group,
+)
 
 __all__ = [
     "BrokenModelRule",
@@ -74,6 +85,8 @@ __all__ = [
     "Figures",
     "GapRule",
     "GroupRule",
+    "JumpRule",
+    "LogitRule",
     "LossScaleRule",
     "NonFiniteRule",
     "RatioRule",
@@ -121,6 +134,8 @@ class Figures:
       plan: the key set's :class:`Plan` (``plan.keys``, ``plan.cache`` for a
         rule's own per-key-set data).
       vals: the values as Python floats, in ``plan.keys`` order.
+      get: ``get(name)``, the value of ``name`` at this check (``None`` when not
+        logged).
       open: the open alerts, ``{(rule, key): Alert}`` (read only).
       notes: what earlier rules published this check.
       diverging: ``[(key, alert)]`` of this check's divergent alerts.
@@ -131,10 +146,12 @@ class Figures:
     """
 
     __slots__ = ("step", "t", "start", "warm", "plan", "vals", "open", "notes", "diverging",
-                 "touched", "scores", "spikes", "policy")
+                 "touched", "scores", "spikes", "policy", "get")
 
     def __init__(self, step: int, t: int, start: int | None, plan: Plan, vals: list[float],
                  open_: Mapping[tuple[str, str], Alert], policy: Policy) -> None:
+        # ``get(name)``: the value of ``name`` at this check (``None`` when not logged).
+        self.get = dict(zip(plan.keys, vals)).get
         self.step, self.t, self.start = step, t, start
         self.warm = start is None or t < start
         self.plan, self.vals, self.open, self.policy = plan, vals, open_, policy
@@ -144,10 +161,18 @@ class Figures:
         self.scores: dict[str, float] = {}
         self.spikes: list[Spike] = []
 
-    def get(self, name: str) -> float | None:
-        """The value of ``name`` at this check (``None`` when not logged)."""
-        i = self.plan.named.get(name)
-        return None if i is None else self.vals[i]
+    def active(self, rule: str, key: str) -> Alert | None:
+        """The open alert ``(rule, key)`` of the current episode: ``None`` when there is
+        none or when its condition has been clear for ``Policy.episode_gap`` steps or
+        more (it only waits out ``Policy.clear_steps``). A rule treats such an alert as
+        closed: a new crossing needs its own confirmation and is a new episode with
+        its own onset (``Monitor`` closes the old alert when the rule sets it again);
+        within the gap the alert's hysteresis still holds it (a dip is noise)."""
+        a = self.open.get((rule, key))
+        if a is None or (a.clearing_since is not None
+                         and self.step - a.clearing_since >= self.policy.episode_gap):
+            return None
+        return a
 
 
 class Change(NamedTuple):
@@ -217,18 +242,30 @@ class Rule(Protocol):
 
 
 class _Base:
-    """Default state/rollback behaviour: stateless."""
+    """What every default rule shares: its policy, its state, a no-op rollback.
+
+    A rule's state is the attributes named in ``state_fields``: ``state_dict``
+    writes each with :func:`~jvitals.monitor.types.enc_state` (plain JSON) and
+    ``load_state_dict`` reads each back shaped like the fresh rule's own value
+    (:func:`~jvitals.monitor.types.dec_state`; ``state_types[name]`` names the
+    tracker class of a dict-of-trackers field). A field missing from the saved
+    dict keeps its fresh value.
+    """
 
     name = ""
+    state_fields: tuple[str, ...] = ()
+    state_types: Mapping[str, type] = {}
 
     def __init__(self, policy: Policy) -> None:
         self.p = policy
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return {k: enc_state(getattr(self, k)) for k in self.state_fields}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        del d
+        for k in self.state_fields:
+            if k in d:
+                setattr(self, k, dec_state(d[k], getattr(self, k), self.state_types.get(k)))
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         del step, t_to
@@ -279,6 +316,8 @@ class SpikeRule(_Base):
     """
 
     name = "spike"
+    state_fields = ("trackers",)
+    state_types = {"trackers": SpikeTracker}
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
@@ -318,7 +357,7 @@ class SpikeRule(_Base):
                 diverging=bool(o is None and ref > 0 and v > p.divergence_loss_ratio * ref)))
         for m, tr in self.trackers.items():
             f.scores[self.score_names[m]] = tr.score.score
-            if m not in seen:
+            if m not in seen or m not in p.periodic_metrics:
                 continue
             per = tr.periodic
             if per is None:
@@ -346,13 +385,10 @@ class SpikeRule(_Base):
             f.notes["loss_pre"] = ref
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        return {m: tr.to_dict() for m, tr in self.trackers.items()}
-
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        for m, tr in d.items():
-            if m in self.trackers:
-                self.trackers[m] = SpikeTracker.from_dict(tr, self.p)
+        super().load_state_dict(d)
+        self.trackers = {m: self.trackers.get(m) or SpikeTracker(m, self.p)
+                         for m in self.p.spike_metrics}
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         done = []
@@ -380,64 +416,165 @@ def _hysteresis_level(ratio: float, y: float, o: float | None, cur: Level, gate:
     return max(raw, min(cur, held))
 
 
-class RatioRule(_Base):
-    """``x / baseline`` against ``(yellow, orange)`` per ``Policy.ratio_rules``.
+def schedule_factor(lr: float | None, lr_ref: float | None, pn: float | None,
+                    pn_ref: float | None, p: Policy) -> tuple[float, str]:
+    """What the schedule predicts for the gradient norm, relative to its baseline.
 
-    A new alert needs ``confirm_checks`` consecutive checks above the yellow
-    ratio (onset = the first of them; it opens at the level of the last
+    ``(lr_ref / lr) ** lr_exponent`` (the LR decayed from its baseline level
+    ``lr_ref``; capped at 100x, i.e. 10x for the default exponent): for weights
+    under normalization with decoupled weight decay the steady state is ``||g|| /
+    ||w|| ~ sqrt(2 lambda / lr)`` (Defazio 2025, arXiv 2506.02285), so a cosine to
+    0.1x raises a healthy grad norm ~3x; off with ``weight_decay=0``. And
+    ``pn_ref / pn`` (the param norm shrank: gradients of scale-invariant weights
+    scale as ``1 / ||w||``). The larger of the two, never below 1.
+
+    Returns:
+      ``(factor, why)``: ``why`` (a callable: formatted only for a message) says which
+      term and its figures ("" for a factor of 1).
+    """
+    sched = pnf = 1.0
+    if lr is not None and lr_ref is not None and lr > 0 and lr_ref > 0 and p.weight_decay != 0 \
+            and p.lr_exponent > 0:
+        sched = min(max(lr_ref / lr, 1.0), 100.0) ** p.lr_exponent
+    if pn is not None and pn_ref is not None and pn > 0 and pn_ref > 0:
+        pnf = max(pn_ref / pn, 1.0)
+    if sched <= 1.0 and pnf <= 1.0:
+        return 1.0, _no_why
+    if sched >= pnf:
+        return sched, lambda: (f"(lr at baseline {lr_ref:.3g} / lr now {lr:.3g}) ** "
+                               f"{p.lr_exponent:g}, Policy.lr_exponent")
+    return pnf, lambda: f"param norm at baseline {pn_ref:.4g} / now {pn:.4g}"
+
+
+def _no_why() -> str:
+    return ""
+
+
+class RatioRule(_Base):
+    """``x / reference`` against ``(yellow, orange)`` per ``Policy.ratio_rules``.
+
+    The reference is the metric's baseline; for ``Policy.schedule_metrics`` (the
+    grad norm) it is the baseline times what the schedule predicts
+    (:func:`schedule_factor`: the LR and the param norm against their own
+    baselines), so the healthy rise of the gradient norm as the LR decays is no
+    alert; the metric is divided by that factor before its baseline learns or
+    judges it. A new alert needs ``confirm_checks`` consecutive checks above the
+    yellow ratio (onset = the first of them; it opens at the level of the last
     one), an escalation to ORANGE as many above the orange ratio: one noisy
-    check is no alert. Publishes
-    ``notes['ratio']`` = ``{metric: latest x / baseline}``.
+    check is no alert. Publishes ``notes['ratio']`` = ``{metric: latest x /
+    reference}`` and ``notes['schedule']`` = ``{metric: factor}``.
     """
 
     name = "ratio"
+    state_fields = ("baselines", "above", "last_ratio", "refs")
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
+        self.state_types = {"baselines": BASELINES[policy.baseline], "refs": FixedBaseline}
         self.baselines = {m: BASELINES[policy.baseline]() for m in policy.ratio_rules}
-        self.above: dict[str, list[int]] = {}  # metric -> [count, first step]
+        self.refs = {"lr": FixedBaseline(), "pn": FixedBaseline()}  # the schedule's references
+        self.above: dict[str, dict[str, list[int]]] = {}  # metric -> {"y"/"o": [checks, first step]}
+        self.orange_run: dict[str, list[int]] = {}         # this check's confirmed ORANGE runs
         self.last_ratio: dict[str, float] = {}
+
+    def _schedule(self, f: Figures) -> tuple[float, Any]:
+        """:func:`schedule_factor` at this check (the references learn here)."""
+        p, refs = self.p, self.refs
+        lr, pn = f.get(p.lr_metric), f.get("param/global_norm")
+        lr_ref = pn_ref = None
+        if lr is not None and lr > 0 and math.isfinite(lr):
+            b = refs["lr"]
+            lr_ref = b.mean if b.mean == b.mean else b.step(f.t, f.step, lr, p, f.start)[0]
+        if pn is not None and pn > 0 and math.isfinite(pn):
+            b = refs["pn"]
+            pn_ref = b.mean if b.mean == b.mean else b.step(f.t, f.step, pn, p, f.start)[0]
+        if (lr_ref is None or lr >= lr_ref) and (pn_ref is None or pn >= pn_ref):
+            return 1.0, _no_why          # the LR and the param norm at or above their baselines
+        return schedule_factor(lr, lr_ref, pn, pn_ref, p)
 
     def check(self, f: Figures) -> list[Change]:
         p, s, out = self.p, f.step, []
-        for m, (y, o) in p.ratio_rules.items():
+        sched = None
+        self.orange_run = {}
+        for m, (y0, o0) in p.ratio_rules.items():
             v = f.get(m)
             if v is None or not math.isfinite(v):
                 continue
-            ref, gate = self.baselines[m].step(f.t, s, v, p, f.start)
+            b = self.baselines[m]
+            # A metric whose own check-to-check spread is wide (single steps of a
+            # mixture-of-experts on mixed text: 2-3x) needs more than y0 to be a departure.
+            widen = max(1.0, math.exp(p.ratio_noise_z * b.noise) / y0) if isinstance(
+                b, DriftBaseline) else 1.0
+            y, o = y0 * widen, None if o0 is None else o0 * widen
+            factor, why = 1.0, ""
+            if m in p.schedule_metrics:
+                if sched is None:
+                    sched = self._schedule(f)
+                    f.notes["schedule"] = dict.fromkeys(p.schedule_metrics, sched[0])
+                factor, why = sched
+            rule = _RATIO_RULE_IDS.get(m, "ratio")
+            cur = f.active(rule, m)
+            ref, gate = b.step(f.t, s, v / factor, p, f.start, hold=0.0 if cur is not None else y)
             if ref is None or not ref > 0:
                 continue
-            ratio = v / ref
+            ratio = v / (ref * factor)
             self.last_ratio[m] = ratio
-            rule = _RATIO_RULE_IDS.get(m, "ratio")
-            cur = f.open.get((rule, m))
-            lvl = _hysteresis_level(ratio, y, o, cur.level if cur else Level.GREEN, gate,
-                                    p.hysteresis)
-            onset = None
-            if cur is None or (o is not None and cur.level < Level.ORANGE):
-                # A new alert, or an escalation, needs confirm_checks checks in a row.
-                thr = y if cur is None else o
-                if gate and ratio > thr:
-                    run = self.above.setdefault(m, [0, s])
-                    run[0] += 1
-                    if cur is None:
-                        onset = run[1]
-                    if run[0] < p.confirm_checks:
-                        lvl = Level.GREEN if cur is None else cur.level
-                else:
-                    self.above.pop(m, None)
+            if cur is None and not self.above.get(m) and not (gate and ratio > y):
+                out.append(release(rule, m))      # the common case: nothing under way
+                continue
+            lvl, onset = self._level(m, s, ratio, y, o, cur, gate)
             if lvl == Level.GREEN:
                 out.append(release(rule, m))
                 continue
-            if self.above.get(m, [p.confirm_checks])[0] >= p.confirm_checks:
-                self.above.pop(m, None)
             thr = o if lvl == Level.ORANGE else y
-            orange = f", orange > {o:g}x" if o is not None else ""
-            out.append(set_(rule, m, lvl, v, ref, ratio,
-                            f"{m} = {v:.4g} is {ratio:.2f}x its baseline {ref:.4g} (yellow > "
-                            f"{y:g}x{orange}).", f"{m} crossed {thr:g}x", onset=onset))
+            orange = f", orange > {o:.3g}x" if o is not None else ""
+            why_ = why() if callable(why) else why
+            what = (f"what the schedule predicts, {ref * factor:.4g} = its baseline {ref:.4g} x "
+                    f"{factor:.2f} ({why_})" if why_ else f"its baseline {ref:.4g}")
+            wide = (f"; widened {widen:.2f}x: ratio_noise_z = {p.ratio_noise_z:g} x its "
+                    f"check-to-check spread {b.noise:.2f} in log" if widen > 1.0 else "")
+            out.append(set_(rule, m, lvl, v, ref * factor, ratio,
+                            f"{m} = {v:.4g} is {ratio:.2f}x {what} (yellow > {y:.3g}x{orange}: "
+                            f"Policy.ratio_rules[{m!r}]{wide}; confirmed over confirm_checks = "
+                            f"{p.confirm_checks} checks).", f"{m} crossed {thr:.3g}x", onset=onset,
+                            details={"schedule_factor": factor, "baseline": ref, "widen": widen}))
         f.notes["ratio"] = self.last_ratio
+        f.notes["orange_run"] = self.orange_run
         return out
+
+    orange_run: dict[str, list[int]]
+
+    def _level(self, m: str, s: int, ratio: float, y: float, o: float | None, cur: Alert | None,
+               gate: bool) -> tuple[Level, int | None]:
+        """The level at this check and, for a new alert, its onset.
+
+        A level is confirmed once its run lasted ``confirm_checks`` checks spanning
+        ``confirm_steps`` steps: a run starts at a check above the level's ratio and
+        goes on while above ``1 + hysteresis * (ratio - 1)`` (on real text 1-5% of
+        the batches have a grad norm 2x their neighbours'; two of them at
+        consecutive checks are no fault). A new alert opens at the highest confirmed
+        level (onset: the start of the yellow run); an open one escalates to ORANGE
+        when that run is confirmed, and steps down by the hysteresis.
+        """
+        p = self.p
+        runs = self.above.setdefault(m, {})
+        for name, thr in (("y", y), ("o", o)):
+            run = runs.get(name)
+            if thr is not None and gate and ratio > (thr if run is None else
+                                                     1.0 + p.hysteresis * (thr - 1.0)):
+                if run is None:
+                    run = runs[name] = [0, s]
+                run[0] += 1
+            else:
+                runs.pop(name, None)
+        ok = {k for k, (c, first) in runs.items() if c >= p.confirm_checks and s - first >= p.confirm_steps}
+        if "o" in ok:
+            self.orange_run[m] = list(runs["o"])
+        if cur is None:
+            lvl = Level.ORANGE if "o" in ok else Level.YELLOW if "y" in ok else Level.GREEN
+            return lvl, runs["y"][1] if lvl > Level.GREEN else None
+        held = _hysteresis_level(ratio, y, o, cur.level, gate, p.hysteresis)
+        return (Level.ORANGE if "o" in ok else min(held, cur.level) if held else held), None
 
     def baseline(self, metric: str) -> float | None:
         """The learned baseline of ``metric`` (``None`` while learning)."""
@@ -449,88 +586,185 @@ class RatioRule(_Base):
         m = b.mean
         return None if m != m else float(m)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"baselines": {m: b.to_dict() for m, b in self.baselines.items()},
-                "above": dict(self.above),
-                "last_ratio": {m: enc_float(r) for m, r in self.last_ratio.items()}}
-
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        for m, b in d["baselines"].items():
-            if m in self.baselines and b["kind"] == self.p.baseline:
-                self.baselines[m] = baseline_from_dict(b)
-        self.above = {m: list(v) for m, v in d["above"].items() if m in self.baselines}
-        self.last_ratio = {m: dec_float(r) for m, r in d["last_ratio"].items()
-                           if m in self.baselines}
+        super().load_state_dict(d)
+        fresh = BASELINES[self.p.baseline]
+        self.baselines = {m: self.baselines.get(m) or fresh() for m in self.p.ratio_rules}
+        self.above = {m: v for m, v in self.above.items() if m in self.baselines}
+        self.last_ratio = {m: r for m, r in self.last_ratio.items() if m in self.baselines}
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         self.above = {}
         return []
 
 
+_TREND_RULE_IDS = {"grad/global_norm": "grad_trend", "param/global_norm": "param_norm"}
+
+
 class TrendRule(_Base):
-    """Creep: the grad norm's robust trend rises while the loss's falls.
+    """Creep: a figure rising beyond the run's own drift (the grad norm net of the
+    schedule, while the loss still falls).
 
-    Bucket means (``trend_buckets`` over ``trend_window`` steps) of ``log x``
-    and of the loss, after the baseline start; at each closed bucket with a
-    full window::
+    For each ``(metric, rise)`` of ``Policy.trend_metrics``: bucket means (width
+    ``trend_window // trend_buckets`` steps, from ``baseline_steps`` after the start
+    on; one sample per ``width // 8`` steps) of ``log(x / factor)`` (``factor``:
+    :func:`schedule_factor` for ``schedule_metrics``, else 1) and of the loss; each
+    closed bucket's mean,
+    smoothed (``y += 0.3 (mean - y)``: one noisy check a bucket at a sparse
+    cadence), feeds a
+    :class:`~jvitals.monitor.trackers.DriftBand` (drift departures only, windows
+    ``W`` = ``trend_window`` and 4x it)::
 
-        z    = Mann-Kendall z of the log-x bucket means
-        rise = exp(Theil-Sen slope of log x * trend_window)
-        YELLOW when z > trend_z, rise >= trend_min_rise,
-             x / baseline >= trend_min_ratio, and the loss's Theil-Sen slope < 0
+        YELLOW when log(x / factor) rose over the last W steps by more than
+             max(log(rise), trend_drift_k * D_W)   at 2 buckets running
 
-    while no grad-norm ratio alert is open (that one already says it). It is
-    released (``clear_steps``) at the first evaluation where it fails.
+    (``D_W``: the largest rise over ``W`` steps the metric showed up to ``W``
+    steps before, fading with half-life ``drift_memory``); for the grad norm also
+    while the loss's Theil-Sen slope over the last ``trend_buckets`` buckets is
+    negative (the loss looks fine: METRICS.md §6 "grad norm climbing while loss
+    still falls"). Healthy real-text runs creep 1.25-1.5x per 1000 steps from the
+    start: that is their own drift, no alert; the same figure flat for thousands
+    of steps and then rising 1.3x is. Released when the metric is back within
+    ``hysteresis * log(rise)`` of the level it rose from. Rule ids:
+    ``grad_trend`` (the grad norm), ``param_norm`` (the param norm), ``trend``.
     """
 
     name = "trend"
+    state_fields = ("buckets", "bands", "smooth", "last_t")
+    state_types = {"buckets": BucketSeries, "bands": DriftBand}
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
-        self.buckets = BucketSeries(policy.trend_window // policy.trend_buckets,
-                                    policy.trend_buckets, 2)
-        self.onset: int | None = None
+        self.buckets: dict[str, BucketSeries] = {}
+        self.bands: dict[str, DriftBand] = {}
+        self.smooth: dict[str, float] = {}
+        self.last_t = -(10 ** 9)
 
     def check(self, f: Figures) -> list[Change]:
+        p, out = self.p, []
+        if f.warm or f.t < f.start + p.baseline_steps:
+            return out
+        width = max(1, p.trend_window // p.trend_buckets)
+        if 0 <= f.t - self.last_t < max(1, width // 8):
+            return out      # checked more often than width / 8: a sample per width / 8 is enough
+        self.last_t = f.t
+        loss = f.get("loss")
+        loss = loss if loss is not None and math.isfinite(loss) else _NAN
+        for m, rise in p.trend_metrics.items():
+            x = f.get(m)
+            if x is None or not (math.isfinite(x) and x > 0):
+                continue
+            factor = f.notes.get("schedule", {}).get(m, 1.0) if m in p.schedule_metrics else 1.0
+            bs = self.buckets.get(m)
+            if bs is None:
+                bs = self.buckets[m] = BucketSeries(width, p.trend_buckets, 2)
+            if not bs.add(f.t, [math.log(x / factor), loss]):     # model time
+                continue
+            ids, means = bs.arrays()
+            band = self.bands.get(m)
+            if band is None:
+                band = self.bands[m] = DriftBand()
+            y = float(means[-1, 0])
+            prev = self.smooth.get(m)   # the bucket means, EMA-smoothed over ~2 buckets
+            y = self.smooth[m] = y if prev is None else prev + 0.3 * (y - prev)
+            held = band.observe(f.step, int(ids[-1]), y, rise, math.inf, 0.0,
+                                p.trend_drift_k, (p.trend_window, 4 * p.trend_window),
+                                p.drift_memory, 2, p.hysteresis, abrupt=False) and band.sign > 0
+            rule = _TREND_RULE_IDS.get(m, "trend")
+            lslope = _NAN
+            if held and m == "grad/global_norm":
+                lslope = theil_sen(ids, means[:, 1])
+                held = lslope < 0
+            if not held:
+                if (rule, m) in f.open:
+                    out.append(release(rule, m))
+                continue
+            out.append(self._change(f, rule, m, x, factor, rise, band, lslope))
+        return out
+
+    def _change(self, f: Figures, rule: str, m: str, x: float, factor: float, rise: float,
+                band: DriftBand, lslope: float) -> Change:
         p = self.p
-        m = p.trend_metric
-        x, loss = f.get(m), f.get("loss")
-        if f.warm or x is None or loss is None or not (math.isfinite(x) and x > 0
-                                                        and math.isfinite(loss)):
-            return []
-        if not self.buckets.add(f.step, [math.log(x), loss]):
-            return []
-        ids, means = self.buckets.arrays()
-        if len(ids) < p.trend_buckets:
-            return []
-        ratio = f.notes.get("ratio", {}).get(m, _NAN)
-        z = mann_kendall_z(means[:, 0])
-        slope = theil_sen(ids, means[:, 0])
-        lslope = theil_sen(ids, means[:, 1])
-        rise = math.exp(slope * p.trend_window) if slope == slope else _NAN
-        key = (_RATIO_RULE_IDS.get(m, "ratio"), m)
-        holds = (z > p.trend_z and rise >= p.trend_min_rise and ratio >= p.trend_min_ratio
-                 and lslope < 0)
-        is_open = ("grad_trend", m) in f.open
-        if not holds:
-            return [release("grad_trend", m)] if is_open else []
-        if key in f.open:
-            return []  # the ratio rule speaks for the grad norm now
-        return [set_("grad_trend", m, Level.YELLOW, x, x / ratio, ratio,
-                     f"{m} has been climbing while the loss still falls: Mann-Kendall z = "
-                     f"{z:.1f}, robust (Theil-Sen) rise {rise:.2f}x over the last "
-                     f"{p.trend_window} steps, now {ratio:.2f}x its baseline.", f"{m} started climbing",
-                     details={"mann_kendall_z": z, "rise": rise,
-                              "loss_slope_per_step": lslope})]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"buckets": self.buckets.to_dict()}
-
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        self.buckets = BucketSeries.from_dict(d["buckets"])
+        i = 0 if band.window == p.trend_window else 1
+        nat = band.natural(i, (p.trend_window, 4 * p.trend_window)) or 0.0
+        r = math.exp(band.stat)
+        net = f" (net of the schedule's factor {factor:.2f})" if factor != 1.0 else ""
+        loss = " while the loss still falls" if lslope == lslope else ""
+        return set_(rule, m, Level.YELLOW, x, x / r, r,
+                    f"{m} = {x:.4g}{net} rose {r:.2f}x over the last {band.window} steps{loss}: "
+                    f"beyond trend_metrics[{m!r}] = {rise:g}x and trend_drift_k = "
+                    f"{p.trend_drift_k:g} x the largest rise over {band.window} steps this run "
+                    f"showed before ({math.exp(nat):.2f}x).", f"{m} started climbing",
+                    onset=None if f.active(rule, m) is not None else band.onset,
+                    details={"rise": r, "window": band.window, "natural": math.exp(nat),
+                             "loss_slope_per_step": lslope})
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
-        self.buckets.clear()
+        for bs in self.buckets.values():
+            bs.clear()
+        for band in self.bands.values():
+            band.rollback(t_to)
+        self.smooth, self.last_t = {}, -(10 ** 9)
+        return []
+
+
+class JumpRule(_Base):
+    """An unmistakable departure: a figure ``jump`` x or more in one check, per unit LR.
+
+    For each ``(metric, jump)`` of ``Policy.jump_metrics`` (default: the global
+    ``update/param_ratio``, the update applied at that very step), with ``r = x /
+    lr`` (``lr`` the ``lr_metric`` when logged, else 1; a schedule moves ``r``
+    little between two checks) at consecutive checks after the baseline start::
+
+        YELLOW at once when r >= jump * r_prev          (no second check: the
+                                                         loss has not seen it yet)
+        held while r >= jump / 2 * r_prev(at the jump); released otherwise
+
+    A moderate change is left to the rules that confirm over two checks.
+    """
+
+    name = "jump"
+    state_fields = ("prev", "anchor")
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.items = tuple(policy.jump_metrics.items())
+        self.prev: dict[str, float] = {}
+        self.anchor: dict[str, list] = {}   # metric -> [r before the jump, onset step]
+
+    def check(self, f: Figures) -> list[Change]:
+        p, out = self.p, []
+        if f.warm:
+            return out
+        lr = f.get(p.lr_metric)
+        lr = lr if lr is not None and lr > 0 and math.isfinite(lr) else 1.0
+        for m, jump in self.items:
+            x = f.get(m)
+            if x is None or not (x > 0 and math.isfinite(x)):
+                continue
+            r, prev = x / lr, self.prev.get(m)
+            self.prev[m] = r
+            a = self.anchor.get(m)
+            if a is not None and f.active("jump", m) is None:
+                a = None
+            if a is None and prev is not None and r >= jump * prev:
+                a = self.anchor[m] = [prev, f.step]
+            if a is None or r < 0.5 * jump * a[0]:
+                self.anchor.pop(m, None)
+                if ("jump", m) in f.open:
+                    out.append(release("jump", m))
+                continue
+            ref = a[0] * lr
+            out.append(set_("jump", m, Level.YELLOW, x, ref, x / ref,
+                            f"{m} = {x:.4g} is {x / ref:.1f}x its value at the check before the "
+                            f"jump ({ref:.4g} at this LR), an unmistakable departure in one check "
+                            f"(>= Policy.jump_metrics[{m!r}] = {jump:g}x per unit LR); the loss has "
+                            "not seen this update yet.", f"{m} jumped {x / ref:.0f}x", onset=a[1],
+                            details={"per_lr_before": a[0], "per_lr": r}))
+        return out
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        self.prev, self.anchor = {}, {}
         return []
 
 
@@ -538,28 +772,45 @@ _GLOBAL_OF = {"update/param_ratio": "update/param_ratio", "param/norm": "param/g
 
 
 class GroupRule(_Base):
-    """One group's figures left their band while the global figures did not.
+    """One group's figure departed from its own history while the global figures did not.
 
-    Groups: ``embedding``, ``lm_head``, ``layer_{i}``; figures
-    ``{family}/{group}`` for the families of ``Policy.group_bands``. Each
-    value is divided by the trunk's median of the family at the same check
-    (the global figure where no layer figure is logged; grad shares as they
-    are) so a schedule moving every group together is not a departure; its
-    log is compared with its own baseline (median of the baseline window)::
+    Groups: ``embedding``, ``lm_head``, ``layer_{i}``; figures ``{family}/{group}``
+    for the families of ``Policy.group_bands``. Each value is divided by the trunk's
+    median of the family at the same check (the global figure where no layer figure
+    is logged; the embedding's and the LM head's update ratios by the learning rate
+    where ``lr_metric`` is logged, so that every layer's update moving together, as
+    an attention LR fault makes them, is not read as theirs), so a schedule moving
+    every group together is not a departure, and
+    ``y = log(x / trunk)`` is judged against its own history by a
+    :class:`~jvitals.monitor.trackers.DriftBand` (``band`` = the family's
+    ``group_bands`` ratio, ``W = group_window``)::
 
-        out = |log(x / trunk) - b| > max(group_z * 1.4826 * MAD, log(band))
+        jump   |y - y_prev| >= max(log(group_jump), group_z * noise)     YELLOW at once
+        step   |y - y_prev| >  max(log(band), group_z * noise)           2 samples
+        drift  |y - y(t - W)| > max(log(band), group_drift_k * D_W)      2 samples
+               for W = group_window or 4 x group_window
 
-    ``group_confirm`` consecutive out samples open a YELLOW naming the group
-    (embedding / LM head: "0.5x trunk LR"; a layer: "layer-wise LR decay"),
-    if ``grad/global_norm`` and ``param/global_norm`` are below
-    ``group_global_ratio`` x their baselines. Released when the group is back
-    in band.
+    (``noise``: the RMS of its one-sample changes; ``D_W``: the largest change over
+    ``W`` steps it showed earlier in the run, up to ``W`` steps ago, fading with
+    half-life ``drift_memory``). Gradient shares are judged for drift only: one
+    batch of real text moves them 5x and back (the update ratios and the param
+    norms show an abrupt fault; the shares follow). So the natural drift of a group (shares moving
+    between layers as the model learns, the head's share rising) is no alert; an
+    abrupt departure, or a drift well beyond the group's own, is. The YELLOW names
+    the group (embedding / LM head: "0.5x trunk LR"; a layer: "layer-wise LR
+    decay") and opens only while ``grad/global_norm`` (against the schedule's
+    prediction) and ``param/global_norm`` are below ``group_global_ratio`` x their
+    baselines; it is released when the figure is back within ``hysteresis x
+    log(band)`` of the level it left.
     """
 
     name = "group"
+    state_fields = ("bands",)
+    state_types = {"bands": DriftBand}
+
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
-        self.cols: dict[str, list] = {}  # name -> [samples, b, mad, run, first out step, sign]
+        self.bands: dict[str, DriftBand] = {}
 
     def _plan(self, f: Figures):
         got = f.plan.cache.get(self.name)
@@ -572,18 +823,18 @@ class GroupRule(_Base):
             got = f.plan.cache[self.name] = fams
         return got
 
-    def check(self, f: Figures) -> list[Change]:
-        fams = self._plan(f)
-        if not fams or f.warm:
-            return []
+    def _observe(self, f: Figures, fams) -> tuple[dict[str, tuple], set[str]]:
+        """Feeds every group figure to its band; ``({group: strongest hit}, groups seen)``."""
         p, s = self.p, f.step
-        start_end = f.start + p.baseline_steps
-        out_groups: dict[str, tuple[float, str, float, float, float, int]] = {}
-        seen_groups = set()
+        windows = (p.group_window, 4 * p.group_window)
+        hits: dict[str, tuple] = {}
+        seen: set[str] = set()
         for fam, items in fams.items():
             vals = [(k, g, is_layer, float(f.vals[i])) for k, g, is_layer, i in items]
             layer_vals = [v for _, _, is_layer, v in vals if is_layer and v > 0 and math.isfinite(v)]
-            if len(layer_vals) >= 2:
+            if fam == "grad/share":
+                trunk = 1.0     # shares are relative already (a tiny trunk share makes any ratio huge)
+            elif len(layer_vals) >= 2:
                 trunk = median(layer_vals)
             elif fam in _GLOBAL_OF:
                 trunk = f.get(_GLOBAL_OF[fam]) or _NAN
@@ -591,76 +842,182 @@ class GroupRule(_Base):
                 trunk = 1.0
             if not (trunk > 0 and math.isfinite(trunk)):
                 continue
-            lband = math.log(p.group_bands[fam])
-            for k, g, _, v in vals:
+            band = p.group_bands[fam]
+            lr = f.get(p.lr_metric) if fam == "update/param_ratio" else None
+            per_lr = lr is not None and math.isfinite(lr) and lr > 0
+            floor = p.group_min_share if fam == "grad/share" else 0.0
+            for k, g, is_layer, v in vals:
                 if not (v > 0 and math.isfinite(v)):
                     continue
-                seen_groups.add(g)
-                y = math.log(v / trunk)
-                c = self.cols.get(k)
-                if c is None:
-                    c = self.cols[k] = [[], _NAN, _NAN, 0, s, 0]
-                if c[1] != c[1]:
-                    if f.t < start_end or len(c[0]) < p.baseline_min_samples:
-                        c[0].append(y)
-                    if len(c[0]) >= p.baseline_min_samples and f.t >= start_end - 1:
-                        b = median(c[0])
-                        c[1], c[2] = b, 1.4826 * median([abs(z - b) for z in c[0]])
-                        c[0] = []
-                    continue
-                d = y - c[1]
-                band = max(p.group_z * c[2], lband)
-                sign = 1 if d > 0 else -1
-                if abs(d) > band:
-                    if c[3] and c[5] == sign:
-                        c[3] += 1
-                    else:
-                        c[3], c[4], c[5] = 1, s, sign
-                    if c[3] >= p.group_confirm:
-                        size = abs(d) / band
-                        prev = out_groups.get(g)
-                        if prev is None or size > prev[0]:
-                            out_groups[g] = (size, k, v, trunk * math.exp(c[1]), math.exp(d), c[4])
-                else:
-                    c[3] = 0
+                seen.add(g)
+                b = self.bands.get(k)
+                if b is None:
+                    b = self.bands[k] = DriftBand()
+                # The embedding's and the head's update ratios per unit LR (the schedule
+                # cancels; a change of every layer's, e.g. the attention's LR, does not
+                # read as theirs); a layer's relative to the trunk.
+                norm = lr if per_lr and not is_layer else trunk
+                rel = ("per unit LR" if norm is lr else "as it is" if trunk == 1.0
+                       else "relative to the trunk's median")
+                y = math.log(v / norm)
+                if b.observe(s, f.t, y, band, p.group_jump, p.group_z, p.group_drift_k,
+                             windows, p.drift_memory, p.group_confirm, p.hysteresis,
+                             abrupt=fam != "grad/share"):
+                    if max(v, norm * math.exp(b.anchor)) < floor:
+                        continue   # a share below group_min_share before and after: noise
+                    size = abs(y - b.anchor) / math.log(band)
+                    if g not in hits or size > hits[g][0]:
+                        hits[g] = (size, k, fam, v, norm * math.exp(b.anchor), math.exp(y - b.anchor), b,
+                                   rel)
+        return hits, seen
+
+    def _headline(self, g: str, k: str, fam: str, v: float, ref: float, r: float,
+                  b: DriftBand, rel: str) -> str:
+        p = self.p
+        band = p.group_bands[fam]
+        if b.kind == "drift":
+            i = 0 if b.window == p.group_window else 1
+            nat = b.natural(i, (p.group_window, 4 * p.group_window), b.last_t) or 0.0
+            why = (f"it changed {math.exp(abs(b.stat)):.2f}x over the last {b.window} steps, "
+                   f"beyond group_drift_k = {p.group_drift_k:g} x the largest change over "
+                   f"{b.window} steps it showed before in this run ({math.exp(nat):.2f}x) and "
+                   f"its band group_bands[{fam!r}] = {band:g}x (windows: group_window and 4x it)")
+        else:
+            noise = b.noise
+            nz = f" and > group_z = {p.group_z:g} x its sample-to-sample noise ({noise:.2g} in log)" \
+                if noise is not None else ""
+            lim = (f"an unmistakable departure: >= group_jump = {p.group_jump:g}x" if b.kind == "jump"
+                   else f"beyond its band group_bands[{fam!r}] = {band:g}x")
+            why = f"it moved {math.exp(abs(b.stat)):.2f}x in one sample ({lim}{nz})"
+        layer = g.startswith("layer_")
+        what = "layer-wise LR decay" if layer else "embedding and LM head at 0.5x trunk LR"
+        return (f"the {g} group left its own band while the global figures did not: {k} = {v:.4g} "
+                f"is {r:.2f}x the level it left ({ref:.4g}; judged {rel}); {why}. "
+                f"Suggests {what}.")
+
+    def check(self, f: Figures) -> list[Change]:
+        fams = self._plan(f)
+        if not fams or f.warm:
+            return []
+        p = self.p
+        hits, seen = self._observe(f, fams)
         changes = []
         ratios = f.notes.get("ratio", {})
         calm = all(ratios.get(m, 1.0) < p.group_global_ratio
                    for m in ("grad/global_norm", "param/global_norm"))
-        for g in sorted(seen_groups):
-            hit = out_groups.get(g)
-            is_open = ("group", g) in f.open
+        for g in sorted(seen):
+            hit = hits.get(g)
+            active = f.active("group", g) is not None
             if hit is None:
-                if is_open:
+                if ("group", g) in f.open:
                     changes.append(release("group", g))
                 continue
-            if not is_open and not calm:
+            if not active and not calm:
                 continue
-            size, k, v, ref, r, onset = hit
-            fam = k[: -len(g) - 1]
+            _, k, fam, v, ref, r, b, rel = hit
             layer = g.startswith("layer_")
-            what = "layer-wise LR decay" if layer else "embedding and LM head at 0.5x trunk LR"
             changes.append(set_(
-                "group", k, Level.YELLOW, v, ref, r,
-                f"the {g} group left its band while the global figures did not: {k} = {v:.4g} is "
-                f"{r:.2f}x its baseline relative to the trunk (band {p.group_bands[fam]:g}x); "
-                f"suggests {what}.", f"{k} left its band", key=g,
-                onset=None if is_open else onset,
+                "group", k, Level.YELLOW, v, ref, r, self._headline(g, k, fam, v, ref, r, b, rel),
+                f"{k} left its band", key=g, onset=None if active else b.onset,
                 prescription="group_layer_lr" if layer else "group_embedding_lr",
-                details={"group": g, "family": fam}))
+                details={"group": g, "family": fam, "kind": b.kind}))
         return changes
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"cols": {k: [list(map(enc_float, c[0])), enc_float(c[1]), enc_float(c[2]), c[3],
-                             c[4], c[5]] for k, c in self.cols.items()}}
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        for b in self.bands.values():
+            b.rollback(t_to)
+        return []
 
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        self.cols = {k: [[dec_float(x) for x in c[0]], dec_float(c[1]), dec_float(c[2]), int(c[3]),
-                         int(c[4]), int(c[5])] for k, c in d["cols"].items()}
+
+class LogitRule(_Base):
+    """Logits growing beyond their own drift: the attention's (no QK-norm, Wq/Wk LR
+    too high) and the output's (logit drift).
+
+    For each ``(metric, band)`` of ``Policy.logit_bands`` (``act/attn_logits_abs.max``,
+    ``act/output_layer_logits_abs.max``), the metric and its per-layer figures
+    (``{metric}/layer_{i}``) are judged as the group rule judges a group figure, on
+    ``y = log(x)`` with a :class:`~jvitals.monitor.trackers.DriftBand` (its
+    ``group_*`` settings): a one-sample jump ``>= group_jump`` x (and ``group_z`` x
+    its noise) opens at once; a step beyond ``band`` or a rise over
+    ``group_window`` (or 4x it) beyond ``group_drift_k`` x the rise the figure
+    showed before opens after ``group_confirm`` samples. Only rises count (logits
+    shrinking is no fault). Attention logits grow 10-50x over a healthy run's
+    first thousand steps: that is the figure's own drift (cold start, fading with
+    ``drift_memory``). A figure logged more often is judged once per ``group_window
+    // 16`` steps. YELLOW; the guard's default remedies turn QK-clip (attention) or
+    z-loss (output) on.
+    """
+
+    name = "logits"
+    state_fields = ("bands", "last_t")
+    state_types = {"bands": DriftBand}
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.bands: dict[str, DriftBand] = {}
+        self.last_t = -(10 ** 9)
+
+    def _plan(self, f: Figures) -> list[tuple[str, str, int]]:
+        got = f.plan.cache.get(self.name)
+        if got is None:
+            got = []
+            for i, k in enumerate(f.plan.keys):
+                for m in self.p.logit_bands:
+                    if k == m or (k.startswith(m + "/layer_") and k[len(m) + 7:].isdigit()):
+                        got.append((m, k, i))
+            got = f.plan.cache[self.name] = got
+        return got
+
+    def check(self, f: Figures) -> list[Change]:
+        items = self._plan(f)
+        p = self.p
+        stride = max(1, p.group_window // 16)
+        if f.warm or not items or 0 <= f.t - self.last_t < stride:
+            return []       # logged more often than a stride: judged once per stride
+        self.last_t = f.t
+        s, out = f.step, []
+        windows = (p.group_window, 4 * p.group_window)
+        hits: dict[str, tuple] = {}
+        for m, k, i in items:
+            v = float(f.vals[i])
+            if not (v > 0 and math.isfinite(v)):
+                continue
+            b = self.bands.get(k)
+            if b is None:
+                b = self.bands[k] = DriftBand()
+            band = p.logit_bands[m]
+            if b.observe(s, f.t, math.log(v), band, p.group_jump, p.group_z, p.group_drift_k,
+                         windows, p.drift_memory, p.group_confirm, p.hysteresis) and b.sign > 0:
+                size = (math.log(v) - b.anchor) / math.log(band)
+                if m not in hits or size > hits[m][0]:
+                    hits[m] = (size, k, v, math.exp(b.anchor), b)
+        for m in p.logit_bands:
+            hit = hits.get(m)
+            if hit is None:
+                if ("logits", m) in f.open:
+                    out.append(release("logits", m))
+                continue
+            _, k, v, ref, b = hit
+            attn = "attn" in m
+            how = (f"moved {math.exp(abs(b.stat)):.2f}x in one sample (>= group_jump = {p.group_jump:g}x)"
+                   if b.kind == "jump" else
+                   f"moved {math.exp(abs(b.stat)):.2f}x in one sample (beyond its band "
+                   f"logit_bands[{m!r}] = {p.logit_bands[m]:g}x)" if b.kind == "step" else
+                   f"rose {math.exp(abs(b.stat)):.2f}x over the last {b.window} steps, beyond "
+                   f"group_drift_k = {p.group_drift_k:g} x the rise it showed before and its band "
+                   f"logit_bands[{m!r}] = {p.logit_bands[m]:g}x")
+            out.append(set_("logits", k, Level.YELLOW, v, ref, v / ref,
+                            f"{k} = {v:.4g} is {v / ref:.2f}x the level it left ({ref:.4g}): it {how}.",
+                            f"{k} started growing", key=m,
+                            onset=None if f.active("logits", m) is not None else b.onset,
+                            prescription="attn_logit_growth" if attn else "logit_drift",
+                            details={"kind": b.kind}))
+        return out
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
-        for c in self.cols.values():
-            c[3] = 0
+        for b in self.bands.values():
+            b.rollback(t_to)
+        self.last_t = -(10 ** 9)
         return []
 
 
@@ -676,6 +1033,7 @@ class RouterRule(_Base):
     """
 
     name = "router"
+    state_fields = ("cols",)
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
@@ -705,7 +1063,7 @@ class RouterRule(_Base):
                     c[0] = []
                 continue
             band = max(p.router_z * c[2], excess)
-            is_open = ("router", m) in f.open
+            is_open = f.active("router", m) is not None
             if v - c[1] > (p.hysteresis * band if is_open else band):
                 if c[3] is None:
                     c[3] = s
@@ -720,14 +1078,6 @@ class RouterRule(_Base):
                 out.append(release("router", m))
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"cols": {k: [[enc_float(x) for x in c[0]], enc_float(c[1]), enc_float(c[2]), c[3]]
-                         for k, c in self.cols.items()}}
-
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        self.cols = {k: [[dec_float(x) for x in c[0]], dec_float(c[1]), dec_float(c[2]), c[3]]
-                     for k, c in d["cols"].items()}
-
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         for c in self.cols.values():
             c[3] = None
@@ -735,14 +1085,22 @@ class RouterRule(_Base):
 
 
 class ThroughputRule(_Base):
-    """YELLOW when the first present ``throughput_metrics`` is down more than
-    ``throughput_drop`` from its fixed baseline."""
+    """YELLOW when the first present ``throughput_metrics`` has been down more than
+    ``throughput_drop`` from its reference at every check for at least
+    ``throughput_hold_steps`` steps (a shared machine's dips are shorter); onset:
+    the first check of the drop. Held while down more than ``hysteresis x
+    throughput_drop``. The reference is a
+    :class:`~jvitals.monitor.trackers.DriftBaseline` learning only from checks
+    within the drop band (it follows a machine's slow changes, not a drop)."""
 
     name = "throughput"
+    state_fields = ("baselines", "since")
+    state_types = {"baselines": DriftBaseline}
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
-        self.baselines = {m: FixedBaseline() for m in policy.throughput_metrics}
+        self.baselines = {m: DriftBaseline() for m in policy.throughput_metrics}
+        self.since: dict[str, int] = {}
 
     def check(self, f: Figures) -> list[Change]:
         p, out, judged = self.p, [], False
@@ -750,53 +1108,75 @@ class ThroughputRule(_Base):
             v = f.get(m)
             if v is None or not math.isfinite(v):
                 continue
-            ref, _ = self.baselines[m].step(f.t, f.step, v, p, f.start)
+            ref, _ = self.baselines[m].step(f.t, f.step, v, p, f.start,
+                                            floor=1.0 - p.hysteresis * p.throughput_drop)
             if judged or ref is None or not ref > 0:
                 continue
             judged = True
             drop = 1.0 - v / ref
-            is_open = ("throughput", m) in f.open
+            is_open = f.active("throughput", m) is not None
             if drop > p.throughput_drop or (is_open and drop > p.hysteresis * p.throughput_drop):
+                since = self.since.setdefault(m, f.step)
+                if not is_open and f.step - since < p.throughput_hold_steps:
+                    continue
                 out.append(set_("throughput", m, Level.YELLOW, v, ref, v / ref,
                                 f"{m} = {v:.4g} is {100 * drop:.0f}% below its baseline {ref:.4g} "
-                                f"(yellow when down > {100 * p.throughput_drop:.0f}%).",
-                                f"{m} fell {100 * p.throughput_drop:.0f}%"))
+                                f"since step {since} (yellow when down > "
+                                f"{100 * p.throughput_drop:.0f}% for {p.throughput_hold_steps} steps: "
+                                "Policy.throughput_drop, throughput_hold_steps).",
+                                f"{m} fell {100 * p.throughput_drop:.0f}%", onset=since))
             else:
+                self.since.pop(m, None)
                 out.append(release("throughput", m))
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        return {m: b.to_dict() for m, b in self.baselines.items()}
-
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        for m, b in d.items():
-            if m in self.baselines:
-                self.baselines[m] = FixedBaseline.from_dict(b)
+        super().load_state_dict(d)
+        self.baselines = {m: self.baselines.get(m) or DriftBaseline()
+                          for m in self.p.throughput_metrics}
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        self.since = {}
+        return []
 
 
 class LossScaleRule(_Base):
     """YELLOW when the loss scale falls ``>= loss_scale_drop`` x between two
-    consecutive checks; closes ``event_hold_steps`` after the last drop."""
+    consecutive checks, or collapses: ``>= loss_scale_drop`` x below its peak,
+    ``peak = max(peak * 0.5 ** (dt / event_hold_steps), x)`` (a dynamic scale
+    halves at each overflow and doubles after a run of finite steps: a healthy
+    fp16 run swings 2-4x around its level, a collapse falls step after step);
+    closes ``event_hold_steps`` after the last drop."""
 
     name = "loss_scale"
+    state_fields = ("prev", "drop", "peak")
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
         self.prev = _NAN
         self.drop: dict[str, Any] | None = None
+        self.peak = [_NAN, 0]   # the decaying peak, its step
 
     def check(self, f: Figures) -> list[Change]:
         p, s, out = self.p, f.step, []
         m = p.loss_scale_metric
         v = f.get(m)
         if v is not None and math.isfinite(v) and v > 0:
-            prev = self.prev
-            if not f.warm and prev == prev and prev / v >= p.loss_scale_drop:
+            prev, (peak, t0) = self.prev, self.peak
+            if peak != peak or v >= peak:
+                peak = v
+            else:
+                peak = max(peak * 0.5 ** ((s - t0) / max(p.event_hold_steps, 1)), v)
+            self.peak = [peak, s]
+            one = prev == prev and prev / v >= p.loss_scale_drop
+            if not f.warm and (one or peak / v >= p.loss_scale_drop):
                 first = self.drop["onset"] if self.drop else s
                 self.drop = {"step": s, "onset": first}
-                out.append(set_("loss_scale", m, Level.YELLOW, v, prev, v / prev,
-                                f"{m} fell {prev / v:g}x in one check ({prev:g} -> {v:g}) at step "
-                                f"{s}: gradients overflowed.", f"{m} fell {prev / v:g}x",
+                ref, how = (prev, "in one check") if one else (peak, "from its recent peak")
+                out.append(set_("loss_scale", m, Level.YELLOW, v, ref, v / ref,
+                                f"{m} fell {ref / v:g}x {how} ({ref:g} -> {v:g}) at step {s} "
+                                f"(>= Policy.loss_scale_drop = {p.loss_scale_drop:g}x): gradients "
+                                "overflow float16 again and again.", f"{m} fell {ref / v:g}x",
                                 onset=first))
             self.prev = v
         if self.drop is not None and s - self.drop["step"] >= p.event_hold_steps:
@@ -804,29 +1184,30 @@ class LossScaleRule(_Base):
             self.drop = None
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"prev": enc_float(self.prev), "drop": self.drop}
-
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        self.prev = dec_float(d["prev"])
-        self.drop = None if d["drop"] is None else dict(d["drop"])
-
     def rollback(self, step: int, t_to: int) -> list[Spike]:
-        self.prev, self.drop = _NAN, None
+        self.prev, self.drop, self.peak = _NAN, None, [_NAN, 0]
         return []
 
 
 class GapRule(_Base):
     """Train/val gap growing faster than before, beyond its noise.
 
-    The gap ``g`` is ``val/gap`` or ``val/loss`` minus the loss trend; its
-    samples (from ``start + baseline_steps`` on) are smoothed by an EMA of
-    half-life ``val_gap_halflife`` steps. With ``W = val_gap_window``::
+    The gap ``g`` is ``val/gap`` or ``val/loss`` minus the train loss's level:
+    ``2 e1 - e2`` with ``e1`` an EMA of the loss (half-life ``trend_halflife``,
+    each sample clipped to 1.5x the spike tracker's trend) and ``e2`` an EMA of
+    ``e1`` (Brown's double smoothing: no lag on a falling loss, which would
+    otherwise read as a growing gap as the fall slows); its samples (from
+    ``start + baseline_steps`` on) are smoothed by an EMA of half-life
+    ``val_gap_halflife`` steps. With ``W = val_gap_window``::
 
-        recent = g(t) - g(t-W),  before = g(t-W) - g(t-2W)
+        recent = g(t) - g(t-W),  before = g(t-W) - g(t-2W)  (0 before 2W of history)
         excess = recent - val_gap_ratio * max(before, 0)
-        YELLOW when excess > max(val_gap_min_growth * |loss|, gap_z * sd(excess))
+        YELLOW when excess > floor = max(val_gap_min_growth * |loss|, gap_z * sd(excess))
+               and g(t) > floor + the highest gap of the samples kept before t - W
                at gap_confirm consecutive samples
+
+    (the second condition: a gap that dipped and came back, as healthy runs'
+    gaps wander, is no growth).
 
     ``sd(excess)``: the raw samples' noise ``var = EMA((g_i - 2 g_{i-1} +
     g_{i-2})^2 / 6)`` (second differences: blind to a steady trend; learned
@@ -837,6 +1218,8 @@ class GapRule(_Base):
     """
 
     name = "val_gap"
+    state_fields = ("gap", "ema", "t_last", "raw_prev", "var", "decay", "run", "onset", "last_loss",
+                    "level")
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
@@ -849,14 +1232,31 @@ class GapRule(_Base):
         self.run = 0
         self.onset: int | None = None
         self.last_loss = _NAN
+        self.level = [_NAN, _NAN, 0]   # e1, e2, t of the last loss
+
+    def _train_level(self, f: Figures) -> float:
+        """``2 e1 - e2`` of the loss (see the class doc); NaN before any loss."""
+        loss = f.get("loss")
+        e1, e2, t0 = self.level
+        if e1 == e1 and 0 <= f.t - t0 < max(1, self.p.trend_halflife / 10) and f.get("val/loss") is None \
+                and f.get("val/gap") is None:
+            return 2.0 * e1 - e2      # a sample per trend_halflife / 10 steps is enough
+        if loss is not None and math.isfinite(loss):
+            self.last_loss = loss
+            trend = f.notes.get("loss_trend", _NAN)
+            x = min(loss, 1.5 * trend) if trend == trend and trend > 0 else loss
+            if e1 != e1:
+                e1 = e2 = x
+            else:
+                a = 0.5 ** (max(f.t - t0, 1) / self.p.trend_halflife)
+                e1 = a * e1 + (1.0 - a) * x
+                e2 = a * e2 + (1.0 - a) * e1
+            self.level = [e1, e2, f.t]
+        return 2.0 * e1 - e2
 
     def check(self, f: Figures) -> list[Change]:
         p, s, t = self.p, f.step, f.t
-        loss = f.get("loss")
-        if loss is not None and math.isfinite(loss):
-            self.last_loss = loss
-        trend = f.notes.get("loss_trend", _NAN)
-        loss_ref = trend if trend == trend else self.last_loss
+        loss_ref = self._train_level(f)
         g = f.get("val/gap")
         vl = f.get("val/loss")
         if g is None and vl is not None:
@@ -879,45 +1279,39 @@ class GapRule(_Base):
         self.t_last = t
         g = self.ema
         self.gap.add(t, g, 2 * w)
-        if not self.gap.covers(t - 2 * w):
+        if not self.gap.covers(t - w):
             return []
-        g1, g2 = self.gap.at(t - w), self.gap.at(t - 2 * w)
-        recent, before = g - g1, g1 - g2
+        g1 = self.gap.at(t - w)
+        # Before 2W of history, the growth before counts as none: the rule then asks for
+        # a growth beyond its floor alone (a gap that grew from the start, as a repeated
+        # data shard makes it).
+        before = g1 - self.gap.at(t - 2 * w) if self.gap.covers(t - 2 * w) else 0.0
+        recent = g - g1
         level_ref = abs(loss_ref) if loss_ref == loss_ref else (
             abs(vl) if vl is not None and math.isfinite(vl) else 0.0)
         var_e = (self.var if self.var == self.var else 0.0) * (1.0 - a) / (1.0 + a)
         r = p.val_gap_ratio
         var_x = var_e * (1.0 + (1.0 + r) ** 2 + r * r) if before > 0 else 2.0 * var_e
         floor = max(p.val_gap_min_growth * level_ref, p.gap_z * math.sqrt(var_x))
-        if recent > r * max(before, 0.0) + floor:
+        high = self.gap.max_before(t - w)       # the highest gap of the history kept before t - W
+        if recent > r * max(before, 0.0) + floor and g - high > floor:
             self.run += 1
             if self.run == 1:
                 self.onset = s
-            if self.run < p.gap_confirm and ("val_gap", "val/gap") not in f.open:
+            if self.run < p.gap_confirm and f.active("val_gap", "val/gap") is None:
                 return []
             ratio = recent / before if before > 0 else math.inf
             return [set_("val_gap", "val/gap", Level.YELLOW, g, g1, ratio,
                          f"the train/val gap grew by {recent:.4g} over the last {w} steps vs "
-                         f"{before:.4g} over the {w} before (> {r:g}x, noise sd "
-                         f"{math.sqrt(var_x):.2g}); gap now {g:.4g}.",
+                         f"{before:.4g} over the {w} before (> val_gap_ratio = {r:g}x, plus a floor "
+                         f"{floor:.2g}: val_gap_min_growth = {p.val_gap_min_growth:g} x the loss, "
+                         f"gap_z = {p.gap_z:g} noise sd {math.sqrt(var_x):.2g}); gap now {g:.4g}, "
+                         f"above its earlier high {high:.4g} by more than that floor.",
                          "the train/val gap accelerated", onset=self.onset,
                          details={"recent_growth": recent, "previous_growth": before,
                                   "noise_sd": math.sqrt(var_x)})]
         self.run = 0
         return [clear("val_gap", "val/gap")]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"gap": self.gap.to_dict(), "ema": enc_float(self.ema), "t_last": self.t_last,
-                "raw_prev": [enc_float(x) for x in self.raw_prev], "var": enc_float(self.var),
-                "decay": enc_float(self.decay), "run": self.run, "onset": self.onset,
-                "last_loss": enc_float(self.last_loss)}
-
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        self.gap = GapSeries.from_dict(d["gap"])
-        self.ema, self.t_last = dec_float(d["ema"]), int(d["t_last"])
-        self.raw_prev, self.var = [dec_float(x) for x in d["raw_prev"]], dec_float(d["var"])
-        self.decay, self.run, self.onset = dec_float(d["decay"]), int(d["run"]), d["onset"]
-        self.last_loss = dec_float(d["last_loss"])
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         self.gap.drop_after(t_to)
@@ -944,6 +1338,7 @@ class ValRiseRule(_Base):
     """
 
     name = "val_rise"
+    state_fields = ("ts", "val", "trend", "run", "onset")
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
@@ -976,11 +1371,12 @@ class ValRiseRule(_Base):
         rise = theil_sen(u, y) * (u[-1] - u[0]) / abs(float(np.median(y)))
         lslope = theil_sen(u, np.fromiter(self.trend, np.float64, n))
         is_open = ("val_rise", "val/loss") in f.open
+        active = f.active("val_rise", "val/loss") is not None
         if z > p.val_rise_z and rise >= p.val_rise_min and lslope < 0:
             self.run += 1
             if self.run == 1:
                 self.onset = s
-            if self.run < p.gap_confirm and not is_open:
+            if self.run < p.gap_confirm and not active:
                 return []
             return [set_("val_rise", "val/loss", Level.YELLOW, v, float(y[0]), v / float(y[0]),
                          f"val/loss has been rising ({100 * rise:.1f}% over the last "
@@ -989,17 +1385,6 @@ class ValRiseRule(_Base):
                          details={"mann_kendall_z": z, "rise": rise})]
         self.run = 0
         return [release("val_rise", "val/loss")] if is_open else []
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"ts": list(self.ts), "val": [enc_float(x) for x in self.val],
-                "trend": [enc_float(x) for x in self.trend], "run": self.run,
-                "onset": self.onset}
-
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        self.ts = collections.deque(int(x) for x in d["ts"])
-        self.val = collections.deque(dec_float(x) for x in d["val"])
-        self.trend = collections.deque(dec_float(x) for x in d["trend"])
-        self.run, self.onset = int(d["run"]), d["onset"]
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         while self.ts and self.ts[-1] > t_to:
@@ -1025,7 +1410,9 @@ class BrokenModelRule(_Base):
       ``broken_jump_window`` steps earlier.
 
     A param-norm jump is ORANGE at once and RED once it has held at every
-    check for ``broken_steps`` steps; a chance-level loss alone is ORANGE once
+    check for ``broken_steps`` steps; a chance-level loss alone is YELLOW at
+    once when it is at least 1.5x its pre-spike trend (the loss rule of OLMo-core
+    fires there too; one such batch then recovers: it closes), ORANGE once
     it has held ``broken_steps // 2`` steps (a physiological spike recovers
     sooner) and RED after ``broken_loss_steps`` (a stretch of bad data, whose
     loss is at chance however healthy the model, is over sooner; the weights
@@ -1035,6 +1422,7 @@ class BrokenModelRule(_Base):
     """
 
     name = "broken_model"
+    state_fields = ("pn", "vocab", "first_loss", "state")
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
@@ -1094,6 +1482,8 @@ class BrokenModelRule(_Base):
             lvl = Level.RED
         elif st["kind"] == "param" or held >= p.broken_steps // 2:
             lvl = Level.ORANGE
+        elif loss is not None and loss >= 1.5 * st["pre"]:
+            lvl = Level.YELLOW   # at chance from well below: garbage data or a broken model, at once
         else:
             return []  # a loss at chance level must hold a while (a physiological spike does not)
         if st["kind"] == "param":
@@ -1112,28 +1502,13 @@ class BrokenModelRule(_Base):
         red_at = st["since"] + (p.broken_steps if st["kind"] == "param" else p.broken_loss_steps)
         tail = (f"not recovered after {held} steps: the model is broken, roll back."
                 if lvl == Level.RED else f"RED if it has not recovered by step {red_at}.")
+        if lvl == Level.YELLOW:
+            tail = (f"a batch of garbage, or a broken model: ORANGE if it holds until step "
+                    f"{st['since'] + p.broken_steps // 2}, {tail} (Policy.broken_chance_frac, "
+                    "broken_steps, broken_loss_steps)")
         return [set_("broken_model", metric, lvl, value, ref, ratio, f"{what}; {tail}",
                      f"{metric} broke", key="", onset=st["since"], diverging=False,
                      details={"since": st["since"], "kind": st["kind"]})]
-
-    def state_dict(self) -> dict[str, Any]:
-        st = None
-        if self.state is not None:
-            st = {k: (enc_float(v) if isinstance(v, float) else v) for k, v in self.state.items()}
-        return {"pn": [[a, enc_float(b)] for a, b in self.pn], "vocab": enc_float(self.vocab),
-                "first_loss": enc_float(self.first_loss), "state": st}
-
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        self.pn = collections.deque((int(a), dec_float(b)) for a, b in d["pn"])
-        self.vocab = dec_float(d["vocab"])
-        self.first_loss = dec_float(d["first_loss"])
-        st = d["state"]
-        if st is not None:
-            st = dict(st)
-            st["pre"] = dec_float(st["pre"])
-            if st.get("pn_ref") is not None:
-                st["pn_ref"] = dec_float(st["pn_ref"])
-        self.state = st
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         self.pn.clear()
@@ -1146,9 +1521,11 @@ class DivergenceRule(_Base):
     ``red_min_steps`` steps. A check is divergent when it confirmed an ORANGE
     condition (or the loss far above its pre-spike trend); it breaks the run
     only if it re-observed every condition that was divergent and found none
-    (a check that did not see them holds)."""
+    (a check that did not see them holds). The RED is released once those
+    conditions are back in their bands (their alerts closed or clearing)."""
 
     name = "divergence"
+    state_fields = ("consecutive", "start", "keys")
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
@@ -1164,11 +1541,20 @@ class DivergenceRule(_Base):
             self.consecutive += 1
             if self.consecutive == 1:
                 self.start = s
+            # An ORANGE confirmed over a run of checks counts that run (its checks were
+            # above the orange ratio: divergent before the confirmation said so).
+            for checks, first in f.notes.get("orange_run", {}).values():
+                if checks > self.consecutive:
+                    self.consecutive, self.start = checks, first
             self.keys = {k for k, _ in div}
         elif self.keys and self.keys <= f.touched:
-            self.consecutive, self.start, self.keys = 0, None, set()
-            recovered = True
-        red_open = ("divergence", "") in f.open
+            self.consecutive, self.start = 0, None
+            # Recovered once every divergent condition is back in its band (its alert
+            # closed or clearing), not merely below ORANGE: the RED episode holds.
+            if all(a is None or a.clearing_since is not None
+                   for a in (f.open.get(k) for k in self.keys)):
+                self.keys, recovered = set(), True
+        red_open = f.active("divergence", "") is not None
         if div and (red_open or (self.consecutive >= p.red_after
                                  and s - self.start >= p.red_min_steps)):
             lead = min((a for _, a in div), key=lambda a: (a.onset_step, a.id))
@@ -1185,14 +1571,6 @@ class DivergenceRule(_Base):
             return [release("divergence", "")]
         return []
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"consecutive": self.consecutive, "start": self.start,
-                "keys": sorted([list(k) for k in self.keys])}
-
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        self.consecutive, self.start = int(d["consecutive"]), d["start"]
-        self.keys = {(a, b) for a, b in d["keys"]}
-
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         self.consecutive, self.start, self.keys = 0, None, set()
         return []
@@ -1200,7 +1578,9 @@ class DivergenceRule(_Base):
 
 def default_rules(policy: Policy) -> list[Any]:
     """The default rule list, in the order ``Monitor.update`` runs it."""
+    from jvitals.monitor.replicas import ReplicaRule  # the per-replica rule (it builds Changes of this module)
+
     return [NonFiniteRule(policy), SpikeRule(policy), RatioRule(policy), TrendRule(policy),
-            GroupRule(policy), RouterRule(policy), ThroughputRule(policy),
+            JumpRule(policy), GroupRule(policy), LogitRule(policy), RouterRule(policy), ThroughputRule(policy),
             LossScaleRule(policy), GapRule(policy), ValRiseRule(policy), BrokenModelRule(policy),
-            DivergenceRule(policy)]
+            DivergenceRule(policy), ReplicaRule(policy)]

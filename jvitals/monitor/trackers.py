@@ -12,10 +12,14 @@ import nothing from ``jvitals.monitor`` or the rules (no import circle):
 - :class:`RollingBaseline`: OLMo-core style mean + k * std over a rolling
   window of steps.
 - :class:`EmaBaseline`: ZClip style EMA mean / variance with a z-score gate.
+- :class:`DriftBaseline`: the fixed median, then an EMA of the log that follows
+  the run's own slow drift (the default reference of the ratio rules).
 - :class:`BucketSeries`: bucket means over a window of steps (the trend rule).
 - :class:`ScoreWindow`: fraction of checks flagged over the last N steps, in
   fixed buckets.
 - :class:`SpikeTracker`: trend / band, spike anatomy, periodicity.
+- :class:`DriftBand`: a figure's departures from its own history (a jump
+  against its noise, a drift beyond the drift it showed): the group rule.
 - :class:`GapSeries`: train/val gap history for the growth-rate rule.
 - :class:`LayerHistory`: NumPy ring buffer of the localization candidates
   (per-layer / per-group metrics) with their own median baselines.
@@ -41,8 +45,10 @@ from jvitals.monitor.types import (
     Spike,
     dec_float,
     dec_floats,
+    dec_state,
     enc_float,
     enc_floats,
+    enc_state,
 )
 
 _NAN = math.nan
@@ -214,6 +220,7 @@ class FixedBaseline:
     """
 
     __slots__ = ("vals", "mean")
+    kind = "fixed"
 
     def __init__(self) -> None:
         self.vals: list[float] = []
@@ -223,10 +230,10 @@ class FixedBaseline:
     def ready(self) -> bool:
         return self.mean == self.mean
 
-    def step(self, t: int, s: int, v: float, p: Policy,
-             start: int | None) -> tuple[float | None, bool]:
+    def step(self, t: int, s: int, v: float, p: Policy, start: int | None,
+             hold: float | None = None) -> tuple[float | None, bool]:
         """Returns ``(baseline or None, gate)`` for ``v``, then learns from it."""
-        del s
+        del s, hold
         if self.mean == self.mean:
             return self.mean, True
         if start is not None and t >= start:
@@ -259,6 +266,7 @@ class RollingBaseline:
     """
 
     __slots__ = ("steps", "vals")
+    kind = "rolling"
 
     def __init__(self) -> None:
         self.steps: collections.deque[int] = collections.deque()
@@ -268,8 +276,9 @@ class RollingBaseline:
     def mean(self) -> float:
         return math.fsum(self.vals) / len(self.vals) if self.vals else _NAN
 
-    def step(self, t: int, s: int, v: float, p: Policy,
-             start: int | None) -> tuple[float | None, bool]:
+    def step(self, t: int, s: int, v: float, p: Policy, start: int | None,
+             hold: float | None = None) -> tuple[float | None, bool]:
+        del hold
         if start is None or t < start:
             return None, False
         n = len(self.vals)
@@ -314,6 +323,7 @@ class EmaBaseline:
     """
 
     __slots__ = ("init", "mean", "var", "last_step")
+    kind = "ema"
 
     def __init__(self) -> None:
         self.init: list[float] = []
@@ -321,8 +331,9 @@ class EmaBaseline:
         self.var = _NAN
         self.last_step = 0
 
-    def step(self, t: int, s: int, v: float, p: Policy,
-             start: int | None) -> tuple[float | None, bool]:
+    def step(self, t: int, s: int, v: float, p: Policy, start: int | None,
+             hold: float | None = None) -> tuple[float | None, bool]:
+        del hold
         if start is None or t < start:
             return None, False
         if self.mean != self.mean:
@@ -355,7 +366,94 @@ class EmaBaseline:
         return b
 
 
-BASELINES = {"fixed": FixedBaseline, "rolling": RollingBaseline, "ema": EmaBaseline}
+class DriftBaseline:
+    """A reference that follows the run's own slow drift (the default).
+
+    Starts as :class:`FixedBaseline` (the median over the first ``baseline_steps``
+    after the start), then follows ``log x`` with an EMA of half-life
+    ``drift_halflife`` steps::
+
+        ref = exp(m);  m = a * m + (1 - a) * log(x),  a = 0.5 ** (dt / drift_halflife)
+
+    at most once per ``drift_halflife / 50`` steps (a finer cadence adds nothing but
+    cost), each sample clipped at ``hold`` x the reference (an excursion above the
+    alert threshold counts as that much: excluding it would bias the reference low
+    where single steps are heavy-tailed, as a mixture-of-experts on mixed text is),
+    none while the caller's alert holds (``hold=0``: a fault never becomes its own
+    reference), none below ``floor`` x the reference where given (a drop). It also
+    keeps ``var``, the EMA of the squared log residual: ``noise = sqrt(var)``, the
+    figure's own check-to-check spread. A healthy run whose figure
+    creeps at a rate ``r`` (log per step) sits ``exp(r * drift_halflife / ln 2)``
+    above it: 1.3x for a grad norm rising 1.25x per 1000 steps at the default 500.
+    """
+
+    __slots__ = ("vals", "log_mean", "last_t", "var", "ref", "_decay")
+    kind = "drift"
+
+    def __init__(self) -> None:
+        self.vals: list[float] = []
+        self.log_mean = _NAN
+        self.last_t = 0
+        self.var = 0.0
+        self.ref = _NAN                  # exp(log_mean), kept (not state)
+        self._decay = (0, 1.0, 0.0)      # (dt, halflife) -> a, cached (not state)
+
+    @property
+    def mean(self) -> float:
+        return math.exp(self.log_mean) if self.log_mean == self.log_mean else _NAN
+
+    @property
+    def noise(self) -> float:
+        return math.sqrt(self.var)
+
+    def step(self, t: int, s: int, v: float, p: Policy, start: int | None,
+             hold: float | None = None, floor: float | None = None) -> tuple[float | None, bool]:
+        """Returns ``(reference or None, True)`` for ``v``, then learns from it (only
+        from ``floor x ref < v < hold x ref`` where given)."""
+        del s
+        if self.log_mean == self.log_mean:
+            ref = self.ref
+            if ref != ref:
+                ref = self.ref = math.exp(self.log_mean)
+            dt = t - self.last_t
+            if dt < 0 or dt >= p.drift_halflife / 50:     # learns once per drift_halflife / 50 steps
+                if v > 0 and hold != 0.0 and (floor is None or v > floor * ref):
+                    c = self._decay
+                    if c[0] != dt or c[2] != p.drift_halflife:
+                        c = self._decay = (dt, 0.5 ** (max(dt, 0) / p.drift_halflife), p.drift_halflife)
+                    x = math.log(v if hold is None else min(v, hold * ref))
+                    d = x - self.log_mean
+                    self.var = c[1] * self.var + (1.0 - c[1]) * d * d
+                    self.log_mean += (1.0 - c[1]) * d
+                    self.ref = math.exp(self.log_mean)
+                self.last_t = t
+            return ref, True
+        if start is not None and t >= start and v > 0:
+            end = start + p.baseline_steps
+            if t < end or len(self.vals) < p.baseline_min_samples:
+                self.vals.append(v)
+            if len(self.vals) >= p.baseline_min_samples and t >= end - 1:
+                self.log_mean, self.last_t = math.log(_median(self.vals)), t
+                self.ref = math.exp(self.log_mean)
+                self.var = _median([(math.log(x) - self.log_mean) ** 2 for x in self.vals])
+                self.vals = []
+        return None, False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "drift", "vals": enc_floats(self.vals), "log_mean": enc_float(self.log_mean),
+                "last_t": self.last_t, "var": enc_float(self.var)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DriftBaseline":
+        b = cls()
+        b.vals, b.log_mean, b.last_t = dec_floats(d["vals"]), dec_float(d["log_mean"]), int(d["last_t"])
+        b.var = dec_float(d["var"])
+        b.ref = math.exp(b.log_mean) if b.log_mean == b.log_mean else _NAN
+        return b
+
+
+BASELINES = {"fixed": FixedBaseline, "rolling": RollingBaseline, "ema": EmaBaseline,
+             "drift": DriftBaseline}
 
 
 def baseline_from_dict(d: dict[str, Any]):
@@ -722,7 +820,7 @@ class SpikeTracker:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], p: Policy) -> "SpikeTracker":
+    def from_dict(cls, d: dict[str, Any], p: Policy | None = None) -> "SpikeTracker":
         float_keys = {"peak", "pre_trend", "pre_scale", "post_sum", "period", "last_interval"}
 
         def dec_map(m):
@@ -730,7 +828,7 @@ class SpikeTracker:
                 return None
             return {k: (dec_float(v) if k in float_keys else v) for k, v in m.items()}
 
-        t = cls(d["metric"], p)
+        t = cls(d["metric"], p if p is not None else Policy())
         t.last_step = d["last_step"]
         t.trend, t.var, t.wsum = dec_float(d["trend"]), dec_float(d["var"]), dec_float(d["wsum"])
         t.prev_learned = dec_float(d.get("prev_learned", "nan"))
@@ -744,6 +842,197 @@ class SpikeTracker:
         t.score = ScoreWindow.from_dict(d["score"])
         t.last_value = dec_float(d["last_value"])
         return t
+
+
+# --------------------------------------------------------------------------
+# A figure's own band: jumps against its noise, drift against its own drift.
+# --------------------------------------------------------------------------
+
+
+class DriftBand:
+    """Departures of one figure ``y`` (a log) from its own recent history.
+
+    At each sample ``(t, y)`` (model time), for each window ``W`` of ``windows``::
+
+        d     = y - y_prev                                 one-sample change
+        noise = sqrt(EMA of d^2)                           its sample-to-sample noise
+        c_W   = y - y(t - W)                               change over the last W steps
+        D_W   = max(D_W * 0.5 ** (dt / memory), |c_W(u)|)  the largest change over W
+                                                           steps it showed up to W steps
+                                                           ago (u <= t - W; fading)
+
+    A departure opens (``anchor`` = the level it left, ``sign`` its direction):
+
+    - **jump**: ``|d| >= max(log(jump), z * noise)``: confirmed at once (from the
+      second change on: the first one only teaches ``noise``);
+    - **step**: ``|d| > max(log(band), z * noise)``: a candidate;
+    - **drift**: ``|c_W| > max(log(band), k * D_W, z * noise)`` for some ``W``: a
+      candidate (``anchor = y(t - W)``; the noise term matters where samples are
+      sparse, ``c_W`` then being one noisy change).
+
+    It holds while ``sign * (y - anchor) > hold`` (``log(band)`` for a candidate,
+    ``hysteresis * log(band)`` once confirmed) and is confirmed after ``confirm``
+    samples; otherwise it ends. ``noise`` and ``D_W`` learn only from samples in
+    band (a fault never widens the band it is judged by); a change enters ``D_W``
+    only ``W`` steps after it was seen, so a creep is judged against the drift
+    before it, not against its own growth; until 3 changes have entered it, ``D_W``
+    is the largest change seen so far once those span ``W / 2`` steps (a cold
+    start: a creep already under way is learned as the figure's own drift). Two windows
+    (``W`` and ``4 W`` by default) see a fast creep early and a slow one once it
+    has outgrown the group's drift. History: one sample per ``max(windows) // 32``
+    steps (the latest kept), spanning the longest window.
+    """
+
+    __slots__ = ("ts", "ys", "last_t", "last_y", "var", "nvar", "drift", "ndrift", "drift_t",
+                 "fresh", "dh_t", "dh_d", "anchor", "sign", "onset", "run", "kind", "stat", "window")
+
+    def __init__(self, nwin: int = 2) -> None:
+        self.ts: list[int] = []
+        self.ys: list[float] = []
+        self.last_t: int | None = None
+        self.last_y = _NAN
+        self.var = 0.0
+        self.nvar = 0
+        self.drift = [0.0] * nwin               # D_W per window
+        self.ndrift = [0] * nwin
+        self.drift_t = [0] * nwin
+        self.fresh: list[list[list]] = [[] for _ in range(nwin)]   # [t, |c|] not yet W old
+        self.dh_t: list[int] = []      # D_W0 once matured (3 samples), and when: spanning the
+        self.dh_d: list[float] = []    # longest window
+        self.anchor: float | None = None
+        self.sign = 0
+        self.onset = 0
+        self.run = 0
+        self.kind = ""
+        self.stat = _NAN   # the one-sample change (jump/step) or the W-step change (drift)
+        self.window = 0    # the window of a drift departure
+
+    @property
+    def noise(self) -> float | None:
+        return math.sqrt(self.var) if self.nvar >= 3 else None
+
+    def natural(self, i: int = 0, windows: tuple[int, ...] = (), t: int | None = None) -> float | None:
+        """``D_W`` of window ``i``: the largest change over it the figure showed
+        (``None`` before 3 samples matured). A longer window not matured yet takes
+        the first window's as it was when the longer window now judged began (``t -
+        W_i + W_0``: before a creep that started within it), scaled by the windows'
+        ratio (a steady drift's)."""
+        if self.ndrift[i] >= 3:
+            return self.drift[i]
+        if i and len(windows) > i and t is not None:
+            then = t - windows[i] + windows[0]
+            k = bisect.bisect_right(self.dh_t, then) - 1
+            if k >= 0:
+                return self.dh_d[k] * windows[i] / windows[0]
+        fresh = self.fresh[i]
+        if fresh and len(windows) > i and fresh[-1][0] - fresh[0][0] >= windows[i] // 2:
+            return max(c for _, c in fresh)   # cold start: the largest change so far, unlagged
+        return None
+
+    def _at(self, x: int) -> float | None:
+        """``y`` at model time ``x`` (linear between the samples around it; None before them)."""
+        ts, ys = self.ts, self.ys
+        if not ts or ts[0] > x:
+            return None
+        i = bisect.bisect_right(ts, x) - 1
+        if i + 1 >= len(ts) or ts[i] == x:
+            return ys[i]
+        return ys[i] + (ys[i + 1] - ys[i]) * (x - ts[i]) / (ts[i + 1] - ts[i])
+
+    def _keep(self, t: int, y: float, span: int) -> None:
+        if len(self.ts) >= 2 and t - self.ts[-2] < max(1, span // 32):
+            self.ts[-1], self.ys[-1] = t, y     # the last slot floats until a stride past the one before
+        else:
+            self.ts.append(t)
+            self.ys.append(y)
+        k = bisect.bisect_left(self.ts, t - span) - 1   # one sample at or before t - span
+        if k > 0:
+            del self.ts[:k], self.ys[:k]
+        k = bisect.bisect_left(self.dh_t, t - span) - 1
+        if k > 0:
+            del self.dh_t[:k], self.dh_d[:k]
+
+    def observe(self, s: int, t: int, y: float, band: float, jump: float, z: float, k: float,
+                windows: tuple[int, ...], memory: float, confirm: int, hysteresis: float,
+                abrupt: bool = True) -> bool:
+        """Feeds one sample; True while a confirmed departure holds (see the class doc;
+        ``abrupt=False``: drift departures only)."""
+        lband = math.log(band)
+        prev = self.last_y if self.last_t is not None else None
+        past = [self._at(t - w) for w in windows]
+        if self.anchor is not None:
+            dev = (y - self.anchor) * self.sign
+            if dev > lband * (hysteresis if self.run >= confirm else 1.0):
+                self.run = min(self.run + 1, confirm)
+            else:
+                self.anchor, self.run, self.kind = None, 0, ""
+        elif prev is not None:
+            d = y - prev
+            noise = self.noise
+            zn = z * (noise if noise is not None else math.sqrt(self.var))
+            if abrupt and self.nvar and abs(d) >= max(math.log(jump), zn):
+                self._open(s, prev, d, "jump", confirm)
+            elif abrupt and noise is not None and abs(d) > max(lband, zn):
+                self._open(s, prev, d, "step", 1)
+            else:
+                for i, (w, yp) in enumerate(zip(windows, past)):
+                    nat = self.natural(i, windows, t)
+                    if yp is not None and nat is not None and abs(y - yp) > max(lband, k * nat, zn):
+                        self._open(s, yp, y - yp, "drift", 1)
+                        self.window = w
+                        break
+                else:                                    # in band: learn
+                    self.var += (d * d - self.var) / min(self.nvar + 1, 16)
+                    self.nvar += 1
+                    for i, (w, yp) in enumerate(zip(windows, past)):
+                        if yp is not None:
+                            self._learn_drift(i, t, abs(y - yp), w, memory)
+        self.last_t, self.last_y = t, y
+        self._keep(t, y, max(windows))
+        return self.anchor is not None and self.run >= confirm
+
+    def _learn_drift(self, i: int, t: int, c: float, window: int, memory: float) -> None:
+        fresh = self.fresh[i]
+        if fresh and t - fresh[-1][0] < max(1, window // 16):
+            fresh[-1][1] = max(fresh[-1][1], c)
+        else:
+            fresh.append([t, c])
+        while fresh and fresh[0][0] <= t - window:
+            u, cu = fresh.pop(0)
+            dt = max(u - self.drift_t[i], 0) if self.ndrift[i] else 0
+            self.drift[i] = max(self.drift[i] * 0.5 ** (dt / memory), cu)
+            self.drift_t[i] = u
+            self.ndrift[i] += 1
+            if i == 0 and self.ndrift[0] >= 3:
+                self.dh_t.append(u)
+                self.dh_d.append(self.drift[0])
+
+    def _open(self, s: int, anchor: float, change: float, kind: str, run: int) -> None:
+        self.anchor, self.sign, self.onset, self.run = anchor, 1 if change > 0 else -1, s, run
+        self.kind, self.stat, self.window = kind, change, 0
+
+    def rollback(self, t_to: int) -> None:
+        """Forgets samples after model time ``t_to`` and any open departure."""
+        k = bisect.bisect_right(self.ts, t_to)
+        del self.ts[k:], self.ys[k:]
+        for fresh in self.fresh:
+            fresh[:] = [x for x in fresh if x[0] <= t_to]
+        k = bisect.bisect_right(self.dh_t, t_to)
+        del self.dh_t[k:], self.dh_d[k:]
+        self.last_t = self.ts[-1] if self.ts else None
+        self.last_y = self.ys[-1] if self.ys else _NAN
+        self.anchor, self.run, self.kind = None, 0, ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: enc_state(getattr(self, k)) for k in self.__slots__}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DriftBand":
+        b = cls(len(d["drift"]))
+        for k in cls.__slots__:
+            setattr(b, k, dec_state(d[k], getattr(b, k)))
+        b.drift = dec_floats(d["drift"])
+        return b
 
 
 # --------------------------------------------------------------------------
@@ -782,6 +1071,11 @@ class GapSeries:
             return self.gs[i]
         t0, t1 = self.ts[i], self.ts[i + 1]
         return self.gs[i] + (self.gs[i + 1] - self.gs[i]) * (x - t0) / (t1 - t0)
+
+    def max_before(self, x: int) -> float:
+        """The largest gap of the samples kept at or before ``x`` (-inf if none)."""
+        hi = bisect.bisect_right(self.ts, x, self.head)
+        return max(self.gs[self.head:hi], default=-math.inf)
 
     def drop_after(self, t: int) -> None:
         keep = [i for i in range(self.head, len(self.ts)) if self.ts[i] <= t]

@@ -12,9 +12,11 @@ immutable data (:data:`PRESCRIPTIONS`), keyed by the monitor's rule ids
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import math
+import numbers
 import re
 import types
 from typing import Any, Mapping
@@ -73,6 +75,72 @@ def enc_floats(xs) -> list[float | str]:
 
 def dec_floats(xs) -> list[float]:
     return [dec_float(x) for x in xs]
+
+
+_NONFINITE = ("nan", "inf", "-inf")
+
+
+def enc_state(x: Any) -> Any:
+    """A rule's state value as plain JSON: floats by :func:`enc_float`, tuples, lists
+    and deques as lists, sets as sorted lists, mappings with str keys, and objects
+    with ``to_dict()`` (the trackers) as that dict.
+
+    Raises:
+      TypeError: a value of another type (name it in the rule's ``state_fields``
+        only if it is one of these).
+    """
+    if x is None or isinstance(x, (bool, str)):
+        return x
+    if isinstance(x, numbers.Integral):
+        return int(x)
+    if isinstance(x, numbers.Real):
+        return enc_float(x)
+    if isinstance(x, Mapping):
+        return {str(k): enc_state(v) for k, v in x.items()}
+    if isinstance(x, (set, frozenset)):
+        return sorted(enc_state(v) for v in x)
+    if isinstance(x, (list, tuple, collections.deque)):
+        return [enc_state(v) for v in x]
+    to_dict = getattr(x, "to_dict", None)
+    if to_dict is not None:
+        return to_dict()
+    raise TypeError(f"enc_state: cannot write a {type(x).__name__} ({x!r:.60}) as JSON state")
+
+
+def dec_any(x: Any) -> Any:
+    """Inverse of :func:`enc_state` for plain values: ``"nan"``/``"inf"``/``"-inf"``
+    back to floats, lists and dicts decoded element by element."""
+    if isinstance(x, str):
+        return float(x) if x in _NONFINITE else x
+    if isinstance(x, list):
+        return [dec_any(v) for v in x]
+    if isinstance(x, dict):
+        return {k: dec_any(v) for k, v in x.items()}
+    return x
+
+
+def dec_state(x: Any, like: Any, value_type: Any = None) -> Any:
+    """Inverse of :func:`enc_state`, shaped like ``like`` (the field's value in a fresh
+    rule): a tracker through its class's ``from_dict``; a deque with ``like``'s
+    ``maxlen``; a set of tuples; a float by :func:`dec_float`; a dict whose values are
+    ``value_type`` trackers (``value_type.from_dict`` each; an entry saved with another
+    ``kind`` than ``value_type.kind`` is dropped: that tracker restarts); anything else
+    by :func:`dec_any`."""
+    if value_type is not None:
+        kind = getattr(value_type, "kind", None)
+        kind = kind if isinstance(kind, str) else None
+        return {k: value_type.from_dict(v) for k, v in x.items()
+                if kind is None or v.get("kind", kind) == kind}
+    if like is not None and not isinstance(like, (Mapping, list, tuple, str, numbers.Number)) \
+            and hasattr(like, "from_dict"):
+        return type(like).from_dict(x)
+    if isinstance(like, collections.deque):
+        return collections.deque((dec_any(v) for v in x), maxlen=like.maxlen)
+    if isinstance(like, (set, frozenset)):
+        return {tuple(v) if isinstance(v, list) else v for v in dec_any(x)}
+    if isinstance(like, float):
+        return dec_float(x)
+    return dec_any(x)
 
 
 # --------------------------------------------------------------------------
@@ -151,6 +219,23 @@ PRESCRIPTIONS: Mapping[str, Prescription] = types.MappingProxyType({
         "shallow layers' LR too high",
         "layer-wise LR decay (lr_i = lr_base * decay ** (N - 1 - i), decay 0.85-0.95, start "
         "at 0.95)"),
+    # §6 "param norm jump" seen at its cause: the update itself, one check.
+    "update_jump": Prescription(
+        "the update/param ratio jumped in one check",
+        "an oversized update: an LR far above the schedule's (a multiplier, a restart, a "
+        "unit error) or a step the clip did not bound",
+        "check the learning rate actually applied and the clipping; the param-norm, grad-norm "
+        "and loss alerts that follow say whether it did damage"),
+    # METRICS.md §2 activation rows (no §6 row): logits growing.
+    "attn_logit_growth": Prescription(
+        "the attention logits growing beyond their own drift",
+        "the query/key weights growing unchecked: their LR too high, no QK-norm",
+        "clip the attention logits (QK-clip at the pre-growth maximum) or add QK-norm; lower "
+        "the LR of Wq/Wk"),
+    "logit_drift": Prescription(
+        "the output logits growing beyond their own drift",
+        "the LM head's weights growing unchecked (its LR or weight decay)",
+        "z-loss (1e-4); embedding and LM head at 0.5x trunk LR; check the head's weight decay"),
     # METRICS.md §2 router rows (no §6 row).
     "router_collapse": Prescription(
         "router load concentrating on a few experts",
@@ -183,6 +268,8 @@ RULE_PRESCRIPTION: Mapping[str, str] = types.MappingProxyType({
     "grad_norm": "grad_norm_climb",
     "grad_trend": "grad_norm_climb",
     "group": "group_embedding_lr",
+    "jump": "update_jump",
+    "logits": "attn_logit_growth",
     "broken_model": "broken_model",
     "router": "router_collapse",
     "param_norm": "param_norm_jump",

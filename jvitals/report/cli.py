@@ -17,7 +17,7 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    from jvitals.report.page import PHASES
+    from jvitals.report.guide import PHASES
 
     parser = argparse.ArgumentParser(prog="jvitals", description="jvitals: a training run's vital signs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,13 +61,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "pip install 'jvitals[report]' (or 'jvitals[tensorboard]', which adds clu's "
                   "TensorBoard writer)", file=sys.stderr)
             return 2
-        from jvitals.report import page as report
+        from jvitals.report.page import build_html
+        from jvitals.report.run import read_run
 
-        run = report.read_run(args.logdir)
+        run = read_run(args.logdir)
         if not run.files:
             print(f"jvitals report: no TensorBoard event files (*tfevents*) under {args.logdir!r}; "
                   "writing an empty report", file=sys.stderr)
-        doc = report.build_html(run, title=args.title, phase=args.phase, total_steps=args.total_steps,
+        doc = build_html(run, title=args.title, phase=args.phase, total_steps=args.total_steps,
                                 checkpoint_every=args.checkpoint_every)
         out = os.path.abspath(args.out)
         os.makedirs(os.path.dirname(out), exist_ok=True)

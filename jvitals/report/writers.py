@@ -12,6 +12,14 @@ at most once per step" holds:
   ``vitals/alerts_json`` (a JSON list of the open and just-closed alerts, each
   with its ``id``, so a reader can deduplicate) when there are any, and
   ``vitals/events_json`` for events such as a rollback or a save.
+- Per-replica figures (``replica/{figure}`` vectors of
+  :func:`jvitals.replica_metrics`, or their per-replica scalars
+  ``replica/{figure}/{r}`` after :func:`jvitals.flat_replicas`) never become R
+  scalars each: per figure the worst replica's robust z-score and its index
+  (``replica/{figure}/worst_z``, ``replica/{figure}/worst_replica``; for the
+  non-finite counts ``replica/nonfinite/replicas`` and ``.../worst_replica``) are
+  written as scalars, and the vectors as one JSON text, ``vitals/replicas_json``,
+  which the report draws as a replica x step heat map per figure.
 
 The guard (:class:`jvitals.Rollback` with ``writer=``) writes its own figures
 (``rollback/count``, ``rollback/lr_scale``) and events through this function at
@@ -32,6 +40,7 @@ import jax
 import numpy as np
 
 from jvitals.guard.events import EVENTS_TAG, ROLLBACK_COUNT, ROLLBACK_LR_SCALE, events_json, json_default
+from jvitals.monitor.replicas import REPLICA_PREFIX, replica_summaries, replica_vectors
 
 __all__ = [
     "ALERTS_MD_TAG",
@@ -39,6 +48,7 @@ __all__ = [
     "EVENTS_TAG",
     "LEVEL_TAG",
     "MetricWriterLike",
+    "REPLICAS_TAG",
     "ROLLBACK_COUNT",
     "ROLLBACK_LR_SCALE",
     "alerts_markdown",
@@ -53,6 +63,8 @@ ALERTS_TAG = "vitals/alerts_json"
 """A JSON list of the open and just-closed alerts."""
 ALERTS_MD_TAG = "vitals/alerts"
 """The same alerts as markdown."""
+REPLICAS_TAG = "vitals/replicas_json"
+"""The per-replica vectors of a step, ``{"figures": {figure: [x_0, ..., x_{R-1}]}}`` (NaN as null)."""
 
 _LAYER = re.compile(r"^(?P<base>.+)/layer_(?P<i>\d+)$")
 
@@ -114,6 +126,9 @@ def write(writer: MetricWriterLike, step: int, metrics: Mapping[str, Any], verdi
     """
     step = int(step)
     host = jax.device_get(dict(metrics))
+    replicas = replica_vectors(host)
+    if replicas:
+        host = {k: v for k, v in host.items() if not k.startswith(REPLICA_PREFIX)}
     scalars: dict[str, float] = {}
     arrays: dict[str, np.ndarray] = {}
     layers: dict[str, dict[int, float]] = {}
@@ -129,6 +144,10 @@ def write(writer: MetricWriterLike, step: int, metrics: Mapping[str, Any], verdi
         else:
             arrays[name] = arr.astype(np.float64)
     texts: dict[str, str] = {}
+    if replicas:
+        scalars.update(replica_summaries(replicas))
+        texts[REPLICAS_TAG] = json.dumps({"figures": {
+            f: [x if math.isfinite(x) else None for x in v.tolist()] for f, v in replicas.items()}})
     if verdict is not None:
         scalars[LEVEL_TAG] = float(int(verdict.level))
         for k, v in (getattr(verdict, "scores", None) or {}).items():
