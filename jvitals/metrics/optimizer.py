@@ -121,9 +121,9 @@ def log_histogram(x: jax.Array, hist: jax.Array | None = None) -> jax.Array:
     ``bin(v) = bits(|v|) >> 16``. Inf and NaN land in the top 128 bins (from
     ``bits(+inf) >> 16 = 0x7F80``, where no finite value lands), which are
     cleared at the end, so one read of ``x`` gives the bins. Large leaves are
-    binned ``_HIST_CHUNK`` elements at a time (a ``lax.scan`` over the whole
-    chunks, then the remainder; nothing is padded), so the scatter never holds
-    more than one chunk of indices.
+    binned ``_HIST_CHUNK`` elements at a time (a loop over the whole chunks, each
+    sliced inside the loop, then the remainder; nothing is padded or copied), so the
+    scatter never holds more than one chunk of indices.
     """
     xf = jnp.asarray(x).ravel()
     n = xf.shape[0]
@@ -136,8 +136,9 @@ def log_histogram(x: jax.Array, hist: jax.Array | None = None) -> jax.Array:
     if whole == n == _HIST_CHUNK or 0 < n < _HIST_CHUNK:
         hist = add(hist, xf)[0]
     else:
-        if whole:
-            hist = lax.scan(add, hist, lax.slice(xf, (0,), (whole,)).reshape(-1, _HIST_CHUNK))[0]
+        if whole:  # chunks sliced inside the loop: no copy of the whole chunks first
+            hist = lax.fori_loop(0, whole // _HIST_CHUNK, lambda i, h: add(
+                h, lax.dynamic_slice(xf, (i * _HIST_CHUNK,), (_HIST_CHUNK,)))[0], hist)
         if whole < n:
             hist = add(hist, lax.slice(xf, (whole,), (n,)))[0]
     return hist.at[_NONFINITE_BIN:].set(0)
