@@ -36,13 +36,11 @@ once):
 
 from __future__ import annotations
 
-import math
 from typing import Any, Hashable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import PartitionSpec
 
 from jvitals.metrics.qkv import _attn_module, _global_shape, _o_sizes, _qkv_pieces  # fused QKV: jvitals/metrics/qkv.py
