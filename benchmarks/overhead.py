@@ -1,88 +1,90 @@
-"""Overhead of jvitals on the reference model's jitted train step, side by side.
+"""What jvitals adds to a training step: XLA's bytes per family beside their one-read limit, and time.
 
-Four variants of one training step (same model, data and optimizer,
-``chain(clip_by_global_norm(1.0), adamw(1e-3))``), run in one process:
+On an accelerator the statistics are bandwidth-bound, so what a family costs is the
+bytes it makes the step read and write; the physical limit is **one read** of each
+tensor it measures. This benchmark compiles the reference model's training step
+(``chain(clip_by_global_norm(1.0), adamw(1e-3))``) once without vitals and once per
+family of vitals, each compiled apart (no ``lax.cond`` holds two of them), and reports:
 
-- **(a) none**: no vitals. The model sows raw tensors that nothing reads
-  (``use_probes=False``; XLA drops them), the step returns only the loss. MoE
-  configs still read ``expert_counts`` for aux-loss-free balancing
-  (``update_expert_bias``): that is training, not vitals, and all variants do it.
-- **(b) all, every step**: ``record()`` with every family every step plus
-  the activation probes --
-  ``record(clip, every={'global': 1, 'layers': 1})``, the model's probes
-  (``use_probes=True``: logits, MTP logits, attention logits, hidden states,
-  attention outputs, gate scores), ``activation_metrics`` and ``moe_metrics``
-  (MoE configs), returned from the step as one dict; the recorder's figures
-  stay in the optimizer state (one packed vector), where the host reads them
-  (``vitals.recorded(opt_state)``), as a loop with a cadence would, only at
-  the end. Beside it, **(b) + optimizer statistics**: the same step with
-  ``optimizer_metrics`` too (Adam ``nu`` max and histogram median, a
-  scatter-add of every ``nu`` element on the CPU), which earlier tables
-  counted in (b); (d) is compared with this one, the same figures.
-- **(c) default cadence** (METRICS.md §5), as the README's step runs it: a
-  static flag ``full``, true every ``HEAVY_EVERY`` = 500 steps (the per-layer
-  cadence of METRICS.md §5; activation statistics, 1000 there, ride along),
-  so the step is compiled twice. The light step records the global figures
-  (``record(clip)``, ``tx.update(..., vitals_layers=False)``) and
-  ``moe_metrics``; the heavy step also the per-layer family
-  (``vitals_layers=True``), the probes, ``activation_metrics`` and
-  ``optimizer_metrics``. Both are timed; (c) is the light step's ratio plus
-  1/500 of the heavy step's excess, and its memory that of the larger of the
-  two. Beside it, **(c, lax.cond)**: the light step with the recorder's own
-  in-graph cadence instead (no ``vitals_layers``: a ``lax.cond`` on the update
-  count, per-layer family every 50 updates), what a step without the static
-  flag pays.
-- **(d) naive**: step (a) that also returns the gradients, then on the host,
-  after every step, one separately jitted call per figure (gradient and
-  parameter norms, per-layer norms, per-leaf abs-max and RMS, Adam ``nu`` max, a
-  second forward pass for the logits, hidden states and attention logits, their
-  per-layer statistics, MoE loads), each followed by ``jax.device_get`` -- what
-  a hand-rolled logger does.
+- **bytes**: ``compiled.cost_analysis()["bytes accessed"]`` of the step with the
+  family minus the step without, beside the family's one-read limit (below). XLA
+  counts a ``while`` loop's body once; the loops left (the CPU's Adam-``nu``
+  histogram, in chunks of 2^18) are counted here with their trip counts, read from
+  the HLO (column "loops").
+- **temp**: compiled temporary memory (``memory_analysis()``), against the step's.
+- **time**: the steps run interleaved in a random order each round, each timed to
+  ``block_until_ready``; the median of the per-round ratios to the step without
+  vitals (paired: load on a shared machine hits both sides alike).
 
-Each variant is compiled once (``jit(...).lower(...).compile()``, which also
-gives XLA's ``memory_analysis()``: temporary and output bytes), run twice to
-warm up, then the variants are interleaved step by step (in a fresh random
-order each round) and each step is timed to ``block_until_ready``. Reported: median
-ms per step, and per variant the median of the per-step ratios against (a)
-(paired: the noise of a shared machine hits both sides of a pair alike).
+Families (the step without vitals still sows what the model sows; nothing reads it,
+so XLA drops it):
 
-Run: ``python benchmarks/overhead.py [--quick] [--steps N] [--configs small,moe]
-[--breakdown]``. ``--breakdown`` adds variants of (b) with one family removed
-each (the probes, the attention-logit probe alone, the recorder), to see where
-its cost goes. The step runs on JAX's default backend: the
-CPU here; on an accelerator, add the bf16 configs ``xl`` and ``xl_moe`` (8k
-tokens a step, 189M and 302M parameters; too slow for the CPU), e.g.
-``--configs small,moe,xl,xl_moe --min-seconds 6 --max-steps 200``.
+=============  ===========================================================  ==============================
+family         what the step adds                                           one-read limit
+=============  ===========================================================  ==============================
+``sow``        ``activation_metrics`` of the full tensors the model sows    the sown tensors' bytes
+               (``self.sow('intermediates', ...)``: logits, MTP logits,
+               hidden states, attention outputs, logits and gates)
+``probes``     the same figures from the model's probes (``use_probes``)    the same tensors
+``instrument`` ``activation_metrics`` of what ``jvitals.instrument()``      the tensors it summarises
+               sows around the model's ``apply``                            (recorded while tracing)
+``light``      ``record(chain(clip, adamw), schedule=...)`` with            gradients + params + updates
+               ``vitals_layers=False``: global norms, post-clip, update     (the grad norm alone could
+               norm and ratio, learning rate                                share the clip's read)
+``heavy``      the same with ``vitals_layers=True``: every per-layer,       gradients + params + updates
+               per-group and per-role figure
+``opt``        ``optimizer_metrics``: Adam ``nu`` max, median, spread       Adam ``nu``
+``moe``        ``moe_metrics`` of the sown expert counts (MoE configs)      the counts
+=============  ===========================================================  ==============================
+
+Beside them, timed only: **all** (every family every step: ``heavy`` + ``sow`` +
+``opt`` + ``moe``) and the README's **cadence** (``light`` every step, ``all`` 1 in
+500: ``light + (all - light) / 500``).
+
+Run: ``python benchmarks/overhead.py [--quick] [--configs d128,d256] [--tokens 256,1024]
+[--families sow,light,...] [--placement chain|clip] [--min-seconds S] [--no-time]``
+(``--quick``: the tiny config, four families, three rounds: a smoke test). Configs: ``d128``, ``d256``,
+``d512``, ``d1024`` (Llama-like: 4 layers, vocabulary 4096, fused QKV with grouped
+K/V), ``moe`` (MoE MLA, gated attention, one MTP depth, scan-stacked), and for an
+accelerator ``xl`` and ``xl_moe`` (bf16, vocabulary 32768, d=1024, 8 layers; their
+token count is their own, 8 x 1024): ``python benchmarks/overhead.py --configs
+xl,xl_moe --min-seconds 20``. ``--configs xl_dry`` runs that code path at a tiny
+size (bf16 MoE, MTP, scan), to check it compiles and runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import dataclasses
+import json
+import math
 import os
 import platform
 import random
+import re
 import statistics
 import sys
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax import lax  # noqa: E402
 
 import jvitals as vitals  # noqa: E402
 from jvitals import reference_model as rm  # noqa: E402
+from jvitals.metrics.instrument import ExpertChoices  # noqa: E402
+from jvitals.metrics.probes import LogitsRows  # noqa: E402
+from jvitals.metrics.stats import TokenSummary  # noqa: E402
 
-MIB = float(1 << 20)
-# METRICS.md §5: per-layer gradient norms every 500 steps (activation statistics
-# every 1000). (c) runs its heavy step (the recorder's per-layer family, probes,
-# activation and optimizer figures) that often, its light step otherwise.
-HEAVY_EVERY = 500
+MB = 1e6
+HEAVY_EVERY = 500  # METRICS.md §5: per-layer figures every 500 steps (the README's cadence)
+TARGET_BYTES, TARGET_TEMP = 1.5, 1.05
+FAMILIES = ("sow", "probes", "instrument", "light", "heavy", "opt", "moe")
 
 
 class TrainState(NamedTuple):
@@ -95,33 +97,43 @@ class TrainState(NamedTuple):
 class Size:
     name: str
     cfg: rm.ModelConfig
-    batch: int
-    seq: int
+    tokens: tuple[tuple[int, int], ...] | None = None  # fixed (B, T) pairs; None: --tokens
+
+    def describe(self) -> str:
+        c = self.cfg
+        kind = ("MoE " if c.moe else "") + c.attention
+        extra = (f" MTP{c.n_mtp}" if c.n_mtp else "") + (" scan" if c.scan_layers else "") + (
+            " bf16" if c.dtype == jnp.bfloat16 else "")
+        return f"{self.name}: {kind} L{c.n_layers} d{c.d_model} V{c.vocab}{extra}"
+
+
+def _llama(d: int, **kw: Any) -> rm.ModelConfig:
+    """Llama-like: 4 layers, V=4096, head_dim 32 (64 from d=1024), 4 K/V groups, F = 8d/3."""
+    hd = 64 if d >= 1024 else 32
+    base = dict(vocab=4096, d_model=d, n_layers=4, n_heads=d // hd, n_kv_heads=max(1, d // hd // 4),
+                head_dim=hd, d_ff=64 * round(8 * d / 3 / 64), attention="fused_qkv")
+    return rm.ModelConfig(**{**base, **kw})
+
+
+def _moe(d: int, vocab: int, layers: int, **kw: Any) -> rm.ModelConfig:
+    return rm.ModelConfig(vocab=vocab, d_model=d, n_layers=layers, n_heads=max(2, d // 64), head_dim=64,
+                          d_ff=4 * d, attention="mla", q_lora_rank=d // 2, kv_lora_rank=d // 4,
+                          attn_gate=True, moe=True, n_experts=8, top_k=2, d_expert=d, n_mtp=1,
+                          scan_layers=True, **kw)
 
 
 def sizes() -> dict[str, Size]:
-    dense = dict(n_kv_heads=2, attention="fused_qkv")
+    bf16 = dict(dtype=jnp.bfloat16)
     return {s.name: s for s in (
-        Size("small", rm.ModelConfig(vocab=512, d_model=64, n_layers=2, n_heads=4, head_dim=16, d_ff=256,
-                                     **dense), batch=8, seq=64),
-        Size("medium", rm.ModelConfig(vocab=2048, d_model=128, n_layers=4, n_heads=4, head_dim=32,
-                                      d_ff=512, **dense), batch=8, seq=128),
-        Size("moe", rm.ModelConfig(vocab=1024, d_model=64, n_layers=2, n_heads=4, head_dim=16, d_ff=256,
-                                   attention="mla", q_lora_rank=32, kv_lora_rank=32, attn_gate=True,
-                                   moe=True, n_experts=4, top_k=2, d_expert=128, n_mtp=1,
-                                   scan_layers=True), batch=8, seq=64),
-        Size("large", rm.ModelConfig(vocab=4096, d_model=256, n_layers=4, n_heads=8, head_dim=32,
-                                     d_ff=1024, **dense), batch=8, seq=128),
-        # For an accelerator (not in the default list: minutes per step on the CPU).
-        # bf16 compute, a 32k vocabulary and 8k tokens per step.
-        Size("xl", rm.ModelConfig(vocab=32768, d_model=1024, n_layers=8, n_heads=16, head_dim=64,
-                                  d_ff=4096, n_kv_heads=4, attention="fused_qkv", dtype=jnp.bfloat16),
-             batch=8, seq=1024),
-        Size("xl_moe", rm.ModelConfig(vocab=32768, d_model=1024, n_layers=8, n_heads=16, head_dim=64,
-                                      d_ff=4096, attention="mla", q_lora_rank=512, kv_lora_rank=256,
-                                      attn_gate=True, moe=True, n_experts=8, top_k=2, d_expert=1024,
-                                      n_mtp=1, scan_layers=True, dtype=jnp.bfloat16),
-             batch=8, seq=1024),
+        Size("tiny", _llama(64, vocab=512, n_layers=2), ((2, 32),)),
+        Size("d128", _llama(128)), Size("d256", _llama(256)), Size("d512", _llama(512)),
+        Size("d1024", _llama(1024)),
+        Size("moe", _moe(128, 4096, 2)),
+        # For an accelerator: minutes per step on the CPU.
+        Size("xl", _llama(1024, vocab=32768, n_layers=8, **bf16), ((8, 1024),)),
+        Size("xl_moe", _moe(1024, 32768, 8, **bf16), ((8, 1024),)),
+        # The accelerator configs' code path (bf16, MoE, MTP, scan) at a CPU size.
+        Size("xl_dry", _moe(64, 512, 2, **bf16), ((2, 32),)),
     )}
 
 
@@ -133,194 +145,240 @@ def base_tx() -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
 
 
-PLACEMENT = {"placement": "clip"}  # set by --placement
+def recorded_tx(placement: str) -> optax.GradientTransformation:
+    """The recorder as the README places it (``chain``: around the whole optimizer, with
+    the learning rate) or around the clip only (``clip``: no update figures)."""
+    if placement == "chain":
+        return vitals.record(base_tx(), schedule=1e-3)
+    return optax.chain(vitals.record(optax.clip_by_global_norm(1.0)), optax.adamw(1e-3))
 
 
-def recorded_tx(every: dict | None) -> optax.GradientTransformation:
-    """The recorder in the chosen placement: ``clip`` (wrapping the clip, first in the
-    chain: pre-/post-clip figures) or ``chain`` (wrapping the whole chain, with the
-    learning rate: + ``update/*`` every step and per layer, ``opt/learning_rate``)."""
-    if PLACEMENT["placement"] == "chain":
-        return vitals.record(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), every=every,
-                             schedule=1e-3)
-    return optax.chain(vitals.record(optax.clip_by_global_norm(1.0), every=every), optax.adamw(1e-3))
+def _keep(tree: Any, pred: Callable[[Any], bool]) -> Any:
+    """The entries of a sown tree whose values satisfy ``pred`` (empty branches dropped)."""
+    if isinstance(tree, dict):
+        out = {k: _keep(v, pred) for k, v in tree.items()}
+        return {k: v for k, v in out.items() if v not in ({}, ())}
+    return tuple(x for x in tree if pred(x))
 
 
-def make_plain_step(cfg: rm.ModelConfig, tx: optax.GradientTransformation, return_grads: bool) -> Callable:
-    """(a), and (d)'s device part: no vitals (``return_grads``: also the gradients)."""
-    cfg = dataclasses.replace(cfg, use_probes=False)
-
-    def step(state: TrainState, batch: dict):
-        def loss_of(params):
-            loss, inter = rm.loss_fn(params, batch, cfg)
-            # Only the MoE loads leave the loss (for balancing); the raw sown
-            # tensors are dead and XLA removes them.
-            return loss, (_counts(inter) if cfg.moe else {})
-
-        (loss, counts), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        if cfg.moe:
-            params = rm.update_expert_bias(params, counts, rate=1e-3)
-        new = TrainState(state.step + 1, params, opt_state)
-        return (new, loss, grads) if return_grads else (new, loss)
-
-    return step
+def _instrumented(tree: Any) -> Any:
+    """What ``instrument()`` sowed (its per-token structs), not the model's own raw sows."""
+    return _keep(tree, lambda x: isinstance(x, (TokenSummary, LogitsRows, ExpertChoices)))
 
 
-def _counts(inter: Any) -> dict:
-    """The ``expert_counts`` entries of a sown tree, keeping their module paths."""
-    flat = jax.tree_util.tree_flatten_with_path(inter)[0]
-    out = {}
-    for p, v in flat:
-        s = jax.tree_util.keystr(p, simple=True, separator="/")
-        if "expert_counts" in s:
-            out[s] = v
-    # update_expert_bias matches ".../moe/expert_counts(/i)" paths of a nested dict.
-    nested: dict = {}
-    for s, v in out.items():
-        d = nested
-        parts = s.split("/")
-        for part in parts[:-1]:
-            d = d.setdefault(part, {})
-        d[parts[-1]] = v
-    return nested
+def _loss(cfg: rm.ModelConfig, fams: frozenset[str]) -> Callable:
+    """``params, batch -> (loss, sown)``: the model's loss, inside ``instrument()`` if asked."""
+    def loss_of(params: Any, batch: dict) -> tuple[jax.Array, Any]:
+        ctx = vitals.instrument() if "instrument" in fams else contextlib.nullcontext()
+        with ctx:
+            return rm.loss_fn(params, batch, cfg)
+
+    return loss_of
 
 
-def make_vitals_step(cfg: rm.ModelConfig, tx: optax.GradientTransformation, *, probes: bool = True,
-                     attn_probe: bool = True, optimizer: bool = True, layers: bool | None = None) -> Callable:
-    """(b) and (c)'s two steps: the recorder's figures and MoE metrics, one metrics dict out.
+def _family_metrics(cfg: rm.ModelConfig, fams: frozenset[str], inter: Any, opt_state: Any,
+                    batch: dict) -> dict[str, jax.Array]:
+    """The figures of the activation, MoE and optimizer families the step returns."""
+    m: dict[str, jax.Array] = {}
+    sown = _keep(inter, lambda x: not isinstance(x, (TokenSummary, LogitsRows, ExpertChoices)))
+    if fams & {"sow", "probes"}:
+        m.update(vitals.activation_metrics(sown, mask=batch["mask"], labels=batch["labels"]))
+    if "instrument" in fams:
+        m.update({f"i/{k}": v for k, v in vitals.activation_metrics(
+            _instrumented(inter), mask=batch["mask"], labels=batch["labels"]).items()})
+    if "moe" in fams and cfg.moe:
+        m.update(vitals.moe_metrics(_counts(inter), top_k=cfg.top_k))
+    if "opt" in fams:
+        m.update(vitals.optimizer_metrics(opt_state))
+    return m
 
-    ``probes``: the model's activation probes and ``activation_metrics``;
-    ``attn_probe``: the attention-logit probe among them; ``optimizer``:
-    ``optimizer_metrics``; ``layers``: passed to the recorder as
-    ``vitals_layers`` (None: not passed, its ``every`` cadence decides). (c)
-    compiles this twice, without and with them (a static flag, as a user's step
-    would take it), and calls the second every ``HEAVY_EVERY`` steps;
-    ``--breakdown`` turns them off one at a time in (b).
-    """
-    cfg = dataclasses.replace(cfg, use_probes=probes, sow_attn_logits=cfg.sow_attn_logits and attn_probe)
+
+def make_step(cfg: rm.ModelConfig, tx: optax.GradientTransformation, fams: Iterable[str] = (),
+              layers: bool | None = None) -> Callable:
+    """A train step with the families ``fams``; ``layers`` is the recorder's ``vitals_layers``
+    (None: not passed). Without families it returns the loss only (the sown tensors are dead)."""
+    fams = frozenset(fams)
+    cfg = dataclasses.replace(cfg, use_probes="probes" in fams)
+    loss_of = _loss(cfg, fams)
 
     def step(state: TrainState, batch: dict):
-        (loss, inter), grads = jax.value_and_grad(rm.loss_fn, has_aux=True)(state.params, batch, cfg)
+        (loss, inter), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params, batch)
         extra = {} if layers is None else {"vitals_layers": layers}
         updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
         params = optax.apply_updates(state.params, updates)
-        if cfg.moe:
-            params = rm.update_expert_bias(params, inter, rate=1e-3)
-        metrics = {"loss": loss}
-        if probes:
-            metrics.update(vitals.activation_metrics(inter, mask=batch["mask"], labels=batch["labels"]))
-        if cfg.moe:
-            metrics.update(vitals.moe_metrics(inter, expert_bias=state.params, top_k=cfg.top_k))
-        if optimizer:
-            metrics.update(vitals.optimizer_metrics(opt_state))
-        # The recorder's figures stay in opt_state (one packed buffer); the host
-        # reads them with vitals.recorded(state.opt_state) at its cadence.
+        if cfg.moe:  # aux-loss-free balancing: training, not vitals; every step does it
+            params = rm.update_expert_bias(params, _counts(inter), rate=1e-3)
+        metrics = {"loss": loss, **_family_metrics(cfg, fams, inter, opt_state, batch)}
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return step
 
 
+def _counts(inter: Any) -> dict:
+    """The model's ``expert_counts`` sows, as a nested dict by module path."""
+    nested: dict = {}
+    for p, v in jax.tree_util.tree_flatten_with_path(_keep(inter, lambda x: not isinstance(x, ExpertChoices)))[0]:
+        s = jax.tree_util.keystr(p, simple=True, separator="/")
+        if "expert_counts" in s:
+            d = nested
+            parts = s.split("/")
+            for part in parts[:-1]:
+                d = d.setdefault(part, {})
+            d[parts[-1]] = v
+    return nested
+
+
+def variants(cfg: rm.ModelConfig, placement: str, families: Iterable[str] = FAMILIES + ("all",)
+             ) -> dict[str, tuple[Callable, optax.GradientTransformation]]:
+    """``{name: (step, tx)}``: the step without vitals (``none``), one per family asked
+    for (``moe`` on MoE configs only), and ``all`` (every family every step)."""
+    families = set(families)
+    plain, rec = base_tx(), recorded_tx(placement)
+    out = {"none": (make_step(cfg, plain), plain)}
+    for fam in ("sow", "probes", "instrument", "opt", "moe"):
+        if fam in families and (fam != "moe" or cfg.moe):
+            out[fam] = (make_step(cfg, plain, [fam]), plain)
+    for fam, flag in (("light", False), ("heavy", True)):
+        if fam in families:
+            out[fam] = (make_step(cfg, rec, layers=flag), rec)
+    if "all" in families:
+        out["all"] = (make_step(cfg, rec, ["sow", "opt", "moe"], layers=True), rec)
+    return out
+
+
 # ----------------------------------------------------------------------------------
-# (d): the hand-rolled logger.
+# One-read limits.
 
 
-def _leaves(tree: Any) -> list[tuple[str, jax.Array]]:
-    return [(jax.tree_util.keystr(p, simple=True, separator="/"), x)
-            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+def _nbytes(tree: Any) -> int:
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-class NaiveLogger:
-    """Every figure of (b) as its own jitted call and ``device_get``, after the step."""
+def limits(cfg: rm.ModelConfig, params: Any, batch: dict, placement: str = "chain") -> dict[str, int]:
+    """The bytes each family must read at least once (see the module docstring): around
+    the clip only, the recorder has no updates to read."""
+    raw = dataclasses.replace(cfg, use_probes=False)
+    _, sown = jax.eval_shape(lambda p: rm.loss_fn(p, batch, raw), params)
+    counts = _counts(sown)
+    act = _nbytes(sown) - _nbytes(counts)
+    p = _nbytes(params)
+    rec = (3 if placement == "chain" else 2) * p
+    return {"sow": act, "probes": act, "instrument": _instrument_reads(raw, params, batch), "light": rec,
+            "heavy": rec, "opt": p, "moe": _nbytes(counts)}
 
-    def __init__(self, cfg: rm.ModelConfig):
-        self.cfg = dataclasses.replace(cfg, use_probes=False)
-        cfg_raw = self.cfg
-        self.norm = jax.jit(optax.tree.norm)
-        self.nonfinite = jax.jit(lambda t: sum(jnp.sum(~jnp.isfinite(x)) for x in jax.tree.leaves(t)))
-        self.abs_max = jax.jit(lambda x: jnp.max(jnp.abs(x)))
-        self.rms = jax.jit(lambda x: jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32)))))
-        self.stacked_norm = jax.jit(lambda t, i: optax.tree.norm(jax.tree.map(lambda x: x[i], t)))
-        self.stacked_abs_max = jax.jit(lambda x, i: jnp.max(jnp.abs(x[i])))
-        self.stacked_rms = jax.jit(lambda x, i: jnp.sqrt(jnp.mean(jnp.square(x[i]))))
-        self.nu_max = jax.jit(lambda nu: jnp.max(jnp.stack([jnp.max(x) for x in jax.tree.leaves(nu)])))
 
-        def forward(params, batch):
-            (logits, mtp), st = rm.Decoder(cfg_raw).apply(
-                {"params": params}, batch["tokens"], mask=batch["mask"], return_mtp=True,
-                mutable=["intermediates"])
-            return logits, mtp, st["intermediates"]
+def _instrument_reads(cfg: rm.ModelConfig, params: Any, batch: dict) -> int:
+    """Bytes of the tensors ``instrument()`` summarises, recorded while tracing its apply."""
+    seen: list[Any] = []
+    mod = importlib.import_module("jvitals.metrics.instrument")  # the module, not the function
+    names = ("summarize_tokens", "logits_rows")
+    saved = {n: getattr(mod, n) for n in names}
 
-        self.forward = jax.jit(forward)
-        self.masked_rms = jax.jit(lambda x, m: jnp.sqrt(
-            jnp.sum(jnp.where(m[..., None], jnp.square(x), 0.0)) / (jnp.sum(m) * x.shape[-1])))
-        self.masked_abs_max = jax.jit(lambda x, m: jnp.max(jnp.where(m[..., None], jnp.abs(x), 0.0)))
-        self.lse_mean = jax.jit(lambda x, m: jnp.sum(jnp.where(m, jax.nn.logsumexp(x, -1), 0.0)) / jnp.sum(m))
-        self.top2_diff = jax.jit(self._top2)
-        self.accuracy = jax.jit(lambda x, y, m: jnp.sum((jnp.argmax(x, -1) == y) & m) / jnp.sum(m))
+    def hook(fn: Callable) -> Callable:
+        def wrapped(x: Any, *a: Any, **k: Any) -> Any:
+            seen.append(x)
+            return fn(x, *a, **k)
+        return wrapped
 
-    @staticmethod
-    def _top2(x: jax.Array, m: jax.Array) -> jax.Array:
-        top1 = jnp.max(x, -1, keepdims=True)
-        top2 = jnp.max(jnp.where(x < top1, x, -jnp.inf), -1)
-        return jnp.sum(jnp.where(m, top1[..., 0] - top2, 0.0)) / jnp.sum(m)
+    try:
+        for n, fn in saved.items():
+            setattr(mod, n, hook(fn))
+        jax.eval_shape(lambda p: _loss(cfg, frozenset({"instrument"}))(p, batch), params)
+    finally:
+        for n, fn in saved.items():
+            setattr(mod, n, fn)
+    return _nbytes(seen)
 
-    def log(self, params: Any, grads: Any, opt_state: Any, batch: dict) -> dict[str, float]:
-        get = lambda x: float(jax.device_get(x))  # noqa: E731
-        out: dict[str, float] = {}
-        out["grad/global_norm"] = get(self.norm(grads))
-        out["grad/nonfinite_count"] = get(self.nonfinite(grads))
-        out["param/global_norm"] = get(self.norm(params))
-        # Per layer: listed layers (layers_i) or one stacked subtree (layers).
-        if self.cfg.scan_layers:
-            for i in range(self.cfg.n_layers):
-                out[f"grad/norm/layer_{i}"] = get(self.stacked_norm(grads["layers"], i))
-                out[f"param/norm/layer_{i}"] = get(self.stacked_norm(params["layers"], i))
-        else:
-            for i in range(self.cfg.n_layers):
-                out[f"grad/norm/layer_{i}"] = get(self.norm(grads[f"layers_{i}"]))
-                out[f"param/norm/layer_{i}"] = get(self.norm(params[f"layers_{i}"]))
-        # Per leaf (role x layer): abs max and RMS.
-        for path, g in _leaves(grads):
-            if self.cfg.scan_layers and path.startswith("layers/"):
-                for i in range(self.cfg.n_layers):
-                    out[f"grad/{path}_abs.max/layer_{i}"] = get(self.stacked_abs_max(g, i))
-                    out[f"grad/{path}_rms/layer_{i}"] = get(self.stacked_rms(g, i))
+
+# ----------------------------------------------------------------------------------
+# XLA's accounting.
+
+
+_WHILE = re.compile(r"%(\S+) = .* while\(.*body=%?([\w.\-]+).*\"known_trip_count\":\{\"n\":\"(\d+)\"")
+_SHAPE = re.compile(r"\b(f64|f32|bf16|f16|s64|s32|u32|s16|u16|s8|u8|pred)\[([\d,]*)\]")
+_SIZE = {"f64": 8, "s64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+         "s8": 1, "u8": 1, "pred": 1}
+
+
+def _shape_bytes(text: str) -> int:
+    return sum(_SIZE[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _SHAPE.findall(text))
+
+
+def _computation(hlo: str, name: str) -> list[str]:
+    start = re.search(rf"^(?:ENTRY )?%?{re.escape(name)} \(", hlo, re.M)
+    if start is None:
+        return []
+    body = hlo[start.end():hlo.index("\n}", start.end())]
+    return [ln.strip() for ln in body.splitlines()[1:] if " = " in ln]
+
+
+def _parse(line: str) -> tuple[str, str, str, list[str]]:
+    """``(name, result shape, opcode, operand names)`` of one HLO instruction line."""
+    lhs, rhs = line.split(" = ", 1)
+    shape, _, rest = rhs.partition(" ")
+    if shape.startswith("("):  # a tuple shape holds spaces
+        depth, i = 0, 0
+        for i, ch in enumerate(rhs):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                break
+        shape, rest = rhs[:i + 1], rhs[i + 2:]
+    op, _, args = rest.partition("(")
+    return lhs.replace("ROOT ", "").strip().lstrip("%"), shape, op, re.findall(r"%([\w.\-]+)", args.split("), ", 1)[0])
+
+
+def _fusion_io(hlo: str, fused: str) -> tuple[dict[int, int], int | None]:
+    """What a fusion reads of the parameters it only slices (the slices; a buffer it
+    updates in place: nothing), and its result's bytes when its root is an in-place
+    ``dynamic-update-slice`` (the update's), as XLA's cost analysis counts them."""
+    params: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    sliced: dict[int, int] = {}
+    whole: set[int] = set()
+    root_bytes = None
+    for ln in _computation(hlo, fused):
+        name, shape, op, args = _parse(ln)
+        sizes[name] = _shape_bytes(shape)
+        if op == "parameter":
+            params[name] = int(re.search(r"parameter\((\d+)\)", ln).group(1))
+            continue
+        if op == "dynamic-update-slice" and ln.startswith("ROOT"):
+            root_bytes = sizes.get(args[1], 0)
+        for j, a in enumerate(args):
+            if a not in params:
+                continue
+            if op in ("slice", "dynamic-slice") and j == 0:
+                sliced[params[a]] = sliced.get(params[a], 0) + _shape_bytes(shape)
+            elif op == "dynamic-update-slice" and j == 0:
+                sliced.setdefault(params[a], 0)
             else:
-                out[f"grad/{path}_abs.max"] = get(self.abs_max(g))
-                out[f"grad/{path}_rms"] = get(self.rms(g))
-        nus = [s.nu for s in jax.tree.leaves(opt_state, is_leaf=lambda s: hasattr(s, "nu")) if hasattr(s, "nu")]
-        out["opt/adam_nu_abs.max"] = get(self.nu_max(nus))
-        # A second forward for the activations.
-        mask, labels = batch["mask"], batch["labels"]
-        logits, mtp, inter = self.forward(params, batch)
-        out["act/output_layer_logits_rms.avg"] = get(self.masked_rms(logits, mask))
-        out["act/output_layer_logits_abs.max"] = get(self.masked_abs_max(logits, mask))
-        out["act/output_layer_logsumexp.mean"] = get(self.lse_mean(logits, mask))
-        out["act/output_layer_logits_top2_diff.avg"] = get(self.top2_diff(logits, mask))
-        out["act/lm_head_top1_accuracy"] = get(self.accuracy(logits, labels, mask))
-        for k, lk in enumerate(mtp, start=1):
-            out[f"act/mtp_{k}_rms"] = get(self.masked_rms(lk, mask))
-        for path, x in _leaves(inter):
-            name = path.split("/")[-2] if path.split("/")[-1].isdigit() else path.split("/")[-1]
-            if name in ("logits", "mtp_logits"):
-                continue
-            if name == "expert_counts":
-                c = np.asarray(jax.device_get(x), np.float64).reshape(-1, x.shape[-1])
-                for i, row in enumerate(c):
-                    out[f"moe/maxvio/{path}/{i}"] = float(row.max() / max(row.mean(), 1e-9) - 1)
-                continue
-            layers = range(x.shape[0]) if self.cfg.scan_layers else [None]
-            for i in layers:
-                xi = x if i is None else x[i]  # (a slice: one more dispatch, as a logger would do)
-                if name == "attn_logits":
-                    out[f"act/{path}_abs.max/{i}"] = get(self.abs_max(xi))
-                else:
-                    out[f"act/{path}_rms/{i}"] = get(self.masked_rms(xi, mask))
-                    if name == "hidden_states":
-                        out[f"act/{path}_abs.max/{i}"] = get(self.masked_abs_max(xi, mask))
-        return out
+                whole.add(params[a])
+    return {i: b for i, b in sliced.items() if i not in whole}, root_bytes
+
+
+def _body_bytes(hlo: str, name: str) -> int:
+    """Approximately what XLA's cost analysis counts for one run of a computation:
+    results and operands of its top-level instructions (an operand a fusion only
+    slices: the slices; a buffer updated in place: the update)."""
+    sizes: dict[str, int] = {}
+    total = 0
+    for ln in _computation(hlo, name):
+        var, shape, op, args = _parse(ln)
+        sizes[var] = _shape_bytes(shape)
+        if op in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast"):
+            continue
+        fused = re.search(r"calls=%?([\w.\-]+)", ln)
+        reads, out = _fusion_io(hlo, fused.group(1)) if op == "fusion" and fused else ({}, None)
+        total += (sizes[var] if out is None else out) + sum(
+            reads.get(j, sizes.get(a, 0)) for j, a in enumerate(dict.fromkeys(args)))
+    return total
+
+
+def loop_bytes(hlo: str) -> int:
+    """The bytes of the loop iterations XLA's cost analysis leaves out (it counts a
+    ``while`` body once): ``(trip count - 1) x body`` for every loop with a known count."""
+    return sum((int(n) - 1) * _body_bytes(hlo, body) for _, body, n in _WHILE.findall(hlo))
 
 
 # ----------------------------------------------------------------------------------
@@ -329,179 +387,184 @@ class NaiveLogger:
 
 @dataclasses.dataclass
 class Variant:
-    key: str
-    label: str
+    name: str
     run: Callable[[], None]
+    bytes: float
+    loops: float
     temp: int
-    out: int
-    extra_temp: int = 0  # (d): the temp of its logger's separate forward pass
-    compile_s: float = 0.0
     times: list = dataclasses.field(default_factory=list)
 
 
-def _mem(compiled: Any) -> tuple[int, int]:
-    m = compiled.memory_analysis()
-    return int(m.temp_size_in_bytes), int(m.output_size_in_bytes)
-
-
-def build(size: Size, breakdown: bool) -> tuple[list[Variant], float]:
-    """Compile every variant of ``size``; returns them and the compile seconds."""
+def build(size: Size, batch_shape: tuple[int, int], placement: str,
+          families: Iterable[str]) -> tuple[list[Variant], dict[str, int]]:
+    """Compile every variant of one config at one token count; their limits."""
     cfg = size.cfg
-    t0 = time.perf_counter()
     dev = jax.devices()[0]
     params = jax.device_put(rm.init_params(cfg, jax.random.key(0)), dev)
-    batches = [jax.device_put(rm.make_batch(i, cfg, size.batch, size.seq, pad_fraction=0.1), dev)
-               for i in range(4)]
-    variants: list[Variant] = []
-
-    def add(key: str, label: str, step_fn: Callable, tx: optax.GradientTransformation,
-            post: Callable | None = None) -> None:
+    batches = [jax.device_put(rm.make_batch(i, cfg, *batch_shape, pad_fraction=0.1), dev) for i in range(2)]
+    out = []
+    for name, (step, tx) in variants(cfg, placement, families).items():
         state = jax.device_put(TrainState(jnp.zeros([], jnp.int32), params, tx.init(params)), dev)
-        tc = time.perf_counter()
-        compiled = jax.jit(step_fn).lower(state, batches[0]).compile()
-        tc = time.perf_counter() - tc
-        temp, out = _mem(compiled)
-        box = {"state": state, "i": 0, "last": None}
+        compiled = jax.jit(step).lower(state, batches[0]).compile()
+        ca = compiled.cost_analysis()
+        ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+        box = {"state": state, "i": 0}
 
-        def run() -> None:
-            batch = batches[box["i"] % len(batches)]
+        def run(c: Any = compiled, box: dict = box) -> None:
+            box["state"], m = c(box["state"], batches[box["i"] % len(batches)])
             box["i"] += 1
-            res = compiled(box["state"], batch)
-            if post is None:
-                box["state"], box["last"] = res[0], res[1]
-                jax.block_until_ready(box["state"])
-            else:
-                old = box["state"]
-                box["state"] = res[0]
-                box["last"] = post(old.params, res[2], res[0].opt_state, batch)
-                jax.block_until_ready(box["state"])
+            jax.block_until_ready((box["state"], m))
 
-        variants.append(Variant(key, label, run, temp, out, compile_s=tc))
+        out.append(Variant(name, run, float(ca["bytes accessed"]), float(loop_bytes(compiled.as_text())),
+                           int(compiled.memory_analysis().temp_size_in_bytes)))
+    return out, limits(cfg, params, batches[0], placement)
 
-    tx_a, tx_b, tx_c = base_tx(), recorded_tx({"global": 1, "layers": 1}), recorded_tx(None)
-    add("a", "(a) none", make_plain_step(cfg, tx_a, False), tx_a)
-    add("b", "(b) all every step", make_vitals_step(cfg, tx_b, optimizer=False), tx_b)
-    add("b+", "(b) + optimizer stats", make_vitals_step(cfg, tx_b), tx_b)
-    add("c", "(c) default cadence, light",
-        make_vitals_step(cfg, tx_c, probes=False, optimizer=False, layers=False), tx_c)
-    add("c+", f"(c) default, 1 in {HEAVY_EVERY}", make_vitals_step(cfg, tx_c, layers=True), tx_c)
-    add("c~", "(c) light, lax.cond cadence", make_vitals_step(cfg, tx_c, probes=False, optimizer=False), tx_c)
-    logger = NaiveLogger(cfg)
-    add("d", "(d) naive logger", make_plain_step(cfg, tx_a, True), tx_a, post=logger.log)
-    fwd_temp, _ = _mem(logger.forward.lower(params, batches[0]).compile())
-    variants[-1].extra_temp = fwd_temp
-    if breakdown:
-        add("b-attn_probe", "(b) without attn_probe",
-            make_vitals_step(cfg, tx_b, attn_probe=False, optimizer=False), tx_b)
-        add("b-probes", "(b) without probes", make_vitals_step(cfg, tx_b, probes=False, optimizer=False), tx_b)
-        add("b-record", "(b) without record", make_vitals_step(cfg, tx_a, optimizer=False), tx_a)
-    for v in variants:  # warm-up: first calls (and (d)'s logger compiles)
+
+def measure(vs: list[Variant], rounds: int, min_seconds: float, max_rounds: int) -> int:
+    """Rounds of one step per variant, in a fresh random order each round (after two
+    warm-up steps each)."""
+    for v in vs:
         v.run()
         v.run()
-    return variants, time.perf_counter() - t0
-
-
-def measure(variants: list[Variant], steps: int, min_seconds: float, max_steps: int) -> int:
-    """Rounds of one step per variant, in a fresh random order each round.
-
-    Not a rotation: rotating keeps the cyclic order, so the same variant always
-    runs right after (d)'s host-side logging (which leaves the CPU's caches in
-    another state), biasing its ratio by several percent.
-    """
     rng = random.Random(0)
-    t_start = time.perf_counter()
+    t0 = time.perf_counter()
     n = 0
-    while n < steps or (time.perf_counter() - t_start < min_seconds and n < max_steps):
-        order = list(variants)
-        rng.shuffle(order)
-        for v in order:
-            t0 = time.perf_counter()
+    while n < rounds or (time.perf_counter() - t0 < min_seconds and n < max_rounds):
+        for v in rng.sample(vs, len(vs)):
+            t = time.perf_counter()
             v.run()
-            v.times.append(time.perf_counter() - t0)
+            v.times.append(time.perf_counter() - t)
         n += 1
     return n
 
 
-def paired_ratio(v: Variant, base: Variant) -> float:
-    return statistics.median(x / y for x, y in zip(v.times, base.times))
+def paired(v: Variant, base: Variant) -> float:
+    return statistics.median(a / b for a, b in zip(v.times, base.times)) if v.times else float("nan")
 
 
 def load() -> str:
     try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
     except OSError:
         return "n/a"
 
 
+# ----------------------------------------------------------------------------------
+# Reporting.
+
+
+@dataclasses.dataclass
+class Row:
+    config: str
+    tokens: int
+    family: str
+    extra_mb: float
+    limit_mb: float | None
+    temp: float
+    time: float
+
+    @property
+    def x_limit(self) -> float:
+        return self.extra_mb / self.limit_mb if self.limit_mb else float("nan")
+
+
+def rows_of(desc: str, tokens: int, vs: list[Variant], lim: dict[str, int]) -> list[Row]:
+    by = {v.name: v for v in vs}
+    a = by["none"]
+    base = a.bytes + a.loops
+    out = []
+    for v in vs:
+        if v.name == "none":
+            continue
+        limit = lim.get(v.name)
+        out.append(Row(desc, tokens, v.name, (v.bytes + v.loops - base) / MB,
+                       None if limit is None else limit / MB, v.temp / max(a.temp, 1), paired(v, a)))
+    if "light" in by and "all" in by:
+        light, full = by["light"], by["all"]
+        cadence = paired(light, a) + (paired(full, a) - paired(light, a)) / HEAVY_EVERY
+        out.append(Row(desc, tokens, "cadence", float("nan"), None, max(light.temp, full.temp) / max(a.temp, 1),
+                       cadence))
+    return out
+
+
+def print_config(desc: str, tokens: int, vs: list[Variant], rows: list[Row], n: int) -> None:
+    a = next(v for v in vs if v.name == "none")
+    ms = statistics.median(a.times) * 1e3 if a.times else float("nan")
+    print(f"\n### {desc}, {tokens} tokens a step: step without vitals {a.bytes / MB:,.1f} MB accessed, "
+          f"temp {a.temp / MB:.2f} MB, {ms:.1f} ms ({n} timed rounds, load {load()})\n")
+    print("| family | extra MB | of which loops | one-read limit MB | x limit | temp x | time x |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    loops = {v.name: (v.loops - a.loops) / MB for v in vs}
+    for r in rows:
+        lim = "" if r.limit_mb is None else f"{r.limit_mb:,.2f}"
+        xl = "" if r.limit_mb is None else f"{r.x_limit:.2f}"
+        extra = "" if math.isnan(r.extra_mb) else f"{r.extra_mb:,.2f}"
+        lp = f"{loops[r.family]:,.2f}" if r.family in loops else ""
+        print(f"| {r.family} | {extra} | {lp} | {lim} | {xl} | {r.temp:.3f} | {r.time:.3f} |", flush=True)
+
+
+def print_summary(rows: list[Row]) -> None:
+    print("\n## Summary: bytes within 1.5x of the one-read limit, temp <= 1.05x, time (every family every "
+          "step: `all`; the README's cadence)\n")
+    print("| config | tokens | worst bytes x limit (family) | families over 1.5x | all: time x | "
+          "cadence: time x | worst temp x |")
+    print("|---|---:|---:|---|---:|---:|---:|")
+    keys = list(dict.fromkeys((r.config, r.tokens) for r in rows))
+    for c, t in keys:
+        rs = [r for r in rows if (r.config, r.tokens) == (c, t)]
+        fam = [r for r in rs if r.limit_mb and r.limit_mb > 0.05]
+        worst = max(fam, key=lambda r: r.x_limit)
+        over = ", ".join(f"{r.family} {r.x_limit:.2f}" for r in fam if r.x_limit > TARGET_BYTES) or "none"
+        by = {r.family: r for r in rs}
+        nan = Row(c, t, "", float("nan"), None, float("nan"), float("nan"))
+        print(f"| {c} | {t} | {worst.x_limit:.2f} ({worst.family}) | {over} | {by.get('all', nan).time:.3f} | "
+              f"{by.get('cadence', nan).time:.3f} | {max(r.temp for r in rs):.3f} |")
+
+
+# ----------------------------------------------------------------------------------
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20, help="measured steps per variant (at least)")
-    ap.add_argument("--min-seconds", type=float, default=60.0,
-                    help="keep measuring a config (beyond --steps) for this long")
-    ap.add_argument("--max-steps", type=int, default=150)
-    ap.add_argument("--configs", default="small,medium,moe,large",
-                    help="comma-separated; also xl and xl_moe (bf16, 8k tokens: for an accelerator)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: the small config, 10 steps")
-    ap.add_argument("--breakdown", action="store_true", help="also (b) with one family left out at a time")
-    ap.add_argument("--placement", choices=("clip", "chain"), default="clip",
-                    help="the recorder wraps the clip (chain(record(clip), adamw)) or the whole chain "
-                         "(record(chain(clip, adamw), schedule=...): + update and LR figures)")
+    ap.add_argument("--configs", default="d128,d256,d512,d1024,moe",
+                    help="comma-separated; also xl, xl_moe (accelerators) and xl_dry")
+    ap.add_argument("--tokens", default="256,1024", help="tokens a step: 256 = 4 x 64, 1024 = 8 x 128, ...")
+    ap.add_argument("--placement", choices=("chain", "clip"), default="chain")
+    ap.add_argument("--families", default=",".join(FAMILIES + ("all",)),
+                    help="which families to compile (the step without vitals always)")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per config (at least)")
+    ap.add_argument("--min-seconds", type=float, default=30.0, help="keep timing a config this long")
+    ap.add_argument("--max-rounds", type=int, default=200)
+    ap.add_argument("--no-time", action="store_true", help="bytes and memory only")
+    ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--quick", action="store_true", help="smoke run: the tiny config, 3 rounds")
     args = ap.parse_args(argv)
-    PLACEMENT["placement"] = args.placement
     if args.quick:
-        args.configs, args.steps, args.min_seconds = "small", 10, 0.0
+        args.configs, args.rounds, args.min_seconds = "tiny", 3, 0.0
+        args.families = "sow,instrument,light,opt"
     table = sizes()
     names = args.configs.split(",")
     unknown = [n for n in names if n not in table]
     if unknown:
         ap.error(f"unknown config(s) {unknown}; choose from {sorted(table)}")
-
-    print(f"# jvitals overhead: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU(s), "
-          f"jax {jax.__version__} on {jax.devices()[0].platform}, python {platform.python_version()}")
-    print(f"# load average at start: {load()}; recorder placement: {args.placement}", flush=True)
-    rows, details, d_vs_b = [], [], []
+    shapes = {256: (4, 64), 1024: (8, 128), 4096: (16, 256), 8192: (8, 1024)}
+    tokens = [shapes.get(int(t), (max(1, int(t) // 128), 128)) for t in args.tokens.split(",")]
+    print(f"# jvitals overhead: {platform.machine()}, {os.cpu_count()} CPU(s), jax {jax.__version__} on "
+          f"{jax.devices()[0].platform} ({jax.devices()[0].device_kind}); recorder around the "
+          f"{'whole optimizer' if args.placement == 'chain' else 'clip'}; load {load()}", flush=True)
+    rows: list[Row] = []
     for name in names:
         size = table[name]
-        cfg = size.cfg
-        variants, t_compile = build(size, args.breakdown)
-        n = measure(variants, args.steps, args.min_seconds, args.max_steps)
-        by = {v.key: v for v in variants}
-        a = by["a"]
-        med = {k: statistics.median(v.times) * 1e3 for k, v in by.items()}
-        ratio = {k: paired_ratio(v, a) for k, v in by.items()}
-        desc = (f"{name}: {'MoE ' if cfg.moe else ''}{cfg.attention}, L{cfg.n_layers} d{cfg.d_model} "
-                f"V{cfg.vocab} B{size.batch} T{size.seq}" + (f" MTP{cfg.n_mtp}" if cfg.n_mtp else "")
-                + (" scan" if cfg.scan_layers else ""))
-        # (c) over a cycle of HEAVY_EVERY steps: the light step but once; its peak
-        # memory is that of the larger of its two compiled steps.
-        c = ratio["c"] + (ratio["c+"] - ratio["c"]) / HEAVY_EVERY
-        rows.append((desc, med["a"], ratio["b"], ratio["b+"], c, ratio["c+"], ratio["c~"], ratio["d"],
-                     by["b"].temp / a.temp, by["b+"].temp / a.temp, max(by["c"].temp, by["c+"].temp) / a.temp))
-        d_vs_b.append((name, med["d"] / med["b+"], ratio["d"] / ratio["b+"]))
-        details.append((desc, n, t_compile, load(), by, med, ratio))
-        print(f"# {desc}: {n} measured steps/variant, compile+warm-up {t_compile:.0f} s, load {load()}",
-              flush=True)
-        for v in variants:
-            print(f"#   {v.label:<26} median {med[v.key]:9.2f} ms  paired ratio {ratio[v.key]:6.3f}  "
-                  f"(ratio of medians {med[v.key] / med['a']:6.3f})  temp {v.temp / MIB:8.2f} MiB  "
-                  f"out {v.out / MIB:7.2f} MiB  compile {v.compile_s:5.1f} s" + (f"  + separate forward temp {v.extra_temp / MIB:.2f} MiB"
-                                                   if v.extra_temp else ""), flush=True)
-
-    print()
-    print(f"| config | step (a) ms | (b)/(a) | (b) + optimizer stats | (c)/(a) | (c) heavy step, 1 in "
-          f"{HEAVY_EVERY} | (c) light, lax.cond cadence | (d)/(a) | temp mem (b)/(a) | temp mem (b) + opt "
-          "| temp mem (c)/(a) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for desc, ms, rb, rbo, rc, rch, rcc, rd, mb, mbo, mc in rows:
-        print(f"| {desc} | {ms:.1f} | {rb:.3f} | {rbo:.3f} | {rc:.3f} | {rch:.3f} | {rcc:.3f} | {rd:.2f} "
-              f"| {mb:.3f} | {mbo:.3f} | {mc:.3f} |")
-    print()
-    print("Ratios: median over steps of (variant step time / (a) step time of the same round). "
-          "(c): its light step, and its heavy step once every "
-          f"{HEAVY_EVERY} (METRICS.md §5). Targets: (b) <= 1.05, (c) <= 1.02, memory <= 1.05.")
-    print("(d) vs (b) + optimizer stats, the same figures every step: " + "; ".join(
-        f"{name} {r:.1f}x slower" for name, r, _ in d_vs_b) + ".")
-    print(f"Load average at the end: {load()}.")
+        for bt in size.tokens or tokens:
+            vs, lim = build(size, bt, args.placement, args.families.split(","))
+            n = 0 if args.no_time else measure(vs, args.rounds, args.min_seconds, args.max_rounds)
+            rs = rows_of(size.describe(), bt[0] * bt[1], vs, lim)
+            print_config(size.describe(), bt[0] * bt[1], vs, rs, n)
+            rows += rs
+    print_summary(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
     return 0
 
 

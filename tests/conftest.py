@@ -70,19 +70,6 @@ def count_compiles():
     return ctx
 
 
-@pytest.fixture(scope="module", params=["cond", "select"])
-def nonfinite_path(request):
-    """Run a module twice: non-finite counts under a ``lax.cond`` (what the CPU
-    compiles) and as an unconditional select (what GPUs and TPUs compile; see
-    ``jvitals.metrics.stats._healthy_or``), so both are checked here."""
-    from jvitals.metrics import stats
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(stats, "_healthy_or", stats._cond_healthy_or if request.param == "cond"
-                   else stats._select_healthy_or)
-        yield request.param
-
-
 def assert_second_calls_compile_nothing(calls, count_compiles):
     """Calls each of ``calls`` twice (eagerly); asserts the second round compiles
     nothing and gives the same arrays. Returns the first round's results."""

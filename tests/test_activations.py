@@ -537,3 +537,35 @@ def test_eager_metrics_compile_once(count_compiles):
     first = assert_second_calls_compile_nothing(calls, count_compiles)
     h = np.asarray(inter["layers_0"]["hidden_states"][0], np.float64)[np.asarray(mask)]
     np.testing.assert_allclose(first[0]["act/hidden_states_rms/layer_0"], np.sqrt(np.mean(h ** 2)), rtol=1e-6)
+
+
+def test_check_inputs_decides_the_accuracies_and_checks_shapes():
+    from jvitals.metrics.activations import _check_inputs
+
+    m, lab = jnp.ones((2, 3), bool), jnp.zeros((2, 3), jnp.int32)
+    assert _check_inputs(None, None, None)[2] is False
+    assert _check_inputs(m, lab, None)[2] is True       # labels given: accuracies by default
+    assert _check_inputs(m, lab, False)[2] is False
+    with pytest.raises(ValueError, match="accuracy=True needs labels"):
+        _check_inputs(m, None, True)
+    with pytest.raises(ValueError, match=r"labels have shape \(2, 4\) but the mask has shape \(2, 3\)"):
+        _check_inputs(m, jnp.zeros((2, 4), jnp.int32), None)
+
+
+def test_bos_positions_from_a_bos_id_or_position_zero():
+    from jvitals.metrics.activations import _bos_positions
+
+    tokens = jnp.array([[1, 5, 1, 7], [4, 1, 6, 0]])
+    mask = tokens != 0
+    tok, valid, bos = _bos_positions(tokens, mask, 1)
+    assert tok.shape == (2, 4)
+    np.testing.assert_array_equal(bos, tokens == 1)
+    np.testing.assert_array_equal(valid, mask)
+    _, valid, bos = _bos_positions(None, mask, None)   # no tokens: position 0
+    np.testing.assert_array_equal(bos, [[True, False, False, False]] * 2)
+    _, _, bos = _bos_positions(tokens, None, None)     # no bos id: position 0
+    np.testing.assert_array_equal(bos, [[True, False, False, False]] * 2)
+    with pytest.raises(ValueError, match="pass tokens"):
+        _bos_positions(None, None, 1)
+    with pytest.raises(ValueError, match="both must be"):
+        _bos_positions(tokens, mask[:, :3], 1)

@@ -18,10 +18,6 @@ from conftest import assert_second_calls_compile_nothing
 from jvitals.metrics.gradients import global_norm, global_norm_metrics, gradient_metrics, update_metrics
 from jvitals.metrics.roles import QKVSplit, Roles
 
-# Each test runs with both non-finite paths (conftest.nonfinite_path): the gradient
-# summaries are summarize_many's, grouped by mesh axes inside shard_map.
-pytestmark = pytest.mark.usefixtures("nonfinite_path")
-
 D, F, V, E = 8, 16, 24, 4
 
 
@@ -519,3 +515,51 @@ def test_eager_calls_compile_once(count_compiles):
     first = assert_second_calls_compile_nothing(calls, count_compiles)
     assert_matches(first[0], reference(gm, param_metas=pm))
     np.testing.assert_allclose(first[1], optax.tree.norm(grads), rtol=1e-6)
+
+
+def test_add_leaf_counts_a_leaf_in_its_layer_group_and_role_keys():
+    """Where one leaf's summary goes: 'all' always; its layer (or stack) and group when
+    the tree is layered; its role (and role x layer) for the role tree only."""
+    from jvitals.metrics import gradients as g
+    from jvitals.metrics.roles import LeafRole
+    from jvitals.metrics.stats import summarize
+
+    s = summarize(jnp.arange(6.0))
+    stacked = summarize(jnp.arange(12.0).reshape(3, 4), axis=0)
+    cases = [
+        (None, False, False, {"all"}),
+        (LeafRole("layers_1/q/kernel", (2, 3), "q", "Wq", 1), True, True,
+         {"all", ("layer", 1), ("role", "Wq"), ("role_layer", "Wq", 1)}),
+        (LeafRole("layers_1/q/kernel", (2, 3), "q", "Wq", 1), True, False, {"all", ("layer", 1)}),
+        (LeafRole("layers_1/q/kernel", (2, 3), "q", "Wq", 1), False, True, {"all", ("role", "Wq")}),
+        (LeafRole("embed/embedding", (2, 3), "embedding", "word_embeddings", None), True, True,
+         {"all", ("group", "embedding"), ("role", "word_embeddings")}),
+        (LeafRole("layers/q/kernel", (3, 4), "q", "Wq", None, "layers", 0, 0, 3), True, True,
+         {"all", ("stack", "layers"), ("role", "Wq"), ("role_stack", "Wq", "layers")}),
+    ]
+    for lr, layered, by_role, want in cases:
+        acc = g.Accumulator()
+        g._add_leaf(acc, (), lr, [(None if lr is None else lr.name, stacked if lr and lr.stack else s)],
+                    layered=layered, by_role=by_role)
+        assert set(acc.result()) == want, (lr, layered, by_role)
+
+
+def test_tree_stats_reads_trees_of_one_structure_together_and_others_apart():
+    """Grads, params and updates of one structure: one pass, the same figures as each
+    tree alone; a tree of another structure is measured on its own."""
+    from jvitals.metrics.gradients import tree_stats
+
+    rng = np.random.default_rng(3)
+    mk = lambda: {"a": jnp.asarray(rng.normal(size=(4, 8)), jnp.float32),  # noqa: E731
+                  "b": jnp.asarray(rng.normal(size=(8,)), jnp.float32)}
+    g, p, u = mk(), mk(), mk()
+    other = {"c": jnp.asarray(rng.normal(size=(3,)), jnp.float32)}
+    joint = tree_stats({"g": g, "p": p, "u": u, "o": other})
+    for name, t in (("g", g), ("p", p), ("u", u), ("o", other)):
+        alone = tree_stats({name: t})[name]
+        np.testing.assert_allclose(float(joint[name].all.norm), float(alone.all.norm), rtol=1e-6)
+        want = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(t)))
+        np.testing.assert_allclose(float(joint[name].all.norm), want, rtol=1e-6)
+    hlo = jax.jit(lambda a, b, c: {k: v.all.sumsq for k, v in tree_stats({"g": a, "p": b, "u": c}).items()}).lower(
+        g, p, u).compile().as_text()
+    assert hlo.count(" reduce(") <= 2 * 2  # one reduction per leaf position (each in at most 2 levels)

@@ -174,3 +174,20 @@ def test_reference_model_sown_intermediates(scan):
                            if jax.tree_util.keystr(p, simple=True, separator="/").endswith("expert_bias")])
     check(got, np_moe(c, cfg.top_k, bias))
     assert np.isclose(got["moe/window_tokens"], np.asarray(batch["mask"]).sum())
+
+
+def test_layer_loads_leave_out_layers_that_routed_nothing():
+    from jvitals.metrics.moe import _check_top_k, _layer_loads
+
+    c = jnp.asarray([[4.0, 0.0, 2.0, 2.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    loads = _layer_loads(c)
+    np.testing.assert_array_equal(loads["valid"], [True, False, True])
+    np.testing.assert_allclose(loads["maxvio"], [1.0, np.nan, 0.0])
+    np.testing.assert_allclose(loads["load_imbalance"], [2.0, np.nan, 1.0])
+    np.testing.assert_allclose(loads["load_cv"], [np.std([4, 0, 2, 2]) / 2, np.nan, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(loads["dead_expert_ratio"], [0.25, 1.0, 0.0])
+    _check_top_k(2, (3, 4))
+    with pytest.raises(ValueError, match="exceeds the number of experts E=4"):
+        _check_top_k(5, (3, 4))
+    with pytest.raises(ValueError, match="positive int"):
+        _check_top_k(True, (3, 4))

@@ -229,3 +229,27 @@ def test_learning_rate_includes_the_lr_scale():
         _, state = tx.update({"w": jnp.ones((3,))}, state, params)
         np.testing.assert_allclose(float(optimizer_metrics(state)["opt/learning_rate"]),
                                    0.5 * float(schedule(k)), rtol=1e-6)
+
+
+def test_find_loss_scale_prefers_the_argument_then_objects_then_a_named_leaf():
+    from jvitals.metrics.optimizer import _find_loss_scale
+
+    ds = DynamicScale(scale=jnp.asarray(512.0))
+    named = {"opt": (), "loss_scale": jnp.asarray(8.0)}
+    assert _find_loss_scale({}, None) is None
+    assert float(_find_loss_scale(named, None)) == 8.0
+    assert float(_find_loss_scale({"a": ds, **named}, None)) == 512.0      # an object before a leaf
+    assert float(_find_loss_scale({"a": ds}, jnp.asarray(2.0))) == 2.0    # the argument first
+    with pytest.raises(ValueError, match="an array or an object with .loss_scale or .scale"):
+        _find_loss_scale({}, object())
+
+
+def test_median_method_is_chosen_by_the_argument_or_the_backend():
+    from jvitals.metrics import optimizer as opt_mod
+
+    x = jnp.asarray(np.random.default_rng(0).random(5000).astype(np.float32))
+    groups = {(): [x]}
+    hist, search, auto = (float(opt_mod._median(groups, m)) for m in ("histogram", "search", "auto"))
+    assert hist == search == auto  # the same bins either way
+    assert "scatter" in jax.jit(lambda a: opt_mod._median({(): [a]}, "auto")).lower(x).as_text()
+    assert "scatter" not in jax.jit(lambda a: opt_mod._median({(): [a]}, "search")).lower(x).as_text()

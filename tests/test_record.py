@@ -703,3 +703,91 @@ def test_the_real_adaptive_clip_is_recognised_as_a_clip():
     m = jax.device_get(vitals.recorded(state))
     assert float(m["grad/clipped"]) == 1.0 and np.isfinite(float(m["grad/clip_threshold"]))
     np.testing.assert_allclose(float(m["opt/learning_rate"]), 1e-3, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------
+# The recorder's named steps, each decision on its own.
+
+
+def _cfg(post="auto", inner=None, schedule=None, every=None):
+    r = record_module
+    return r._Config(roles=vitals.Roles(), specs=None, axes=(), cadence=r._check_every(every), schedule=schedule,
+                     lead=r._leading_clip(inner), post=post)
+
+
+def test_plan_decides_the_post_clip_update_and_lr_figures():
+    r = record_module
+    p = tree()
+    clip = optax.clip_by_global_norm(1.0)
+    chain = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+    adam = optax.adam(1e-3)
+    cases = [  # (inner, post, schedule) -> (clip, update, lr)
+        (None, "auto", None, (None, False, False)),
+        (clip, "auto", None, ("max_norm", False, False)),     # a recognised clip alone
+        (chain, "auto", 1e-3, ("max_norm", True, True)),      # clip first, then the optimizer
+        (adam, "auto", None, (None, True, False)),            # stateful: an optimizer
+        (optax.scale(-1e-3), "auto", None, ("measured", False, False)),  # stateless: a clip-like
+        (optax.scale(-1e-3), "update", None, (None, True, False)),
+        (chain, "clip", None, ("measured", False, False)),    # forced: the chain's outputs measured
+    ]
+    for inner, post, schedule, want in cases:
+        cfg = _cfg(post, inner, schedule)
+        wrapped = optax.with_extra_args_support(inner) if inner is not None else None
+        state = inner.init(p) if inner is not None else optax.EmptyState()
+        assert tuple(r._plan(cfg, wrapped, state)) == want, (inner, post)
+    with pytest.raises(ValueError, match="post='x'"):
+        r._plan(_cfg("x", clip), optax.with_extra_args_support(clip), clip.init(p))
+
+
+def test_due_decides_the_families_at_trace_time_or_in_the_graph():
+    r = record_module
+    cadence = {"global": 1, "layers": 50}
+    due, static = r._due(cadence, jnp.asarray(100), None)
+    assert static is None and bool(due["layers"]) and bool(due["global"])
+    due, static = r._due(cadence, jnp.asarray(7), None)
+    assert static is None and not bool(due["layers"])
+    due, static = r._due(cadence, jnp.asarray(7), True)       # a Python bool: decided at trace time
+    assert static is True and bool(due["layers"])
+    due, static = r._due(cadence, jnp.asarray(100), np.bool_(False))
+    assert static is False and not bool(due["layers"])
+    due, static = r._due(cadence, jnp.asarray(7), jnp.asarray(True))  # traced: the predicate
+    assert static is None and bool(due["layers"])
+
+
+def test_needs_out_norm_only_where_no_pass_gives_it():
+    r = record_module
+    p = tree()
+
+    def step(plan, params=p):
+        return r._Step(grads=p, out=p, params=params, count=jnp.asarray(0), inner_state=None, plan=plan,
+                       outer=None, names=())
+
+    upd = r._Plan(None, True, False)
+    assert r._needs_out_norm(step(upd), heavy_static=False)          # the light step measures ||u||
+    assert not r._needs_out_norm(step(upd), heavy_static=True)       # the per-layer pass gives it
+    assert r._needs_out_norm(step(upd, params=None), heavy_static=True)  # no params: no per-layer update
+    assert r._needs_out_norm(step(r._Plan("measured", False, False)), heavy_static=True)
+    assert not r._needs_out_norm(step(r._Plan("max_norm", False, False)), heavy_static=False)
+
+
+def test_light_step_reads_each_gradient_parameter_and_update_once():
+    """The static light step (vitals_layers=False, the recorder around the whole
+    optimizer): one reduction per leaf over its gradient, parameter and update; XLA's
+    bytes grow by at most 5 passes over the parameters (3 reads, and the update written
+    out once and read back by apply_updates: XLA:CPU has no multi-output fusion)."""
+    p = {"w": jnp.ones((256, 512)), "v": jnp.ones((512, 256)), "b": jnp.ones((512,))}
+    g = jax.tree.map(lambda x: x * 0.01, p)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(p))
+
+    def cost(tx, **kw):
+        def step(p, s, g):
+            u, s = tx.update(g, s, p, **kw)
+            return optax.apply_updates(p, u), s
+
+        ca = jax.jit(step).lower(p, tx.init(p), g).compile().cost_analysis()
+        return (ca[0] if isinstance(ca, (list, tuple)) else ca)["bytes accessed"]
+
+    base = cost(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)))
+    light = cost(vitals.record(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))),
+                 vitals_layers=False)
+    assert light - base <= 5.1 * nbytes, (light - base) / nbytes

@@ -16,9 +16,6 @@ from jax.sharding import PartitionSpec as P
 import jvitals as vitals
 from test_stats import np_stats
 
-# Each test runs with both non-finite paths (conftest.nonfinite_path).
-pytestmark = pytest.mark.usefixtures("nonfinite_path")
-
 AUTO = jax.sharding.AxisType.Auto
 MESHES = {
     "8": ((8,), ("data",)),

@@ -71,9 +71,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jvitals.metrics.probes import LogitsRows, LogitsSummary, attention_valid_mask, summarize_logits, vary_along
+from jvitals.metrics.probes import (LogitsRows, LogitsSummary, attention_valid_mask, row_argmax, summarize_logits,
+                                    vary_along)
 from jvitals.metrics.stats import (Summary, TokenSummary, check_axes, eager_jit, reduce, sharded_axes, summarize,
-                           summarize_max, varying_axes)
+                                   summarize_many, summarize_max, varying_axes)
 
 __all__ = ["activation_metrics", "bos_value_grad_metrics", "mtp_metrics"]
 
@@ -359,7 +360,7 @@ def _argmaxes(name: str, entries: list[_Entry], tok: _Tokens) -> list[jax.Array]
             raise ValueError(f"activation_metrics: a plain Summary was sown as '{name}' at '{path}'; "
                              f"MTP agreement needs jvitals.logits_probe or the raw logits.")
         x = jnp.asarray(v)
-        a = jnp.argmax(x, axis=-1).astype(jnp.int32)
+        a = row_argmax(x)
         if tok.shape is not None and tuple(a.shape) not in (tok.shape,) and tuple(a.shape[1:]) == tok.shape:
             out.extend(list(a))
         elif tok.shape is not None and tuple(a.shape) != tok.shape:
@@ -490,7 +491,34 @@ def activation_metrics(
       >>> m["act/hidden_states_rms.avg"], m["act/hidden_states_rms/layer_0"]
     """
     axes = _axes(axes)
-    entries = _collect(intermediates, "intermediates", "activation_metrics")
+    entries = _select(_collect(intermediates, "intermediates", "activation_metrics"), names)
+    mask, labels, want_acc = _check_inputs(mask, labels, accuracy)
+    tok = _token_shape(mask, labels, entries)
+    out: dict[str, jax.Array] = {}
+    for name, (base, stats) in _LAYER_FAMILIES.items():
+        if name in entries:
+            s = _layer_summaries(name, entries[name], tok, mask, strict=True)
+            s = _reduce(s, _red_axes(name, [[v for _, v in entries[name]], mask], axes, specs))
+            _emit_layers(out, base, stats, s)
+    main = _logits_family(out, entries, tok, mask, axes, specs)
+    if _MTP in entries or want_acc:
+        out.update(_agreement_family(entries, tok, mask, labels if want_acc else None, axes,
+                                     None if main is None else main.argmax, _MTP in entries))
+    for name, items in entries.items():
+        if name in _LAYER_FAMILIES or name in (_LOGITS, _MTP) or name in _NOT_HERE:
+            continue
+        s = _layer_summaries(name, items, tok, mask, strict=False)
+        s = _reduce(s, _red_axes(name, [[v for _, v in items], mask], axes, specs))
+        _emit_generic(out, f"act/{name}", s)
+    return out
+
+
+def _select(entries: dict[str, list[_Entry]], names: Sequence[str] | None) -> dict[str, list[_Entry]]:
+    """The sown entries to read (``names``, each of which must be present; None: all).
+
+    Raises:
+      ValueError: nothing was sown, or a requested name is absent.
+    """
     if not entries:
         raise ValueError(
             "activation_metrics: nothing was sown (the intermediates are empty). Expected values "
@@ -498,15 +526,20 @@ def activation_metrics(
             "sow them itself: run its apply inside jvitals.instrument() with "
             "mutable=['intermediates'] -- `with vitals.instrument(): out, state = "
             "model.apply(variables, x, mutable=['intermediates'])` -- and pass state['intermediates'].")
-    if names is not None:
-        missing = [n for n in names if n not in entries]
-        if missing:
-            have = sorted(entries)
-            raise ValueError(
-                f"activation_metrics: requested sow name(s) {missing} absent; the intermediates "
-                f"hold {have}. Sow them in the model (self.sow('intermediates', NAME, value)) or "
-                f"drop them from names=.")
-        entries = {n: entries[n] for n in names}
+    if names is None:
+        return entries
+    missing = [n for n in names if n not in entries]
+    if missing:
+        raise ValueError(
+            f"activation_metrics: requested sow name(s) {missing} absent; the intermediates "
+            f"hold {sorted(entries)}. Sow them in the model (self.sow('intermediates', NAME, value)) or "
+            f"drop them from names=.")
+    return {n: entries[n] for n in names}
+
+
+def _check_inputs(mask: Any, labels: Any, accuracy: bool | None) -> tuple[Any, Any, bool]:
+    """``(mask, labels, whether to report accuracies)``, checked: both ``[B, T]``;
+    ``accuracy=True`` needs labels (default: accuracies when labels are given)."""
     if mask is not None:
         mask = jnp.asarray(mask, bool)
     if labels is not None:
@@ -517,53 +550,47 @@ def activation_metrics(
     if accuracy and labels is None:
         raise ValueError("activation_metrics: accuracy=True needs labels=[B, T] next-token ids "
                          "(labels[t] = token t+1), got labels=None.")
-    want_acc = labels is not None if accuracy is None else bool(accuracy)
-    tok = _token_shape(mask, labels, entries)
-    out: dict[str, jax.Array] = {}
+    return mask, labels, labels is not None if accuracy is None else bool(accuracy)
 
-    for name, (base, stats) in _LAYER_FAMILIES.items():
-        if name in entries:
-            s = _layer_summaries(name, entries[name], tok, mask, strict=True)
-            s = _reduce(s, _red_axes(name, [[v for _, v in entries[name]], mask], axes, specs))
-            _emit_layers(out, base, stats, s)
 
-    if _LOGITS in entries:
-        if len(entries[_LOGITS]) != 1:
-            paths = [p for p, _ in entries[_LOGITS]]
-            raise ValueError(
-                f"activation_metrics: found {len(paths)} sown 'logits' values (at {paths}); the "
-                f"output-layer logits must be sown once per call. Sow MTP logits as 'mtp_logits'.")
-        path, v = entries[_LOGITS][0]
-        ls = _logits_summary(path, v, tok, mask, _LOGITS)
-        ls = ls.reduce(_red_axes(_LOGITS, [v, mask], axes, specs))
-        out["act/output_layer_logits_rms.avg"] = ls.logits.rms
-        out["act/output_layer_logits_abs.max"] = ls.logits.abs_max
-        out["act/output_layer_logits_top2_diff.avg"] = ls.top2_diff.mean
-        out["act/output_layer_logits_top2_equal_ratio"] = ls.top2_tie.mean
-        out["act/output_layer_logsumexp.mean"] = ls.lse.mean
-        out["act/output_layer_logsumexp.max"] = ls.lse_max
-        out["act/output_layer_logits.nonfinite"] = ls.logits.nonfinite
+def _logits_family(out: dict, entries: Mapping[str, list[_Entry]], tok: _Tokens, mask: Any,
+                   axes: tuple[str, ...], specs: Any) -> LogitsSummary | None:
+    """The output layer's ``act/output_layer_*`` figures into ``out``; returns the
+    (reduced) :class:`LogitsSummary`, whose local ``argmax`` the agreement reuses
+    (one read of raw logits gives both), or None without sown logits."""
+    if _LOGITS not in entries:
+        return None
+    if len(entries[_LOGITS]) != 1:
+        paths = [p for p, _ in entries[_LOGITS]]
+        raise ValueError(
+            f"activation_metrics: found {len(paths)} sown 'logits' values (at {paths}); the "
+            f"output-layer logits must be sown once per call. Sow MTP logits as 'mtp_logits'.")
+    path, v = entries[_LOGITS][0]
+    ls = _logits_summary(path, v, tok, mask, _LOGITS)
+    ls = ls.reduce(_red_axes(_LOGITS, [v, mask], axes, specs))
+    out["act/output_layer_logits_rms.avg"] = ls.logits.rms
+    out["act/output_layer_logits_abs.max"] = ls.logits.abs_max
+    out["act/output_layer_logits_top2_diff.avg"] = ls.top2_diff.mean
+    out["act/output_layer_logits_top2_equal_ratio"] = ls.top2_tie.mean
+    out["act/output_layer_logsumexp.mean"] = ls.lse.mean
+    out["act/output_layer_logsumexp.max"] = ls.lse_max
+    out["act/output_layer_logits.nonfinite"] = ls.logits.nonfinite
+    return ls
 
-    has_mtp = _MTP in entries
-    if has_mtp or want_acc:
-        if _LOGITS not in entries:
-            why = "MTP agreement" if has_mtp else "top-1 accuracy"
-            raise ValueError(f"activation_metrics: {why} needs the main output logits sown as "
-                             f"'logits'; the intermediates hold {sorted(entries)}.")
-        main = _argmaxes(_LOGITS, entries[_LOGITS], tok)[0]
-        if labels is not None and tuple(labels.shape) != tuple(main.shape):
-            raise ValueError(f"activation_metrics: labels have shape {tuple(labels.shape)} but the "
-                             f"logits are [B, T, V] with [B, T] = {tuple(main.shape)}.")
-        mtp = _argmaxes(_MTP, entries[_MTP], tok) if has_mtp else []
-        out.update(mtp_metrics(main, mtp, labels=labels if want_acc else None, mask=mask, axes=axes))
 
-    for name, items in entries.items():
-        if name in _LAYER_FAMILIES or name in (_LOGITS, _MTP) or name in _NOT_HERE:
-            continue
-        s = _layer_summaries(name, items, tok, mask, strict=False)
-        s = _reduce(s, _red_axes(name, [[v for _, v in items], mask], axes, specs))
-        _emit_generic(out, f"act/{name}", s)
-    return out
+def _agreement_family(entries: Mapping[str, list[_Entry]], tok: _Tokens, mask: Any, labels: Any,
+                      axes: tuple[str, ...], main: jax.Array | None, has_mtp: bool) -> dict[str, jax.Array]:
+    """MTP agreement and top-1 accuracies (:func:`mtp_metrics`) from the main head's
+    argmax ``main`` (None: no sown logits, an error) and the MTP heads'."""
+    if main is None:
+        why = "MTP agreement" if has_mtp else "top-1 accuracy"
+        raise ValueError(f"activation_metrics: {why} needs the main output logits sown as "
+                         f"'logits'; the intermediates hold {sorted(entries)}.")
+    if labels is not None and tuple(labels.shape) != tuple(main.shape):
+        raise ValueError(f"activation_metrics: labels have shape {tuple(labels.shape)} but the "
+                         f"logits are [B, T, V] with [B, T] = {tuple(main.shape)}.")
+    mtp = _argmaxes(_MTP, entries[_MTP], tok) if has_mtp else []
+    return mtp_metrics(main, mtp, labels=labels, mask=mask, axes=axes)
 
 
 def _emit_generic(out: dict, base: str, s: Summary) -> None:
@@ -635,6 +662,19 @@ def bos_value_grad_metrics(
             f"bos_value_grad_metrics: no perturbation named '{name}' in the gradients; found "
             f"{sorted(entries)}. Put jvitals.perturb_values(self, v, '{name}') on the "
             f"attention values and differentiate w.r.t. the 'perturbations' collection.")
+    tok, valid, is_bos = _bos_positions(tokens, mask, bos_id)
+    bos, rest = _bos_summaries(entries[name], name, tok, valid, is_bos)
+    red = _red_axes(name, [[v for _, v in entries[name]], valid, is_bos], axes, specs)
+    return _bos_figures(*_reduce((bos, rest), red))
+
+
+def _bos_positions(tokens: Any, mask: Any, bos_id: int | None) -> tuple[_Tokens, jax.Array, jax.Array]:
+    """The ``[B, T]`` token shape, the valid positions and the BOS ones (``tokens ==
+    bos_id`` given both, else position 0).
+
+    Raises:
+      ValueError: neither tokens nor mask, or their shapes differ.
+    """
     if tokens is None and mask is None:
         raise ValueError("bos_value_grad_metrics: pass tokens=[B, T] or mask=[B, T] so that the "
                          "[B, T] token axes of the gradients can be located.")
@@ -647,28 +687,35 @@ def bos_value_grad_metrics(
         is_bos = jnp.asarray(tokens) == bos_id
     else:
         is_bos = jnp.broadcast_to(jnp.arange(shape[-1]) == 0, shape)
-    tok = _Tokens(shape, "tokens" if tokens is not None else "mask")
+    return _Tokens(shape, "tokens" if tokens is not None else "mask"), valid, is_bos
+
+
+def _bos_summaries(entries: list[_Entry], name: str, tok: _Tokens, valid: jax.Array,
+                   is_bos: jax.Array) -> tuple[Summary, Summary]:
+    """Per layer, the Summary of the gradients at valid BOS positions and at the other
+    valid ones: one reduction per sown value for both (each gradient read once)."""
     bos_s, rest_s = [], []
-    for path, v in entries[name]:
+    for path, v in entries:
         g = jnp.asarray(v)
         stacked = _stacked(name, tuple(g.shape), tok, path, strict=False)
         if stacked is None:
             raise ValueError(
                 f"bos_value_grad_metrics: {tok.describe()} but the '{name}' gradient at '{path}' "
-                f"has shape {tuple(g.shape)}; expected [B, T, ...] = ({', '.join(map(str, shape))}, "
+                f"has shape {tuple(g.shape)}; expected [B, T, ...] = ({', '.join(map(str, tok.shape))}, "
                 f"...) or [L, B, T, ...] when nn.scan-stacked.")
         axis = 0 if stacked else None
-        bos_s.append(summarize(g, valid & is_bos, axis=axis))
-        rest_s.append(summarize(g, valid & ~is_bos, axis=axis))
-    red = _red_axes(name, [[v for _, v in entries[name]], valid, is_bos], axes, specs)
-    bos, rest = _reduce((_cat(bos_s), _cat(rest_s)), red)
-    out: dict[str, jax.Array] = {}
+        b, r = summarize_many([(g, valid & is_bos, axis), (g, valid & ~is_bos, axis)])
+        bos_s.append(b)
+        rest_s.append(r)
+    return _cat(bos_s), _cat(rest_s)
+
+
+def _bos_figures(bos: Summary, rest: Summary) -> dict[str, jax.Array]:
+    """``diag/bos_value_grad_*``: the pooled RMS, max and ratio, and per layer."""
     base = "diag/bos_value_grad"
     tb, tr = bos.total(), rest.total()
-    out[f"{base}_rms"] = tb.rms
-    out[f"{base}_abs.max"] = tb.abs_max
-    out[f"{base}_ratio"] = tb.rms / tr.rms
-    out[f"{base}.nonfinite"] = tb.nonfinite + tr.nonfinite
+    out = {f"{base}_rms": tb.rms, f"{base}_abs.max": tb.abs_max, f"{base}_ratio": tb.rms / tr.rms,
+           f"{base}.nonfinite": tb.nonfinite + tr.nonfinite}
     ratio = bos.rms / rest.rms
     for i in range(bos.count.shape[0]):
         out[f"{base}_rms/layer_{i}"] = bos.rms[i]

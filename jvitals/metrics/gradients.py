@@ -1,14 +1,17 @@
 """Gradient, parameter and update vitals from pytrees (METRICS.md §2-§3).
 
-Every figure comes from one :func:`~jvitals.metrics.stats.summarize` pass per leaf (a
-scan-stacked leaf is summarised with ``axis=`` its layer axis, giving every layer's
-summary in the same pass; a fused QKV kernel is summarised as its Q, K and V
-parts). Each leaf's summaries are reduced over the mesh axes *that leaf* is
-sharded along (its ``PartitionSpec`` in ``specs``, or, without ``specs``, the axes
-JAX's type system says it varies along inside ``shard_map``), so an expert weight
-sharded over ``expert`` gives the figures of the whole tensor while a replicated
-gradient is never counted twice. Leaves with the same reduction axes are packed
-into one collective. Then summaries are merged per role, per layer and globally:
+Every figure comes from one read of each leaf: for each leaf position, the
+gradient, its parameter and its update are measured together by one variadic
+reduction (:mod:`jvitals.metrics.fold`: sum, sum of squares, max |x| and the
+non-finite count of the gradient, the sums of squares and non-finite counts of the
+others), a scan-stacked leaf with ``axis=`` its layer axis (every layer's figures
+from the same read), a fused QKV kernel as its Q, K and V parts. Each leaf's
+summaries are reduced over the mesh axes *that leaf* is sharded along (its
+``PartitionSpec`` in ``specs``, or, without ``specs``, the axes JAX's type system
+says it varies along inside ``shard_map``), so an expert weight sharded over
+``expert`` gives the figures of the whole tensor while a replicated gradient is
+never counted twice. Leaves with the same reduction axes are packed into one
+collective. Then summaries are merged per role, per layer and globally:
 
     global_norm        = sqrt(sum over leaves of sum g^2)
     norm/layer_i       = sqrt(sum over layer i's elements of g^2)
@@ -22,33 +25,36 @@ into one collective. Then summaries are merged per role, per layer and globally:
 A non-finite element makes every figure it enters NaN (never hidden) and is
 counted in ``nonfinite_count`` (per layer too, to find the first bad layer).
 
-Families and their cost, for a recorder running them at different cadences:
+Families, for a recorder running them at different cadences (each reads its trees
+once):
 
-* :func:`global_norm_metrics`: global norm and non-finite count only (every step).
+* :func:`global_norm_metrics`: global norm and non-finite count only (every step);
+  :func:`norm_metrics`: the global norms of gradients, params and updates together.
 * :func:`update_metrics`: ``update/global_norm`` and ``update/param_ratio``.
 * :func:`gradient_metrics`: everything, per role and per layer (heavier cadence).
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any, Hashable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import PartitionSpec
 
 from jvitals.metrics.qkv import _attn_module, _global_shape, _o_sizes, _qkv_pieces  # fused QKV: jvitals/metrics/qkv.py
 from jvitals.metrics.roles import LeafRole, Roles, assign_roles
-from jvitals.metrics.stats import Summary, check_axes, reduce, reduction_axes, summarize_many, summarize_sumsq
+from jvitals.metrics import fold
+from jvitals.metrics.stats import Summary, check_axes, reduce, reduction_axes, summarize_fields
 
 __all__ = [
     "GROUP_ROLES",
     "global_norm",
     "global_norm_metrics",
     "gradient_metrics",
+    "norm_metrics",
+    "tree_stats",
     "update_metrics",
 ]
 
@@ -139,110 +145,174 @@ def _skip(x: Any) -> bool:
 
 
 # ----------------------------------------------------------------------------------
-# The pass over a tree.
+# One pass over the leaves of several trees.
 
 
 class _TreeStats:
-    """Reduced summaries of one tree: global, per layer, per role, per role and layer."""
+    """Reduced summaries of one tree: global, per layer, per group, per role, per role and layer."""
 
-    def __init__(self, tree: Any, *, roles: Roles | None, specs: Any, axes: Sequence[str] | str,
-                 by_layer: bool, by_role: bool, what: str):
-        axes = check_axes(axes)
-        roles = Roles() if roles is None else roles
-        leaves = _float_leaves(tree)
-        infos = assign_roles(tree, roles) if (by_layer or by_role) else None
-        sp = flat_specs(tree, specs, what)
-        acc = Accumulator()
-        self.stack_first: dict[str, int] = {}
-        o_sizes: dict[str, int] = {}
-        if by_role and any(lr.role == "qkv" for lr in infos):
-            gshapes = [_global_shape(tuple(getattr(x, "shape", ())), sp[i] if sp is not None else None, axes)
-                       for i, (_, x) in enumerate(leaves)]
-            o_sizes = _o_sizes(infos, gshapes)
-        pending: list[tuple[tuple[str, ...], LeafRole, list[str | None]]] = []
-        items: list[tuple[jax.Array, jax.Array | None, int | None]] = []
-        sq_groups: dict[tuple[Any, ...], list[Any]] = {}
-        for i, (_, x) in enumerate(leaves):
-            if _skip(x):
-                continue
-            spec = sp[i] if sp is not None else None
-            red = reduction_axes(x, axes, spec, sp is not None)
-            if infos is None:  # the global norm only: one reduction per leaf, one cond per group
-                sq_groups.setdefault((red, None, None, None), []).append(x)
-                continue
-            lr = infos[i]
-            if lr.stack is not None:
-                self.stack_first[lr.stack] = lr.first_layer
-            if not by_role:  # norms only: one sum of squares per leaf, one cond per layer
-                key = ("stack", lr.stack) if lr.stack is not None else (
-                    ("layer", lr.layer) if lr.layer is not None else None)
-                group = GROUP_ROLES.get(lr.role) if by_layer else None
-                sq_groups.setdefault((red, key, lr.stack_axis if lr.stack is not None else None, group),
-                                     []).append(x)
-                continue
-            if lr.role == "qkv":
-                parts = _qkv_pieces(x, lr, roles, spec, axes, o_sizes.get(_attn_module(lr.path)))
-            else:
-                parts = [(lr.name, x, None, lr.stack_axis)]
-            pending.append((red, lr, [name for name, *_ in parts]))
-            items.extend((px, pm, pa) for _, px, pm, pa in parts)
-        summaries = iter(summarize_many(items))  # one lax.cond for every piece of the tree
-        for red, lr, names in pending:
-            pieces = [(name, next(summaries)) for name in names]
-            merged = pieces[0][1]
-            for _, s in pieces[1:]:
-                merged = merged.merge(s)
-            stacked = lr.stack is not None
-            acc.add(red, "all", merged.total() if stacked else merged)
-            if by_layer and lr.role in GROUP_ROLES:
-                acc.add(red, ("group", GROUP_ROLES[lr.role]), merged.total() if stacked else merged)
-            if by_layer:
-                if stacked:
-                    acc.add(red, ("stack", lr.stack), merged)
-                elif lr.layer is not None:
-                    acc.add(red, ("layer", lr.layer), merged)
-            for name, s in pieces:
-                if name is None:  # a leaf no role matches: global and per-layer figures only
-                    continue
-                acc.add(red, ("role", name), s.total() if stacked else s)
-                if by_layer and stacked:
-                    acc.add(red, ("role_stack", name, lr.stack), s)
-                elif by_layer and lr.layer is not None:
-                    acc.add(red, ("role_layer", name, lr.layer), s)
-        for (red, key, ax, group), xs in sq_groups.items():
-            s = summarize_sumsq(xs, axis=ax)
-            acc.add(red, "all", s.total() if ax is not None else s)
-            if key is not None:
-                acc.add(red, key, s)
-            if group is not None:
-                acc.add(red, ("group", group), s.total() if ax is not None else s)
-        res = acc.result()
+    def __init__(self, res: Mapping[Hashable, Summary], stack_first: Mapping[str, int]):
         self.all: Summary = res.get("all", Summary.empty())
         self.layers: dict[int, Summary] = {}
         self.groups: dict[str, Summary] = {}
         self.roles: dict[str, Summary] = {}
         self.role_layers: dict[str, dict[int, Summary]] = {}
         for key, s in res.items():
-            if key == "all":
+            if key != "all":
+                self._file(key, s, stack_first)
+
+    def _file(self, key: tuple, s: Summary, stack_first: Mapping[str, int]) -> None:
+        """Put one accumulated summary under its key (a stacked one: one entry per layer)."""
+        kind = key[0]
+        if kind == "group":
+            self.groups[key[1]] = s
+        elif kind == "role":
+            self.roles[key[1]] = s
+        elif kind in ("layer", "role_layer"):
+            d = self.layers if kind == "layer" else self.role_layers.setdefault(key[1], {})
+            _put(d, key[-1], s)
+        elif kind in ("stack", "role_stack"):
+            d = self.layers if kind == "stack" else self.role_layers.setdefault(key[1], {})
+            first = stack_first[key[-1]]
+            for j in range(s.count.shape[0]):
+                _put(d, first + j, _take(s, j))
+
+
+class _Leaf(NamedTuple):
+    """One leaf position of the trees: its role (None: global figures only) and spec."""
+
+    index: int
+    role: LeafRole | None
+    spec: Any
+
+
+def _plan(ref: Any, *, roles: Roles, specs: Any, axes: tuple[str, ...], need_roles: bool, split_qkv: bool,
+          what: str) -> tuple[list[_Leaf], dict[str, int], bool]:
+    """The leaves to measure (float leaves of ``ref``) with their roles and specs, the
+    per-layer size of each attention output projection (to split fused QKV kernels),
+    and whether specs were given."""
+    leaves = _float_leaves(ref)
+    infos = assign_roles(ref, roles) if need_roles else None
+    sp = flat_specs(ref, specs, what)
+    o_sizes: dict[str, int] = {}
+    if split_qkv and infos is not None and any(lr.role == "qkv" for lr in infos):
+        gshapes = [_global_shape(tuple(getattr(x, "shape", ())), sp[i] if sp is not None else None, axes)
+                   for i, (_, x) in enumerate(leaves)]
+        o_sizes = _o_sizes(infos, gshapes)
+    plan = [_Leaf(i, None if infos is None else infos[i], None if sp is None else sp[i])
+            for i, (_, x) in enumerate(leaves) if not _skip(x)]
+    return plan, o_sizes, sp is not None
+
+
+def _pieces(x: jax.Array, leaf: _Leaf, roles: Roles, axes: tuple[str, ...], o_sizes: Mapping[str, int],
+            split_qkv: bool) -> list[tuple[str | None, jax.Array, jax.Array | None, int | None]]:
+    """``(role name, array, mask, layer axis)`` parts of one leaf: a fused QKV kernel's
+    Q, K and V when ``split_qkv``, else the leaf itself."""
+    lr = leaf.role
+    if lr is None:
+        return [(None, x, None, None)]
+    if split_qkv and lr.role == "qkv":
+        return _qkv_pieces(x, lr, roles, leaf.spec, axes, o_sizes.get(_attn_module(lr.path)))
+    return [(lr.name, x, None, lr.stack_axis)]
+
+
+def _tree_stats(trees: Mapping[str, Any], *, role_tree: str | None, layered: Sequence[str], roles: Roles | None,
+                specs: Any, axes: Sequence[str] | str, what: str) -> dict[str, _TreeStats]:
+    """:class:`_TreeStats` of each tree of ``trees`` (same structure), in one read of each leaf.
+
+    For every leaf position, the leaf of each tree is measured by one variadic
+    reduction (``fold.py``; leaves of one shape share it): the tree ``role_tree``
+    fully (sum, sumsq, max|x|, non-finite count; per role, a fused QKV kernel as
+    its Q, K and V parts), the others for their norms (sumsq, non-finite count).
+    Trees in ``layered`` also get their per-layer and per-group figures. So a
+    gradient, its parameter and its update are read once each, by one kernel.
+    Each leaf's summaries are then reduced over the mesh axes it is sharded along.
+
+    Args:
+      trees: ``{name: pytree}``, every tree with the structure of the first.
+      role_tree: the tree measured per role, or None.
+      layered: the trees with per-layer and per-group figures.
+      roles, specs, axes, what: as :func:`gradient_metrics` takes them.
+
+    Returns:
+      ``{name: _TreeStats}``.
+    """
+    axes = check_axes(axes)
+    roles = Roles() if roles is None else roles
+    names = list(trees)
+    ref = trees[names[0]]
+    split = role_tree is not None
+    plan, o_sizes, has_specs = _plan(ref, roles=roles, specs=specs, axes=axes,
+                                     need_roles=split or bool(layered), split_qkv=split, what=what)
+    flat = {n: [x for _, x in _float_leaves(t)] for n, t in trees.items()}
+    items, owners = [], []
+    for leaf in plan:
+        for n in names:
+            x = flat[n][leaf.index]
+            if _skip(x):
                 continue
-            kind = key[0]
-            if kind == "layer":
-                _put(self.layers, key[1], s)
-            elif kind == "group":
-                self.groups[key[1]] = s
-            elif kind == "stack":
-                first = self.stack_first[key[1]]
-                for j in range(s.count.shape[0]):
-                    _put(self.layers, first + j, _take(s, j))
-            elif kind == "role":
-                self.roles[key[1]] = s
-            elif kind == "role_layer":
-                _put(self.role_layers.setdefault(key[1], {}), key[2], s)
-            elif kind == "role_stack":
-                first = self.stack_first[key[2]]
-                d = self.role_layers.setdefault(key[1], {})
-                for j in range(s.count.shape[0]):
-                    _put(d, first + j, _take(s, j))
+            fields = fold.FULL if n == role_tree else fold.SUMSQ
+            parts = _pieces(x, leaf, roles, axes, o_sizes, split and n == role_tree)
+            red = reduction_axes(x, axes, leaf.spec, has_specs)
+            owners.append((n, leaf, red, [name for name, *_ in parts]))
+            # One kernel per leaf position (its gradient, parameter and update):
+            # kernels over several leaves would keep them all live at once.
+            items.extend((px, pm, pa, fields, leaf.index) for _, px, pm, pa in parts)
+    summaries = iter(summarize_fields(items))
+    accs = {n: Accumulator() for n in names}
+    stack_first: dict[str, int] = {}
+    for n, leaf, red, part_names in owners:
+        pieces = [(name, next(summaries)) for name in part_names]
+        if leaf.role is not None and leaf.role.stack is not None:
+            stack_first[leaf.role.stack] = leaf.role.first_layer
+        _add_leaf(accs[n], red, leaf.role, pieces, layered=n in layered, by_role=n == role_tree)
+    return {n: _TreeStats(accs[n].result(), stack_first) for n in names}
+
+
+def _add_leaf(acc: Accumulator, red: tuple[str, ...], lr: LeafRole | None,
+              pieces: Sequence[tuple[str | None, Summary]], *, layered: bool, by_role: bool) -> None:
+    """Add one leaf's summaries to the keys they count in: ``"all"``; per layer (or
+    stack) and group when ``layered``; per role (and role x layer) when ``by_role``."""
+    merged = pieces[0][1]
+    for _, s in pieces[1:]:
+        merged = merged.merge(s)
+    stacked = lr is not None and lr.stack is not None
+    acc.add(red, "all", merged.total() if stacked else merged)
+    if lr is None:
+        return
+    if layered and lr.role in GROUP_ROLES:
+        acc.add(red, ("group", GROUP_ROLES[lr.role]), merged.total() if stacked else merged)
+    if layered and stacked:
+        acc.add(red, ("stack", lr.stack), merged)
+    elif layered and lr.layer is not None:
+        acc.add(red, ("layer", lr.layer), merged)
+    if not by_role:
+        return
+    for name, s in pieces:
+        if name is None:  # a leaf no role matches: global and per-layer figures only
+            continue
+        acc.add(red, ("role", name), s.total() if stacked else s)
+        if layered and stacked:
+            acc.add(red, ("role_stack", name, lr.stack), s)
+        elif layered and lr.layer is not None:
+            acc.add(red, ("role_layer", name, lr.layer), s)
+
+
+def tree_stats(trees: Mapping[str, Any], *, role_tree: str | None = None, layered: Sequence[str] = (),
+               roles: Roles | None = None, specs: Any = None, axes: Sequence[str] | str = (),
+               what: str = "tree") -> dict[str, _TreeStats]:
+    """:func:`_tree_stats` over the trees, grouped by structure (None trees left out):
+    trees of one structure are read in one pass, leaf by leaf."""
+    by_def: dict[Any, dict[str, Any]] = {}
+    for n, t in trees.items():
+        if t is not None:
+            by_def.setdefault(jax.tree.structure(t), {})[n] = t
+    out: dict[str, _TreeStats] = {}
+    for group in by_def.values():
+        rt = role_tree if role_tree in group else None
+        out.update(_tree_stats(group, role_tree=rt, layered=[n for n in layered if n in group], roles=roles,
+                               specs=specs, axes=axes, what=what))
+    return out
 
 
 def _put(d: dict, k: Any, s: Summary) -> None:
@@ -264,8 +334,7 @@ def global_norm(tree: Any, *, specs: Any = None, axes: Sequence[str] | str = ())
     Inside ``shard_map`` each leaf's sum of squares is psum-ed over the axes of
     ``axes`` it is sharded along (``specs``) or varies along.
     """
-    return _TreeStats(tree, roles=None, specs=specs, axes=axes, by_layer=False, by_role=False,
-                      what="tree").all.norm
+    return tree_stats({"tree": tree}, specs=specs, axes=axes)["tree"].all.norm
 
 
 def global_norm_metrics(tree: Any, *, specs: Any = None, axes: Sequence[str] | str = (),
@@ -273,7 +342,7 @@ def global_norm_metrics(tree: Any, *, specs: Any = None, axes: Sequence[str] | s
     """The cheap every-step family: global norm and non-finite count.
 
     ``{prefix}/global_norm{suffix} = sqrt(sum g^2)`` (NaN if any non-finite),
-    ``{prefix}/nonfinite_count{suffix} = #non-finite elements``.
+    ``{prefix}/nonfinite_count{suffix} = #non-finite elements``; one read of each leaf.
 
     Args:
       tree: gradients (or any pytree of arrays).
@@ -290,8 +359,30 @@ def global_norm_metrics(tree: Any, *, specs: Any = None, axes: Sequence[str] | s
       >>> global_norm_metrics({"w": jnp.array([3.0, 4.0])})["grad/global_norm"]
       Array(5., dtype=float32)
     """
-    s = _TreeStats(tree, roles=None, specs=specs, axes=axes, by_layer=False, by_role=False, what="tree").all
+    s = tree_stats({"tree": tree}, specs=specs, axes=axes)["tree"].all
     return {f"{prefix}/global_norm{suffix}": s.norm, f"{prefix}/nonfinite_count{suffix}": _nonfinite(s)}
+
+
+def norm_metrics(grads: Any, params: Any = None, updates: Any = None, *, specs: Any = None,
+                 axes: Sequence[str] | str = ()) -> dict[str, jax.Array]:
+    """The global norms of the gradients, parameters and updates, each leaf read once.
+
+    ``grad/global_norm = ||g||``, ``grad/nonfinite_count``; with ``params``
+    ``param/global_norm = ||p||``; with ``updates`` ``update/global_norm = ||u||``,
+    ``update/nonfinite_count`` and, with both, ``update/param_ratio = ||u|| / ||p||``.
+    A gradient, its parameter and its update are measured by one reduction (one
+    kernel reading each once), what the recorder's light step computes.
+    """
+    t = tree_stats({"grads": grads, "params": params, "updates": updates}, specs=specs, axes=axes, what="grads")
+    out = {"grad/global_norm": t["grads"].all.norm, "grad/nonfinite_count": _nonfinite(t["grads"].all)}
+    if params is not None:
+        out["param/global_norm"] = t["params"].all.norm
+    if updates is not None:
+        out["update/global_norm"] = t["updates"].all.norm
+        out["update/nonfinite_count"] = _nonfinite(t["updates"].all)
+        if params is not None:
+            out["update/param_ratio"] = (t["updates"].all.norm / t["params"].all.norm).astype(_F32)
+    return out
 
 
 def update_metrics(updates: Any, params: Any = None, *, specs: Any = None, axes: Sequence[str] | str = (),
@@ -299,7 +390,7 @@ def update_metrics(updates: Any, params: Any = None, *, specs: Any = None, axes:
     """Norm of the final update and its size relative to the parameters.
 
     ``update/global_norm = ||u||``, ``update/param_ratio = ||u|| / ||p||``,
-    ``update/nonfinite_count``.
+    ``update/nonfinite_count``; one read of each leaf of both trees.
 
     Args:
       updates: the optimizer's output updates (what ``optax.apply_updates`` adds).
@@ -311,13 +402,11 @@ def update_metrics(updates: Any, params: Any = None, *, specs: Any = None, axes:
     Returns:
       ``{name: scalar}``.
     """
-    u = _TreeStats(updates, roles=None, specs=specs, axes=axes, by_layer=False, by_role=False,
-                   what="updates").all
+    t = tree_stats({"updates": updates, "params": params}, specs=specs, axes=axes, what="updates")
+    u = t["updates"].all
     out = {f"{prefix}/global_norm": u.norm, f"{prefix}/nonfinite_count": _nonfinite(u)}
     if params is not None:
-        p = _TreeStats(params, roles=None, specs=specs, axes=axes, by_layer=False, by_role=False,
-                       what="params").all
-        out[f"{prefix}/param_ratio"] = (u.norm / p.norm).astype(_F32)
+        out[f"{prefix}/param_ratio"] = (u.norm / t["params"].all.norm).astype(_F32)
     return out
 
 
@@ -381,30 +470,38 @@ def gradient_metrics(grads: Any, *, params: Any = None, updates: Any = None, rol
       >>> m = gradient_metrics(grads, params=params)          # doctest: +SKIP
       >>> m["grad/global_norm"], m["grad/Wq_abs.max"], m["grad/share/layer_0"]  # doctest: +SKIP
     """
-    roles = Roles() if roles is None else roles
     if updates is not None and params is None:
         raise ValueError("gradient_metrics(updates=...): the update/param ratios need the parameters the "
                          "updates apply to; pass params= too")
-    t = _TreeStats(grads, roles=roles, specs=specs, axes=axes, by_layer=per_layer, by_role=per_role,
-                   what="grads")
-    p = prefix
-    out: dict[str, jax.Array] = {
-        f"{p}/global_norm": t.all.norm,
-        f"{p}/nonfinite_count": _nonfinite(t.all),
-    }
+    trees = {"grads": grads, "params": params, "updates": updates}
+    t = tree_stats(trees, role_tree="grads" if per_role else None, layered=list(trees) if per_layer else (),
+                   roles=roles, specs=specs, axes=axes, what="grads")
+    out = _grad_figures(t["grads"], prefix, per_layer=per_layer, per_role=per_role)
+    if params is not None:
+        out.update(_param_figures(t["params"], param_prefix, per_layer=per_layer))
+    if updates is not None:
+        out.update(_update_figures(t["updates"], t["params"], update_prefix, per_layer=per_layer))
+    return out
+
+
+def _share(s: Summary, total_sq: jax.Array) -> jax.Array:
+    """``||g_i||^2 / ||g||^2`` (NaN where either is non-finite)."""
+    sq = jnp.where(s.nonfinite > 0, jnp.nan, s.sumsq)
+    return (sq / total_sq).astype(_F32)
+
+
+def _grad_figures(t: _TreeStats, p: str, *, per_layer: bool, per_role: bool) -> dict[str, jax.Array]:
+    """``{p}/global_norm``, the non-finite counts, per-layer/group norms and shares, per-role figures."""
+    out: dict[str, jax.Array] = {f"{p}/global_norm": t.all.norm, f"{p}/nonfinite_count": _nonfinite(t.all)}
     if per_layer:
         total_sq = jnp.where(t.all.nonfinite > 0, jnp.nan, t.all.sumsq)
         for i in sorted(t.layers):
-            s = t.layers[i]
-            out[f"{p}/norm/layer_{i}"] = s.norm
-            sq = jnp.where(s.nonfinite > 0, jnp.nan, s.sumsq)
-            out[f"{p}/share/layer_{i}"] = (sq / total_sq).astype(_F32)
-            out[f"{p}/nonfinite_count/layer_{i}"] = _nonfinite(s)
+            out[f"{p}/norm/layer_{i}"] = t.layers[i].norm
+            out[f"{p}/share/layer_{i}"] = _share(t.layers[i], total_sq)
+            out[f"{p}/nonfinite_count/layer_{i}"] = _nonfinite(t.layers[i])
         for g in sorted(t.groups):
-            s = t.groups[g]
-            out[f"{p}/norm/{g}"] = s.norm
-            sq = jnp.where(s.nonfinite > 0, jnp.nan, s.sumsq)
-            out[f"{p}/share/{g}"] = (sq / total_sq).astype(_F32)
+            out[f"{p}/norm/{g}"] = t.groups[g].norm
+            out[f"{p}/share/{g}"] = _share(t.groups[g], total_sq)
     if per_role:
         for name in sorted(t.roles):
             s = t.roles[name]
@@ -412,36 +509,30 @@ def gradient_metrics(grads: Any, *, params: Any = None, updates: Any = None, rol
             out[f"{p}/{name}_rms"] = s.rms
             out[f"{p}/{name}.nonfinite"] = _nonfinite(s)
             for i in sorted(t.role_layers.get(name, {})):
-                si = t.role_layers[name][i]
-                out[f"{p}/{name}_rms/layer_{i}"] = si.rms
-                out[f"{p}/{name}_abs.max/layer_{i}"] = si.abs_max
-    if params is not None:
-        tp = _TreeStats(params, roles=roles, specs=specs, axes=axes, by_layer=per_layer, by_role=False,
-                        what="params")
-        out[f"{param_prefix}/global_norm"] = tp.all.norm
-        if per_layer:
-            for i in sorted(tp.layers):
-                out[f"{param_prefix}/norm/layer_{i}"] = tp.layers[i].norm
-            for g in sorted(tp.groups):
-                out[f"{param_prefix}/norm/{g}"] = tp.groups[g].norm
-        if updates is not None:
-            out.update(_update_ratios(updates, tp, roles=roles, specs=specs, axes=axes, per_layer=per_layer,
-                                      prefix=update_prefix))
+                out[f"{p}/{name}_rms/layer_{i}"] = t.role_layers[name][i].rms
+                out[f"{p}/{name}_abs.max/layer_{i}"] = t.role_layers[name][i].abs_max
     return out
 
 
-def _update_ratios(updates: Any, tp: _TreeStats, *, roles: Roles, specs: Any, axes: Sequence[str] | str,
-                   per_layer: bool, prefix: str) -> dict[str, jax.Array]:
-    """``||u||``, ``||u|| / ||p||`` globally, per layer and per group (``tp``: the params' stats)."""
-    tu = _TreeStats(updates, roles=roles, specs=specs, axes=axes, by_layer=per_layer, by_role=False,
-                    what="updates")
-    out = {f"{prefix}/global_norm": tu.all.norm,
-           f"{prefix}/param_ratio": (tu.all.norm / tp.all.norm).astype(_F32)}
+def _param_figures(tp: _TreeStats, p: str, *, per_layer: bool) -> dict[str, jax.Array]:
+    """``{p}/global_norm`` and, per layer and group, ``{p}/norm/...``."""
+    out = {f"{p}/global_norm": tp.all.norm}
+    if per_layer:
+        for i in sorted(tp.layers):
+            out[f"{p}/norm/layer_{i}"] = tp.layers[i].norm
+        for g in sorted(tp.groups):
+            out[f"{p}/norm/{g}"] = tp.groups[g].norm
+    return out
+
+
+def _update_figures(tu: _TreeStats, tp: _TreeStats, p: str, *, per_layer: bool) -> dict[str, jax.Array]:
+    """``||u||``, ``||u|| / ||p||`` globally, per layer and per group."""
+    out = {f"{p}/global_norm": tu.all.norm, f"{p}/param_ratio": (tu.all.norm / tp.all.norm).astype(_F32)}
     if per_layer:
         for i in sorted(tu.layers):
             if i in tp.layers:
-                out[f"{prefix}/param_ratio/layer_{i}"] = (tu.layers[i].norm / tp.layers[i].norm).astype(_F32)
+                out[f"{p}/param_ratio/layer_{i}"] = (tu.layers[i].norm / tp.layers[i].norm).astype(_F32)
         for g in sorted(tu.groups):
             if g in tp.groups:
-                out[f"{prefix}/param_ratio/{g}"] = (tu.groups[g].norm / tp.groups[g].norm).astype(_F32)
+                out[f"{p}/param_ratio/{g}"] = (tu.groups[g].norm / tp.groups[g].norm).astype(_F32)
     return out

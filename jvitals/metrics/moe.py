@@ -231,46 +231,63 @@ def moe_metrics(expert_counts: Any, *, expert_bias: Any = None, top_k: int, axes
     """
     axes = check_axes(axes)
     c, ids = _counts_matrix(expert_counts, mask)
-    num_l, num_e = int(c.shape[0]), int(c.shape[1])
+    _check_top_k(top_k, c.shape)
+    if not isinstance(expert_counts, MoEWindowState):
+        c = psum_over(c, axes)
+    loads = _layer_loads(c.astype(_F32))
+    out = _aggregates(loads, c.astype(_F32), top_k, prefix)
+    if isinstance(expert_counts, MoEWindowState):
+        out[f"{prefix}/window_steps"] = expert_counts.steps.astype(_F32)
+    if expert_bias is not None:
+        out[f"{prefix}/ep_bias_abs_sum"] = _bias_abs_sum(expert_bias, axes, bias_specs)
+    if per_layer:
+        for j, i in enumerate(ids):
+            for name in ("maxvio", "load_imbalance", "load_cv", "dead_expert_ratio"):
+                out[f"{prefix}/{name}/layer_{i}"] = loads[name][j].astype(_F32)
+    return out
+
+
+def _check_top_k(top_k: Any, shape: tuple[int, ...]) -> None:
+    """``top_k`` must be a positive int no larger than the number of experts ``E``."""
+    num_l, num_e = int(shape[0]), int(shape[1])
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
         raise ValueError(f"top_k must be a positive int (experts selected per token), got {top_k!r}")
     if top_k > num_e:
         raise ValueError(f"top_k={top_k} exceeds the number of experts E={num_e} in expert_counts of shape "
                          f"[L, E] = {(num_l, num_e)}: a token cannot select more experts than exist.")
-    if not isinstance(expert_counts, MoEWindowState):
-        c = psum_over(c, axes)
-    c = c.astype(_F32)
+
+
+def _layer_loads(c: jax.Array) -> dict[str, jax.Array]:
+    """Per MoE layer (rows of ``c``, ``[L, E]`` float32): ``valid`` (mean > 0: a layer
+    that routed nothing is left out of the ratios), ``maxvio``, ``load_imbalance``,
+    ``load_cv`` (NaN where not valid) and ``dead_expert_ratio``."""
     mean = jnp.mean(c, axis=1)
     mx = jnp.max(c, axis=1)
     valid = mean > 0
     safe = jnp.where(valid, mean, 1.0)
-    maxvio = jnp.where(valid, (mx - mean) / safe, jnp.nan)
-    imbalance = jnp.where(valid, mx / safe, jnp.nan)
-    dev = c - mean[:, None]
-    cv = jnp.where(valid, jnp.sqrt(jnp.mean(dev * dev, axis=1)) / safe, jnp.nan)
-    dead = jnp.mean((c == 0).astype(_F32), axis=1)
+    dev = c - mean[:, None]  # two passes: a one-pass variance cancels on balanced large counts
+    return {"valid": valid,
+            "maxvio": jnp.where(valid, (mx - mean) / safe, jnp.nan),
+            "load_imbalance": jnp.where(valid, mx / safe, jnp.nan),
+            "load_cv": jnp.where(valid, jnp.sqrt(jnp.mean(dev * dev, axis=1)) / safe, jnp.nan),
+            "dead_expert_ratio": jnp.mean((c == 0).astype(_F32), axis=1)}
+
+
+def _aggregates(loads: Mapping[str, jax.Array], c: jax.Array, top_k: int, p: str) -> dict[str, jax.Array]:
+    """The figures over layers: means and maxima over the valid layers, the dead ratio
+    over all (layer, expert) pairs, and the window's token counts."""
+    valid = loads["valid"]
+    num_l, num_e = int(c.shape[0]), int(c.shape[1])
     window_tokens = jnp.sum(c) / (num_l * top_k)
-    p = prefix
-    out = {
-        f"{p}/dead_expert_ratio": jnp.mean(dead),
-        f"{p}/maxvio.mean": _masked_mean(maxvio, valid),
-        f"{p}/maxvio.max": _masked_max(maxvio, valid),
-        f"{p}/load_imbalance": _masked_max(imbalance, valid),
-        f"{p}/load_imbalance.max": _masked_max(imbalance, valid),
-        f"{p}/load_imbalance.mean": _masked_mean(imbalance, valid),
-        f"{p}/load_cv.mean": _masked_mean(cv, valid),
-        f"{p}/load_cv.max": _masked_max(cv, valid),
+    return {
+        f"{p}/dead_expert_ratio": jnp.mean(loads["dead_expert_ratio"]),
+        f"{p}/maxvio.mean": _masked_mean(loads["maxvio"], valid),
+        f"{p}/maxvio.max": _masked_max(loads["maxvio"], valid),
+        f"{p}/load_imbalance": _masked_max(loads["load_imbalance"], valid),
+        f"{p}/load_imbalance.max": _masked_max(loads["load_imbalance"], valid),
+        f"{p}/load_imbalance.mean": _masked_mean(loads["load_imbalance"], valid),
+        f"{p}/load_cv.mean": _masked_mean(loads["load_cv"], valid),
+        f"{p}/load_cv.max": _masked_max(loads["load_cv"], valid),
         f"{p}/window_tokens": window_tokens.astype(_F32),
         f"{p}/expected_tokens_per_expert": (window_tokens * top_k / num_e).astype(_F32),
     }
-    if isinstance(expert_counts, MoEWindowState):
-        out[f"{p}/window_steps"] = expert_counts.steps.astype(_F32)
-    if expert_bias is not None:
-        out[f"{p}/ep_bias_abs_sum"] = _bias_abs_sum(expert_bias, axes, bias_specs)
-    if per_layer:
-        for j, i in enumerate(ids):
-            out[f"{p}/maxvio/layer_{i}"] = maxvio[j].astype(_F32)
-            out[f"{p}/load_imbalance/layer_{i}"] = imbalance[j].astype(_F32)
-            out[f"{p}/load_cv/layer_{i}"] = cv[j].astype(_F32)
-            out[f"{p}/dead_expert_ratio/layer_{i}"] = dead[j].astype(_F32)
-    return out

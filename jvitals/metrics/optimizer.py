@@ -42,6 +42,7 @@ from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
@@ -94,6 +95,23 @@ def _bins(x: jax.Array) -> jax.Array:
     return (lax.bitcast_convert_type(jnp.abs(x.astype(_F32)), jnp.uint32) >> 16).astype(jnp.int32)
 
 
+_SCATTER = lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(0,),
+                                       scatter_dims_to_operand_dims=(0,))
+
+
+def _bins16(x: jax.Array) -> jax.Array:
+    """The bins of ``x``, flat, as uint16 (they fit: ``NU_BINS = 2^15``)."""
+    return (lax.bitcast_convert_type(jnp.abs(jnp.ravel(x).astype(_F32)), jnp.uint32) >> 16).astype(jnp.uint16)
+
+
+def _count_bins(hist: jax.Array, idx: jax.Array) -> jax.Array:
+    """``hist`` plus one count per bin index of ``idx`` (uint16: half the bytes of
+    int32 indices on a backend that writes them out before scattering, XLA:CPU)."""
+    return lax.scatter_add(hist, idx[:, None], jnp.ones(idx.shape, hist.dtype), _SCATTER,
+                           indices_are_sorted=False, unique_indices=False,
+                           mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
 def log_histogram(x: jax.Array, hist: jax.Array | None = None) -> jax.Array:
     """Counts of ``|x|`` per float32 top-16-bit bin (``NU_BINS`` int32); non-finite skipped.
 
@@ -103,25 +121,56 @@ def log_histogram(x: jax.Array, hist: jax.Array | None = None) -> jax.Array:
     ``bin(v) = bits(|v|) >> 16``. Inf and NaN land in the top 128 bins (from
     ``bits(+inf) >> 16 = 0x7F80``, where no finite value lands), which are
     cleared at the end, so one read of ``x`` gives the bins. Large leaves are
-    binned ``_HIST_CHUNK`` elements at a time (a ``lax.scan`` over the whole
-    chunks, then the remainder; nothing is padded), so the scatter never holds
-    more than one chunk of indices.
+    binned ``_HIST_CHUNK`` elements at a time (a loop over the whole chunks, each
+    sliced inside the loop, then the remainder; nothing is padded or copied), so the
+    scatter never holds more than one chunk of indices.
     """
     xf = jnp.asarray(x).ravel()
     n = xf.shape[0]
 
     def add(hist: jax.Array, part: jax.Array) -> tuple[jax.Array, None]:
-        return hist.at[_bins(part)].add(1, mode="promise_in_bounds"), None
+        return _count_bins(hist, _bins16(part)), None
 
     hist = jnp.zeros([NU_BINS], jnp.int32) if hist is None else hist
     whole = (n // _HIST_CHUNK) * _HIST_CHUNK
     if whole == n == _HIST_CHUNK or 0 < n < _HIST_CHUNK:
         hist = add(hist, xf)[0]
     else:
-        if whole:
-            hist = lax.scan(add, hist, lax.slice(xf, (0,), (whole,)).reshape(-1, _HIST_CHUNK))[0]
+        if whole:  # chunks sliced inside the loop: no copy of the whole chunks first
+            hist = lax.fori_loop(0, whole // _HIST_CHUNK, lambda i, h: add(
+                h, lax.dynamic_slice(xf, (i * _HIST_CHUNK,), (_HIST_CHUNK,)))[0], hist)
         if whole < n:
             hist = add(hist, lax.slice(xf, (whole,), (n,)))[0]
+    return hist.at[_NONFINITE_BIN:].set(0)
+
+
+def _log_histogram_many(xs: Sequence[jax.Array]) -> jax.Array:
+    """:func:`log_histogram` of every array of ``xs`` together.
+
+    A scatter reads and writes the whole ``NU_BINS`` histogram (128 KiB) besides its
+    indices, so leaves smaller than a chunk are binned together: their bins are
+    concatenated (one fusion reading each leaf once) into batches of at most
+    ``_HIST_CHUNK`` indices, one scatter a batch; larger leaves go through
+    :func:`log_histogram`'s chunks. The non-finite bins are cleared once.
+    """
+    hist = jnp.zeros([NU_BINS], jnp.int32)
+    batch: list[jax.Array] = []
+    size = 0
+
+    def flush(hist: jax.Array, batch: list[jax.Array]) -> jax.Array:
+        return _count_bins(hist, jnp.concatenate([_bins16(b) for b in batch]))
+
+    for x in xs:
+        n = int(np.prod(jnp.shape(x)))
+        if n >= _HIST_CHUNK:
+            hist = log_histogram(x, hist)
+            continue
+        if size + n > _HIST_CHUNK and batch:
+            hist, batch, size = flush(hist, batch), [], 0
+        batch.append(jnp.asarray(x))
+        size += n
+    if batch:
+        hist = flush(hist, batch)
     return hist.at[_NONFINITE_BIN:].set(0)
 
 
@@ -224,10 +273,7 @@ def _histogram_median(groups: Mapping[tuple[str, ...], Sequence[jax.Array]]) -> 
     """:func:`histogram_quantile` (0.5) of the leaves' summed, ``psum``-ed :func:`log_histogram`."""
     hist = jnp.zeros([NU_BINS], _F32)
     for red, xs in groups.items():
-        h = None
-        for x in xs:
-            h = log_histogram(x, h)  # one buffer, threaded through the leaves
-        h = h.astype(_F32)
+        h = _log_histogram_many(xs).astype(_F32)
         hist = hist + (psum_over(h, red, PartitionSpec(red)) if red else h)
     return histogram_quantile(hist, 0.5)
 
@@ -273,69 +319,91 @@ def optimizer_metrics(opt_state: Any, *, specs: Any = None, axes: Sequence[str] 
     axes = check_axes(axes)
     p = prefix
     out: dict[str, jax.Array] = {}
-
-    def find(pred: Any) -> list[Any]:
-        return [n for n in jax.tree.leaves(opt_state, is_leaf=pred) if pred(n)]
-
-    # Adam nu.
-    adam = find(_is_adam)
+    adam = _find(opt_state, _is_adam)
     if adam:
-        acc = Accumulator()
-        groups: dict[tuple[str, ...], list[jax.Array]] = {}
-        for st in adam:
-            nu = st.nu
-            leaves = jax.tree.leaves(nu)
-            sp = flat_specs(nu, specs, "Adam nu (the params' structure)")
-            for i, x in enumerate(leaves):
-                red = reduction_axes(x, axes, sp[i] if sp is not None else None, sp is not None)
-                groups.setdefault(red, []).append(x)
-        for red, xs in groups.items():  # nu >= 0: only its max and non-finite count, one cond per group
-            acc.add(red, "nu", summarize_max(xs))
-        s = acc.result().get("nu", Summary.empty())
-        if median == "histogram":
-            med = _histogram_median(groups)
-        elif median == "search":
-            med = search_quantile(groups, 0.5)
-        else:
-            med = lax.platform_dependent(cpu=lambda: _histogram_median(groups),
-                                         default=lambda: search_quantile(groups, 0.5))
-        out[f"{p}/adam_nu_abs.max"] = s.abs_max
-        out[f"{p}/adam_nu_median"] = jnp.where(s.nonfinite > 0, jnp.nan, med).astype(_F32)
-        out[f"{p}/adam_nu_log10_spread"] = (jnp.log10(s.abs_max) - jnp.log10(out[f"{p}/adam_nu_median"])).astype(_F32)
-
-    # Loss scale.
-    ls = loss_scale
-    if ls is None:
-        objs = find(_is_loss_scale_obj)
-        if objs:
-            ls = objs[0]
-        else:
-            for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
-                if path_str(path).split("/")[-1] == "loss_scale":
-                    ls = leaf
-                    break
+        out.update(_nu_figures(adam, specs=specs, axes=axes, median=median, prefix=p))
+    ls = _find_loss_scale(opt_state, loss_scale)
     if ls is not None:
-        if not hasattr(ls, "shape"):
-            ls = getattr(ls, "loss_scale", None) if hasattr(ls, "loss_scale") else getattr(ls, "scale", None)
-            if ls is None:
-                raise ValueError(f"loss_scale: expected an array or an object with .loss_scale or .scale, "
-                                 f"got {type(loss_scale).__name__}")
-        out[f"{p}/loss_scale"] = jnp.asarray(ls).astype(_F32)
-
-    # Skipped steps.
-    aif = find(_is_apply_if_finite)
+        out[f"{p}/loss_scale"] = ls
+    aif = _find(opt_state, _is_apply_if_finite)
     if aif:
         out[f"{p}/skipped_steps"] = sum(jnp.asarray(n.total_notfinite).astype(jnp.int32) for n in aif)
         out[f"{p}/consecutive_nonfinite"] = sum(jnp.asarray(n.notfinite_count).astype(jnp.int32) for n in aif)
-
-    # Injected learning rate, times every LR scale injected (jvitals.with_lr_scale).
     lrs = injected_hyperparams(opt_state, "learning_rate")
-    if lrs:
+    if lrs:  # times every LR scale injected (jvitals.with_lr_scale)
         lr = jnp.asarray(lrs[0], _F32).reshape(())
         for s in injected_hyperparams(opt_state, LR_SCALE):
             lr = lr * jnp.asarray(s, _F32).reshape(())
         out[f"{p}/learning_rate"] = lr
     return out
+
+
+def _find(tree: Any, pred: Any) -> list[Any]:
+    """The nodes of ``tree`` (outermost first) for which ``pred`` holds."""
+    return [n for n in jax.tree.leaves(tree, is_leaf=pred) if pred(n)]
+
+
+def _nu_groups(adam: Sequence[Any], specs: Any, axes: tuple[str, ...]) -> dict[tuple[str, ...], list[jax.Array]]:
+    """Every ``nu`` leaf of the Adam states, grouped by the mesh axes it is reduced over."""
+    groups: dict[tuple[str, ...], list[jax.Array]] = {}
+    for st in adam:
+        leaves = jax.tree.leaves(st.nu)
+        sp = flat_specs(st.nu, specs, "Adam nu (the params' structure)")
+        for i, x in enumerate(leaves):
+            red = reduction_axes(x, axes, sp[i] if sp is not None else None, sp is not None)
+            groups.setdefault(red, []).append(x)
+    return groups
+
+
+def _median(groups: Mapping[tuple[str, ...], Sequence[jax.Array]], median: str) -> jax.Array:
+    """The ``nu`` median by the method asked for (``'auto'``: the histogram on the CPU,
+    the search elsewhere; the backend compiling the step decides)."""
+    if median == "histogram":
+        return _histogram_median(groups)
+    if median == "search":
+        return search_quantile(groups, 0.5)
+    return lax.platform_dependent(cpu=lambda: _histogram_median(groups),
+                                  default=lambda: search_quantile(groups, 0.5))
+
+
+def _nu_figures(adam: Sequence[Any], *, specs: Any, axes: tuple[str, ...], median: str,
+                prefix: str) -> dict[str, jax.Array]:
+    """``{p}/adam_nu_abs.max``, ``_median`` (NaN with a non-finite ``nu``) and
+    ``_log10_spread`` over every ``nu`` leaf (``max |nu|`` and the count: one read each)."""
+    groups = _nu_groups(adam, specs, axes)
+    acc = Accumulator()
+    for red, xs in groups.items():  # nu >= 0: only its max and non-finite count
+        acc.add(red, "nu", summarize_max(xs))
+    s = acc.result().get("nu", Summary.empty())
+    med = jnp.where(s.nonfinite > 0, jnp.nan, _median(groups, median)).astype(_F32)
+    return {f"{prefix}/adam_nu_abs.max": s.abs_max, f"{prefix}/adam_nu_median": med,
+            f"{prefix}/adam_nu_log10_spread": (jnp.log10(s.abs_max) - jnp.log10(med)).astype(_F32)}
+
+
+def _find_loss_scale(opt_state: Any, loss_scale: Any) -> jax.Array | None:
+    """The dynamic loss scale (float32): ``loss_scale`` if given, else the first
+    loss-scale object in the state (flax ``DynamicScale``, jmp's), else the first
+    leaf named ``loss_scale``; an object is read through ``.loss_scale`` or ``.scale``.
+
+    Raises:
+      ValueError: an object with neither attribute.
+    """
+    ls = loss_scale
+    if ls is None:
+        objs = _find(opt_state, _is_loss_scale_obj)
+        if objs:
+            ls = objs[0]
+        else:
+            ls = next((leaf for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]
+                       if path_str(path).split("/")[-1] == "loss_scale"), None)
+    if ls is None:
+        return None
+    if not hasattr(ls, "shape"):
+        ls = getattr(ls, "loss_scale", None) if hasattr(ls, "loss_scale") else getattr(ls, "scale", None)
+        if ls is None:
+            raise ValueError(f"loss_scale: expected an array or an object with .loss_scale or .scale, "
+                             f"got {type(loss_scale).__name__}")
+    return jnp.asarray(ls).astype(_F32)
 
 
 def injected_hyperparams(tree: Any, key: str) -> list[jax.Array]:

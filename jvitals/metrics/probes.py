@@ -35,8 +35,9 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from jvitals.metrics.stats import (Summary, eager_jit, make_varying, pmax_over, reduce, summarize, summarize_many,
-                           summarize_max)
+from jvitals.metrics import fold
+from jvitals.metrics.stats import (Summary, _nan_rule, eager_jit, make_varying, pmax_over, reduce, summarize,
+                                   summarize_max)
 
 __all__ = [
     "LogitsRows",
@@ -46,6 +47,7 @@ __all__ = [
     "logits_probe",
     "logits_rows",
     "perturb_values",
+    "row_argmax",
     "sow_summary",
     "summarize_logits",
     "vary_along",
@@ -123,71 +125,110 @@ def vary_along(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(cast, tree)
 
 
-# Logits per chunk when summarize_logits picks (chunk_elements=None) on the CPU:
-# an eighth of them, within [512 KiB, 4 MiB] of float32. Smaller chunks cost
-# XLA:CPU one loop iteration each (measured: 4 chunks of small's 512 x 512 logits
-# instead of 2 cost 5% of its 10 ms step); larger ones, temporaries of their size.
-# Other backends take one pass: GPU/TPU fuse the selects and compares into the
-# reductions (so no logits-sized temporaries are expected; the one-pass path's
-# memory is not yet measured on a device), and each iteration of a loop of small chunks
-# costs a GPU a round trip to the host (on an H200, the probes cost 13% of a
-# 34 ms step, this one's 256 chunks of 2^20 logits among them).
-_CHUNK_MIN, _CHUNK_MAX, _CHUNKS = 1 << 17, 1 << 20, 8
+def _first_max_wins(a1: jax.Array, ai: jax.Array, b1: jax.Array, bi: jax.Array) -> jax.Array:
+    """Whether ``(a1, ai)`` ranks before ``(b1, bi)``: the larger value, then (equal
+    values) the smaller index. Keys hold no NaN (see :func:`_keys`)."""
+    return (a1 > b1) | ((a1 == b1) & (ai < bi))
+
+
+def _keys(x: jax.Array, iota: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(key, index, first NaN)`` per element: ``key`` is ``x`` with NaN read as
+    ``-inf`` (so ranking needs no NaN test: three comparisons a merge), and the
+    NaNs are tracked apart by the smallest index holding one (``BIG`` if none), which
+    takes ``jnp.argmax``'s place when there is one."""
+    nan = jnp.isnan(x)
+    return jnp.where(nan, -jnp.inf, x), iota, jnp.where(nan, iota, jnp.iinfo(jnp.int32).max)
+
+
+def _argmax_combine(a: tuple, b: tuple) -> tuple:
+    a_wins = _first_max_wins(a[0], a[1], b[0], b[1])
+    return jnp.where(a_wins, a[0], b[0]), jnp.where(a_wins, a[1], b[1]), lax.min(a[2], b[2])
+
+
+def _first_nan_or(first: jax.Array, first_nan: jax.Array) -> jax.Array:
+    """``jnp.argmax``'s index: the first NaN where the row holds one, else ``first``."""
+    return jnp.where(first_nan < jnp.iinfo(jnp.int32).max, first_nan, first).astype(jnp.int32)
+
+
+def row_argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, -1)`` as int32 in one read of ``x`` (a reduction of the values,
+    their indices and the first NaN; the first NaN, else the first maximum)."""
+    x = jnp.asarray(x)
+    iota = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    big = jnp.iinfo(jnp.int32).max
+    _, first, first_nan = fold.fold_map(lambda a, i: _keys(a.astype(_F32), i), (x, iota), (-jnp.inf, big, big),
+                                        _argmax_combine, (x.ndim - 1,))
+    return _first_nan_or(first, first_nan)
+
+
+def _logits_combine(a: tuple, b: tuple) -> tuple:
+    """Merge two partial row statistics (associative and commutative; see :func:`_row_stats`).
+
+    Fields: ``(top1, top2, first, first_nan, s, sum, sumsq, abs_max, nonfinite)`` over
+    NaN-free keys. The larger ``top1`` wins (equal values: the smaller index), so
+    ``first`` is the first maximum; ``top2`` is the second largest of the multiset
+    (a tie gives ``top2 == top1``, as ``lax.top_k`` does); ``s = sum exp(x - top1)``
+    is rescaled to the winner's maximum (the online log-sum-exp: one ``exp`` per
+    merge; an element's ``s`` is NaN for a NaN, so a row's is).
+    """
+    a1, a2, ai, an, a_s, *ra = a
+    b1, b2, bi, bn, b_s, *rb = b
+    a_wins = _first_max_wins(a1, ai, b1, bi)
+    top1 = jnp.where(a_wins, a1, b1)
+    loser = jnp.where(a_wins, b1, a1)
+    e = jnp.where(loser == top1, jnp.ones_like(top1), jnp.exp(loser - top1))
+    s = jnp.where(a_wins, a_s + b_s * e, a_s * e + b_s)
+    top2 = lax.max(lax.min(a1, b1), lax.max(a2, b2))
+    first = jnp.where(a_wins, ai, bi)
+    rest = (ra[0] + rb[0], ra[1] + rb[1], lax.max(ra[2], rb[2]), ra[3] + rb[3])
+    return (top1, top2, first, lax.min(an, bn), s) + rest
 
 
 def _row_stats(x: jax.Array) -> tuple[jax.Array, ...]:
-    """Per-row (last axis) reductions of ``[R, V]`` float32 logits; each ``[R]``.
+    """Per-row (last axis) statistics of ``[..., V]`` logits in one read; each ``[...]``.
 
     Returns ``(top1, top2, lse, sum, sumsq, abs_max, nonfinite, argmax)``, for
-    any values (NaN and +-inf included), with no conditional:
+    any values (NaN and +-inf included), with no conditional and no loop:
 
-    - ``top1 = max x``, NaN if the row holds a NaN (on every backend);
+    - ``top1 = max x``, NaN if the row holds a NaN;
     - ``argmax``: the first index of ``top1``, or of the first NaN (what
       ``jnp.argmax`` gives);
-    - ``top2 = max`` over every other index -- what ``lax.top_k(x, 2)`` gives on
-      finite rows, so a tie gives ``top2 == top1``;
-    - ``lse = s + log(sum exp(x - s))`` with ``s = top1`` where finite, else 0
-      (``jax.nn.logsumexp``'s shift: +inf for a row holding +inf, -inf for a row
-      of -inf);
-    - ``nonfinite``: the number of NaN/Inf entries (a row's sums, sumsq and
-      abs_max are meaningless where it is > 0; the caller leaves them out).
+    - ``top2``: the second largest entry of the row -- what ``lax.top_k(x, 2)``
+      gives on finite rows, so a tie gives ``top2 == top1``;
+    - ``lse = top1 + log(sum exp(x - top1))`` (+inf for a row holding +inf, -inf
+      for a row of -inf, NaN with a NaN);
+    - ``sum``, ``sumsq``, ``abs_max`` of the row's finite entries and
+      ``nonfinite``, the number of NaN/Inf entries (the caller leaves out a row's
+      sums where it is > 0).
 
-    Eight plain reductions: XLA:CPU's own ``argmax`` is a variadic reduction ~8x
-    slower than all of them together. No ``lax.cond`` either: in a ``lax.map``
-    body XLA:CPU pays for the skipped branch on every iteration (measured: 4.5%
-    of the moe config's step), and one after the loop makes XLA copy the logits
-    (x1.06 temp memory on the medium config).
+    All are the fields of one variadic reduction (``fold.py``): the logits are read
+    once, on every backend (``lax.top_k`` and XLA:CPU's ``argmax`` are both far
+    slower on the CPU).
     """
-    v = x.shape[-1]
-    m = jnp.max(x, axis=-1)
-    shift = jnp.where(jnp.isfinite(m), m, 0.0)
-    lse = shift + jnp.log(jnp.sum(jnp.exp(x - shift[:, None]), axis=-1))
-    # XLA:CPU's max drops NaN (openxla/xla#21461); the exp sum keeps it: NaN
-    # exactly for a row holding a NaN (x - shift <= 0 elsewhere, or +inf).
-    top1 = jnp.where(jnp.isnan(lse), jnp.nan, m)
-    # The argmax in one pass that does not wait for the exp sum (so a consumer of
-    # the argmax alone, MTP agreement, costs two passes): a NaN's index ranks
-    # before every index of the maximum, whichever ``m`` the backend's max gave.
-    # A float32 iota reduces faster than int32 on CPU; exact up to 2v <= 2^24.
-    iota = lax.broadcasted_iota(_F32 if v <= (1 << 23) else jnp.int32, x.shape, 1)
-    rank = jnp.min(jnp.where(x != x, iota, jnp.where(x == m[:, None], iota + v, 2 * v)), axis=-1)
-    first = jnp.where(rank >= v, rank - v, rank)
-    top2 = jnp.max(jnp.where(iota == first[:, None], -jnp.inf, x), axis=-1)
-    # max|x| = max(m, -min x) on a finite row (the only rows it is read for):
-    # a plain min reduces twice as fast as a max of |x| on XLA:CPU.
-    amax = jnp.maximum(m, -jnp.min(x, axis=-1))
-    return (top1, top2, lse, jnp.sum(x, axis=-1), jnp.sum(x * x, axis=-1), amax,
-            jnp.sum(jnp.where(jnp.isfinite(x), 0.0, 1.0), axis=-1), first.astype(jnp.int32))
+    x = jnp.asarray(x)
+    big = jnp.iinfo(jnp.int32).max
+
+    def make(x: jax.Array, iota: jax.Array) -> tuple[jax.Array, ...]:
+        xf = x.astype(_F32)
+        fin = jnp.isfinite(xf)
+        xg = jnp.where(fin, xf, 0.0)
+        key, idx, first_nan = _keys(xf, iota)
+        one = jnp.where(jnp.isnan(xf), jnp.nan, 1.0).astype(_F32)
+        return (key, jnp.full_like(xf, -jnp.inf), idx, first_nan, one, xg, xg * xg, jnp.abs(xg),
+                jnp.where(fin, 0.0, 1.0).astype(_F32))
+
+    iota = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    inits = (-jnp.inf, -jnp.inf, big, big, 0.0, 0.0, 0.0, 0.0, 0.0)
+    top1, top2, first, first_nan, s, total, sumsq, amax, bad = fold.fold_map(
+        make, (x, iota), inits, _logits_combine, (x.ndim - 1,))
+    top1 = jnp.where(first_nan < big, jnp.nan, top1)
+    lse = top1 + jnp.log(s)
+    return top1, top2, lse, total, sumsq, amax, bad, _first_nan_or(first, first_nan)
 
 
 def _chunk_rows(rows: int, v: int, chunk_elements: int | None) -> int:
-    """Largest divisor of ``rows`` with ``chunk * v <= chunk_elements`` (>= 1).
-
-    ``chunk_elements``: None picks ``clip(rows * v / 8, 2^17, 2^20)``; 0 means
-    one chunk of everything.
-    """
-    if chunk_elements is None:
-        chunk_elements = min(max(rows * v // _CHUNKS, _CHUNK_MIN), _CHUNK_MAX)
+    """Largest divisor of ``rows`` with ``chunk * v <= chunk_elements`` (>= 1);
+    ``rows`` (one pass) when ``chunk_elements`` is None or 0."""
     if not chunk_elements or rows * v <= chunk_elements:
         return rows
     target = max(1, chunk_elements // max(v, 1))
@@ -205,18 +246,16 @@ def summarize_logits(logits: jax.Array, mask: jax.Array | None = None, *,
     ``lse = logsumexp_v x``. Masked positions count nowhere (a masked position
     holding inf/NaN or huge values changes nothing).
 
-    On the CPU the per-position reductions run over chunks of positions
-    (``lax.map``) of at most ``chunk_elements`` logits, so the temporaries
-    XLA:CPU materialises (one per select or compare feeding a reduction) stay
-    small. Other backends fuse those into the reductions, so by default they take
-    one pass (``lax.platform_dependent``: the backend compiling the step decides).
+    Every per-position statistic comes from one variadic reduction over the
+    vocabulary (:func:`_row_stats`): the logits are read once, with no
+    temporaries; the masked summary over positions is a second one, over the
+    ``[B, T]`` row figures.
 
     Args:
       logits: ``[..., V]`` array of any float dtype (cast to float32 first).
       mask: optional boolean ``logits.shape[:-1]`` (``[B, T]``), True = valid.
-      chunk_elements: logits per chunk, on every backend; None: on the CPU an
-        eighth of them, within ``[2^17, 2^20]``, elsewhere one pass; 0: one pass
-        over everything.
+      chunk_elements: optional: reduce at most this many logits at a time (a
+        ``lax.map`` over chunks of positions); None or 0 (default): one pass.
 
     Returns:
       A :class:`LogitsSummary`.
@@ -300,48 +339,45 @@ def logits_rows(logits: jax.Array, *, chunk_elements: int | None = None) -> Logi
 
 
 def _row_stats_chunked(x2: jax.Array, rows: int, v: int, chunk_elements: int | None) -> tuple[jax.Array, ...]:
-    def chunked(x2: jax.Array, chunk: int) -> tuple[jax.Array, ...]:
-        if chunk < rows:
-            out = lax.map(lambda c: _row_stats(c.astype(_F32)), x2.reshape(rows // chunk, chunk, v))
-            return tuple(o.reshape(rows) for o in out)
-        return _row_stats(x2.astype(_F32))
-
-    if chunk_elements is None:
-        return lax.platform_dependent(cpu=lambda: chunked(x2, _chunk_rows(rows, v, None)),
-                                      default=lambda: chunked(x2, rows))
-    return chunked(x2, _chunk_rows(rows, v, chunk_elements))
+    chunk = _chunk_rows(rows, v, chunk_elements)
+    if chunk < rows:
+        out = lax.map(_row_stats, x2.reshape(rows // chunk, chunk, v))
+        return tuple(o.reshape(rows) for o in out)
+    return _row_stats(x2)
 
 
 def _rows_summary(top1: jax.Array, top2: jax.Array, lse: jax.Array, r_sum: jax.Array, r_sumsq: jax.Array,
                   r_amax: jax.Array, r_bad: jax.Array, argmax: jax.Array, valid: jax.Array,
                   v: int) -> "LogitsSummary":
-    tie = top2 == top1
+    """The masked :class:`LogitsSummary` from per-row figures: one reduction over positions.
+
+    A row with a non-finite value makes every logits statistic NaN through
+    ``nonfinite``; its sums are left out. ``top2_diff``, ``top2_tie`` and ``lse``
+    are summaries of per-row values (``tie`` NaN where ``top1 - top2`` is not
+    finite), ``lse_max`` the signed maximum of ``lse`` over valid rows.
+    """
     diff = top1 - top2
-    tie_f = jnp.where(jnp.isfinite(diff), tie.astype(_F32), jnp.nan)
-    # The logits' Summary from per-row pieces: a row with a non-finite value makes
-    # every statistic NaN through ``nonfinite``; its sums are left out.
+    tie_f = jnp.where(jnp.isfinite(diff), (top2 == top1).astype(_F32), jnp.nan)
     ok = valid & (r_bad == 0)
-    count = jnp.sum(valid, dtype=_F32) * v
-    nonfinite = jnp.sum(jnp.where(valid, r_bad, 0.0))
-    amax = jnp.max(jnp.where(ok, r_amax, 0.0), initial=0.0)
-    logit_s = Summary(
-        count=count,
-        sum=jnp.sum(jnp.where(ok, r_sum, 0.0)),
-        sumsq=jnp.sum(jnp.where(ok, r_sumsq, 0.0)),
-        abs_max=jnp.where((nonfinite > 0) | (count <= 0), jnp.nan, amax).astype(_F32),
-        nonfinite=nonfinite,
-    )
-    lse_s, diff_s, tie_s = summarize_many([(lse, valid, None), (diff, valid, None), (tie_f, valid, None)])
-    lse_max = jnp.max(jnp.where(valid, lse, -jnp.inf), initial=-jnp.inf)
-    lse_max = jnp.where((lse_s.nonfinite > 0) | (lse_s.count <= 0), jnp.nan, lse_max).astype(_F32)
-    return LogitsSummary(
-        logits=logit_s,
-        top2_diff=diff_s,
-        top2_tie=tie_s,
-        lse=lse_s,
-        lse_max=lse_max,
-        argmax=argmax,
-    )
+    ops, inits, names = [], [0.0] * 12, ["sum", "sum", "max", "sum"] * 3
+    for x in (lse, diff, tie_f):
+        ops += fold.summary_ops(x, valid, fold.FULL)
+    ops += [jnp.where(ok, r_sum, 0.0), jnp.where(ok, r_sumsq, 0.0), jnp.where(ok, r_amax, 0.0),
+            jnp.where(valid, r_bad, 0.0), jnp.where(valid, lse, -jnp.inf), valid.astype(_F32)]
+    inits += [0.0, 0.0, 0.0, 0.0, -jnp.inf, 0.0]
+    names += ["sum", "sum", "max", "sum", "max", "sum"]
+    got = fold.fold(ops, inits, fold.kinds(names)[1])
+    n = got[-1]
+    pos = [Summary(count=n, sum=got[j], sumsq=got[j + 1], abs_max=_nan_rule(got[j + 2], n, got[j + 3]),
+                   nonfinite=got[j + 3]) for j in (0, 4, 8)]
+    lse_s, diff_s, tie_s = pos
+    count = n * v
+    nonfinite = got[15]
+    logit_s = Summary(count=count, sum=got[12], sumsq=got[13], abs_max=_nan_rule(got[14], count, nonfinite),
+                      nonfinite=nonfinite)
+    lse_max = jnp.where((lse_s.nonfinite > 0) | (n <= 0), jnp.nan, got[16]).astype(_F32)
+    return LogitsSummary(logits=logit_s, top2_diff=diff_s, top2_tie=tie_s, lse=lse_s, lse_max=lse_max,
+                         argmax=argmax)
 
 
 def sow_summary(module: Any, name: str, x: jax.Array, mask: jax.Array | None = None) -> bool:

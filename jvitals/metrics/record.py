@@ -62,16 +62,19 @@ compiled twice on a static flag::
 ``vitals_layers=True`` computes every family this update, ``False`` only the
 global one (its cadence still applies), with no conditional and nothing of the
 per-layer pass compiled; a traced boolean is used as the predicate of the
-``lax.cond``; None (the default) follows ``every``. Without a conditional, the
-global sum of squares, written as ``optax.global_norm`` writes it, is computed
-once by XLA for these figures and for an ``optax.clip_by_global_norm`` in the
-same step. The post-clip norm of a wrapped ``optax.clip_by_global_norm(max_norm)``
-is ``min(||g||, max_norm)`` (NaN if ``||g||`` is), known without reading the
-clipped gradients; any other wrapped transform's outputs (an optimizer's
-updates) cost one more pass for their global norm, made outside any conditional
-and kept only when the pre-clip figures are fresh; their per-layer figures are
-in the per-layer pass (with the ``lax.cond`` cadence the updates then enter the
-conditional). ``RecordState.last_step`` records, per family, the update at which its
+``lax.cond``; None (the default) follows ``every``. Without a conditional, every
+figure of an update comes from one read of each leaf of the gradients, the
+parameters and ``inner``'s outputs, one reduction per leaf (``gradient_metrics``
+with ``updates=``; the light step measures their global norms the same way). The
+post-clip norm of a wrapped ``optax.clip_by_global_norm(max_norm)`` is
+``min(||g||, max_norm)`` (NaN if ``||g||`` is), known without reading the clipped
+gradients; any other wrapped transform's outputs (an optimizer's updates) are read
+for their norm in that same reduction (with the ``lax.cond`` cadence: outside the
+conditional, kept only when the pre-clip figures are fresh, the per-layer ones in
+the per-layer branch, which the outputs then enter). Reading the updates costs more
+than a read on XLA:CPU, which has no multi-output fusion: the update is written out
+once and read by the recorder and by ``optax.apply_updates`` (docs/COST.md).
+``RecordState.last_step`` records, per family, the update at which its
 figures were last computed (-1: never).
 
 Placement:
@@ -205,57 +208,14 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
     """
     cadence = _check_every(every)
     roles = roles if roles is not None else Roles()
-    axes = tuple(axes)
-    lead_path, lead_max, lead_whole = _leading_clip(inner)
+    cfg = _Config(roles=roles, specs=specs, axes=tuple(axes), cadence=cadence, schedule=schedule,
+                  lead=_leading_clip(inner), post=post)
     inner = optax.with_extra_args_support(inner) if inner is not None else None
-
-    def plan(inner_state: Any) -> _Plan:
-        lr = schedule is not None or _injected_lr(inner_state) is not None
-        if inner is None:
-            return _Plan(None, False, lr)
-        if post not in ("auto", "clip", "update"):
-            raise ValueError(f"record(post={post!r}): expected 'auto', 'clip' or 'update'")
-        lead_state = _at(inner_state, lead_path)
-        known = ("threshold" if _has_threshold(lead_state) else
-                 "max_norm" if lead_max is not None else None)
-        if post == "clip":
-            return _Plan(known if lead_whole and known else "measured", False, lr)
-        if post == "update":
-            return _Plan(known if known and not lead_whole else None, True, lr)
-        if known:
-            return _Plan(known, not lead_whole, lr)
-        return _Plan(None, True, lr) if _has_state(inner_state) else _Plan("measured", False, lr)
 
     def init_fn(params: Any) -> RecordState:
         inner_state = inner.init(params) if inner is not None else optax.EmptyState()
-        pl = plan(inner_state)
-
-        def names(p: Any) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
-            # global view: no mesh axes are bound at init
-            m = _gradients.gradient_metrics(p, params=p, updates=p if pl.update else None, roles=roles)
-            g = dict(_gradients.global_norm_metrics(p))
-            g["param/global_norm"] = m["param/global_norm"]
-            one = m["grad/global_norm"]
-            g.update(_clip_metrics(one, one, one if pl.clip == "threshold" else None) if pl.clip else {})
-            g.update(_update_metrics(one, one) if pl.update else {})
-            if pl.lr:
-                g[LR_NAME] = one
-            return m, g
-
-        heavy_names, light_names = jax.eval_shape(names, params)
-        keys = list({**heavy_names, **light_names})
-        families = ["global" if k in light_names else "layers" for k in keys]
-        n_flags = len(dict.fromkeys(families))
-        metrics = PackedMetrics(keys, jnp.concatenate([jnp.full((len(keys),), jnp.nan, jnp.float32),
-                                                       jnp.zeros((n_flags,), jnp.float32)]), families)
-        last = {f: jnp.full((), -1, jnp.int32) for f in _FAMILIES}
-        return RecordState(jnp.zeros([], jnp.int32), metrics, last, inner_state)
-
-    def _global(grads: Any, params: Any) -> dict[str, jax.Array]:
-        m = _gradients.global_norm_metrics(grads, specs=specs, axes=axes)
-        if params is not None:
-            m["param/global_norm"] = _gradients.global_norm(params, specs=specs, axes=axes)
-        return m
+        return RecordState(jnp.zeros([], jnp.int32), _empty_metrics(params, _plan(cfg, inner, inner_state), roles),
+                           {f: jnp.full((), -1, jnp.int32) for f in _FAMILIES}, inner_state)
 
     def update_fn(updates: Any, state: RecordState, params: Any = None, *,
                   vitals_layers: bool | jax.Array | None = None, **extra: Any):
@@ -263,104 +223,228 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
             out, inner_state = inner.update(updates, state.inner_state, params, **extra)
         else:
             out, inner_state = updates, state.inner_state
-        pl = plan(inner_state)
-        outer = extra.get(LR_SCALE_ARG)
-        outer = None if outer is None else jnp.asarray(outer, jnp.float32).reshape(())
-        count = state.count
-        due = {f: (count % cadence[f]) == 0 for f in _FAMILIES}
-        static = None  # the per-layer family decided at trace time (a Python bool)
-        if isinstance(vitals_layers, (bool, np.bool_)):
-            static = bool(vitals_layers)
-            due["layers"] = jnp.asarray(static)
-        elif vitals_layers is not None:
-            due["layers"] = jnp.asarray(vitals_layers, bool).reshape(())
-        names = state.metrics.names
-        prev = state.metrics.vector[:len(names)]  # the figures cross the conditional as one vector
-        index = {k: i for i, k in enumerate(names)}
-        with_updates = pl.update and params is not None
-
-        def fill(m: dict[str, jax.Array], base: jax.Array) -> jax.Array:
-            m = _replicated(m, axes)
-            have = [k for k in names if k in m]
-            fresh = jnp.stack([m[k].astype(jnp.float32) for k in have])
-            if len(have) == len(names):
-                return fresh
-            return base.at[jnp.array([index[k] for k in have])].set(fresh)  # the rest keep their values
-
-        def keep(v: jax.Array) -> jax.Array:
-            return v
-
-        def light(v: jax.Array) -> jax.Array:
-            return fill(_global(updates, params), v)
-
-        def heavy(v: jax.Array) -> jax.Array:
-            m = _gradients.gradient_metrics(updates, params=params, updates=out if with_updates else None,
-                                            roles=roles, specs=specs, axes=axes)
-            if outer is not None:  # the updates applied are outer * out (jvitals.with_lr_scale)
-                m = {k: v * outer if k.startswith("update/") else v for k, v in m.items()}
-            return fill(m, v)
-
-        # Only the gradients and params enter a conditional (and, for the
-        # per-layer update figures, the inner transform's outputs; never for the
-        # light family, which XLA would then have to materialise them for).
-        heavy_static = static is True or (static is None and vitals_layers is None and cadence["layers"] == 1)
+        step = _Step(grads=updates, out=out, params=params, count=state.count, inner_state=inner_state,
+                     plan=_plan(cfg, inner, inner_state), outer=_outer_scale(extra),
+                     names=state.metrics.names)
+        due, static = _due(cfg.cadence, state.count, vitals_layers)
+        vec, out_norm, heavy_static = _family_vector(cfg, step, state.metrics.vector[:len(step.names)], due,
+                                                     static, vitals_layers)
         if heavy_static:
-            vec = heavy(prev)  # one pass gives every family
             due["layers"] = jnp.asarray(True)
-        elif static is False:
-            # No conditional, nothing of the per-layer pass compiled: the global
-            # sum of squares, written as optax.global_norm writes it, is computed
-            # once by XLA for these figures and for a clip in the same step.
-            vec = light(prev) if cadence["global"] == 1 else lax.cond(due["global"], light, keep, prev)
-        elif cadence["global"] == 1:
-            # The per-layer pass (which gives the global figures too) or the
-            # global pass. Measured on XLA:CPU, one conditional holding both costs
-            # less than the global pass outside it and a conditional for the rest.
-            vec = lax.cond(due["layers"], heavy, light, prev)
-        else:
-            which = jnp.where(due["layers"], 2, jnp.where(due["global"], 1, 0))
-            vec = lax.switch(which, (keep, light, heavy), prev)
         fresh = due["global"] | due["layers"]
-
-        # Figures outside any conditional, kept only when the pre-clip figures
-        # they are compared with are fresh.
-        pm: dict[str, jax.Array] = {}
-        pre = vec[index["grad/global_norm"]]
-        out_norm = None
-        if pl.clip == "measured" or (pl.update and not (heavy_static and with_updates)):
-            # One norm of the outputs (outside any conditional).
-            out_norm = _replicated({"n": _gradients.global_norm(out, specs=specs, axes=axes)},
-                                   axes)["n"].astype(jnp.float32)
-        if pl.clip is not None:
-            threshold = None
-            if pl.clip == "max_norm":
-                post_norm = _min_keep_nan(pre, jnp.asarray(lead_max, jnp.float32))
-            elif pl.clip == "threshold":
-                threshold = jnp.asarray(_at(inner_state, lead_path).clip_threshold, jnp.float32).reshape(())
-                post_norm = _min_keep_nan(pre, threshold)
-            else:
-                post_norm = out_norm
-            pm.update(_clip_metrics(pre, post_norm, threshold))
-        if pl.update and out_norm is not None:
-            scaled = out_norm * outer if outer is not None else out_norm
-            param_norm = vec[index["param/global_norm"]] if "param/global_norm" in index else None
-            pm.update(_update_metrics(scaled, param_norm))
-        if pl.lr:
-            pm[LR_NAME] = _learning_rate(schedule, count, inner_state, outer)
-        pm = {k: v for k, v in pm.items() if k in index}
-        if pm:
-            at = jnp.array([index[k] for k in pm])
-            vec = vec.at[at].set(jnp.where(fresh, jnp.stack([v.astype(jnp.float32) for v in pm.values()]),
-                                           prev[at]))
-        # One flag per family (1.0: computed at this update) ends the vector.
+        vec = _set_outside(cfg, step, vec, state.metrics.vector[:len(step.names)], out_norm, fresh)
         flags = PackedMetrics.flag_vector(state.metrics.flags, {"global": fresh, "layers": due["layers"]})
-        metrics = PackedMetrics(names, jnp.concatenate([vec, flags]), state.metrics.families)
-        last = {"global": jnp.where(fresh, count, state.last_step["global"]),
-                "layers": jnp.where(due["layers"], count, state.last_step["layers"])}
-        new_state = RecordState(count + 1, metrics, last, inner_state)
-        return out, new_state
+        metrics = PackedMetrics(step.names, jnp.concatenate([vec, flags]), state.metrics.families)
+        last = {"global": jnp.where(fresh, state.count, state.last_step["global"]),
+                "layers": jnp.where(due["layers"], state.count, state.last_step["layers"])}
+        return out, RecordState(state.count + 1, metrics, last, inner_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class _Config(NamedTuple):
+    """What :func:`record` was built with (static)."""
+
+    roles: Roles
+    specs: Any
+    axes: tuple[str, ...]
+    cadence: dict[str, int]
+    schedule: Any
+    lead: tuple[tuple[int, ...], Any, bool]  # _leading_clip(inner): path, max_norm, whole
+    post: str
+
+
+class _Step(NamedTuple):
+    """One update's inputs to the recorder's figures."""
+
+    grads: Any
+    out: Any
+    params: Any
+    count: jax.Array
+    inner_state: Any
+    plan: _Plan
+    outer: jax.Array | None
+    names: tuple[str, ...]
+
+    @property
+    def with_updates(self) -> bool:
+        """Whether the update figures (per layer too) can be measured."""
+        return self.plan.update and self.params is not None
+
+
+def _plan(cfg: _Config, inner: Any, inner_state: Any) -> _Plan:
+    """What to report beside the gradient figures, from ``post`` and the inner state."""
+    lr = cfg.schedule is not None or _injected_lr(inner_state) is not None
+    if inner is None:
+        return _Plan(None, False, lr)
+    if cfg.post not in ("auto", "clip", "update"):
+        raise ValueError(f"record(post={cfg.post!r}): expected 'auto', 'clip' or 'update'")
+    lead_path, lead_max, lead_whole = cfg.lead
+    known = ("threshold" if _has_threshold(_at(inner_state, lead_path)) else
+             "max_norm" if lead_max is not None else None)
+    if cfg.post == "clip":
+        return _Plan(known if lead_whole and known else "measured", False, lr)
+    if cfg.post == "update":
+        return _Plan(known if known and not lead_whole else None, True, lr)
+    if known:
+        return _Plan(known, not lead_whole, lr)
+    return _Plan(None, True, lr) if _has_state(inner_state) else _Plan("measured", False, lr)
+
+
+def _empty_metrics(params: Any, pl: _Plan, roles: Roles) -> PackedMetrics:
+    """Every name the recorder may fill (found by tracing the families on ``params``), NaN."""
+    def names(p: Any) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+        # global view: no mesh axes are bound at init
+        m = _gradients.gradient_metrics(p, params=p, updates=p if pl.update else None, roles=roles)
+        g = dict(_gradients.global_norm_metrics(p))
+        g["param/global_norm"] = m["param/global_norm"]
+        one = m["grad/global_norm"]
+        g.update(_clip_metrics(one, one, one if pl.clip == "threshold" else None) if pl.clip else {})
+        g.update(_update_metrics(one, one) if pl.update else {})
+        if pl.lr:
+            g[LR_NAME] = one
+        return m, g
+
+    heavy_names, light_names = jax.eval_shape(names, params)
+    keys = list({**heavy_names, **light_names})
+    families = ["global" if k in light_names else "layers" for k in keys]
+    n_flags = len(dict.fromkeys(families))
+    return PackedMetrics(keys, jnp.concatenate([jnp.full((len(keys),), jnp.nan, jnp.float32),
+                                                jnp.zeros((n_flags,), jnp.float32)]), families)
+
+
+def _outer_scale(extra: Mapping[str, Any]) -> jax.Array | None:
+    """The global learning-rate scale ``with_lr_scale`` passes (None: not passed)."""
+    outer = extra.get(LR_SCALE_ARG)
+    return None if outer is None else jnp.asarray(outer, jnp.float32).reshape(())
+
+
+def _due(cadence: Mapping[str, int], count: jax.Array,
+         vitals_layers: bool | jax.Array | None) -> tuple[dict[str, jax.Array], bool | None]:
+    """Which families are due at update ``count`` (traced booleans), and the per-layer
+    family decided at trace time (a Python bool; None when it is not)."""
+    due = {f: (count % cadence[f]) == 0 for f in _FAMILIES}
+    static = None
+    if isinstance(vitals_layers, (bool, np.bool_)):
+        static = bool(vitals_layers)
+        due["layers"] = jnp.asarray(static)
+    elif vitals_layers is not None:
+        due["layers"] = jnp.asarray(vitals_layers, bool).reshape(())
+    return due, static
+
+
+def _fill(step: _Step, axes: tuple[str, ...], m: Mapping[str, jax.Array], base: jax.Array) -> jax.Array:
+    """The figure vector with ``m``'s names set (replicated first); the rest keep ``base``'s."""
+    m = _replicated(dict(m), axes)
+    have = [k for k in step.names if k in m]
+    fresh = jnp.stack([m[k].astype(jnp.float32) for k in have])
+    if len(have) == len(step.names):
+        return fresh
+    index = {k: i for i, k in enumerate(step.names)}
+    return base.at[jnp.array([index[k] for k in have])].set(fresh)
+
+
+def _heavy_figures(cfg: _Config, step: _Step) -> dict[str, jax.Array]:
+    """Every family: :func:`jvitals.gradient_metrics` of the gradients, params and (the
+    final) updates, in one pass over their leaves; update figures times ``outer``."""
+    m = _gradients.gradient_metrics(step.grads, params=step.params,
+                                    updates=step.out if step.with_updates else None,
+                                    roles=cfg.roles, specs=cfg.specs, axes=cfg.axes)
+    if step.outer is not None:  # the updates applied are outer * out (jvitals.with_lr_scale)
+        m = {k: v * step.outer if k.startswith("update/") else v for k, v in m.items()}
+    return m
+
+
+def _needs_out_norm(step: _Step, heavy_static: bool) -> bool:
+    """Whether ``||out||`` is needed: a measured clip, or update figures the per-layer
+    pass does not give this update."""
+    return step.plan.clip == "measured" or (step.plan.update and not (heavy_static and step.with_updates))
+
+
+def _family_vector(cfg: _Config, step: _Step, prev: jax.Array, due: Mapping[str, jax.Array],
+                   static: bool | None, vitals_layers: Any) -> tuple[jax.Array, jax.Array | None, bool]:
+    """The families' figures into the vector, and ``||out||`` where it is needed.
+
+    Static per-layer flag: one pass, no conditional (the light step reads the
+    gradients, params and outputs in one kernel per leaf). Traced cadence: a
+    ``lax.cond``/``lax.switch`` on the update count over the gradients and params
+    only (the outputs' norm outside it, so XLA need not hand them to the
+    conditional).
+
+    Returns:
+      ``(vector, ||out|| or None, heavy_static)``.
+    """
+    heavy_static = static is True or (static is None and vitals_layers is None and cfg.cadence["layers"] == 1)
+    want_out = _needs_out_norm(step, heavy_static)
+
+    def light(v: jax.Array) -> jax.Array:
+        return _fill(step, cfg.axes, _gradients.norm_metrics(step.grads, step.params, specs=cfg.specs,
+                                                             axes=cfg.axes), v)
+
+    def heavy(v: jax.Array) -> jax.Array:
+        return _fill(step, cfg.axes, _heavy_figures(cfg, step), v)
+
+    if static is False and cfg.cadence["global"] == 1:
+        joint = _gradients.norm_metrics(step.grads, step.params, step.out if want_out else None,
+                                        specs=cfg.specs, axes=cfg.axes)
+        out_norm = _replicated({"n": joint["update/global_norm"]}, cfg.axes)["n"] if want_out else None
+        joint = {k: v for k, v in joint.items() if not k.startswith("update/")}  # set outside, scaled
+        return _fill(step, cfg.axes, joint, prev), out_norm, False
+    out_norm = _out_norm(cfg, step.out) if want_out else None
+    if heavy_static:
+        return heavy(prev), out_norm, True
+    if static is False:
+        return lax.cond(due["global"], light, lambda v: v, prev), out_norm, False
+    if cfg.cadence["global"] == 1:
+        # Measured on XLA:CPU, one conditional holding both costs less than the
+        # global pass outside it and a conditional for the rest.
+        return lax.cond(due["layers"], heavy, light, prev), out_norm, False
+    which = jnp.where(due["layers"], 2, jnp.where(due["global"], 1, 0))
+    return lax.switch(which, (lambda v: v, light, heavy), prev), out_norm, False
+
+
+def _out_norm(cfg: _Config, out: Any) -> jax.Array:
+    """``||out||`` (replicated), one read of each leaf."""
+    n = _gradients.global_norm(out, specs=cfg.specs, axes=cfg.axes)
+    return _replicated({"n": n}, cfg.axes)["n"].astype(jnp.float32)
+
+
+def _set_outside(cfg: _Config, step: _Step, vec: jax.Array, prev: jax.Array, out_norm: jax.Array | None,
+                 fresh: jax.Array) -> jax.Array:
+    """The figures made outside any conditional (post-clip, update, learning rate), kept
+    only when the pre-clip figures they are compared with are fresh."""
+    index = {k: i for i, k in enumerate(step.names)}
+    pre = vec[index["grad/global_norm"]]
+    pl = step.plan
+    pm: dict[str, jax.Array] = {}
+    if pl.clip is not None:
+        pm.update(_post_clip(cfg, step, pre, out_norm))
+    if pl.update and out_norm is not None:
+        scaled = out_norm * step.outer if step.outer is not None else out_norm
+        param_norm = vec[index["param/global_norm"]] if "param/global_norm" in index else None
+        pm.update(_update_metrics(scaled, param_norm))
+    if pl.lr:
+        pm[LR_NAME] = _learning_rate(cfg.schedule, step.count, step.inner_state, step.outer)
+    pm = {k: v for k, v in pm.items() if k in index}
+    if not pm:
+        return vec
+    at = jnp.array([index[k] for k in pm])
+    return vec.at[at].set(jnp.where(fresh, jnp.stack([v.astype(jnp.float32) for v in pm.values()]), prev[at]))
+
+
+def _post_clip(cfg: _Config, step: _Step, pre: jax.Array, out_norm: jax.Array | None) -> dict[str, jax.Array]:
+    """The clip figures: the post-clip norm known from the pre-clip one for a recognised
+    clip (``min(||g||, max_norm or threshold)``), else measured (``||out||``)."""
+    lead_path, lead_max, _ = cfg.lead
+    threshold = None
+    if step.plan.clip == "max_norm":
+        post_norm = _min_keep_nan(pre, jnp.asarray(lead_max, jnp.float32))
+    elif step.plan.clip == "threshold":
+        threshold = jnp.asarray(_at(step.inner_state, lead_path).clip_threshold, jnp.float32).reshape(())
+        post_norm = _min_keep_nan(pre, threshold)
+    else:
+        post_norm = out_norm
+    return _clip_metrics(pre, post_norm, threshold)
 
 
 LR_NAME = "opt/learning_rate"

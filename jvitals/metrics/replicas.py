@@ -147,6 +147,15 @@ def replica_metrics(*, loss: jax.Array | None = None, mask: jax.Array | None = N
     # Diagnostics only, never part of a gradient (they may be taken inside the loss function).
     loss, mask, intermediates, grads = lax.stop_gradient((loss, mask, intermediates, grads))
     groups = 1 if axes else size
+    batch, mask = _check_batch(loss, mask, intermediates, groups)
+    figs = _figures(loss, mask, intermediates, grads, groups=groups, batch=batch, axes=axes, specs=specs)
+    if axes:
+        figs = _gather(figs, axes, size)
+    return {PREFIX + k: v for k, v in figs.items()}
+
+
+def _check_batch(loss: Any, mask: Any, intermediates: Any, groups: int) -> tuple[int, jax.Array | None]:
+    """The batch size ``B`` (divisible by ``groups``) and the boolean mask, checked."""
     batch = _batch_size(loss, mask, intermediates)
     if batch is None:
         raise ValueError("replica_metrics: nothing to measure; pass loss=[B, ...] (the per-token or "
@@ -161,6 +170,13 @@ def replica_metrics(*, loss: jax.Array | None = None, mask: jax.Array | None = N
         if mask.ndim == 0 or mask.shape[0] != batch:
             raise ValueError(f"replica_metrics: mask has shape {tuple(mask.shape)}; expected the "
                              f"batch-leading shape of the loss / tokens, [B, T] with B={batch}.")
+    return batch, mask
+
+
+def _figures(loss: Any, mask: jax.Array | None, intermediates: Any, grads: Any, *, groups: int, batch: int,
+             axes: tuple[str, ...], specs: Any) -> dict[str, jax.Array]:
+    """Each group's figures, ``(groups,)`` vectors (before the gather inside ``shard_map``);
+    ``nonfinite`` sums the non-finite counts of every input read."""
     figs: dict[str, jax.Array] = {}
     bad = jnp.zeros((groups,), _F32)
     if loss is not None:
@@ -182,9 +198,7 @@ def replica_metrics(*, loss: jax.Array | None = None, mask: jax.Array | None = N
         figs["grad_norm"], nf = _local_grad_norm(grads, axes, specs)
         bad = bad + nf
     figs["nonfinite"] = bad
-    if axes:
-        figs = _gather(figs, axes, size)
-    return {PREFIX + k: v for k, v in figs.items()}
+    return figs
 
 
 def _replica_count(axes: tuple[str, ...], replicas: int | None) -> int:
@@ -232,10 +246,9 @@ def _grouped(x: jax.Array, groups: int, lead: int = 0) -> jax.Array:
 def _rows(x: jax.Array, valid: jax.Array | None, *, square: bool, maximum: bool) -> Summary:
     """Per-row statistics of ``x [G, n, ...]`` over the valid ``[G, n]`` entries: fields ``(G,)``.
 
-    No conditional: the non-finite count is a sum beside the others. (``stats.summarize``
-    computes it under a ``lax.cond`` on the CPU, which pays off on big tensors; here the
-    inputs are per-token values and, in the global view, the predicate of a conditional
-    over replica-sharded rows would cost a cross-device all-reduce on every step.)
+    No conditional: the non-finite count is a sum beside the others (in the global view,
+    the predicate of a conditional over replica-sharded rows would cost a cross-device
+    all-reduce on every step).
     ``sum`` holds the sum of squares when ``square`` (then ``sumsq`` is NaN), else the sum;
     ``abs_max`` is NaN unless ``maximum``.
     """

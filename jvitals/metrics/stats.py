@@ -32,12 +32,15 @@ from flax import struct
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from jvitals.metrics import fold
+
 __all__ = [
     "Summary",
     "TokenSummary",
     "summarize_tokens",
     "summarize",
     "summarize_many",
+    "summarize_fields",
     "summarize_max",
     "summarize_sumsq",
     "reduce",
@@ -242,16 +245,17 @@ class TokenSummary:
         red, axis = _reduced_axes(shape, axis)
         valid = None if mask is None else jnp.broadcast_to(_align_mask(jnp.asarray(mask, bool), shape, axis), shape)
 
-        def tot(x: jax.Array) -> jax.Array:
-            return jnp.sum(x if valid is None else jnp.where(valid, x, 0.0), axis=red)
+        def keep(x: jax.Array, empty: float) -> jax.Array:
+            return x if valid is None else jnp.where(valid, x, empty)
 
-        count = tot(self.count)
-        nonfinite = tot(self.nonfinite)
-        a = _finite_or_minus_inf(self.abs_max)
-        a = a if valid is None else jnp.where(valid, a, -jnp.inf)
-        amax = jnp.max(a, axis=red, initial=-jnp.inf)
-        return Summary(count=count, sum=tot(self.sum), sumsq=tot(self.sumsq),
-                       abs_max=_nan_rule(amax, count, nonfinite), nonfinite=nonfinite)
+        # One read of the five per-position fields (fold.py).
+        inits, combine = fold.kinds(("sum", "sum", "sum", "max", "sum"))
+        count, total, sumsq, amax, nonfinite = fold.fold(
+            (keep(self.count, 0.0), keep(self.sum, 0.0), keep(self.sumsq, 0.0),
+             keep(_finite_or_minus_inf(self.abs_max), -jnp.inf), keep(self.nonfinite, 0.0)),
+            inits, combine, red)
+        return Summary(count=count, sum=total, sumsq=sumsq, abs_max=_nan_rule(amax, count, nonfinite),
+                       nonfinite=nonfinite)
 
 
 @eager_jit(static_argnames=("token_ndim", "max_only"))
@@ -261,17 +265,15 @@ def summarize_tokens(x: jax.Array, valid: jax.Array | None = None, *, token_ndim
 
     ``x[*S, ...]`` -> a :class:`TokenSummary` with fields of shape ``S =
     x.shape[:token_ndim]``; ``valid`` (broadcastable to ``x``) excludes entries
-    at sow time (masked attention keys). Float32, as :func:`summarize`: on a
-    healthy tensor three reductions (``sum``, ``sumsq``, ``max|x|``); the
-    non-finite counts and finite-only sums only when a sum of squares is
-    non-finite (on the CPU a ``lax.cond``; see ``_healthy_or``).
+    at sow time (masked attention keys). Float32, as :func:`summarize`, and one
+    read of ``x`` for all of them (one variadic reduction, ``fold.py``).
 
     Args:
       x: activations, e.g. ``[B, T, D]``.
       token_ndim: how many leading axes are token axes (2: ``[B, T]``).
       valid: optional boolean mask broadcastable to ``x``.
       max_only: measure only ``count``, ``abs_max`` and ``nonfinite`` (sum and
-        sumsq NaN): one reduction, for the attention logits.
+        sumsq NaN), for the attention logits.
 
     Returns:
       A :class:`TokenSummary`.
@@ -280,44 +282,52 @@ def summarize_tokens(x: jax.Array, valid: jax.Array | None = None, *, token_ndim
     if x.ndim < token_ndim:
         raise ValueError(f"summarize_tokens: x of shape {tuple(x.shape)} has fewer than token_ndim="
                          f"{token_ndim} axes")
-    xf = x.astype(_F32)
     red = tuple(range(token_ndim, x.ndim))
     s_shape = tuple(x.shape[:token_ndim])
-    if valid is None:
+    vb = None if valid is None else jnp.broadcast_to(jnp.asarray(valid, bool), x.shape)
+    if vb is None:
         count = jnp.full(s_shape, float(np.prod([x.shape[d] for d in red])), _F32)
-        vb = None
     else:
-        vb = jnp.broadcast_to(jnp.asarray(valid, bool), x.shape)
         count = jnp.sum(vb, axis=red, dtype=_F32)
-    if max_only:
-        a = _nan_to_inf_abs(xf)
-        a = a if vb is None else jnp.where(vb, a, 0.0)
-        amax = jnp.max(a, axis=red, initial=0.0)
+    got = _fold_one(x, vb, red, fold.MAX if max_only else fold.FULL)
+    nan = jnp.full(s_shape, jnp.nan, _F32)
+    return TokenSummary(count=count, sum=got.get("sum", nan), sumsq=got.get("sumsq", nan),
+                        abs_max=_nan_rule(got["abs_max"], count, got["nonfinite"]),
+                        nonfinite=got["nonfinite"])
 
-        def bad() -> jax.Array:
-            b = ~jnp.isfinite(xf) if vb is None else vb & ~jnp.isfinite(xf)
-            return jnp.sum(b, axis=red, dtype=_F32) + jnp.zeros_like(amax)
 
-        nonfinite = _healthy_or(jnp.all(jnp.isfinite(amax)), lambda: jnp.zeros_like(amax), bad)
-        nan = jnp.full(s_shape, jnp.nan, _F32)
-        return TokenSummary(count=count, sum=nan, sumsq=nan, abs_max=_nan_rule(amax, count, nonfinite),
-                            nonfinite=nonfinite)
-    xz = xf if vb is None else jnp.where(vb, xf, 0.0)
-    amax = jnp.max(jnp.abs(xz), axis=red, initial=0.0)
-    hot_sum, hot_sq = jnp.sum(xz, axis=red), jnp.sum(jnp.square(xz), axis=red)
+def _fold_one(x: jax.Array, valid: jax.Array | None, red: tuple[int, ...] | None,
+              fields: Sequence[str]) -> dict[str, jax.Array]:
+    """``fields`` of one array over ``red`` in one read (see :func:`_fold_groups`)."""
+    return _fold_groups([(x, valid, red, fields)])[0]
 
-    def careful() -> jax.Array:
-        fin = jnp.isfinite(xf)
-        good = fin if vb is None else vb & fin
-        xg = jnp.where(good, xf, 0.0)
-        b = ~fin if vb is None else vb & ~fin
-        return jnp.stack([jnp.sum(xg, axis=red), jnp.sum(xg * xg, axis=red), jnp.sum(b, axis=red, dtype=_F32)])
 
-    packed = _healthy_or(jnp.all(jnp.isfinite(hot_sq)),
-                         lambda: jnp.stack([hot_sum, hot_sq, jnp.zeros_like(hot_sq)]), careful)
-    total, sumsq, nonfinite = packed[0], packed[1], packed[2]
-    return TokenSummary(count=count, sum=total, sumsq=sumsq, abs_max=_nan_rule(amax, count, nonfinite),
-                        nonfinite=nonfinite)
+def _fold_groups(items: Sequence[tuple]) -> list[dict[str, jax.Array]]:
+    """The :class:`Summary` ``fields`` of several arrays, one read each.
+
+    Items ``(x, valid, red, fields[, tag])`` with the same shape, reduced axes and
+    ``tag`` (and, inside ``shard_map``, the same varying mesh axes: a reduction's
+    outputs take the type of all its operands) share one variadic reduction: one
+    kernel reading each of their arrays once (``fold.py``). A tag keeps items
+    apart: the arrays of one kernel are all live while it runs.
+
+    Returns:
+      Per item, ``{field: array}`` (``abs_max`` before the NaN rule).
+    """
+    groups: dict[Any, list[int]] = {}
+    for i, (x, valid, red, *_) in enumerate(items):
+        tag = items[i][4] if len(items[i]) > 4 else None
+        key = (tuple(jnp.shape(x)), red, _manual_varying(x), None if valid is None else _manual_varying(valid), tag)
+        groups.setdefault(key, []).append(i)
+    out: list[dict[str, jax.Array]] = [{} for _ in items]
+    for idx in groups.values():
+        shape = tuple(jnp.shape(items[idx[0]][0]))
+        got = fold.fold_summaries([(items[i][0], None if items[i][1] is None else
+                                    jnp.broadcast_to(items[i][1], shape), items[i][3]) for i in idx],
+                                  items[idx[0]][2])
+        for i, g in zip(idx, got):
+            out[i] = g
+    return out
 
 
 def _finite_or_minus_inf(x: jax.Array) -> jax.Array:
@@ -368,43 +378,16 @@ def _reduced_axes(shape: tuple[int, ...], axis: int | None) -> tuple[tuple[int, 
     return tuple(i for i in range(len(shape)) if i != axis), axis
 
 
-def _cond_healthy_or(healthy: jax.Array, hot: Any, careful: Any) -> jax.Array:
-    """``hot()`` if ``healthy`` else ``careful()``, computing only the one taken (``lax.cond``)."""
-    return lax.cond(healthy, lambda _: hot(), lambda _: careful(), None)
-
-
-def _select_healthy_or(healthy: jax.Array, hot: Any, careful: Any) -> jax.Array:
-    """``hot()`` if ``healthy`` else ``careful()``, computing both (``jnp.where``, no conditional)."""
-    return jnp.where(healthy, hot(), careful())
-
-
-def _healthy_or(healthy: jax.Array, hot: Any, careful: Any) -> jax.Array:
-    """``hot()`` on a healthy step, else ``careful()`` (the non-finite counts, finite-only sums).
-
-    On the CPU a ``lax.cond``: XLA:CPU runs every reduction as its own pass, so
-    the careful ones run only on a sick step. Elsewhere both, and a select: GPUs
-    and TPUs fuse the careful reductions into the read the hot ones make, while a
-    conditional makes an XLA:GPU step wait on the host for its predicate (on an
-    H200, the recorder's ``lax.cond`` cadence took the light step from 1.04x to
-    1.16x of a 34 ms step without vitals). ``lax.platform_dependent``: the
-    backend compiling the step decides.
-    """
-    return lax.platform_dependent(cpu=lambda: _cond_healthy_or(healthy, hot, careful),
-                                  default=lambda: _select_healthy_or(healthy, hot, careful))
-
-
 def summarize(x: jax.Array, mask: jax.Array | None = None, *, axis: int | None = None) -> Summary:
-    """Summarise ``x`` in float32: three reductions on a healthy tensor.
+    """Summarise ``x`` in float32, in one read of ``x``.
 
     ``count = sum(mask)``, ``sum = sum(where(mask & finite, x, 0))``,
     ``sumsq = sum(where(mask & finite, x, 0)^2)``, ``abs_max = max(mask * |x|)``,
     ``nonfinite = sum(mask & ~isfinite(x))``. ``x`` is cast to float32 before any
     arithmetic, so bf16/fp16 inputs give the figures of their float32 upcast.
-    The count is taken over the mask at its own size; on the CPU ``nonfinite``
-    and the finite-only sums are computed (a ``lax.cond``) only when ``sumsq``
-    comes out non-finite, so a healthy tensor costs ``sum``, ``sumsq`` and
-    ``max``; other backends compute them alongside, in the same read (see
-    ``_healthy_or``).
+    The count is taken over the mask at its own size; the four others are the
+    operands of one variadic reduction (``fold.py``), so ``x`` is read once, on
+    every backend, with no conditional.
 
     Args:
       x: any array (any float or integer dtype).
@@ -430,10 +413,17 @@ def summarize(x: jax.Array, mask: jax.Array | None = None, *, axis: int | None =
 
 
 def summarize_many(items: Sequence[tuple[jax.Array, jax.Array | None, int | None]]) -> list[Summary]:
-    """:func:`summarize` of several arrays, with one ``lax.cond`` for them all on the CPU.
+    """:func:`summarize` of several arrays; arrays of one shape share one reduction.
 
-    See :func:`_summarize_many` (the implementation) for the details. Called
-    eagerly it compiles once per shapes (a cached ``jax.jit``).
+    Each array is read once; items of the same shape and ``axis`` are summarised
+    by one variadic reduction (one kernel). Called eagerly it compiles once per
+    shapes (a cached ``jax.jit``).
+
+    Args:
+      items: ``(x, mask, axis)`` triples, as :func:`summarize` takes them.
+
+    Returns:
+      One :class:`Summary` per item, in order.
     """
     items = [tuple(it) for it in items]
     if items and _eager([(x, m) for x, m, _ in items]):
@@ -451,79 +441,38 @@ def _summarize_many_jit(arrays: Any, axes: tuple[int | None, ...]) -> list[Summa
 
 
 def _summarize_many(items: Sequence[tuple[jax.Array, jax.Array | None, int | None]]) -> list[Summary]:
-    """:func:`summarize` of several arrays, with one ``lax.cond`` for them all on the CPU
-    (one per set of mesh axes they vary along, inside ``shard_map``).
+    """The traced body of :func:`summarize_many`."""
+    return summarize_fields([(x, m, a, fold.FULL) for x, m, a in items])
 
-    Each healthy array costs its three reductions; if any sum of squares comes
-    out non-finite, one conditional recomputes every array's finite-only sums
-    and non-finite count. (A conditional has a fixed cost on every step, taken
-    or not, on XLA:CPU; one per tree instead of one per leaf.) Other backends
-    compute those alongside and select, with no conditional (``_healthy_or``).
 
-    Args:
-      items: ``(x, mask, axis)`` triples, as :func:`summarize` takes them.
+def summarize_fields(items: Sequence[tuple[jax.Array, jax.Array | None, int | None, Sequence[str]]]) -> list[Summary]:
+    """Summaries measuring only some fields, arrays of one shape sharing one reduction.
+
+    Each item is ``(x, mask, axis, fields[, tag])`` with ``fields`` among
+    ``fold.FULL`` (``"sum"``, ``"sumsq"``, ``"abs_max"``, ``"nonfinite"``);
+    ``count`` is always measured (from the mask, at its own size), the fields
+    not asked for are NaN. Every array is read once (``fold.py``); items of one
+    shape and tag share a kernel.
 
     Returns:
       One :class:`Summary` per item, in order.
     """
-    prepared = []
-    for x, mask, axis in items:
+    counts, folds = [], []
+    for x, mask, axis, fields, *tag in items:
         x = jnp.asarray(x)
         shape = tuple(x.shape)
         red, axis = _reduced_axes(shape, axis)
-        xf = x.astype(_F32)
         count, valid = _count_and_valid(mask, shape, red, axis)
-        prepared.append((xf, red, count, valid))
-    if not prepared:
-        return []
-    # Hot path: three plain reductions XLA can fuse with their producers. A NaN
-    # or Inf among the valid elements makes the sum of squares non-finite (a sum
-    # keeps NaN through any cross-device all-reduce, which a max may not), so it
-    # says whether there is one; only then (a lax.cond) are they counted and left
-    # out of the sums, which costs nothing on healthy steps.
-    amaxes, hot = [], []
-    for xf, red, _, valid in prepared:
-        xz = xf if valid is None else jnp.where(valid, xf, 0.0)
-        amaxes.append(jnp.max(jnp.abs(xz), axis=red, initial=0.0))
-        # jnp.square: the HLO of optax.global_norm's sum of squares, which XLA shares.
-        sumsq = jnp.sum(jnp.square(xz), axis=red)
-        hot.append((jnp.sum(xz, axis=red), sumsq, jnp.zeros_like(sumsq)))
-
-    def careful(i: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-        xf, red, _, valid = prepared[i]
-        finite = jnp.isfinite(xf)
-        good = finite if valid is None else valid & finite
-        bad = ~finite if valid is None else valid & ~finite
-        xg = jnp.where(good, xf, 0.0)
-        vary = jnp.zeros_like(hot[i][1])  # typed varying where sumsq is (shard_map)
-        return (jnp.sum(xg, axis=red) + vary, jnp.sum(xg * xg, axis=red) + vary,
-                jnp.sum(bad, axis=red, dtype=_F32) + vary)
-
-    def pack(parts: Any) -> jax.Array:
-        return jnp.concatenate([jnp.ravel(a) for a in jax.tree.leaves(parts)])
-
-    # One conditional per group of items of the same type (inside shard_map,
-    # the mesh axes they vary along: packing a replicated figure with a varying
-    # one would make it varying). It returns one flat vector (a branch returning
-    # many arrays costs a copy per array on XLA:CPU); the figures are sliced
-    # out after it.
-    groups: dict[Any, list[int]] = {}
-    for i, h in enumerate(hot):
-        groups.setdefault(_manual_varying(h[1]), []).append(i)
-    res: list[Any] = [None] * len(hot)
-    for idx in groups.values():
-        part = [hot[i] for i in idx]
-        flat, treedef = jax.tree.flatten(part)
-        healthy = functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(h[1])) for h in part])
-        vec = _healthy_or(healthy, lambda p=part: pack(p), lambda ix=idx: pack([careful(i) for i in ix]))
-        sizes = [int(np.prod(a.shape)) for a in flat]
-        offsets = np.cumsum([0] + sizes)
-        out = jax.tree.unflatten(treedef, [vec[o:o + n].reshape(a.shape) for o, n, a in zip(offsets, sizes, flat)])
-        for i, r in zip(idx, out):
-            res[i] = r
-    return [Summary(count=count, sum=total, sumsq=sumsq, abs_max=_nan_rule(amax, count, nonfinite),
-                    nonfinite=nonfinite)
-            for (_, _, count, _), amax, (total, sumsq, nonfinite) in zip(prepared, amaxes, res)]
+        counts.append(count)
+        folds.append((x, valid, red, tuple(fields), tag[0] if tag else None))
+    out = []
+    for count, f in zip(counts, _fold_groups(folds)):
+        nan = jnp.full_like(count, jnp.nan)
+        nonfinite = f["nonfinite"]
+        amax = _nan_rule(f["abs_max"], count, nonfinite) if "abs_max" in f else nan
+        out.append(Summary(count=count, sum=f.get("sum", nan), sumsq=f.get("sumsq", nan), abs_max=amax,
+                           nonfinite=nonfinite))
+    return out
 
 
 def _count_and_valid(mask: jax.Array | None, shape: tuple[int, ...], red: tuple[int, ...] | None,
@@ -545,13 +494,11 @@ def _count_and_valid(mask: jax.Array | None, shape: tuple[int, ...], red: tuple[
 def summarize_sumsq(x: jax.Array | Sequence[jax.Array], *, axis: int | None = None) -> Summary:
     """A :class:`Summary` that measures only ``count``, ``sumsq`` and ``nonfinite``.
 
-    For L2 norms over whole trees (the every-step global gradient/parameter/update
-    norms, per-layer parameter norms): one reduction per array, ``sum(x^2)`` in
-    float32, instead of :func:`summarize`'s three; a non-finite element makes the
-    total non-finite, and only then are the non-finite elements counted (one
-    ``lax.cond`` for all the arrays; on backends other than the CPU they are
-    counted alongside, see ``_healthy_or``). ``sum`` and ``abs_max`` are NaN — not
-    measured. ``norm`` is right; so is ``rms``.
+    For L2 norms over whole trees (the global gradient/parameter/update norms,
+    per-layer parameter norms): ``sum(where(finite, x, 0)^2)`` and the non-finite
+    count in float32, one read of each array (arrays of one shape share one
+    variadic reduction). ``sum`` and ``abs_max`` are NaN -- not measured.
+    ``norm`` is right (NaN if any element is non-finite); so is ``rms``.
 
     Args:
       x: an array, or a list/tuple of arrays summarised together (the leaves of
@@ -562,24 +509,14 @@ def summarize_sumsq(x: jax.Array | Sequence[jax.Array], *, axis: int | None = No
     Returns:
       A :class:`Summary` whose ``sum``/``abs_max`` are NaN.
     """
-    xs = [jnp.asarray(a).astype(_F32) for a in (x if isinstance(x, (list, tuple)) else [x])]
-    reds = [_reduced_axes(tuple(a.shape), axis)[0] for a in xs]
+    xs = [jnp.asarray(a) for a in (x if isinstance(x, (list, tuple)) else [x])]
     kept = () if axis is None else (xs[0].shape[axis],)
-    # Written as optax.global_norm writes it (jnp.square, summed left to right from
-    # 0), so XLA computes it once where a clip in the same step does too.
-    sumsq = functools.reduce(jnp.add, [jnp.sum(jnp.square(a), axis=r) for a, r in zip(xs, reds)],
-                             jnp.zeros(kept, _F32))
-
-    def count_bad() -> jax.Array:
-        bad = [jnp.sum(~jnp.isfinite(a), axis=r, dtype=_F32) for a, r in zip(xs, reds)]
-        return functools.reduce(jnp.add, bad, jnp.zeros_like(sumsq))
-
-    # zeros_like (not a constant) keeps the branch's type varying where sumsq is.
-    nonfinite = _healthy_or(jnp.all(jnp.isfinite(sumsq)), lambda: jnp.zeros_like(sumsq), count_bad)
+    got = _fold_groups([(a, None, _reduced_axes(tuple(a.shape), axis)[0], fold.SUMSQ) for a in xs])
+    sumsq = functools.reduce(jnp.add, [g["sumsq"] for g in got], jnp.zeros(kept, _F32))
+    nonfinite = functools.reduce(jnp.add, [g["nonfinite"] for g in got], jnp.zeros(kept, _F32))
     nan = jnp.full(kept, jnp.nan, _F32)
     n = float(sum(a.size for a in xs)) / (kept[0] if kept else 1)
-    return Summary(count=jnp.full(kept, n, _F32), sum=nan, sumsq=jnp.where(nonfinite > 0, 0.0, sumsq),
-                   abs_max=nan, nonfinite=nonfinite)
+    return Summary(count=jnp.full(kept, n, _F32), sum=nan, sumsq=sumsq, abs_max=nan, nonfinite=nonfinite)
 
 
 def _broadcast_count(mask: jax.Array, shape: tuple[int, ...], red: tuple[int, ...] | None,
@@ -605,15 +542,14 @@ def summarize_max(x: jax.Array | Sequence[jax.Array], mask: jax.Array | None = N
     """A :class:`Summary` that measures only ``count``, ``abs_max`` and ``nonfinite``.
 
     For figures that only need the maximum (the pre-softmax attention logits,
-    ``[B, H, T, T]`` per layer; Adam's ``nu``): one reduction over ``x`` instead
-    of :func:`summarize`'s three; on the CPU the non-finite count is computed
-    only when the maximum is non-finite (a ``lax.cond``; elsewhere alongside,
-    see ``_healthy_or``). ``sum`` and ``sumsq`` are NaN — not
-    measured — so ``mean``/``rms``/``std`` are NaN by construction.
+    ``[B, H, T, T]`` per layer; Adam's ``nu``): ``max |x|`` over the valid finite
+    elements and the non-finite count, in one read of ``x``. ``sum`` and
+    ``sumsq`` are NaN -- not measured -- so ``mean``/``rms``/``std`` are NaN by
+    construction.
 
     Args:
       x: an array, or a list/tuple of arrays summarised together (one maximum
-        per array, one ``lax.cond`` for them all; no ``mask`` or ``axis`` then).
+        and one count for them all; no ``mask`` or ``axis`` then).
       mask, axis: as for :func:`summarize`.
 
     Returns:
@@ -622,39 +558,23 @@ def summarize_max(x: jax.Array | Sequence[jax.Array], mask: jax.Array | None = N
     if isinstance(x, (list, tuple)):
         if mask is not None or axis is not None:
             raise ValueError("summarize_max of a list of arrays takes no mask or axis")
-        xs = [jnp.asarray(a).astype(_F32) for a in x]
+        xs = [jnp.asarray(a) for a in x]
         if not xs:
             return Summary.empty()
-        amax = functools.reduce(jnp.maximum, [jnp.max(_nan_to_inf_abs(a), initial=0.0) for a in xs])
+        got = _fold_groups([(a, None, None, fold.MAX) for a in xs])
+        amax = functools.reduce(jnp.maximum, [g["abs_max"] for g in got])
+        nonfinite = functools.reduce(jnp.add, [g["nonfinite"] for g in got])
         count = jnp.full((), float(sum(a.size for a in xs)), _F32)
-
-        def count_bad_all() -> jax.Array:
-            bad = [jnp.sum(~jnp.isfinite(a), dtype=_F32) for a in xs]
-            return functools.reduce(jnp.add, bad) + jnp.zeros_like(amax)  # varying where amax is
     else:
-        xf = jnp.asarray(x).astype(_F32)
+        xf = jnp.asarray(x)
         shape = tuple(xf.shape)
         red, axis = _reduced_axes(shape, axis)
         count, valid = _count_and_valid(mask, shape, red, axis)
-        a = _nan_to_inf_abs(xf)
-        if valid is not None:
-            a = jnp.where(valid, a, 0.0)
-        amax = jnp.max(a, axis=red, initial=0.0)
-
-        def count_bad_all() -> jax.Array:
-            bad = ~jnp.isfinite(xf) if valid is None else valid & ~jnp.isfinite(xf)
-            return jnp.sum(bad, axis=red, dtype=_F32) + jnp.zeros_like(amax)
-
-    nonfinite = _healthy_or(jnp.all(jnp.isfinite(amax)), lambda: jnp.zeros_like(amax), count_bad_all)
+        got = _fold_one(xf, valid, red, fold.MAX)
+        amax, nonfinite = got["abs_max"], got["nonfinite"]
     nan = jnp.full_like(amax, jnp.nan)
     return Summary(count=count, sum=nan, sumsq=nan, abs_max=_nan_rule(amax, count, nonfinite),
                    nonfinite=nonfinite)
-
-
-def _nan_to_inf_abs(x: jax.Array) -> jax.Array:
-    """``|x|`` with NaN read as +inf: a cross-device max (GSPMD's all-reduce) may
-    drop a NaN, never an inf, and any non-finite maximum then counts them."""
-    return jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x))
 
 
 # ----------------------------------------------------------------------------------
