@@ -695,7 +695,6 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     for r in _select(args):
-        s = SETUP_BY_NAME[r.setup]
         f = f"{r.fault} at {r.fault_step} ({r.group}, {r.level} within {r.max_delay})" if r.fault else "healthy"
         print(f"{r.split:8s} {r.name:60s} {r.steps:6d} steps  seed {r.seed:5d}  {f}")
     return 0

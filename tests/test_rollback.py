@@ -920,7 +920,6 @@ def test_variants_rewind_skip_data_and_reset_optimizer_on_a_real_loop(tmp_path):
     end = run["rollbacks"][1].step if len(run["rollbacks"]) > 1 else 129
     sign = guard.history[0]["onset_step"]
     # rewind: the newest healthy checkpoint at least 30 steps before the earliest sign.
-    saved = [c.step for c in guard.checkpoints if c.kind == "cadence"] + [r.target_step]
     assert r.target_step <= sign - rewind
     assert r.target_step == max(s for s in range(0, sign - rewind + 1, 10))   # saves every 10
     params, opt = _reference(r.target_step)

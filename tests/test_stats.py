@@ -322,7 +322,7 @@ def test_eager_calls_compile_once(count_compiles):
     calls = [lambda: summarize(x, m), lambda: summarize(x, axis=0), lambda: summarize_max(x, m),
              lambda: summarize_sumsq([x, x]), lambda: summarize_tokens(x),
              lambda: summarize_many([(x, m, None), (x, None, 1)])]
-    first = assert_second_calls_compile_nothing(calls, count_compiles)
+    assert_second_calls_compile_nothing(calls, count_compiles)
     # The eager (jitted) path gives what the traced one gives.
     np.testing.assert_allclose(summarize(x, m).rms, jax.jit(lambda a, b: summarize(a, b).rms)(x, m))
     np.testing.assert_allclose(summarize(x, m).rms, np.sqrt(np.mean(np.asarray(x)[np.asarray(m)] ** 2)))

@@ -68,7 +68,7 @@ from jax import lax
 
 from jvitals.metrics.probes import logits_rows
 from jvitals.metrics.roles import Roles
-from jvitals.metrics.stats import TokenSummary, summarize_tokens
+from jvitals.metrics.stats import summarize_tokens
 
 __all__ = ["ExpertChoices", "InstrumentReport", "instrument"]
 
