@@ -192,15 +192,12 @@ class Rule(Protocol):
         ...
 
 
-_Base = RuleBase
-
-
 # --------------------------------------------------------------------------
 # Rules.
 # --------------------------------------------------------------------------
 
 
-class NonFiniteRule(_Base):
+class NonFiniteRule(RuleBase):
     """ORANGE while ``nonfinite_metrics`` are non-finite or
     ``nonfinite_count_metrics`` are > 0 (judged from the first check)."""
 
@@ -230,7 +227,7 @@ class NonFiniteRule(_Base):
         return out
 
 
-class SpikeRule(_Base):
+class SpikeRule(RuleBase):
     """Spike anatomy, the unrecovered-spike YELLOW, periodic spikes, scores.
 
     Publishes ``notes['loss_trend']`` (the loss EMA trend) and
@@ -373,7 +370,7 @@ def _no_why() -> str:
     return ""
 
 
-class RatioRule(_Base):
+class RatioRule(RuleBase):
     """``x / reference`` against ``(yellow, orange)`` per ``Policy.ratio_rules``.
 
     The reference is the metric's baseline; for ``Policy.schedule_metrics`` (the
@@ -524,7 +521,7 @@ class RatioRule(_Base):
 _TREND_RULE_IDS = {"grad/global_norm": "grad_trend", "param/global_norm": "param_norm"}
 
 
-class TrendRule(_Base):
+class TrendRule(RuleBase):
     """Creep: a figure rising beyond the run's own drift (the grad norm net of the
     schedule, while the loss still falls).
 
@@ -631,7 +628,7 @@ class TrendRule(_Base):
         return []
 
 
-class JumpRule(_Base):
+class JumpRule(RuleBase):
     """An unmistakable departure: a figure ``jump`` x or more in one check, per unit LR.
 
     For each ``(metric, jump)`` of ``Policy.jump_metrics`` (default: the global
@@ -694,7 +691,7 @@ class JumpRule(_Base):
 _GLOBAL_OF = {"update/param_ratio": "update/param_ratio", "param/norm": "param/global_norm"}
 
 
-class GroupRule(_Base):
+class GroupRule(RuleBase):
     """One group's figure departed from its own history while the global figures did not.
 
     Groups: ``embedding``, ``lm_head``, ``layer_{i}``; figures ``{family}/{group}``
@@ -852,7 +849,7 @@ class GroupRule(_Base):
         return []
 
 
-class LogitRule(_Base):
+class LogitRule(RuleBase):
     """Logits growing beyond their own drift: the attention's (no QK-norm, Wq/Wk LR
     too high) and the output's (logit drift).
 
@@ -944,7 +941,7 @@ class LogitRule(_Base):
         return []
 
 
-class RouterRule(_Base):
+class RouterRule(RuleBase):
     """MoE router collapse: a router figure far above its own baseline.
 
     For each ``(metric, excess)`` of ``Policy.router_bands`` (e.g.
@@ -1007,7 +1004,7 @@ class RouterRule(_Base):
         return []
 
 
-class ThroughputRule(_Base):
+class ThroughputRule(RuleBase):
     """YELLOW when the first present ``throughput_metrics`` has been down more than
     ``throughput_drop`` from its reference at every check for at least
     ``throughput_hold_steps`` steps (a shared machine's dips are shorter); onset:
@@ -1063,7 +1060,7 @@ class ThroughputRule(_Base):
         return []
 
 
-class LossScaleRule(_Base):
+class LossScaleRule(RuleBase):
     """YELLOW when the loss scale falls ``>= loss_scale_drop`` x between two
     consecutive checks, or collapses: ``>= loss_scale_drop`` x below its peak,
     ``peak = max(peak * 0.5 ** (dt / event_hold_steps), x)`` (a dynamic scale
@@ -1112,7 +1109,7 @@ class LossScaleRule(_Base):
         return []
 
 
-class GapRule(_Base):
+class GapRule(RuleBase):
     """Train/val gap growing faster than before, beyond its noise.
 
     The gap ``g`` is ``val/gap`` or ``val/loss`` minus the train loss's level:
@@ -1244,7 +1241,7 @@ class GapRule(_Base):
         return []
 
 
-class ValRiseRule(_Base):
+class ValRiseRule(RuleBase):
     """Val loss rising while the train loss falls (METRICS.md §6, fourth row).
 
     Over the ``val_rise_window`` steps before each ``val/loss`` sample (at
@@ -1318,7 +1315,7 @@ class ValRiseRule(_Base):
         return []
 
 
-class BrokenModelRule(_Base):
+class BrokenModelRule(RuleBase):
     """A broken model goes RED fast (METRICS.md §5 red tier, fast path).
 
     Broken at a check (after the baseline start) when
@@ -1439,7 +1436,7 @@ class BrokenModelRule(_Base):
         return []
 
 
-class DivergenceRule(_Base):
+class DivergenceRule(RuleBase):
     """RED after ``red_after`` consecutive divergent checks lasting at least
     ``red_min_steps`` steps. A check is divergent when it confirmed an ORANGE
     condition (or the loss far above its pre-spike trend); it breaks the run
