@@ -249,12 +249,7 @@ def plot_layer_heatmap(run: Run, ax=None):
     ax.figure.colorbar(m, ax=ax, label="share of ||g||^2", pad=0.01)
     ax.set_yticks(range(len(layers)))
     ax.set_yticklabels([f"layer {i}" for i in layers], fontsize=7)
-    for rb in run.rollbacks():
-        ax.axvline(rb["step"], color="#00e5ff", ls="--", lw=1.2)
-    ax.set_title(f"Per-layer gradient share ({source})", fontsize=10, loc="left")
-    ax.set_xlabel("step", fontsize=8)
-    ax.tick_params(labelsize=8)
-    return ax
+    return _finish_heat_map(ax, run, f"Per-layer gradient share ({source})")
 
 
 def replica_matrices(run: Run) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -326,12 +321,7 @@ def plot_replica_heatmap(run: Run, figure: str, ax=None, *, clip: float = 10.0):
     if vals.shape[0] <= 32:
         ax.set_yticks(range(vals.shape[0]))
         ax.set_yticklabels([f"replica {i}" for i in range(vals.shape[0])], fontsize=6)
-    for rb in run.rollbacks():
-        ax.axvline(rb["step"], color="#00e5ff", ls="--", lw=1.2)
-    ax.set_title(f"replica/{figure} ({vals.shape[0]} replicas x {len(steps)} steps)", fontsize=10, loc="left")
-    ax.set_xlabel("step", fontsize=8)
-    ax.tick_params(labelsize=8)
-    return ax
+    return _finish_heat_map(ax, run, f"replica/{figure} ({vals.shape[0]} replicas x {len(steps)} steps)")
 
 
 def plot_timeline(run: Run, ax=None):
@@ -358,4 +348,14 @@ def plot_timeline(run: Run, ax=None):
     ax.tick_params(labelsize=8)
     ax.set_title("Monitor level (green/yellow/orange/red); | save, \u25a0 pause, \u25bc rollback",
                  fontsize=9, loc="left")
+    return ax
+
+
+def _finish_heat_map(ax, run, title: str):
+    """A heat map's rollback lines (dashed cyan), title and step axis; returns ``ax``."""
+    for rb in run.rollbacks():
+        ax.axvline(rb["step"], color="#00e5ff", ls="--", lw=1.2)
+    ax.set_title(title, fontsize=10, loc="left")
+    ax.set_xlabel("step", fontsize=8)
+    ax.tick_params(labelsize=8)
     return ax
