@@ -10,7 +10,10 @@ family of vitals, each compiled apart (no ``lax.cond`` holds two of them), and r
   family minus the step without, beside the family's one-read limit (below). XLA
   counts a ``while`` loop's body once; the loops left (the CPU's Adam-``nu``
   histogram, in chunks of 2^18) are counted here with their trip counts, read from
-  the HLO (column "loops").
+  the HLO (column "loops"); a ``conditional`` is counted as its dearest branch, and
+  the only ones left here are non-finite counts, which run only on a step with a NaN
+  or Inf, so their dear branch is taken out of "extra" (column "non-finite branch":
+  what such a step reads besides).
 - **temp**: compiled temporary memory (``memory_analysis()``), against the step's.
 - **time**: the steps run interleaved in a random order each round, each timed to
   ``block_until_ready``; the median of the per-round ratios to the step without
@@ -28,9 +31,9 @@ family         what the step adds                                           one-
 ``probes``     the same figures from the model's probes (``use_probes``)    the same tensors
 ``instrument`` ``activation_metrics`` of what ``jvitals.instrument()``      the tensors it summarises
                sows around the model's ``apply``                            (recorded while tracing)
-``light``      ``record(chain(clip, adamw), schedule=...)`` with            gradients + params + updates
-               ``vitals_layers=False``: global norms, post-clip, update     (the grad norm alone could
-               norm and ratio, learning rate                                share the clip's read)
+``light``      ``record(chain(clip, adamw), schedule=...)`` with            params + updates (the grad
+               ``vitals_layers=False``: global norms, post-clip, update     norm is the clip's: XLA
+               norm and ratio, learning rate                                computes it once)
 ``heavy``      the same with ``vitals_layers=True``: every per-layer,       gradients + params + updates
                per-group and per-role figure
 ``opt``        ``optimizer_metrics``: Adam ``nu`` max, median, spread       Adam ``nu``
@@ -255,16 +258,17 @@ def _nbytes(tree: Any) -> int:
 
 
 def limits(cfg: rm.ModelConfig, params: Any, batch: dict, placement: str = "chain") -> dict[str, int]:
-    """The bytes each family must read at least once (see the module docstring): around
-    the clip only, the recorder has no updates to read."""
+    """The bytes each family must read at least once (see the module docstring): the
+    light step's gradient norm is the clip's (no read of its own); around the clip
+    only, the recorder has no updates to read."""
     raw = dataclasses.replace(cfg, use_probes=False)
     _, sown = jax.eval_shape(lambda p: rm.loss_fn(p, batch, raw), params)
     counts = _counts(sown)
     act = _nbytes(sown) - _nbytes(counts)
     p = _nbytes(params)
-    rec = (3 if placement == "chain" else 2) * p
-    return {"sow": act, "probes": act, "instrument": _instrument_reads(raw, params, batch), "light": rec,
-            "heavy": rec, "opt": p, "moe": _nbytes(counts)}
+    upd = p if placement == "chain" else 0
+    return {"sow": act, "probes": act, "instrument": _instrument_reads(raw, params, batch), "light": p + upd,
+            "heavy": 2 * p + upd, "opt": p, "moe": _nbytes(counts)}
 
 
 def _instrument_reads(cfg: rm.ModelConfig, params: Any, batch: dict) -> int:
@@ -381,6 +385,22 @@ def loop_bytes(hlo: str) -> int:
     return sum((int(n) - 1) * _body_bytes(hlo, body) for _, body, n in _WHILE.findall(hlo))
 
 
+_COND = re.compile(r"conditional\(.*branch_computations=\{([^}]*)\}")
+
+
+def branch_bytes(hlo: str) -> int:
+    """The bytes of the conditional branches a healthy step does not run: XLA's cost
+    analysis counts a ``conditional`` as its dearest branch, and the conditionals left
+    in these steps (compiled apart, no cadence ``lax.cond``) are the non-finite counts,
+    whose dear branch runs only on a step with a NaN or Inf; a healthy step runs the
+    cheapest. Per conditional: ``max - min`` of its branches' bytes."""
+    total = 0
+    for names in _COND.findall(hlo):
+        costs = [_body_bytes(hlo, n.strip().lstrip("%")) for n in names.split(",") if n.strip()]
+        total += max(costs) - min(costs) if costs else 0
+    return total
+
+
 # ----------------------------------------------------------------------------------
 # Measuring.
 
@@ -392,7 +412,14 @@ class Variant:
     bytes: float
     loops: float
     temp: int
+    branches: float = 0.0
     times: list = dataclasses.field(default_factory=list)
+
+    @property
+    def healthy(self) -> float:
+        """Bytes a healthy step accesses: XLA's count, plus the loops' iterations it
+        leaves out, less the non-finite branches it counts but a healthy step skips."""
+        return self.bytes + self.loops - self.branches
 
 
 def build(size: Size, batch_shape: tuple[int, int], placement: str,
@@ -415,8 +442,9 @@ def build(size: Size, batch_shape: tuple[int, int], placement: str,
             box["i"] += 1
             jax.block_until_ready((box["state"], m))
 
-        out.append(Variant(name, run, float(ca["bytes accessed"]), float(loop_bytes(compiled.as_text())),
-                           int(compiled.memory_analysis().temp_size_in_bytes)))
+        hlo = compiled.as_text()
+        out.append(Variant(name, run, float(ca["bytes accessed"]), float(loop_bytes(hlo)),
+                           int(compiled.memory_analysis().temp_size_in_bytes), float(branch_bytes(hlo))))
     return out, limits(cfg, params, batches[0], placement)
 
 
@@ -471,13 +499,12 @@ class Row:
 def rows_of(desc: str, tokens: int, vs: list[Variant], lim: dict[str, int]) -> list[Row]:
     by = {v.name: v for v in vs}
     a = by["none"]
-    base = a.bytes + a.loops
     out = []
     for v in vs:
         if v.name == "none":
             continue
         limit = lim.get(v.name)
-        out.append(Row(desc, tokens, v.name, (v.bytes + v.loops - base) / MB,
+        out.append(Row(desc, tokens, v.name, (v.healthy - a.healthy) / MB,
                        None if limit is None else limit / MB, v.temp / max(a.temp, 1), paired(v, a)))
     if "light" in by and "all" in by:
         light, full = by["light"], by["all"]
@@ -492,15 +519,18 @@ def print_config(desc: str, tokens: int, vs: list[Variant], rows: list[Row], n: 
     ms = statistics.median(a.times) * 1e3 if a.times else float("nan")
     print(f"\n### {desc}, {tokens} tokens a step: step without vitals {a.bytes / MB:,.1f} MB accessed, "
           f"temp {a.temp / MB:.2f} MB, {ms:.1f} ms ({n} timed rounds, load {load()})\n")
-    print("| family | extra MB | of which loops | one-read limit MB | x limit | temp x | time x |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| family | extra MB | of which loops | non-finite branch MB | one-read limit MB | x limit | temp x "
+          "| time x |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     loops = {v.name: (v.loops - a.loops) / MB for v in vs}
+    branches = {v.name: (v.branches - a.branches) / MB for v in vs}
     for r in rows:
         lim = "" if r.limit_mb is None else f"{r.limit_mb:,.2f}"
         xl = "" if r.limit_mb is None else f"{r.x_limit:.2f}"
         extra = "" if math.isnan(r.extra_mb) else f"{r.extra_mb:,.2f}"
         lp = f"{loops[r.family]:,.2f}" if r.family in loops else ""
-        print(f"| {r.family} | {extra} | {lp} | {lim} | {xl} | {r.temp:.3f} | {r.time:.3f} |", flush=True)
+        br = f"{branches[r.family]:,.2f}" if r.family in branches else ""
+        print(f"| {r.family} | {extra} | {lp} | {br} | {lim} | {xl} | {r.temp:.3f} | {r.time:.3f} |", flush=True)
 
 
 def print_summary(rows: list[Row]) -> None:

@@ -3,8 +3,11 @@
 One choice is still made by the backend that compiles the step
 (``lax.platform_dependent``): the Adam-``nu`` median is a histogram on the CPU and a
 search elsewhere (a scatter-add of many equal bins serialises on GPUs and TPUs).
-Everything else is the same program on every backend: one variadic reduction per
-tensor (``jvitals/metrics/fold.py``), with no conditional and no loop.
+The recorder's light step counts non-finite gradients only when their norm is not
+finite: under a ``lax.cond`` on the CPU, computed and selected elsewhere (a GPU
+conditional waits on the host for its predicate). Everything else is the same
+program on every backend: one variadic reduction per tensor
+(``jvitals/metrics/fold.py``), with no conditional and no loop.
 """
 
 import jax
@@ -13,6 +16,7 @@ import optax
 import pytest
 
 from jvitals import optimizer_metrics
+from jvitals.metrics.gradients import norm_metrics
 
 from jvitals.metrics import probes
 
@@ -54,3 +58,17 @@ def test_nonfinite_counts_need_no_conditional_anywhere(fn):
     for platform in ("cpu",) + ACCELERATORS:
         text = lowered(fn, x, platform=platform)
         assert "stablehlo.case" not in text and "stablehlo.while" not in text, platform
+
+
+def test_light_step_nonfinite_count_is_a_conditional_on_the_cpu_only():
+    """norm_metrics (the recorder's light step): a lax.cond on the CPU, where it costs no
+    host round trip; a select beside the norm on GPUs and TPUs. (The choice itself is a
+    case on a constant platform index, which every lowering holds.)"""
+    g = {"a": jnp.ones((64, 32)), "b": jnp.ones((32,))}
+    on_cpu = lowered(norm_metrics, g, g, g, platform="cpu").count("stablehlo.case")
+    without = lowered(lambda a: norm_metrics(a, a, a)["param/global_norm"], g, platform="cpu")
+    assert "stablehlo.case" not in without  # no count asked for: no conditional, no choice
+    for platform in ACCELERATORS:
+        text = lowered(norm_metrics, g, g, g, platform=platform)
+        assert text.count("stablehlo.case") == on_cpu - 1, platform  # the CPU's cond of the gradients' count
+        assert "stablehlo.while" not in text, platform

@@ -29,7 +29,10 @@ Families, for a recorder running them at different cadences (each reads its tree
 once):
 
 * :func:`global_norm_metrics`: global norm and non-finite count only (every step);
-  :func:`norm_metrics`: the global norms of gradients, params and updates together.
+  :func:`norm_metrics`: the global norms of gradients, params and updates (the
+  recorder's light step). Under ``jit`` these two write each norm as optax does, so
+  a clip's norm of the same gradients is computed once, and count non-finite values
+  only when the norm is not finite (see :func:`norm_metrics`).
 * :func:`update_metrics`: ``update/global_norm`` and ``update/param_ratio``.
 * :func:`gradient_metrics`: everything, per role and per layer (heavier cadence).
 """
@@ -41,6 +44,8 @@ from typing import Any, Hashable, Mapping, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from jax import lax
 from jax.sharding import PartitionSpec
 
 from jvitals.metrics.qkv import _attn_module, _global_shape, _o_sizes, _qkv_pieces  # fused QKV: jvitals/metrics/qkv.py
@@ -334,6 +339,8 @@ def global_norm(tree: Any, *, specs: Any = None, axes: Sequence[str] | str = ())
     Inside ``shard_map`` each leaf's sum of squares is psum-ed over the axes of
     ``axes`` it is sharded along (``specs``) or varies along.
     """
+    if _optax_form(tree, check_axes(axes)):  # under jit: the clip's expression, computed once
+        return _norm_as_optax(tree)[0]
     return tree_stats({"tree": tree}, specs=specs, axes=axes)["tree"].all.norm
 
 
@@ -342,7 +349,9 @@ def global_norm_metrics(tree: Any, *, specs: Any = None, axes: Sequence[str] | s
     """The cheap every-step family: global norm and non-finite count.
 
     ``{prefix}/global_norm{suffix} = sqrt(sum g^2)`` (NaN if any non-finite),
-    ``{prefix}/nonfinite_count{suffix} = #non-finite elements``; one read of each leaf.
+    ``{prefix}/nonfinite_count{suffix} = #non-finite elements``; one read of each leaf
+    (under ``jit``, float32: a sum of squares per leaf as optax writes it, the count
+    only when the norm is not finite; see :func:`norm_metrics`).
 
     Args:
       tree: gradients (or any pytree of arrays).
@@ -359,21 +368,58 @@ def global_norm_metrics(tree: Any, *, specs: Any = None, axes: Sequence[str] | s
       >>> global_norm_metrics({"w": jnp.array([3.0, 4.0])})["grad/global_norm"]
       Array(5., dtype=float32)
     """
+    if _optax_form(tree, check_axes(axes)):  # under jit: as norm_metrics takes it
+        n, finite = _norm_as_optax(tree)
+        return {f"{prefix}/global_norm{suffix}": n, f"{prefix}/nonfinite_count{suffix}": _nonfinite_where(~finite, tree)}
     s = tree_stats({"tree": tree}, specs=specs, axes=axes)["tree"].all
     return {f"{prefix}/global_norm{suffix}": s.norm, f"{prefix}/nonfinite_count{suffix}": _nonfinite(s)}
 
 
 def norm_metrics(grads: Any, params: Any = None, updates: Any = None, *, specs: Any = None,
                  axes: Sequence[str] | str = ()) -> dict[str, jax.Array]:
-    """The global norms of the gradients, parameters and updates, each leaf read once.
+    """The global norms of the gradients, parameters and updates: the recorder's light step.
 
-    ``grad/global_norm = ||g||``, ``grad/nonfinite_count``; with ``params``
-    ``param/global_norm = ||p||``; with ``updates`` ``update/global_norm = ||u||``,
-    ``update/nonfinite_count`` and, with both, ``update/param_ratio = ||u|| / ||p||``.
-    A gradient, its parameter and its update are measured by one reduction (one
-    kernel reading each once), what the recorder's light step computes.
+    ``grad/global_norm = ||g||`` (NaN if any element is non-finite),
+    ``grad/nonfinite_count``; with ``params`` ``param/global_norm = ||p||``; with
+    ``updates`` ``update/global_norm = ||u||``, ``update/nonfinite_count`` and, with
+    both, ``update/param_ratio = ||u|| / ||p||``.
+
+    Under ``jit`` (no mesh axes bound), with float32 gradients and parameters:
+
+    - the gradients' norm is written as optax writes it (``optax.tree.norm``: one
+      ``sum(g^2)`` per leaf), so a clip (``optax.clip_by_global_norm``) on the same
+      gradients and this norm are one computation to XLA: no read of its own. Their
+      non-finite count is 0 when the norm is finite and is counted only when it is
+      not: on the CPU under a ``lax.cond`` (no host round trip there; a healthy step
+      skips the count's read), on other backends beside the norm and selected
+      (XLA:GPU and TPU fuse the count with the norm's reduction of the same tensor;
+      a conditional would make a GPU step wait on the host for its predicate);
+    - the parameters' norm is a plain sum per leaf (vectorised on XLA:CPU);
+    - the updates' norm and non-finite count are one variadic reduction per leaf
+      (:mod:`jvitals.metrics.fold`), which XLA fuses with the optimizer's last
+      elementwise step. A plain sum would take the update written out on XLA:CPU
+      (no multi-output fusion): 2 x the parameters' bytes more, a parameter-sized
+      buffer, and slower beside a large model (``benchmarks/light_forms.py``).
+
+    Otherwise (inside ``shard_map``, or other dtypes) a gradient, its parameter and
+    its update are measured by one variadic reduction per leaf, each reduced over
+    the mesh axes it is sharded along.
+
+    Args:
+      grads: the gradients.
+      params: the parameters (None: no ``param/*``).
+      updates: the updates (None: no ``update/*``).
+      specs: ``PartitionSpec`` pytree (prefix) of the trees (inside ``shard_map``).
+      axes: bound mesh axes; ``()`` under ``jit``.
+
+    Returns:
+      ``{name: scalar}`` (counts int32).
     """
-    t = tree_stats({"grads": grads, "params": params, "updates": updates}, specs=specs, axes=axes, what="grads")
+    axes = check_axes(axes)
+    trees = {"grads": grads, "params": params, "updates": updates}
+    if _optax_form(grads, axes) and (params is None or _optax_form(params, axes)):
+        return _norms_under_jit(grads, params, updates)
+    t = tree_stats(trees, specs=specs, axes=axes, what="grads")
     out = {"grad/global_norm": t["grads"].all.norm, "grad/nonfinite_count": _nonfinite(t["grads"].all)}
     if params is not None:
         out["param/global_norm"] = t["params"].all.norm
@@ -382,6 +428,53 @@ def norm_metrics(grads: Any, params: Any = None, updates: Any = None, *, specs: 
         out["update/nonfinite_count"] = _nonfinite(t["updates"].all)
         if params is not None:
             out["update/param_ratio"] = (t["updates"].all.norm / t["params"].all.norm).astype(_F32)
+    return out
+
+
+def _optax_form(tree: Any, axes: tuple[str, ...]) -> bool:
+    """Whether ``tree``'s norm is taken as optax takes it: no mesh axes bound, and
+    every leaf a float32 array (other dtypes are measured in float32 by the fold)."""
+    leaves = jax.tree.leaves(tree)
+    return not axes and bool(leaves) and all(getattr(x, "dtype", None) == _F32 for x in leaves)
+
+
+def _nonfinite_where(bad: jax.Array, tree: Any) -> jax.Array:
+    """``#(x is NaN or Inf)`` over ``tree`` where ``bad``, else 0 (see :func:`norm_metrics`:
+    a ``lax.cond`` on the CPU, computed and selected elsewhere)."""
+    def count() -> jax.Array:  # counted in float32, as the fold counts (XLA:CPU splits an int sum)
+        n = sum((jnp.sum(jnp.where(jnp.isfinite(x), 0.0, 1.0).astype(_F32)) for x in jax.tree.leaves(tree)),
+                jnp.zeros((), _F32))
+        return n.astype(jnp.int32)
+
+    def zero() -> jax.Array:
+        return jnp.zeros((), jnp.int32)
+
+    return lax.platform_dependent(cpu=lambda: lax.cond(bad, count, zero),
+                                  default=lambda: jnp.where(bad, count(), zero()))
+
+
+def _norm_as_optax(tree: Any) -> tuple[jax.Array, jax.Array]:
+    """``(||x||, finite)``: ``optax.tree.norm(tree)`` (the clip's own expression), NaN
+    where it is not finite (a non-finite element, or a float32 overflow of the sum)."""
+    n = optax.tree.norm(tree).astype(_F32)
+    finite = jnp.isfinite(n)
+    return jnp.where(finite, n, jnp.nan), finite
+
+
+def _norms_under_jit(grads: Any, params: Any, updates: Any) -> dict[str, jax.Array]:
+    """:func:`norm_metrics` under ``jit`` for float32 gradients and parameters (its
+    docstring says how each tree is read)."""
+    g, g_ok = _norm_as_optax(grads)
+    out = {"grad/global_norm": g, "grad/nonfinite_count": _nonfinite_where(~g_ok, grads)}
+    if params is not None:
+        out["param/global_norm"] = _norm_as_optax(params)[0]
+    if updates is not None:
+        s = tree_stats({"updates": updates}, what="updates")["updates"].all
+        u = s.norm
+        out["update/global_norm"] = u
+        out["update/nonfinite_count"] = _nonfinite(s)
+        if params is not None:
+            out["update/param_ratio"] = u / out["param/global_norm"]
     return out
 
 

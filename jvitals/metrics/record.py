@@ -60,20 +60,27 @@ compiled twice on a static flag::
     updates, opt_state = tx.update(grads, opt_state, params, vitals_layers=full)
 
 ``vitals_layers=True`` computes every family this update, ``False`` only the
-global one (its cadence still applies), with no conditional and nothing of the
-per-layer pass compiled; a traced boolean is used as the predicate of the
-``lax.cond``; None (the default) follows ``every``. Without a conditional, every
-figure of an update comes from one read of each leaf of the gradients, the
-parameters and ``inner``'s outputs, one reduction per leaf (``gradient_metrics``
-with ``updates=``; the light step measures their global norms the same way). The
-post-clip norm of a wrapped ``optax.clip_by_global_norm(max_norm)`` is
-``min(||g||, max_norm)`` (NaN if ``||g||`` is), known without reading the clipped
-gradients; any other wrapped transform's outputs (an optimizer's updates) are read
-for their norm in that same reduction (with the ``lax.cond`` cadence: outside the
-conditional, kept only when the pre-clip figures are fresh, the per-layer ones in
-the per-layer branch, which the outputs then enter). Reading the updates costs more
-than a read on XLA:CPU, which has no multi-output fusion: the update is written out
-once and read by the recorder and by ``optax.apply_updates`` (docs/COST.md).
+global one (its cadence still applies), with no cadence conditional and nothing of
+the per-layer pass compiled; a traced boolean is used as the predicate of the
+``lax.cond``; None (the default) follows ``every``.
+
+What each step reads. The per-layer family takes every figure from one read of each
+leaf of the gradients, the parameters and ``inner``'s outputs, one variadic
+reduction per leaf (``gradient_metrics`` with ``updates=``). The light step
+(:func:`jvitals.metrics.gradients.norm_metrics`, under ``jit``) writes the
+gradients' norm as optax writes it (``optax.tree.norm``), so it and a wrapped
+clip's are one computation to XLA (no read of its own), with their non-finite
+count taken only when the norm is not finite (a ``lax.cond`` on the CPU, selected
+on other backends); the parameters' norm is a plain sum per leaf and the outputs'
+one variadic reduction per leaf, fused with the optimizer's last step. The post-clip norm of a
+wrapped ``optax.clip_by_global_norm(max_norm)`` is ``min(||g||, max_norm)`` (NaN if
+``||g||`` is), known without reading the clipped gradients; any other wrapped
+transform's outputs (an optimizer's updates) are read for their norm (with the
+``lax.cond`` cadence: outside the conditional, kept only when the pre-clip figures
+are fresh, the per-layer ones in the per-layer branch, which the outputs then
+enter). Reading the updates costs more than a read on XLA:CPU, which has no
+multi-output fusion: the update is written out once and read by the recorder and
+by ``optax.apply_updates`` (docs/COST.md).
 ``RecordState.last_step`` records, per family, the update at which its
 figures were last computed (-1: never).
 
@@ -365,8 +372,9 @@ def _family_vector(cfg: _Config, step: _Step, prev: jax.Array, due: Mapping[str,
                    static: bool | None, vitals_layers: Any) -> tuple[jax.Array, jax.Array | None, bool]:
     """The families' figures into the vector, and ``||out||`` where it is needed.
 
-    Static per-layer flag: one pass, no conditional (the light step reads the
-    gradients, params and outputs in one kernel per leaf). Traced cadence: a
+    Static per-layer flag: no cadence conditional (the light step's gradient norm
+    is the clip's, see :func:`jvitals.metrics.gradients.norm_metrics`; the per-layer
+    step reads gradient, parameter and output in one kernel per leaf). Traced cadence: a
     ``lax.cond``/``lax.switch`` on the update count over the gradients and params
     only (the outputs' norm outside it, so XLA need not hand them to the
     conditional).
