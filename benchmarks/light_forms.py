@@ -32,7 +32,6 @@ import sys
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overhead as ob  # noqa: E402  (the benchmark's model, steps and timing)
@@ -88,30 +87,14 @@ FORMS: dict[str, Norms] = {"fold": fold, "plain": plain, "pu_fold": pu_fold, "sh
 
 def build(size: ob.Size, batch_shape: tuple[int, int], forms: list[str]) -> tuple[list[ob.Variant], int]:
     """The step without vitals and one light step per form, compiled; the parameters' bytes."""
-    cfg = size.cfg
-    dev = jax.devices()[0]
-    params = jax.device_put(ob.rm.init_params(cfg, jax.random.key(0)), dev)
-    batches = [jax.device_put(ob.rm.make_batch(i, cfg, *batch_shape, pad_fraction=0.1), dev) for i in range(2)]
+    params, batches = ob.inputs(size.cfg, batch_shape)
     shipped = G.norm_metrics
     out = []
     try:
         for name in ["none"] + forms:
-            G.norm_metrics = FORMS.get(name, shipped)
-            step, tx = ob.variants(cfg, "chain", ["light"])["none" if name == "none" else "light"]
-            state = jax.device_put(ob.TrainState(jnp.zeros([], jnp.int32), params, tx.init(params)), dev)
-            compiled = jax.jit(step).lower(state, batches[0]).compile()
-            ca = compiled.cost_analysis()
-            ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-            box = {"state": state, "i": 0}
-
-            def run(c: Any = compiled, box: dict = box) -> None:
-                box["state"], m = c(box["state"], batches[box["i"] % len(batches)])
-                box["i"] += 1
-                jax.block_until_ready((box["state"], m))
-
-            hlo = compiled.as_text()
-            out.append(ob.Variant(name, run, float(ca["bytes accessed"]), float(ob.loop_bytes(hlo)),
-                                  int(compiled.memory_analysis().temp_size_in_bytes), float(ob.branch_bytes(hlo))))
+            G.norm_metrics = FORMS.get(name, shipped)  # read while the step is traced
+            step, tx = ob.variants(size.cfg, "chain", ["light"])["none" if name == "none" else "light"]
+            out.append(ob.compile_variant(name, step, tx, params, batches))
     finally:
         G.norm_metrics = shipped
     return out, ob._nbytes(params)

@@ -422,30 +422,41 @@ class Variant:
         return self.bytes + self.loops - self.branches
 
 
-def build(size: Size, batch_shape: tuple[int, int], placement: str,
-          families: Iterable[str]) -> tuple[list[Variant], dict[str, int]]:
-    """Compile every variant of one config at one token count; their limits."""
-    cfg = size.cfg
+def inputs(cfg: rm.ModelConfig, batch_shape: tuple[int, int]) -> tuple[Any, list[dict]]:
+    """The parameters and two batches of a config, on the first device."""
     dev = jax.devices()[0]
     params = jax.device_put(rm.init_params(cfg, jax.random.key(0)), dev)
     batches = [jax.device_put(rm.make_batch(i, cfg, *batch_shape, pad_fraction=0.1), dev) for i in range(2)]
-    out = []
-    for name, (step, tx) in variants(cfg, placement, families).items():
-        state = jax.device_put(TrainState(jnp.zeros([], jnp.int32), params, tx.init(params)), dev)
-        compiled = jax.jit(step).lower(state, batches[0]).compile()
-        ca = compiled.cost_analysis()
-        ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-        box = {"state": state, "i": 0}
+    return params, batches
 
-        def run(c: Any = compiled, box: dict = box) -> None:
-            box["state"], m = c(box["state"], batches[box["i"] % len(batches)])
-            box["i"] += 1
-            jax.block_until_ready((box["state"], m))
 
-        hlo = compiled.as_text()
-        out.append(Variant(name, run, float(ca["bytes accessed"]), float(loop_bytes(hlo)),
-                           int(compiled.memory_analysis().temp_size_in_bytes), float(branch_bytes(hlo))))
-    return out, limits(cfg, params, batches[0], placement)
+def compile_variant(name: str, step: Callable, tx: optax.GradientTransformation, params: Any,
+                    batches: list[dict]) -> Variant:
+    """One step compiled (its bytes, loops, non-finite branches, temp) and a ``run`` that
+    takes the next step, alternating the batches."""
+    state = jax.device_put(TrainState(jnp.zeros([], jnp.int32), params, tx.init(params)), jax.devices()[0])
+    compiled = jax.jit(step).lower(state, batches[0]).compile()
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    box = {"state": state, "i": 0}
+
+    def run() -> None:
+        box["state"], m = compiled(box["state"], batches[box["i"] % len(batches)])
+        box["i"] += 1
+        jax.block_until_ready((box["state"], m))
+
+    hlo = compiled.as_text()
+    return Variant(name, run, float(ca["bytes accessed"]), float(loop_bytes(hlo)),
+                   int(compiled.memory_analysis().temp_size_in_bytes), float(branch_bytes(hlo)))
+
+
+def build(size: Size, batch_shape: tuple[int, int], placement: str,
+          families: Iterable[str]) -> tuple[list[Variant], dict[str, int]]:
+    """Compile every variant of one config at one token count; their limits."""
+    params, batches = inputs(size.cfg, batch_shape)
+    out = [compile_variant(name, step, tx, params, batches)
+           for name, (step, tx) in variants(size.cfg, placement, families).items()]
+    return out, limits(size.cfg, params, batches[0], placement)
 
 
 def measure(vs: list[Variant], rounds: int, min_seconds: float, max_rounds: int) -> int:
