@@ -339,8 +339,6 @@ def global_norm(tree: Any, *, specs: Any = None, axes: Sequence[str] | str = ())
     Inside ``shard_map`` each leaf's sum of squares is psum-ed over the axes of
     ``axes`` it is sharded along (``specs``) or varies along.
     """
-    if _optax_form(tree, check_axes(axes)):  # under jit: the clip's expression, computed once
-        return _norm_as_optax(tree)[0]
     return tree_stats({"tree": tree}, specs=specs, axes=axes)["tree"].all.norm
 
 

@@ -72,15 +72,17 @@ gradients' norm as optax writes it (``optax.tree.norm``), so it and a wrapped
 clip's are one computation to XLA (no read of its own), with their non-finite
 count taken only when the norm is not finite (a ``lax.cond`` on the CPU, selected
 on other backends); the parameters' norm is a plain sum per leaf and the outputs'
-one variadic reduction per leaf, fused with the optimizer's last step. The post-clip norm of a
-wrapped ``optax.clip_by_global_norm(max_norm)`` is ``min(||g||, max_norm)`` (NaN if
-``||g||`` is), known without reading the clipped gradients; any other wrapped
+one variadic reduction per leaf, fused with the optimizer's last step. The
+post-clip norm of a wrapped ``optax.clip_by_global_norm(max_norm)`` is
+``min(||g||, max_norm)`` (NaN if ``||g||`` is), known without reading the clipped
+gradients; any other wrapped
 transform's outputs (an optimizer's updates) are read for their norm (with the
 ``lax.cond`` cadence: outside the conditional, kept only when the pre-clip figures
 are fresh, the per-layer ones in the per-layer branch, which the outputs then
 enter). Reading the updates costs more than a read on XLA:CPU, which has no
-multi-output fusion: the update is written out once and read by the recorder and
-by ``optax.apply_updates`` (docs/COST.md).
+multi-output fusion: the optimizer's direction (Adam's ``m / (sqrt(v) + eps)``) is
+written out once and read by the recorder and by ``optax.apply_updates``
+(docs/COST.md).
 ``RecordState.last_step`` records, per family, the update at which its
 figures were last computed (-1: never).
 
