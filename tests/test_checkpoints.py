@@ -165,3 +165,32 @@ def test_a_late_read_on_a_closed_loop_is_held_back_and_other_errors_are_not(monk
     promise.set_result(1)
     assert len(seen) == 1 and isinstance(seen[0], ZeroDivisionError)
     assert "Event loop is closed" not in capfd.readouterr().err
+
+
+def test_a_late_reads_unretrieved_future_is_held_back_and_others_are_not(caplog):
+    """A restore whose read failed leaves its sibling reads' futures with exceptions
+    nobody reads; asyncio logs each as 'Future exception was never retrieved' when it
+    is collected. Those carrying a tensorstore error are dropped (counted); any other
+    unretrieved future's log still goes through."""
+    import asyncio
+    import gc
+
+    from jvitals.guard import checkpoints
+
+    checkpoints._install_log_filter()
+    caplog.set_level("ERROR", logger="asyncio")
+    before = checkpoints._NOISE.dropped
+
+    def unretrieved(message):
+        loop = asyncio.new_event_loop()
+        fut = loop.create_future()
+        fut.set_exception(ValueError(message))
+        del fut
+        gc.collect()
+        loop.close()
+
+    unretrieved('OUT_OF_RANGE: Error opening "zarr" driver: ... [tensorstore_spec=\'{"driver":"zarr"}\']')
+    assert checkpoints._NOISE.dropped == before + 1
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+    unretrieved("a user's own error")
+    assert [r for r in caplog.records if "never retrieved" in r.getMessage()]

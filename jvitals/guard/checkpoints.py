@@ -119,12 +119,18 @@ class _OrbaxNoise(logging.Filter):
         exc_text = str(record.exc_info[1]) if record.exc_info and record.exc_info[1] is not None else ""
         if any("orbax" in f or "tensorstore" in f for f in files) \
                 or ("orbax" in text and record.levelno >= logging.ERROR) \
-                or ("Task exception was never retrieved" in text and "orbax" in text + exc_text) \
+                or (_never_retrieved(text) and ("orbax" in text + exc_text or "tensorstore" in text + exc_text)) \
                 or "Event loop is closed" in text + exc_text and any("asyncio" in f for f in files):
             self.dropped += 1
             _log.debug("orbax: %s", text.splitlines()[0][:200] if text else "(no message)")
             return False
         return True
+
+
+def _never_retrieved(text: str) -> bool:
+    """asyncio's log of a task or future garbage-collected with its exception unread (a
+    restore's late reads: a failed read's sibling futures, see :func:`_is_closed_loop_error`)."""
+    return "Task exception was never retrieved" in text or "Future exception was never retrieved" in text
 
 
 _NOISE = _OrbaxNoise()
