@@ -46,8 +46,8 @@ def _fold(trees: dict[str, Any]) -> dict[str, Any]:
 
 
 def _clip_grad(grads: Any) -> dict[str, jax.Array]:
-    g, finite = G._norm_as_optax(grads)
-    return {"grad/global_norm": g, "grad/nonfinite_count": G._nonfinite_where(~finite, grads)}
+    g, count = G._norm_and_count(grads)
+    return {"grad/global_norm": g, "grad/nonfinite_count": count}
 
 
 def fold(grads: Any, params: Any = None, updates: Any = None, **_: Any) -> dict[str, jax.Array]:

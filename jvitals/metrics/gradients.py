@@ -367,8 +367,8 @@ def global_norm_metrics(tree: Any, *, specs: Any = None, axes: Sequence[str] | s
       Array(5., dtype=float32)
     """
     if _optax_form(tree, check_axes(axes)):  # under jit: as norm_metrics takes it
-        n, finite = _norm_as_optax(tree)
-        return {f"{prefix}/global_norm{suffix}": n, f"{prefix}/nonfinite_count{suffix}": _nonfinite_where(~finite, tree)}
+        n, count = _norm_and_count(tree)
+        return {f"{prefix}/global_norm{suffix}": n, f"{prefix}/nonfinite_count{suffix}": count}
     s = tree_stats({"tree": tree}, specs=specs, axes=axes)["tree"].all
     return {f"{prefix}/global_norm{suffix}": s.norm, f"{prefix}/nonfinite_count{suffix}": _nonfinite(s)}
 
@@ -440,7 +440,7 @@ def _nonfinite_where(bad: jax.Array, tree: Any) -> jax.Array:
     """``#(x is NaN or Inf)`` over ``tree`` where ``bad``, else 0 (see :func:`norm_metrics`:
     a ``lax.cond`` on the CPU, computed and selected elsewhere)."""
     def count() -> jax.Array:  # counted in float32, as the fold counts (XLA:CPU splits an int sum)
-        n = sum((jnp.sum(jnp.where(jnp.isfinite(x), 0.0, 1.0).astype(_F32)) for x in jax.tree.leaves(tree)),
+        n = sum((jnp.sum(jnp.where(jnp.isfinite(x), 0.0, 1.0)) for x in jax.tree.leaves(tree)),
                 jnp.zeros((), _F32))
         return n.astype(jnp.int32)
 
@@ -459,11 +459,18 @@ def _norm_as_optax(tree: Any) -> tuple[jax.Array, jax.Array]:
     return jnp.where(finite, n, jnp.nan), finite
 
 
+def _norm_and_count(tree: Any) -> tuple[jax.Array, jax.Array]:
+    """``(||x||, #non-finite)`` of a float32 tree under ``jit``: the norm as optax (a
+    clip) writes it, the count only where that norm is not finite."""
+    n, finite = _norm_as_optax(tree)
+    return n, _nonfinite_where(~finite, tree)
+
+
 def _norms_under_jit(grads: Any, params: Any, updates: Any) -> dict[str, jax.Array]:
     """:func:`norm_metrics` under ``jit`` for float32 gradients and parameters (its
     docstring says how each tree is read)."""
-    g, g_ok = _norm_as_optax(grads)
-    out = {"grad/global_norm": g, "grad/nonfinite_count": _nonfinite_where(~g_ok, grads)}
+    g, count = _norm_and_count(grads)
+    out = {"grad/global_norm": g, "grad/nonfinite_count": count}
     if params is not None:
         out["param/global_norm"] = _norm_as_optax(params)[0]
     if updates is not None:
