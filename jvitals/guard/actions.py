@@ -24,6 +24,8 @@ import jax
 import numpy as np
 import optax
 
+from jvitals.metrics.roles import leaves_by_path, path_str
+from jvitals.metrics.variables import holds_variables
 from jvitals.optim.lr_scale import has_lr_scale, set_lr_scale
 from jvitals.guard.remedies import check_regex
 from jvitals.guard.stores import own_position
@@ -152,6 +154,8 @@ def reset_adam_moments(state: Any, spec: Sequence[tuple[str, Sequence[str]]]) ->
             out = out._replace(count=zeros_like(x.count))
         return out
 
+    if holds_variables(state):
+        return _reset_nnx_moments(state, spec)
     out = jax.tree.map(node, state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
     if not total["found"]:
         raise ValueError("Rollback(reset_optimizer=...) expects an Adam-family optimizer state "
@@ -161,6 +165,36 @@ def reset_adam_moments(state: Any, spec: Sequence[tuple[str, Sequence[str]]]) ->
     if not count_reset and total["all"]:
         count_reset = False
     return out, {"leaves": {m: sorted(set(v)) for m, v in done.items() if v}, "count_reset": count_reset}
+
+
+def _reset_nnx_moments(state: Any, spec: Sequence[tuple[str, Sequence[str]]]) -> tuple[Any, dict[str, Any]]:
+    """:func:`reset_adam_moments` of an ``nnx.State``, where optax's ``ScaleByAdamState``
+    is a dict ``{count, mu, nu}``: found by those paths (``.../mu/<param path>``)."""
+    paths = leaves_by_path(state)
+    adams = sorted({p[: -len("count")] for p in paths if p == "count" or p.endswith("/count")
+                    if any(q.startswith(p[: -len("count")] + "mu/") for q in paths)
+                    and any(q.startswith(p[: -len("count")] + "nu/") for q in paths)})
+    if not adams:
+        raise ValueError("Rollback(reset_optimizer=...) expects an Adam-family optimizer state "
+                         "(optax's ScaleByAdamState: count, mu, nu) in the nnx.State; found none. "
+                         "Pass reset_optimizer=None for this optimizer.")
+    done: dict[str, list[str]] = {m: [] for m in MOMENTS}
+    kept: set[str] = set()
+    zero: set[str] = set()
+    for p in paths:
+        for pre in adams:
+            for m in MOMENTS:
+                if p.startswith(f"{pre}{m}/"):
+                    name = p[len(pre) + len(m) + 1:]
+                    if any(m in ms and re.search(rx, name) for rx, ms in spec):
+                        done[m].append(name)
+                        zero.add(p)
+                    else:
+                        kept.add(pre)
+    zero |= {pre + "count" for pre in adams if pre not in kept and zero}
+    out = jax.tree_util.tree_map_with_path(lambda p, x: zeros_like(x) if path_str(p) in zero else x, state)
+    names = {m: sorted(set(v)) for m, v in done.items() if v}
+    return out, {"leaves": names, "count_reset": bool(names) and not kept}
 
 
 def check_lr_scale(state: Any, lr_factor: float) -> None:
@@ -186,9 +220,17 @@ def scale_lr(restored: Any, lr_scale: float, lr_factor: float) -> tuple[Any, flo
 
 
 def keep_step(restored: Any, state: Any, step_attr: str | None) -> Any:
-    """``restored`` with ``state``'s step field (``step_attr``): the step counter goes on."""
+    """``restored`` with ``state``'s step field (``step_attr``): the step counter goes on.
+
+    In a Flax NNX state (``nnx.State``) every Variable named ``step_attr`` at the top or one
+    level down is kept (``nnx.Optimizer``'s ``step`` in ``nnx.state(optimizer)`` and
+    in ``nnx.state((model, optimizer))``).
+    """
     if step_attr is None:
         return restored
+    if holds_variables(state):
+        current = {p: x for p, x in leaves_by_path(state).items() if re.fullmatch(rf"(?:[^/]+/)?{re.escape(step_attr)}", p)}
+        return jax.tree_util.tree_map_with_path(lambda p, x: current.get(path_str(p), x), restored)
     current = get_field(state, step_attr)
     return restored if current is None else set_field(restored, step_attr, current)
 

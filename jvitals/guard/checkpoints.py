@@ -59,6 +59,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jvitals.metrics.roles import path_str
 from jvitals.monitor.types import Level
 from jvitals.guard.target import CheckpointInfo, is_healthy, level_name
 
@@ -277,10 +278,18 @@ def abstract(tree: Any) -> Any:
     return jax.tree.map(leaf, tree)
 
 
+_MEASUREMENTS = re.compile(r"(?:^|/)metrics/vector$")
+"""The recorder's figures (``RecordState.metrics``, a ``PackedMetrics`` vector; in an
+``nnx.State`` the same path): measurements of the last update, not training state, so a
+NaN figure (a skipped non-finite step, a family never computed) is not a sick checkpoint."""
+
+
 def all_finite(tree: Any) -> bool:
-    """True if every floating-point leaf of ``tree`` is finite (one host read)."""
-    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-             if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating)]
+    """True if every floating-point leaf of ``tree`` is finite (one host read), the
+    recorder's figures (:data:`_MEASUREMENTS`) aside."""
+    flags = [jnp.all(jnp.isfinite(x)) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+             if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating)
+             and not _MEASUREMENTS.search(path_str(p))]
     if not flags:
         return True
     return bool(jax.device_get(jnp.all(jnp.stack(flags))))

@@ -3,7 +3,9 @@
 Pure functions over pytrees, traceable under ``jit``, ``shard_map`` and ``pmap``;
 nothing here syncs with the host, logs or checkpoints. ``stats`` (the one-pass
 ``Summary`` and the mesh reductions) is the floor every other module stands on;
-``roles``/``qkv`` name the parameters; ``probes``/``instrument`` capture activations;
+``roles``/``qkv`` name the parameters; ``probes``/``instrument`` capture activations
+(``nnx_intercept`` wraps Flax NNX module calls; ``variables`` sees through NNX
+Variables);
 ``activations``, ``gradients``, ``moe`` and ``optimizer`` turn them into METRICS.md's
 figures; ``record`` is the optax recorder; ``host`` measures step time and memory;
 ``replicas`` keeps a few figures per data-parallel replica and maps each replica to its

@@ -216,7 +216,7 @@ def _pieces(x: jax.Array, leaf: _Leaf, roles: Roles, axes: tuple[str, ...], o_si
     lr = leaf.role
     if lr is None:
         return [(None, x, None, None)]
-    if split_qkv and lr.role == "qkv":
+    if split_qkv and lr.role in ("qkv", "kv"):
         return _qkv_pieces(x, lr, roles, leaf.spec, axes, o_sizes.get(_attn_module(lr.path)))
     return [(lr.name, x, None, lr.stack_axis)]
 

@@ -1,15 +1,20 @@
-"""``instrument()``: jvitals' activation summaries from any Flax Linen model, unmodified.
+"""``instrument()``: jvitals' activation summaries from any Flax model, Linen or NNX, unmodified.
 
 A model that never calls ``sow`` gives :func:`~jvitals.metrics.activations.activation_metrics`
-nothing to read. Around its ``apply``, :func:`instrument` intercepts every module
-call (``flax.linen.intercept_methods``) and sows, under the METRICS.md §7 names,
-compact *per-token summaries* of what the roles recognise -- the same
-:class:`~jvitals.metrics.roles.Roles` patterns the gradient figures use::
+nothing to read. Around its call, :func:`instrument` intercepts every module call
+(Linen: ``flax.linen.intercept_methods``; NNX: :mod:`jvitals.metrics.nnx_intercept`) and
+sows, under the METRICS.md §7 names, compact *per-token summaries* of what the roles
+recognise -- the same :class:`~jvitals.metrics.roles.Roles` patterns the gradient
+figures use::
 
-    with vitals.instrument():
+    with vitals.instrument():                                            # Linen
         out, state = model.module.apply({"params": params}, tokens, mask,
                                         mutable=["intermediates"])
     act = vitals.activation_metrics(state["intermediates"], mask=mask)
+
+    with vitals.instrument():                                            # NNX
+        out, sown = nnx.capture(lambda m: m(tokens, mask), nnx.Intermediate)(model)
+    act = vitals.activation_metrics(sown, mask=mask)
 
 ======================== ================================================ =========================================
 NAME                     what                                             found as
@@ -46,9 +51,18 @@ one jitted ``value_and_grad`` step plus ``activation_metrics``): compiled tempor
 memory x1.0004 (106.49 -> 106.53 MiB), step time x1.065 (x1.12 with
 ``attn_logits=True``, which reduces a ``[B, H, T, T]`` tensor per layer).
 
-NNX: Flax NNX has no method-interception hook (``intercept_methods`` is Linen's);
-in NNX sow in the model (``self.sow(nnx.Intermediate, NAME, value)`` or the
-probes) and read it with ``nnx.capture`` (see docs/MODELS.md).
+NNX: Flax NNX has no method-interception hook, so while the context is open the
+``__call__``, ``attend`` and ``decode`` methods of every ``nnx.Module`` class are
+wrapped (and put back on exit). The outermost call of an NNX module (the model) gives
+every submodule its path (``layers/0/attn/o_proj``: the same patterns as for the
+parameters) and the token shape ``[B, T]`` (its first integer argument; per-head
+values such as Gemma's ``[B, T, H, Dh]`` attention output are summarised per token).
+The summaries go into ``nnx.Intermediate``: through ``nnx.capture(fn, nnx.Intermediate)``
+when it is open (the State it returns), else as ``nnx.Intermediate`` attributes of the
+modules that ``nnx.pop(model, nnx.Intermediate)`` takes. A block that returns a tuple
+(tunix's ``(cache, x)``) is read at the element shaped like its input; a tied head's
+``Embedder.decode`` / ``nnx.Embed.attend`` gives the logits. Eager or inside ``nnx.jit``
+and ``nnx.grad`` (trace time). ``attn_logits=True`` reads flax.linen's attention only.
 """
 
 from __future__ import annotations
@@ -63,9 +77,10 @@ from typing import Any, Callable, Iterator, Mapping
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax import struct
+from flax import nnx, struct
 from jax import lax
 
+from jvitals.metrics.nnx_intercept import intercept_methods as intercept_nnx
 from jvitals.metrics.probes import logits_rows
 from jvitals.metrics.roles import Roles
 from jvitals.metrics.stats import summarize_tokens
@@ -75,6 +90,7 @@ __all__ = ["ExpertChoices", "InstrumentReport", "instrument"]
 _F32 = jnp.float32
 _COLLECTION = "intermediates"
 _KERNEL_NAMES = ("kernel", "weight", "w", "embedding")
+_NNX_METHODS = ("__call__", "attend", "decode")  # decode: a tied head (tunix's Embedder.decode)
 
 
 @struct.dataclass
@@ -133,6 +149,7 @@ class InstrumentReport:
 class _Frame:
     module: Any
     path: str          # the logical path: nested applies get their caller's path as prefix
+    method: str = "__call__"
 
 
 class _State:
@@ -149,6 +166,8 @@ class _State:
         self.heads: dict[str, int] = {}       # lm_head path -> calls in this apply
         self.kinds: dict[tuple[Any, ...], str | None] = {}
         self.warned: set[str] = set()
+        self.nnx_paths: dict[int, str] = {}   # id(NNX module) -> its path from the root call
+        self.tokens: tuple[int, ...] | None = None  # the NNX root call's token shape [B, T]
 
     def want(self, name: str) -> bool:
         return self.names is None or name in self.names
@@ -205,6 +224,8 @@ def _sow_target(state: _State, module: Any) -> Any:
 
 
 def _direct_params(module: Any) -> list[str]:
+    if isinstance(module, nnx.Module):  # its own Params (attributes), not its submodules'
+        return [k for k, v in vars(module).items() if isinstance(v, nnx.Param)]
     try:
         params = module.variables.get("params", {})
     except Exception:
@@ -261,7 +282,7 @@ def _kind(state: _State, module: Any, path: str, method: str) -> str | None:
         if role is not None:
             found = role
             break
-    if method == "attend":
+    if method in ("attend", "decode"):
         kind = "logits" if found in ("embedding", "lm_head", None) else None
     elif method == "__call__":
         if found == "lm_head":
@@ -276,6 +297,18 @@ def _kind(state: _State, module: Any, path: str, method: str) -> str | None:
             kind = "hidden_states"
     state.kinds[key] = kind
     return kind
+
+
+def _hidden_state(out: Any, args: tuple, kwargs: Mapping[str, Any]) -> Any:
+    """A block's output hidden state: the output if it is an array; of a tuple (tunix's
+    ``(cache, x)``), the element shaped like the block's input, else the first array."""
+    if isinstance(out, (tuple, list)):
+        x = _first_input(args, kwargs)
+        for o in out:
+            if hasattr(o, "shape") and x is not None and tuple(o.shape) == tuple(x.shape):
+                return o
+        return next((o for o in out if hasattr(o, "shape")), None)
+    return _first_array(out)
 
 
 def _first_array(out: Any) -> Any:
@@ -310,24 +343,29 @@ def _token_summary(state: _State, x: jax.Array) -> Any:
     x = lax.stop_gradient(x)
     if not state.probes:
         return x
-    return summarize_tokens(x, token_ndim=max(x.ndim - 1, 1))
+    t = state.tokens  # NNX: the root call's [B, T]; per-head [B, T, H, Dh] values keep it
+    nd = len(t) if t is not None and tuple(x.shape[:len(t)]) == t and x.ndim > len(t) else max(x.ndim - 1, 1)
+    return summarize_tokens(x, token_ndim=nd)
 
 
 def _find_top_k(state: _State, module: Any) -> int | None:
     if state.top_k is not None:
         return state.top_k
     names = ("num_experts_per_tok", "top_k", "moe_top_k", "num_selected_experts", "experts_per_token",
-             "num_experts_per_token")
-    m = module
-    for _ in range(4):
+             "num_experts_per_token", "experts_per_tok")
+    chain, m = [], module
+    for _ in range(4):            # Linen: the router and its parents
         if m is None:
             break
+        chain.append(m)
+        m = getattr(m, "parent", None)
+    chain += [f.module for f in reversed(state.stack)]   # NNX (no parents): the calling modules
+    for m in chain:
         for holder in (m, getattr(m, "config", None), getattr(m, "cfg", None)):
             for n in names:
                 v = getattr(holder, n, None) if holder is not None else None
                 if isinstance(v, int) and not isinstance(v, bool) and v > 0:
                     return v
-        m = getattr(m, "parent", None)
     return None
 
 
@@ -338,6 +376,9 @@ def _warn_once(state: _State, key: str, msg: str) -> None:
 
 
 def _sow(state: _State, module: Any, path: str, name: str, value: Any) -> None:
+    if isinstance(module, nnx.Module):
+        _sow_nnx(state, module, path, name, value)
+        return
     target = _sow_target(state, module)
     if target is None:
         state.report.skipped.setdefault(
@@ -349,7 +390,7 @@ def _sow(state: _State, module: Any, path: str, name: str, value: Any) -> None:
 
 def _handle(state: _State, kind: str, module: Any, path: str, args: tuple, kwargs: Mapping, out: Any) -> None:
     if kind == "hidden_states":
-        h = _first_array(out)
+        h = _hidden_state(out, args, kwargs)
         if h is not None and h.ndim >= 2 and state.want(kind):
             _sow(state, module, path, kind, _token_summary(state, h))
     elif kind == "attn_out_before_proj":
@@ -398,6 +439,72 @@ def _interceptor(state: _State) -> Callable[..., Any]:
         finally:
             state.stack.pop()
         kind = _kind(state, module, path, ctx.method_name)
+        if kind is not None:
+            _handle(state, kind, module, path, args, kwargs, out)
+        if not state.stack:
+            _check_sown(state)
+        return out
+
+    return intercept
+
+
+# ----------------------------------------------------------------------------------
+# Flax NNX: the same recognition over module paths from the outermost call.
+
+
+def _sow_nnx(state: _State, module: Any, path: str, name: str, value: Any) -> None:
+    """Sow into ``nnx.Intermediate`` on the module: through ``nnx.capture`` when one is
+    open (its returned State holds it), else as an ``nnx.Intermediate`` attribute of the
+    module (a tuple, one entry per call), which ``nnx.pop(model, nnx.Intermediate)``
+    takes; Flax's own ``Module.sow`` did so before ``nnx.capture``."""
+    if hasattr(module, "__captures__"):
+        if module.sow(nnx.Intermediate, name, value):
+            state.report.sown.setdefault(name, []).append(path)
+        else:
+            state.report.skipped.setdefault(
+                name, "nnx.capture is open without nnx.Intermediate: capture it, "
+                      "nnx.capture(fn, nnx.Intermediate)")
+        return
+    held = vars(module).get(name)
+    if held is None:
+        setattr(module, name, nnx.Intermediate((value,)))
+    elif isinstance(held, nnx.Intermediate):
+        held.set_value(tuple(held.get_value()) + (value,))
+    else:
+        state.report.skipped.setdefault(
+            name, f"the module at {path!r} already has an attribute {name!r} that is not an nnx.Intermediate")
+        return
+    state.report.sown.setdefault(name, []).append(path)
+
+
+def _nnx_root(state: _State, module: Any, args: tuple, kwargs: Mapping[str, Any]) -> None:
+    """At the outermost NNX call: every submodule's path from it, and the token shape
+    (its first integer array argument: ``tokens [B, T]``)."""
+    state.begin_apply()
+    state.nnx_paths = {}
+    for p, m in nnx.iter_modules(module):
+        state.nnx_paths.setdefault(id(m), "/".join(str(k) for k in p))
+    x = _first_input(args, kwargs)
+    state.tokens = tuple(x.shape) if x is not None and jnp.issubdtype(x.dtype, jnp.integer) else None
+
+
+def _nnx_interceptor(state: _State) -> Callable[..., Any]:
+    def intercept(next_fun: Callable[..., Any], args: tuple, kwargs: dict, ctx: Any) -> Any:
+        module, method = ctx.module, ctx.method_name
+        top = state.stack[-1] if state.stack else None
+        if top is not None and top.module is module and top.method == method:
+            return next_fun(*args, **kwargs)  # a subclass's method calling super()'s
+        if top is None:
+            _nnx_root(state, module, args, kwargs)
+        path = state.nnx_paths.get(id(module))
+        if path is None:  # not under the outermost call's module (built during the call)
+            return next_fun(*args, **kwargs)
+        state.stack.append(_Frame(module, path, method))
+        try:
+            out = next_fun(*args, **kwargs)
+        finally:
+            state.stack.pop()
+        kind = _kind(state, module, path, method)
         if kind is not None:
             _handle(state, kind, module, path, args, kwargs, out)
         if not state.stack:
@@ -480,7 +587,7 @@ def _patched_attention(state: _State) -> Iterator[list[str]]:
 @contextlib.contextmanager
 def instrument(roles: Roles | None = None, *, probes: bool = True, attn_logits: bool = False,
                top_k: int | None = None, names: Any = None) -> Iterator[InstrumentReport]:
-    """Sow jvitals' summaries from every Flax Linen ``apply`` inside the context.
+    """Sow jvitals' summaries from every Flax Linen ``apply`` and NNX model call inside the context.
 
     See the module docstring for what is sown and how modules are recognised.
 
@@ -509,6 +616,9 @@ def instrument(roles: Roles | None = None, *, probes: bool = True, attn_logits: 
       >>> with instrument() as report:
       ...     logits, state = model.module.apply({"params": p}, ids, am, mutable=["intermediates"])
       >>> m = activation_metrics(state["intermediates"], mask=am.astype(bool))
+      >>> with instrument():                                   # Flax NNX, e.g. inside nnx.jit
+      ...     logits, sown = nnx.capture(lambda m: m(ids, am), nnx.Intermediate)(model)
+      >>> m = activation_metrics(sown, mask=am.astype(bool))
     """
     roles = Roles() if roles is None else roles
     report = InstrumentReport()
@@ -517,4 +627,5 @@ def instrument(roles: Roles | None = None, *, probes: bool = True, attn_logits: 
         if attn_logits:
             stack.enter_context(_patched_attention(state))
         stack.enter_context(nn.intercept_methods(_interceptor(state)))
+        stack.enter_context(intercept_nnx(_nnx_interceptor(state), _NNX_METHODS))
         yield report

@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec
 
 from jvitals.metrics.gradients import Accumulator, flat_specs
 from jvitals.metrics.roles import path_str
+from jvitals.metrics.variables import unwrap
 from jvitals.metrics.stats import Summary, check_axes, make_varying, psum_over, reduction_axes, summarize_max
 
 __all__ = ["LR_SCALE", "LR_SCALE_ARG", "NU_BINS", "injected_hyperparams", "log_histogram", "histogram_quantile", "optimizer_metrics",
@@ -289,7 +290,8 @@ def optimizer_metrics(opt_state: Any, *, specs: Any = None, axes: Sequence[str] 
     See the module docstring for the formulas and the median's precision.
 
     Args:
-      opt_state: any optax state (nested as deep as wanted).
+      opt_state: any optax state (nested as deep as wanted; a Flax NNX
+        ``nnx.Optimizer``'s ``opt_state`` as it is).
       specs: optional ``PartitionSpec`` pytree (prefix) with the *params*'
         structure; applied to each ``nu`` tree.
       axes: mesh axes bound by the enclosing ``shard_map`` (``()`` under ``jit``).
@@ -317,6 +319,7 @@ def optimizer_metrics(opt_state: Any, *, specs: Any = None, axes: Sequence[str] 
     if median not in _MEDIAN_METHODS:
         raise ValueError(f"optimizer_metrics(median={median!r}): choose one of {list(_MEDIAN_METHODS)}")
     axes = check_axes(axes)
+    opt_state = unwrap(opt_state)  # a Flax NNX nnx.Optimizer's opt_state: OptState Variables
     p = prefix
     out: dict[str, jax.Array] = {}
     adam = _find(opt_state, _is_adam)

@@ -36,7 +36,7 @@ from jax import lax
 if TYPE_CHECKING:
     from jvitals.metrics.roles import LeafRole, QKVSplit, Roles
 
-__all__ = ["LAYOUTS", "QKVLayout", "merge_qkv", "qkv_layout", "qkv_part_ids", "split_qkv"]
+__all__ = ["LAYOUTS", "QKVLayout", "kv_layout", "merge_qkv", "qkv_layout", "qkv_part_ids", "split_qkv"]
 
 LAYOUTS = ("contiguous", "interleaved")
 """The fused-QKV layouts :class:`~jvitals.metrics.roles.QKVSplit` can name (module docstring)."""
@@ -114,6 +114,8 @@ def qkv_layout(shape: Sequence[int], split: "QKVSplit | None" = None, *, path: s
     n = shape[a]
     where = f"axis {a} of its per-layer shape {shape}"
     if lay == "contiguous":
+        if n == 3 and len(shape) > 2:  # stacked [3, ...]: one entry each, whatever the head counts
+            return QKVLayout(a, lay, (1, 1, 1))
         return QKVLayout(a, lay, split.sizes(n, path, where, q_size))
     h = split.num_heads
     if h is None:
@@ -164,6 +166,8 @@ def resolve_fused(shape: Sequence[int], split: "QKVSplit | None" = None,
 
     def fits(a: int) -> bool:
         n = shape[a]
+        if n == 3 and len(shape) > 2:  # Q, K, V stacked on an axis of 3: Gemma's [3, H, D, Dh]
+            return o_numel is None or 3 * o_numel == math.prod(shape)
         if split.num_heads is None:
             return q_size_on(a) is not None
         h = split.num_heads
@@ -314,20 +318,59 @@ def _o_sizes(infos: Sequence[LeafRole], gshapes: Sequence[tuple[int, ...]]) -> d
     return out
 
 
+def kv_layout(shape: Sequence[int], path: str = "kv") -> QKVLayout:
+    """Where K and V lie in one layer's K/V kernel (role ``kv``): a :class:`QKVLayout`
+    with no Q part.
+
+    K and V are stacked on the first axis of size 2 of a kernel of rank > 2 (Gemma's
+    ``kv_einsum`` ``[2, KVH, D, Dh]``: ``[0]`` is K, ``[1]`` is V), or are the two
+    halves ``[K | V]`` of the larger axis of a 2-D kernel (``[D, 2 * KVH * Dh]``; the
+    last axis on a tie).
+
+    Raises:
+      ValueError: if the axis does not split into two equal halves.
+    """
+    shape = tuple(int(d) for d in shape)
+    if len(shape) > 2 and 2 in shape[:-1]:
+        a = shape.index(2)
+    elif len(shape) == 2 and shape[0] > shape[1]:
+        a = 0
+    else:
+        a = len(shape) - 1
+    n = shape[a] if shape else 0
+    if n < 2 or n % 2:
+        raise ValueError(
+            f"K/V kernel {path!r} of shape {shape}: expected K and V stacked on an axis of size 2 "
+            f"([2, KVH, D, Dh]) or two equal halves [K | V] of its larger axis, got {n} entries on "
+            f"axis {a}. If it is not a fused K/V kernel, give it its own role: "
+            f"Roles().override(kv=r'...') or Roles().extend(k=r'(^|/)your_module/w$').")
+    return QKVLayout(a, "contiguous", (0, n // 2, n // 2))
+
+
 def _qkv_pieces(x: jax.Array, lr: LeafRole, roles: Roles, spec: Any, axes: tuple[str, ...],
                 o_numel: int | None = None) -> list[tuple[str, jax.Array, jax.Array | None, int | None]]:
-    """Q, K and V parts of a fused QKV kernel, as ``(name, x, mask, axis)`` to summarise
-    (per layer if stacked), in the layout ``roles`` gives its path."""
+    """Q, K and V parts of a fused QKV kernel (role ``qkv``; K and V of role ``kv``), as
+    ``(name, x, mask, axis)`` to summarise (per layer if stacked), in the layout
+    ``roles`` gives its path."""
     shape = tuple(x.shape)  # local (per-shard) inside shard_map
     gshape = _global_shape(shape, spec, axes)
-    stacked = lr.stack_axis is not None
     layer_shape = _layer_shape(gshape, lr)
-    split, q_size = resolve_fused(layer_shape, roles.qkv_split, o_numel)
-    a = split.axis
-    n = layer_shape[a]
-    lay = qkv_layout(layer_shape, split, path=lr.path, layout=roles.qkv_layout_of(lr.path),
-                     q_size=q_size)
-    dim = a + 1 if stacked and a >= lr.stack_axis else a
+    if lr.role == "kv":
+        lay = kv_layout(layer_shape, lr.path)
+    else:
+        split, q_size = resolve_fused(layer_shape, roles.qkv_split, o_numel)
+        lay = qkv_layout(layer_shape, split, path=lr.path, layout=roles.qkv_layout_of(lr.path),
+                         q_size=q_size)
+    return [p for p, size in zip(_layout_pieces(x, lr, lay, spec, axes), lay.sizes) if size]
+
+
+def _layout_pieces(x: jax.Array, lr: LeafRole, lay: QKVLayout, spec: Any,
+                   axes: tuple[str, ...]) -> list[tuple[str, jax.Array, jax.Array | None, int | None]]:
+    """The ``Wq``, ``Wk``, ``Wv`` parts of ``x`` in ``lay`` (a slice each, or the whole
+    shard with a mask where the split axis is sharded)."""
+    shape = tuple(x.shape)
+    a, n = lay.axis, lay.n
+    dim = a + 1 if lr.stack_axis is not None and a >= lr.stack_axis else a
     local_n = shape[dim]
     mesh = _spec_axes_at(spec, dim, len(shape), axes)
     ax = lr.stack_axis

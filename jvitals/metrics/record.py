@@ -96,6 +96,13 @@ Placement:
   non-finite step, and with it the recorded NaN.
 - With ``optax.inject_hyperparams``, anywhere: :func:`recorded` searches the
   whole optimizer state.
+- With Flax NNX, in the ``nnx.Optimizer``'s transformation:
+  ``nnx.Optimizer(model, vitals.record(...), wrt=nnx.Param)``;
+  ``optimizer.update(model, grads, vitals_layers=full)`` passes the cadence (NNX
+  forwards the keywords to the update) and ``recorded(optimizer.opt_state)`` reads
+  the state as it is (its ``OptState`` Variables). The figures and names are the
+  Linen path's: the gradients arrive as an ``nnx.State`` whose paths are the
+  module paths.
 """
 
 from __future__ import annotations
@@ -114,6 +121,7 @@ from jvitals.metrics import stats as _stats
 from jvitals.metrics.optimizer import LR_SCALE, LR_SCALE_ARG, injected_hyperparams
 from jvitals.metrics.packed import PackedMetrics
 from jvitals.metrics.roles import Roles
+from jvitals.metrics.variables import unwrap
 
 __all__ = ["RecordState", "record", "recorded", "recorded_steps", "DEFAULT_EVERY"]
 
@@ -614,7 +622,9 @@ def _has_threshold(state: Any) -> bool:
 
 
 def _states(opt_state: Any) -> list[RecordState]:
-    """Every RecordState in ``opt_state``, outer before inner (a recorder may wrap one)."""
+    """Every RecordState in ``opt_state``, outer before inner (a recorder may wrap one);
+    Flax NNX ``Variable`` leaves (``nnx.Optimizer.opt_state``) read as their values."""
+    opt_state = unwrap(opt_state)
     found: list[RecordState] = []
     is_rec = lambda x: isinstance(x, RecordState)  # noqa: E731
     for x in jax.tree.leaves(opt_state, is_leaf=is_rec):
@@ -641,7 +651,9 @@ def recorded(opt_state: Any) -> PackedMetrics:
     Args:
       opt_state: an optimizer state holding one or more :class:`RecordState`
         (inside ``chain``, ``MultiSteps``, ``inject_hyperparams``,
-        ``apply_if_finite``, or nested recorders).
+        ``apply_if_finite``, or nested recorders); a Flax NNX
+        ``nnx.Optimizer``'s ``opt_state`` as it is (its ``OptState`` Variables are
+        read as their values).
 
     Returns:
       ``{name: float32 scalar}`` as a :class:`PackedMetrics` (several recorders'

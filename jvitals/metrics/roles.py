@@ -22,16 +22,26 @@ simple=True, separator='/')``, e.g. ``params/layers_3/attn/qkv/kernel``) to both
   (``params/layers/...`` at axis 0, MaxText's ``decoder/layers/...`` at its default
   ``param_scan_axis=1``) and layer ``i`` is index ``i`` along that axis.
 
-Two roles are special: ``qkv`` (a fused QKV kernel, split into Q, K and V by
+Three roles are special: ``qkv`` (a fused QKV kernel, split into Q, K and V by
 :class:`QKVSplit` before any statistic is taken, in the layout of its family:
-:data:`DEFAULT_QKV_LAYOUTS`) and ``norm`` (a LayerNorm/RMSNorm scale, reported
+:data:`DEFAULT_QKV_LAYOUTS`; a leading axis of 3, Gemma's ``qkv_einsum [3, H, D, Dh]``,
+holds the three parts), ``kv`` (K and V in one kernel: stacked on an axis of 2,
+Gemma's ``kv_einsum [2, KVH, D, Dh]``, or ``[K | V]`` halves; split into Wk and
+Wv) and ``norm`` (a LayerNorm/RMSNorm scale, reported
 under its own module name: ``grad/input_layernorm_rms``; a module named just
 ``norm``, Llama's final norm, becomes ``final_norm`` outside the layers and
 ``block_norm`` inside, so that ``grad/final_norm_rms`` cannot be read as the
 gradient-norm family ``grad/norm/layer_{i}``).
 
 Leaves no pattern matches keep their layer and still count in every norm; only
-per-role figures skip them. :func:`explain_roles` shows what matched.
+per-role figures skip them (never defaulted to a role). :func:`explain_roles` shows
+what matched.
+
+Flax NNX: an ``nnx.State`` (``nnx.state(model, nnx.Param)``, what ``nnx.grad`` and
+``nnx.split`` return) is taken as it is; its leaves' paths are the module paths
+(``layers/0/attn/q_proj/w``), the ``Variable``'s own ``value`` level dropped
+(:func:`path_str`). Per-head einsum weights (``[D, H, Dh]``, ``[H, D, Dh]``,
+``[H, Dh, D]``) are whole tensors of their role.
 """
 
 from __future__ import annotations
@@ -56,6 +66,7 @@ __all__ = [
     "RolesExplanation",
     "assign_roles",
     "explain_roles",
+    "leaves_by_path",
     "path_str",
 ]
 
@@ -95,6 +106,8 @@ DEFAULT_PATTERNS: tuple[tuple[str, str], ...] = (
     ("q_up", _any(r"q_up", r"q_b_proj", r"wq_b", r"q_up_proj", r"q_b")),
     ("kv_down", _any(r"kv_down", r"kv_a_proj_with_mqa", r"kv_a_proj", r"wkv_a", r"kv_down_proj", r"kv_a")),
     ("kv_up", _any(r"kv_up", r"kv_b_proj", r"wkv_b", r"kv_up_proj", r"kv_b")),
+    # K and V in one kernel: stacked on an axis of 2 (Gemma's kv_einsum [2, KVH, D, Dh]) or [K | V].
+    ("kv", _any(r"kv_einsum", r"kv_proj", r"to_kv", r"key_value", r"kv")),
     ("q", _any(r"q_proj", r"query", r"wq", r"q", r"to_q", r"query_proj", r"q_einsum")),
     ("k", _any(r"k_proj", r"key", r"wk", r"k", r"to_k", r"key_proj")),
     ("v", _any(r"v_proj", r"value", r"wv", r"v", r"to_v", r"value_proj")),
@@ -115,9 +128,9 @@ DEFAULT_PATTERNS: tuple[tuple[str, str], ...] = (
     ("down", _MLP + r"/(?:wo|c_proj|out|proj|output)" + _W),
     ("up", r"(?:^|/)[^/]*mlp[^/]*/Dense_0" + _W),
     ("down", r"(?:^|/)[^/]*mlp[^/]*/Dense_1" + _W),
-    # Norm scales (Linen ``scale``; ``weight``/``gamma`` under a *norm*/ln* module).
+    # Norm scales (Linen/NNX ``scale``; ``weight``/``gamma``/``w`` under a *norm*/ln* module).
     ("norm", r"(?:^|/)(?P<name>[^/]+)/scale$"),
-    ("norm", r"(?:^|/)(?P<name>[^/]*norm[^/]*|ln_?[^/]*)/(?:weight|gamma)$"),
+    ("norm", r"(?:^|/)(?P<name>[^/]*norm[^/]*|ln_?[^/]*)/(?:weight|gamma|w)$"),
 )
 """``(role, regex)`` pairs, tried in order; the first whose regex ``re.search``-es
 the leaf path (case-insensitive) gives the role. A ``name`` group names a norm."""
@@ -171,7 +184,7 @@ ROLE_METRIC_NAMES: Mapping[str, str] = {
 }
 """Role -> the metric base name (``grad/{base}_rms``). Roles not listed (user
 roles) use their own name; ``norm`` uses the norm's module name; ``qkv`` reports
-under ``Wq``/``Wk``/``Wv`` after the split."""
+under ``Wq``/``Wk``/``Wv`` after the split, ``kv`` under ``Wk``/``Wv``."""
 
 # Words each role is usually spelled with, to rank "nearest paths" in errors.
 _HINTS: Mapping[str, tuple[str, ...]] = {
@@ -179,7 +192,7 @@ _HINTS: Mapping[str, tuple[str, ...]] = {
     "lm_head": ("lm_head", "logits_dense", "output", "unembed"),
     "q": ("q_proj", "query", "wq"), "k": ("k_proj", "key", "wk"), "v": ("v_proj", "value", "wv"),
     "o": ("o_proj", "out", "wo", "c_proj"), "qkv": ("qkv", "c_attn", "query_key_value"),
-    "q_down": ("q_down", "q_a_proj"), "q_up": ("q_up", "q_b_proj"),
+    "q_down": ("q_down", "q_a_proj"), "q_up": ("q_up", "q_b_proj"), "kv": ("kv_einsum", "kv_proj", "to_kv"),
     "kv_down": ("kv_down", "kv_a_proj"), "kv_up": ("kv_up", "kv_b_proj"),
     "gate": ("gate_proj", "wi_0", "w1"), "up": ("up_proj", "wi_1", "w3", "c_fc"),
     "down": ("down_proj", "wo", "w2", "c_proj"), "router": ("router", "gate"),
@@ -473,9 +486,29 @@ class LeafRole(NamedTuple):
 # Resolution.
 
 
+_CONTAINER_KEY = jax.tree_util.GetAttrKey("value")
+
+
 def path_str(path: Sequence[Any]) -> str:
-    """``keystr(path, simple=True, separator='/')``: ``params/layers_0/attn/qkv/kernel``."""
-    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+    """A leaf's module path, ``/``-joined: ``params/layers_0/attn/qkv/kernel``.
+
+    ``keystr(path, simple=True, separator='/')`` without the container level a
+    Flax NNX ``Variable`` adds: every leaf of an ``nnx.State`` (``nnx.state``,
+    ``nnx.grad``, ``nnx.split``) flattens to ``.../q_proj/kernel`` then the
+    Variable's ``GetAttrKey('value')``, which would otherwise be read as the
+    leaf's name (``value``: the ``v`` role). A dict key named ``value`` (a Linen
+    module called ``value``) is a ``DictKey`` and stays.
+    """
+    path = tuple(path)
+    while path and path[-1] == _CONTAINER_KEY:
+        path = path[:-1]
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def leaves_by_path(tree: Any) -> dict[str, Any]:
+    """``{path: leaf}`` of every leaf of ``tree``, paths as :func:`path_str` gives them
+    (an ``nnx.State``'s without the Variables' ``value``), in flatten order."""
+    return {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _is_param_leaf(x: Any) -> bool:
@@ -572,6 +605,8 @@ def _check_required(leaves: Sequence[LeafRole], roles: Roles) -> None:
     found = {lr.role for lr in leaves}
     if "qkv" in found:
         found |= {"q", "k", "v"}
+    if "kv" in found:
+        found |= {"k", "v"}
     for role in roles.required:
         if role in found:
             continue

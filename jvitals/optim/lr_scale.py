@@ -54,7 +54,8 @@ import numpy as np
 import optax
 
 from jvitals.metrics.optimizer import LR_SCALE, LR_SCALE_ARG  # the names the recorder reads
-from jvitals.metrics.roles import LeafRole, Roles, assign_roles
+from jvitals.metrics.roles import LeafRole, Roles, assign_roles, leaves_by_path, path_str
+from jvitals.metrics.variables import value_of
 
 __all__ = [
     "LR_SCALE",
@@ -67,8 +68,6 @@ __all__ = [
     "set_lr_scale",
     "with_lr_scale",
 ]
-
-_STATE_TYPES = (optax.InjectStatefulHyperparamsState, optax.InjectHyperparamsState)
 
 T = TypeVar("T")
 
@@ -137,7 +136,7 @@ def leaf_groups(tree: Any, groups: GroupsArg = "roles", roles: Roles | None = No
         for (p, _), g in zip(flat, per_leaf):
             if not isinstance(g, str) or not g:
                 raise ValueError(
-                    f"with_lr_scale(groups=fn): the group of {jax.tree_util.keystr(p, simple=True, separator='/')!r} "
+                    f"with_lr_scale(groups=fn): the group of {path_str(p)!r} "
                     f"is {g!r}; expected a non-empty str (a group name)")
         return list(per_leaf)
     if isinstance(groups, str) and groups != "roles":
@@ -257,28 +256,35 @@ def with_lr_scale(tx: optax.GradientTransformation, lr_scale: float = 1.0, *,
 
 # ----------------------------------------------------------------------------------
 # Reading and setting.
+#
+# The scales are found by their leaf paths, which are the same whatever holds the
+# state: optax's NamedTuples (``.../hyperparams/lr_scale``, ``.../inner_state/1/
+# scales/embedding``), the same with Flax NNX ``OptState`` Variables around the
+# leaves (``nnx.Optimizer.opt_state``), or the nested dicts of an ``nnx.State``
+# (``nnx.state((model, optimizer))``, where the NamedTuples are gone).
 
 
-def _is_scale_state(x: Any) -> bool:
-    return isinstance(x, _STATE_TYPES) and LR_SCALE in x.hyperparams
+class _Slot(NamedTuple):
+    """One scale leaf: its leaf path in the tree and its group (None: a global scale)."""
+
+    path: str
+    group: str | None
 
 
-def _is_group_state(x: Any) -> bool:
-    return isinstance(x, LRGroupScaleState)
+def _slots(tree: Any) -> list[_Slot]:
+    """Every global ``lr_scale`` leaf of ``tree`` and every group scale inside one."""
+    paths = list(leaves_by_path(tree))
+    suffix = f"hyperparams/{LR_SCALE}"
+    prefixes = [p[: -len(suffix)] for p in paths if p == suffix or p.endswith("/" + suffix)]
+    out = [_Slot(p + suffix, None) for p in prefixes]
+    for p in paths:
+        m = _GROUP_PATH.search(p)
+        if m and any(p.startswith(pre + "inner_state/") for pre in prefixes):
+            out.append(_Slot(p, m.group(1)))
+    return out
 
 
-def _scale_nodes(tree: Any) -> list[Any]:
-    """Every inject-hyperparams state in ``tree`` holding an ``lr_scale`` (nested too)."""
-    found = []
-    for node in jax.tree.leaves(tree, is_leaf=_is_scale_state):
-        if _is_scale_state(node):
-            found.append(node)
-            found.extend(_scale_nodes(node.inner_state))
-    return found
-
-
-def _group_nodes(tree: Any) -> list[LRGroupScaleState]:
-    return [n for n in jax.tree.leaves(tree, is_leaf=_is_group_state) if _is_group_state(n)]
+_GROUP_PATH = re.compile(r"(?:^|/)scales/([^/]+)$")
 
 
 def _natural(name: str) -> list[Any]:
@@ -287,29 +293,27 @@ def _natural(name: str) -> list[Any]:
 
 def _group_names_in(tree: Any) -> list[str]:
     """The group names in ``tree``'s group states, in natural order (layer_2 < layer_10)."""
-    return sorted({n for node in _group_nodes(tree) for n in node.scales}, key=_natural)
+    return sorted({s.group for s in _slots(tree) if s.group is not None}, key=_natural)
 
 
 def _check_group(tree: Any, group: str, what: str) -> None:
-    nodes = _group_nodes(tree)
-    if not nodes:
+    names = _group_names_in(tree)
+    if not names:
         raise ValueError(
             f"{what}(group={group!r}): the optimizer state holds no per-group scales (built with "
             "jvitals.with_lr_scale(tx) without groups). Build it with "
             "jvitals.with_lr_scale(tx, groups='roles') or groups=fn, or pass group=None for the "
             "global scale.")
-    names = _group_names_in(tree)
     if group not in names:
         raise ValueError(f"{what}(group={group!r}): no parameter belongs to group {group!r}; "
                          f"the groups are {names} (or group=None for the global scale)")
 
 
 def has_lr_scale(tree: Any, group: str | None = None) -> bool:
-    """True if ``tree`` (an opt_state, or a whole train state) holds an ``lr_scale``
-    (with ``group``: a scale for that group)."""
-    if group is None:
-        return bool(_scale_nodes(tree))
-    return group in _group_names_in(tree)
+    """True if ``tree`` (an opt_state, a whole train state, an ``nnx.Optimizer``'s
+    ``opt_state`` or an ``nnx.State``) holds an ``lr_scale`` (with ``group``: a scale
+    for that group)."""
+    return any(s.group == group for s in _slots(tree))
 
 
 def _one_value(values: list[float], what: str) -> float:
@@ -320,7 +324,7 @@ def _one_value(values: list[float], what: str) -> float:
 
 
 def _host(x: Any) -> float:
-    return float(np.asarray(jax.device_get(x)))
+    return float(np.asarray(jax.device_get(value_of(x))))
 
 
 def get_lr_scale(tree: Any, group: str | None = None) -> float:
@@ -328,7 +332,8 @@ def get_lr_scale(tree: Any, group: str | None = None) -> float:
 
     Args:
       tree: an optimizer state, or any pytree containing one (a flax ``TrainState``,
-        a dict), built with :func:`with_lr_scale`.
+        a dict), built with :func:`with_lr_scale`; a Flax NNX ``nnx.Optimizer``'s
+        ``opt_state`` or an ``nnx.State`` holding it (``nnx.state((model, optimizer))``).
       group: None for the global scale (which multiplies every group's), or a group
         name (``"embedding"``, ``"layer_3"``...): that group's own factor.
 
@@ -341,16 +346,16 @@ def get_lr_scale(tree: Any, group: str | None = None) -> float:
     """
     if group is not None:
         _check_group(tree, group, "get_lr_scale")
-        return _one_value([_host(n.scales[group]) for n in _group_nodes(tree) if group in n.scales],
-                          f"{LR_SCALE}[{group}]")
-    nodes = _scale_nodes(tree)
-    if not nodes:
+    slots = [s for s in _slots(tree) if s.group == group]
+    if not slots:
         raise ValueError(
             "Expected an optimizer state built with jvitals.with_lr_scale(tx) (an "
             f"inject_hyperparams state with a '{LR_SCALE}' hyperparameter), found none "
             f"in a {type(tree).__name__}. Wrap the optimizer: "
             "tx = jvitals.with_lr_scale(tx).")
-    return _one_value([_host(n.hyperparams[LR_SCALE]) for n in nodes], LR_SCALE)
+    values = leaves_by_path(tree)
+    return _one_value([_host(values[s.path]) for s in slots],
+                      LR_SCALE if group is None else f"{LR_SCALE}[{group}]")
 
 
 def get_lr_scales(tree: Any) -> dict[str, float]:
@@ -388,7 +393,9 @@ def set_lr_scale(tree: T, value: float, group: str | None = None) -> T:
     or recompile.
 
     Args:
-      tree: an optimizer state, or any pytree containing one.
+      tree: an optimizer state, or any pytree containing one; a Flax NNX
+        ``nnx.Optimizer``'s ``opt_state`` or an ``nnx.State`` holding it (apply the
+        result with ``nnx.update(optimizer, set_lr_scale(nnx.state(optimizer), v))``).
       value: the new scale (e.g. ``0.9 * get_lr_scale(tree)``).
       group: None for the global scale, or a group name: that group's own factor
         (the global one still multiplies it).
@@ -402,27 +409,8 @@ def set_lr_scale(tree: T, value: float, group: str | None = None) -> T:
     value = float(value)
     if group is not None:
         _check_group(tree, group, "set_lr_scale")
-
-        def replace_group(node: Any) -> Any:
-            if not _is_group_state(node) or group not in node.scales:
-                return node
-            scales = dict(node.scales)
-            scales[group] = _like(scales[group], value)
-            return node._replace(scales=scales)
-
-        return jax.tree.map(replace_group, tree, is_leaf=_is_group_state)
-
-    if not has_lr_scale(tree):
+    elif not has_lr_scale(tree):
         get_lr_scale(tree)  # raises the explanatory error
-
-    def replace(node: Any) -> Any:
-        if not _is_scale_state(node):
-            return node
-        hyper = dict(node.hyperparams)
-        hyper[LR_SCALE] = _like(hyper[LR_SCALE], value)
-        return node._replace(hyperparams=hyper, inner_state=set_in(node.inner_state))
-
-    def set_in(subtree: Any) -> Any:
-        return jax.tree.map(replace, subtree, is_leaf=_is_scale_state)
-
-    return set_in(tree)
+    targets = {s.path for s in _slots(tree) if s.group == group}
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: _like(x, value) if path_str(p) in targets else x, tree)

@@ -39,13 +39,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jvitals.metrics.qkv import QKVLayout, merge_qkv, qkv_layout, resolve_fused, split_qkv
+from jvitals.metrics.qkv import QKVLayout, kv_layout, merge_qkv, qkv_layout, resolve_fused, split_qkv
 from jvitals.metrics.roles import LeafRole, QKVSplit, Roles, assign_roles
 
 __all__ = ["qk_clip"]
 
 _F32 = jnp.float32
 _Q_ROLES = ("q", "q_up")
+_K_ROLES = ("k", "kv", "qkv")
 _KERNEL_NAMES = ("kernel", "weight", "w")
 
 
@@ -146,9 +147,11 @@ def qk_clip(params: Any, attn_logits_max: Any, tau: Any, *, roles: Roles | None 
         qf, kf = _per_layer(qf, lr), _per_layer(kf, lr)               # [Hq] / [n, Hq] ...
         if kl.role == "qkv":
             out.append(plan.scale_fused(x, lr, kl, qf, kf))
+        elif kl.role == "kv":
+            out.append(plan.scale_kv(x, lr, kl, kf, per_head))
         else:
             out.append(_scale_leaf(x, lr, qf if kl.role in _Q_ROLES else kf, per_head,
-                                   _out_axes(lr, plan.is_bias(lr))))
+                                   _out_axes(lr, plan.is_bias(lr), plan.d_model)))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -171,11 +174,21 @@ def layer_gammas(attn_logits_max: Any, tau: Any, n_layers: int) -> tuple[jax.Arr
     return (gamma, True) if m.ndim == 2 else (gamma[:, None], False)
 
 
-def _out_axes(lr: LeafRole, is_bias: bool) -> tuple[int, ...]:
-    """The output (head) axes of one layer's kernel, or every axis of a bias."""
-    nd = len(_layer_shape(lr))
+def _out_axes(lr: LeafRole, is_bias: bool, d_model: int | None = None,
+              shape: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The output (head) axes of one layer's kernel, or every axis of a bias.
+
+    A 2-D kernel ``[D, H*Dh]``: the last. A per-head einsum weight: every axis but its
+    input axis, the first of the model width ``d_model`` (Llama's ``[D, H, Dh]``,
+    Gemma's ``[H, D, Dh]``); without the width, the last two.
+    """
+    ls = tuple(shape) if shape is not None else _layer_shape(lr)
+    nd = len(ls)
     if is_bias:
         return tuple(range(nd))
+    if nd >= 3 and d_model is not None and d_model in ls:
+        d = ls.index(d_model)
+        return tuple(a for a in range(nd) if a != d)
     return (nd - 2, nd - 1) if nd >= 3 else (nd - 1,)
 
 
@@ -216,6 +229,8 @@ class _QKPlan:
       o_numel: attention module path -> one layer's output-projection size (the fused split needs it).
       widths: attention module path -> ``{"q": Q width, "k": K width}`` (one layer's output entries).
       has_k: per layer, whether it has a K projection (MLA's ``q_up`` layers may not).
+      d_model: the model width (the embedding's last axis), or None: the input axis of
+        a per-head einsum weight.
     """
 
     roles: Roles
@@ -223,6 +238,7 @@ class _QKPlan:
     o_numel: dict[str, int]
     widths: dict[str, dict[str, int]]
     has_k: np.ndarray
+    d_model: int | None = None
 
     @classmethod
     def build(cls, infos: Sequence[LeafRole], roles: Roles) -> "_QKPlan":
@@ -235,7 +251,7 @@ class _QKPlan:
         o_numel: dict[str, int] = {}
         for lr in infos:
             mod = _module(lr.path)
-            if lr.role in _Q_ROLES + ("k", "qkv"):
+            if lr.role in _Q_ROLES + _K_ROLES:
                 kernels[mod if mod is not None else lr.path] = lr
             if lr.role == "o":
                 o_numel.setdefault(_parent(mod if mod is not None else lr.path), math.prod(_layer_shape(lr)))
@@ -245,19 +261,49 @@ class _QKPlan:
                 "jvitals.explain_roles(params) and add a pattern, e.g. "
                 "Roles().extend(q=r'(^|/)my_query/kernel$', k=r'(^|/)my_key/kernel$')")
         n_layers = 1 + max((i for lr in infos for i in lr.layers), default=-1)
-        plan = cls(roles, kernels, o_numel, {}, np.zeros(n_layers, bool))
+        emb = [lr for lr in infos if lr.role == "embedding" and len(lr.shape) == 2]
+        plan = cls(roles, kernels, o_numel, {}, np.zeros(n_layers, bool), emb[0].shape[-1] if emb else None)
         for mod, lr in kernels.items():
             attn = _parent(mod)
             if lr.role == "qkv":
                 nq, nk, _ = plan.fused(lr)[3].sizes
                 plan.widths.setdefault(attn, {}).update(q=nq, k=nk)
+            elif lr.role == "kv":
+                kshape = plan.kv_part_shape(lr)
+                plan.widths.setdefault(attn, {})["k"] = math.prod(
+                    kshape[a] for a in _out_axes(lr, False, plan.d_model, kshape))
             else:
                 ls = _layer_shape(lr)
                 plan.widths.setdefault(attn, {})["k" if lr.role == "k" else "q"] = math.prod(
-                    ls[a] for a in _out_axes(lr, False))
-            if lr.role in ("k", "qkv"):
+                    ls[a] for a in _out_axes(lr, False, plan.d_model))
+            if lr.role in _K_ROLES:
                 plan.has_k[list(lr.layers)] = True
         return plan
+
+    def kv_part_shape(self, lr: LeafRole) -> tuple[int, ...]:
+        """One layer's K part of a K/V kernel (role ``kv``), without the split axis if
+        it held the parts stacked (Gemma's ``[2, KVH, D, Dh]`` -> ``[KVH, D, Dh]``)."""
+        shape = _layer_shape(lr)
+        lay = kv_layout(shape, lr.path)
+        if shape[lay.axis] == 2:
+            return shape[: lay.axis] + shape[lay.axis + 1:]
+        return shape[: lay.axis] + (lay.sizes[1],) + shape[lay.axis + 1:]
+
+    def scale_kv(self, x: jax.Array, lr: LeafRole, kl: LeafRole, kf: jax.Array, per_head: bool) -> jax.Array:
+        """A K/V kernel (role ``kv``; or its bias): its K part times the K factor, V untouched."""
+        shape = _layer_shape(kl)
+        lay = kv_layout(shape if not self.is_bias(lr) else _layer_shape(lr), lr.path)
+        dim = lay.axis + 1 if lr.stack_axis is not None and lay.axis >= lr.stack_axis else lay.axis
+        n = lay.sizes[1]
+        k, v = jnp.split(x, [n], axis=dim)
+        if shape[lay.axis] == 2 and not self.is_bias(lr):   # stacked: the K part is [1, ...]
+            kshape = self.kv_part_shape(kl)
+            axes = tuple(a + (a >= lay.axis) for a in _out_axes(kl, False, self.d_model, kshape))
+        else:
+            axes = (lay.axis,) if not self.is_bias(lr) else tuple(range(len(_layer_shape(lr))))
+        kpart = LeafRole(lr.path, tuple(k.shape), lr.role, lr.name, lr.layer, lr.stack, lr.stack_axis,
+                         lr.first_layer, lr.num_layers)
+        return jnp.concatenate([_scale_leaf(k, kpart, kf, per_head, axes), v], axis=dim)
 
     def is_bias(self, lr: LeafRole) -> bool:
         return lr.path.endswith("/bias") and _parent(lr.path) in self.kernels
@@ -267,7 +313,7 @@ class _QKPlan:
         if self.is_bias(lr):
             kl = self.kernels[_parent(lr.path)]
             return kl if lr.layers == kl.layers else None
-        return lr if lr.role in _Q_ROLES + ("k", "qkv") and lr.layers else None
+        return lr if lr.role in _Q_ROLES + _K_ROLES and lr.layers else None
 
     def fused(self, lr: LeafRole) -> tuple[QKVSplit, str, int | None, QKVLayout]:
         """How one layer's fused kernel splits: (split with its axis, layout, q_size, QKVLayout)."""
