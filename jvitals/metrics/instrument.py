@@ -432,20 +432,27 @@ def _interceptor(state: _State) -> Callable[..., Any]:
         module = ctx.module
         if not state.stack:
             state.begin_apply()
-        path = _logical_path(state, module)
-        state.stack.append(_Frame(module, path))
-        try:
-            out = next_fun(*args, **kwargs)
-        finally:
-            state.stack.pop()
-        kind = _kind(state, module, path, ctx.method_name)
-        if kind is not None:
-            _handle(state, kind, module, path, args, kwargs, out)
-        if not state.stack:
-            _check_sown(state)
-        return out
+        return _call_and_sow(state, _Frame(module, _logical_path(state, module), ctx.method_name),
+                             next_fun, args, kwargs)
 
     return intercept
+
+
+def _call_and_sow(state: _State, frame: _Frame, next_fun: Callable[..., Any], args: tuple,
+                  kwargs: dict) -> Any:
+    """Run the call with its frame on the stack, then sow what its module's kind asks for
+    (and, after the outermost call, warn if nothing was sown)."""
+    state.stack.append(frame)
+    try:
+        out = next_fun(*args, **kwargs)
+    finally:
+        state.stack.pop()
+    kind = _kind(state, frame.module, frame.path, frame.method)
+    if kind is not None:
+        _handle(state, kind, frame.module, frame.path, args, kwargs, out)
+    if not state.stack:
+        _check_sown(state)
+    return out
 
 
 # ----------------------------------------------------------------------------------
@@ -499,17 +506,7 @@ def _nnx_interceptor(state: _State) -> Callable[..., Any]:
         path = state.nnx_paths.get(id(module))
         if path is None:  # not under the outermost call's module (built during the call)
             return next_fun(*args, **kwargs)
-        state.stack.append(_Frame(module, path, method))
-        try:
-            out = next_fun(*args, **kwargs)
-        finally:
-            state.stack.pop()
-        kind = _kind(state, module, path, method)
-        if kind is not None:
-            _handle(state, kind, module, path, args, kwargs, out)
-        if not state.stack:
-            _check_sown(state)
-        return out
+        return _call_and_sow(state, _Frame(module, path, method), next_fun, args, kwargs)
 
     return intercept
 
