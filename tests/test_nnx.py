@@ -674,3 +674,46 @@ def test_instrument_counts_the_experts_of_tunixs_qwen3_moe():
     vio = (counts.max(1) - counts.mean(1)) / counts.mean(1)
     np.testing.assert_allclose(got["moe/maxvio.mean"], vio.mean(), rtol=1e-6)
     np.testing.assert_allclose(got["moe/maxvio.max"], vio.max(), rtol=1e-6)
+
+
+def test_nnx_model_sharded_on_a_mesh_figures_and_checkpoints(tmp_path, devices):
+    """An NNX model whose kernels are sharded over 'model' (NamedSharding) and a batch over
+    'data': under nnx.jit the recorder's and gradient_metrics' figures are those of the
+    unsharded model; the guard restores nnx.state onto the same shardings."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    model, call, vocab = build("plain", seed=11)
+    tokens, mask = nm.batch(vocab, b=4, t=8, pad=(0, 1, 2, 3), seed=12)
+    f = loss_fn(call, tokens, mask)
+    want = jax.device_get(vitals.gradient_metrics(nnx.grad(f)(model)))
+
+    def shard(x):
+        spec = P(None, "model") if x.ndim == 2 and x.shape[1] % 4 == 0 else P()
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    nnx.update(model, jax.tree.map(shard, nnx.state(model, nnx.Param)))
+    optimizer = nnx.Optimizer(model, _record_tx(optax.constant_schedule(1e-3)), wrt=nnx.Param)
+    data = NamedSharding(mesh, P("data"))
+    tokens, mask = jax.device_put(tokens, data), jax.device_put(mask, data)
+
+    @nnx.jit
+    def step(model, optimizer, tokens, mask):
+        grads = nnx.grad(loss_fn(call, tokens, mask))(model)
+        optimizer.update(model, grads, vitals_layers=True)
+        return vitals.gradient_metrics(grads)
+
+    got = jax.device_get(step(model, optimizer, tokens, mask))
+    rec = jax.device_get(vitals.recorded(optimizer.opt_state))
+    for k in ("grad/global_norm", "grad/Wq_rms", "grad/W_up_abs.max", "grad/norm/layer_1"):
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, err_msg=k)
+        np.testing.assert_allclose(rec[k], want[k], rtol=1e-5, err_msg=k)
+    kernel = model.layers[0].mlp.up_proj.kernel
+    assert kernel[...].sharding.spec == P(None, "model")
+    with vitals.Rollback(tmp_path) as guard:
+        state = nnx.state((model, optimizer))
+        guard.respond(0, state, None, 1)
+        guard.wait()
+        restored, _ = guard.restore(0, state)
+    back = restored[0]["layers"][0]["mlp"]["up_proj"]["kernel"][...]
+    assert back.sharding == kernel[...].sharding
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(kernel[...]))
