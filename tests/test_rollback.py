@@ -466,7 +466,7 @@ def test_unwritable_directory_is_a_clear_error_and_state_is_untouched(tmp_path):
     with pytest.raises(CheckpointSaveError, match="file.txt/ck"):
         Rollback(tmp_path / "file.txt" / "ck")
     directory = tmp_path / "ck"
-    guard = Rollback(directory, save_every=10)
+    guard = Rollback(directory, save_every=10, on_save_error="raise")
     drive(guard, [0])
     guard.wait()
     shutil.rmtree(directory)
@@ -508,13 +508,13 @@ def test_full_disk_is_a_clear_error(tmp_path):
             guard.wait()
         assert guard.checkpoints == []
         # sync_save: reported by the save call itself.
-        guard = Rollback(mnt / "b", save_every=10, sync_save=True)
+        guard = Rollback(mnt / "b", save_every=10, sync_save=True, on_save_error="raise")
         with pytest.raises(CheckpointSaveError, match="step 0"):
             guard.respond(0, live, None, 1)
         # A disk with no room at all: the write probe fails before orbax starts.
         shutil.rmtree(mnt / "a", ignore_errors=True)
         shutil.rmtree(mnt / "b", ignore_errors=True)
-        guard = Rollback(mnt / "c", save_every=10)
+        guard = Rollback(mnt / "c", save_every=10, on_save_error="raise")
         with open(mnt / "filler", "wb") as f:
             try:
                 while True:

@@ -6,7 +6,8 @@ roll back), ``restore`` (its restores: a rollback's steps and a resume),
 checkpoints on disk: :func:`choose_target`), ``alertlog`` (the guard's record of
 the monitor's alerts, by id), ``actions`` (the actions after a restore: LR scale,
 Adam moments, data position), ``response`` (what the guard returns and raises),
-``stores`` (the checkpoints and the snapshots as one), ``checkpoints`` (the orbax
+``preemption`` (the notice that the machine goes away, and the save it
+triggers: :class:`Preemption`), ``stores`` (the checkpoints and the snapshots as one), ``checkpoints`` (the orbax
 store: levels, pins, quarantine, retention, resume), ``remedies`` (the table of
 causes and the remedy the guard applies) and ``events`` (the names the guard
 writes). Imports ``jvitals.monitor`` (levels, alerts) and ``jvitals.optim`` (the
@@ -32,6 +33,7 @@ from jvitals.guard.checkpoints import (
     ROLLBACK_SAVE,
     SNAPSHOT,
 )
+from jvitals.guard.preemption import PREEMPT, Preemption
 from jvitals.guard.remedies import (
     applied_text,
     apply_remedies,
@@ -72,6 +74,8 @@ __all__ = [
     "MANUAL",
     "ORANGE_SAVE",
     "parse_remedies",
+    "PREEMPT",
+    "Preemption",
     "QUARANTINE_FILE",
     "quiet_orbax",
     "reapply_lr_groups",

@@ -18,7 +18,8 @@ Decisions (each is tested):
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import dataclasses
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -92,6 +93,18 @@ class AlertLog:
             rec.peak = max(rec.peak, peak)
         rec.clearing = clearing
         rec.lead = int(lead) if isinstance(lead, (int, np.integer)) else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The records and the last calm check as plain JSON (saved with each checkpoint)."""
+        return {"seen": [dataclasses.asdict(r) for r in self.seen.values()], "last_calm": self.last_calm}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        """Replaces the records with :meth:`state_dict`'s ``d`` (an empty dict: none)."""
+        self.seen = {}
+        for r in d.get("seen", []):
+            rec = AlertRecord(**{**r, "departures": tuple(int(x) for x in r.get("departures", ()))})
+            self.seen[int(rec.id)] = rec
+        self.last_calm = d.get("last_calm")
 
     def open_peak(self, verdict: Any) -> int:
         """The highest peak level of ``verdict``'s open alerts (GREEN without any)."""

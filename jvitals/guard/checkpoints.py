@@ -368,6 +368,7 @@ class CheckpointStore:
         self.pins: dict[int, str] = {}
         self.failures: list[tuple[int, str]] = []     # (step, reason): read by the policy
         self._unsaved_step: int | None = None
+        self._dropped: dict[int, CheckpointInfo] = {}   # forgotten by the pending save's retention
         try:
             with quiet_orbax():
                 self._mngr = ocp.CheckpointManager(
@@ -522,7 +523,7 @@ class CheckpointStore:
                 f"step {self._mngr.latest_step()}); expected every save to land. The train "
                 "state is unchanged.", directory=str(self.directory), step=step)
         self._unsaved_step = step
-        self._sync_records()
+        self._dropped = self._sync_records()
         if sync:
             self.wait()
         return step
@@ -544,7 +545,7 @@ class CheckpointStore:
             except Exception:  # noqa: BLE001
                 pass
         if not agree(err is None):
-            raise self._save_error(step, err or RuntimeError("another process could not write"))
+            raise self._save_error(step, err or RuntimeError("another process could not write")) from err
 
     def _save_error(self, step: int | None, e: BaseException) -> CheckpointSaveError:
         return CheckpointSaveError(
@@ -566,13 +567,13 @@ class CheckpointStore:
                 self._mngr.wait_until_finished()
         except Exception as e:  # noqa: BLE001
             err = e
-        failed = self._unsaved_step
-        self._unsaved_step = None
+        failed, dropped = self._unsaved_step, self._dropped
+        self._unsaved_step, self._dropped = None, {}
         if not agree(err is None):
             if failed is not None:
                 self.records.pop(failed, None)
-            self._sync_records()
-            _log.error("%s: the asynchronous save of step %s failed: %s", self.name, failed,
+            self._keep_after_failure(failed, dropped)
+            _log.debug("%s: the asynchronous save of step %s failed: %s", self.name, failed,
                        f"{type(err).__name__}: {str(err).splitlines()[0][:200]}" if err else
                        "error on another process")
             raise CheckpointSaveError(
@@ -592,11 +593,25 @@ class CheckpointStore:
     def saving(self) -> bool:
         return self._unsaved_step is not None
 
-    def _sync_records(self) -> None:
+    def _sync_records(self) -> dict[int, CheckpointInfo]:
+        """Drops the records of steps orbax no longer lists; returns them."""
         on_disk = set(int(s) for s in self._mngr.all_steps())
-        for s in list(self.records):
-            if s not in on_disk:
-                del self.records[s]
+        return {s: self.records.pop(s) for s in list(self.records) if s not in on_disk}
+
+    def _keep_after_failure(self, failed: int | None, dropped: Mapping[int, CheckpointInfo]) -> None:
+        """After a failed asynchronous save: orbax forgot at save time the steps its
+        retention was to delete once the save landed, which it did not: they are still
+        on disk and come back (``reload``); the failed step's temporary directory goes."""
+        with quiet_orbax():
+            self._mngr.reload()
+        on_disk = set(int(s) for s in self._mngr.all_steps())
+        self.records.update({s: r for s, r in dropped.items() if s in on_disk})
+        self._sync_records()
+        for tmp in self.directory.glob(f"{failed}.orbax-checkpoint-tmp*") if failed is not None else []:
+            try:
+                tmp.rmtree()
+            except Exception as e:  # noqa: BLE001 - another process removed it, or it is not ours
+                _log.debug("%s: could not remove %s: %s", self.name, tmp, e)
 
     def delete_quarantined_beyond_bound(self) -> None:
         """Applies the quarantine bound now (orbax applies retention only after a save)."""

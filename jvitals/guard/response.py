@@ -16,7 +16,7 @@ import os
 from typing import Any, Iterable, NamedTuple, Sequence
 
 from jvitals.monitor.types import PRESCRIPTIONS, RULE_PRESCRIPTION, Alert, Level
-from jvitals.guard.checkpoints import json_default
+from jvitals.guard.checkpoints import CheckpointSaveError, _one_line as one_line, json_default
 
 __all__ = [
     "Action",
@@ -29,6 +29,7 @@ __all__ = [
     "check_position",
     "jsonable",
     "make_alert",
+    "save_failed_alert",
 ]
 
 
@@ -152,3 +153,28 @@ def make_alert(rule: str, metric: str, level: Level, step: int, value: float, on
                  opened_step=int(step), message=message, cause=pres.cause,
                  prescription=pres.prescription, localization=[], peak_level=Level(level),
                  closed_step=int(step), details=details)
+
+
+def save_failed_alert(err: CheckpointSaveError, *, newest_good: int | None, every: int) -> Alert:
+    """The guard's alert (YELLOW, rule ``'checkpoint_save_failed'``) for a save that
+    failed while training goes on: the directory, the step, the error, the last good
+    checkpoint and what to do, in one line (its ``message``; ``details['error']``).
+
+    Args:
+      err: the store's error (``directory``, ``step``; the OS or orbax error as its cause).
+      newest_good: the newest healthy checkpoint on disk (None: none).
+      every: the guard's ``save_every`` (when the next cadence save tries again).
+    """
+    cause = err.__cause__
+    error = f"{type(cause).__name__}: {one_line(cause)}" if cause is not None else one_line(err)
+    good = (f"the last good checkpoint, step {newest_good}, is what a rollback or a restart uses"
+            if newest_good is not None else "there is no good checkpoint yet (a restart starts over)")
+    message = (f"[YELLOW] Rollback: could not save the checkpoint of step {err.step} in "
+               f"{err.directory!r}: {error}. Training continues; {good}; the next cadence save "
+               f"(every {every} steps) tries again. Expected a writable directory with free space: "
+               "free space or fix the permissions (Rollback(on_save_error='raise') stops the run "
+               "instead).")
+    step = -1 if err.step is None else int(err.step)
+    return make_alert("checkpoint_save_failed", "checkpoint/save_failed", Level.YELLOW, step, step, step,
+                      message, {"error": error, "directory": err.directory,
+                                "newest_good": newest_good})

@@ -37,6 +37,7 @@ from jvitals.monitor.types import Alert, Level
 from jvitals.guard.actions import action_text, keep_step, reset_moments, scale_lr, skip_batches
 from jvitals.guard.checkpoints import ROLLBACK_SAVE
 from jvitals.guard.events import ROLLBACK_COUNT
+from jvitals.guard.preemption import PREEMPT
 from jvitals.guard.remedies import applied_text, apply_remedies, reapply_lr_groups
 from jvitals.guard.response import (
     Action,
@@ -60,9 +61,21 @@ from jvitals.guard.target import (
     why_not,
 )
 
-__all__ = ["Restores"]
+__all__ = ["Restores", "resume_order"]
 
 _log = logging.getLogger("jvitals.guard.rollback")
+
+
+def resume_order(records: list[CheckpointInfo], healthy_levels: Iterable[int]) -> list[CheckpointInfo]:
+    """What :meth:`Restores.resume` tries, in order: a preemption checkpoint that is
+    the newest on disk (the run's exact continuation: its guard and monitor state
+    carry any open alert, so it is taken whatever its level), then
+    :func:`jvitals.guard.target.restore_order` (the healthy ones, newest first)."""
+    order = restore_order(records, healthy_levels=healthy_levels)
+    newest = records[0] if records else None
+    if newest is not None and newest.kind == PREEMPT and newest.quarantined is None:
+        order = [newest] + [r for r in order if r is not newest]
+    return order
 
 
 def _load_monitor(monitor: Any, d: Mapping[str, Any]) -> None:
@@ -101,9 +114,8 @@ class Restores:
             self.monitor = monitor
         self._resumed = True
         self._check_lr_scale(state)
-        self._disk.wait()
-        found = self._restore_first(restore_order(self._disk.records(), healthy_levels=self.healthy_levels),
-                                    state)
+        self._settle()
+        found = self._restore_first(resume_order(self._disk.records(), self.healthy_levels), state)
         skipped = [f"{r.step} ({why_not(r, self.healthy_levels)})" for r in self._disk.records()
                    if found is None or r.step > found[0].step]
         if found is None:
@@ -124,12 +136,7 @@ class Restores:
         self.history = list(meta.get("rollbacks", []))
         self.remedies = dict(meta.get("remedies") or {})
         self.resumed_step = rec.step
-        self._last_regular = rec.step
-        self._last_snapshot = rec.step
-        checks = [r.step for r in self._disk.records() if r.step <= rec.step
-                  and r.level in self.healthy_levels and r.kind != ROLLBACK_SAVE]
-        self._last_healthy_check = max(checks) if checks else None
-        self._orange_saved = False
+        self._load_guard_state(rec, meta.get("guard"))
         self.position = position = own_position(meta)
         self._update_pins(None)
         self._event({"event": "resume", "step": rec.step, "store": rec.store, "kind": rec.kind,
@@ -138,6 +145,23 @@ class Restores:
                             tuple(self._drain()), self.metrics(), tuple(self._drain_events(keep=True)),
                             position))
         return restored, position
+
+    def _load_guard_state(self, rec: CheckpointInfo, saved: Mapping[str, Any] | None) -> None:
+        """The guard's own state as it was when ``rec`` was saved (``Rollback._guard_state``);
+        for a checkpoint written before it was saved, the closest guess from the disk."""
+        if saved is None:
+            checks = [r.step for r in self._disk.records() if r.step <= rec.step
+                      and r.level in self.healthy_levels and r.kind != ROLLBACK_SAVE]
+            saved = {"last_regular": rec.step, "last_snapshot": rec.step,
+                     "last_healthy_check": max(checks) if checks else None}
+        self._last_regular, self._last_snapshot = saved.get("last_regular"), saved.get("last_snapshot")
+        self._last_healthy_check = saved.get("last_healthy_check")
+        self._orange_saved = bool(saved.get("orange_saved", False))
+        self._level = int(saved.get("level", rec.level if rec.level >= 0 else Level.GREEN))
+        self._open_peak = int(saved.get("open_peak", rec.open_peak))
+        self._checks.clear()
+        self._checks.extend(int(c) for c in saved.get("checks", []))
+        self._log.load_state_dict(saved.get("alerts") or {})
 
     def _restore_first(self, candidates: Iterable[CheckpointInfo],
                        like: Any) -> tuple[CheckpointInfo, Any, dict] | None:
@@ -151,13 +175,19 @@ class Restores:
         """Red: the target (:func:`jvitals.guard.target.pick_target`), its restore, the
         sick checkpoints quarantined, the actions, the record of it, and its save."""
         verdict_alerts = list(getattr(verdict, "alerts", []) or [])
-        self._disk.wait()
+        self._settle()
         if self.max_rollbacks is not None and len(self.history) >= self.max_rollbacks:
             self._limit(step, verdict_alerts, position, sign, cutoff)
-        target = pick_target(self._disk.records(), sign=sign, cutoff=cutoff, step=step,
-                             healthy_levels=self.healthy_levels, rewind_steps=self.rewind_steps,
-                             history=self.history, last_healthy_check=self._last_healthy_check)
+        target = pick_target([r for r in self._disk.records() if r.kind != PREEMPT], sign=sign,
+                             cutoff=cutoff, step=step, healthy_levels=self.healthy_levels,
+                             rewind_steps=self.rewind_steps, history=self.history,
+                             last_healthy_check=self._last_healthy_check)
         self._disk.quarantine(target.suspects, str(target.relapse_reason))
+        if target.step is not None:     # on disk before the restore: a kill in it never resumes a sick one
+            self._disk.quarantine(sick_after(self._disk.records(), target.step, step),
+                                  f"sick: after rollback target {target.step}; red at step {step} "
+                                  f"(earliest sign {sign})")
+            self._disk.write_quarantine()
         found = self._restore_first(target.candidates, state)
         if found is None:
             self._no_target(step, target, verdict_alerts)

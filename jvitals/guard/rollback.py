@@ -144,6 +144,7 @@ from jvitals.guard.checkpoints import (
     allgather_json,
 )
 from jvitals.guard.events import ROLLBACK_COUNT, ROLLBACK_LR_SCALE, write_events
+from jvitals.guard.preemption import PREEMPT, Preempts, Preemption
 from jvitals.guard.remedies import parse_remedies, remedied_ids
 from jvitals.guard.response import (
     Action,
@@ -155,6 +156,7 @@ from jvitals.guard.response import (
     alert_lines,
     check_position,
     make_alert,
+    save_failed_alert,
 )
 from jvitals.guard.restore import Restores
 from jvitals.guard.stores import Stores
@@ -183,8 +185,10 @@ _log = logging.getLogger("jvitals.guard.rollback")
 
 def _check_args(*, save_every: int, lr_factor: float, max_rollbacks: int | None, pause: Any,
                 onset_margin: int, rewind_steps: int | None, skip_data: Any,
-                snapshots: "Snapshots | None") -> None:
+                snapshots: "Snapshots | None", on_save_error: str = "continue") -> None:
     """Raises a ValueError naming the first :class:`Rollback` argument out of range."""
+    if on_save_error not in ("continue", "raise"):
+        raise ValueError(f"Rollback expects on_save_error='continue' or 'raise', got {on_save_error!r}")
     if int(save_every) < 1:
         raise ValueError(f"Rollback expects save_every >= 1, got {save_every}")
     if not 0.0 < float(lr_factor) <= 1.0:
@@ -208,7 +212,7 @@ def _check_args(*, save_every: int, lr_factor: float, max_rollbacks: int | None,
 # ----------------------------------------------------------------------------
 
 
-class Rollback(Restores):
+class Rollback(Restores, Preempts):
     """Saves on a cadence, pauses on orange, rolls back on red (see module doc).
 
     Args:
@@ -257,6 +261,14 @@ class Rollback(Restores):
         callable}`` (see :func:`jvitals.guard.remedies.parse_remedies`). Applied at
         each rollback after the restore, on top of ``lr_factor`` (pass
         ``lr_factor=1.0`` for the remedy alone).
+      on_save_error: a save that fails (full disk, permissions, I/O error):
+        ``'continue'`` (one error line naming the directory, step and error, a
+        ``checkpoint_save_failed`` alert and event; training goes on and the last
+        good checkpoint stays the one a rollback or restart uses; the next cadence
+        save tries again) or ``'raise'`` (:class:`CheckpointSaveError`: the loop stops).
+      preemption: what :meth:`preempted` watches: True (SIGTERM on one process, JAX's
+        preemption notice under ``jax.distributed``), a :class:`Preemption` (other
+        signals), or False (never preempted).
 
     Attributes:
       last_action: the :class:`Action` of the latest call (None before any).
@@ -267,6 +279,7 @@ class Rollback(Restores):
       events: every event the guard recorded, oldest first.
       position: the data position to continue from after the latest call.
       resumed_step: the checkpoint :meth:`resume` restored (None: fresh start).
+      preemption: the :class:`Preemption` :meth:`preempted` asks (None: never).
       store: the :class:`~jvitals.guard.checkpoints.CheckpointStore` of the checkpoints.
       snapshot_store: the store of the snapshots (None without ``snapshots``).
       remedies: the remedies' flags for the loop (a plain JSON dict, saved with
@@ -290,11 +303,15 @@ class Rollback(Restores):
                  sync_save: bool = False, check_finite: bool = True, onset_margin: int = 1,
                  rewind_steps: int | None = None, skip_data: bool | int = False,
                  reset_optimizer: Any = None, snapshots: Snapshots | None = None,
-                 writer: Any = None, remedies: Any = None) -> None:
+                 writer: Any = None, remedies: Any = None, on_save_error: str = "continue",
+                 preemption: Preemption | bool = True) -> None:
         self.remedy_table = parse_remedies(remedies)
         _check_args(save_every=save_every, lr_factor=lr_factor, max_rollbacks=max_rollbacks, pause=pause,
                     onset_margin=onset_margin, rewind_steps=rewind_steps, skip_data=skip_data,
-                    snapshots=snapshots)
+                    snapshots=snapshots, on_save_error=on_save_error)
+        self.on_save_error = on_save_error
+        self.preemption = preemption if isinstance(preemption, Preemption) else (
+            Preemption() if preemption else None)
         self.save_every = int(save_every)
         self.lr_factor = float(lr_factor)
         self.max_rollbacks = None if max_rollbacks is None else int(max_rollbacks)
@@ -339,6 +356,8 @@ class Rollback(Restores):
         self._last_snapshot: int | None = None
         self._last_healthy_check: int | None = None
         self._orange_saved = False
+        self._level = int(Level.GREEN)
+        self._preempted_at: int | None = None
         self._lr_checked = False
         self._resumed = False
         self._warned_no_resume = False
@@ -397,7 +416,8 @@ class Rollback(Restores):
           RollbackLimitError: red after ``max_rollbacks`` rollbacks.
           RollbackError: red and no healthy checkpoint before the earliest sign.
           TrainingPaused: orange with ``pause='raise'`` (after the save).
-          CheckpointSaveError: a save failed (the state is untouched).
+          CheckpointSaveError: a save failed, with ``on_save_error='raise'`` (the state
+            is untouched; by default the failure is one error line and an alert).
         """
         step = int(step)
         check_position(position)
@@ -408,23 +428,26 @@ class Rollback(Restores):
         self._log.observe(step, verdict)
         self._checks.append(step)
         level, sign, cutoff = self._decide(step, verdict)
+        self._level = level
         self._check_lr_scale(state)
         if not self._resumed and self._found_at_open is not None and not self._warned_no_resume:
             self._warned_no_resume = True
             _log.warning("Rollback: %s already held checkpoints up to step %d but resume() "
                          "was not called; starting fresh alongside them.",
                          self.directory, self._found_at_open)
-        self._disk.poll()
+        self._settle(poll=True)
         alerts = self._drain()
         open_peak = max(self._open_peak, level)
         self.position = position
+        if level in self.healthy_levels:
+            self._last_healthy_check = step
         if level >= Level.RED:
             response = self._rollback(step, state, verdict, position, sign, cutoff, alerts)
         elif level == Level.ORANGE:
             saved = None
             if not self._orange_saved:
-                saved = self._save(step, state, position, level, ORANGE_SAVE, open_peak=open_peak)
                 self._orange_saved = True
+                saved = self._save(step, state, position, level, ORANGE_SAVE, open_peak=open_peak)
                 self._event({"event": "pause", "step": step, "saved_step": saved})
             response = Response(Action.PAUSE, state, step, saved, None, self.lr_scale,
                                 tuple(alerts + self._drain()), self.metrics(),
@@ -439,8 +462,6 @@ class Rollback(Restores):
             response = Response(Action.SAVED if saved is not None or snap is not None else Action.CONTINUE,
                                 state, step, saved, None, self.lr_scale, tuple(alerts + self._drain()),
                                 self.metrics(), tuple(self._drain_events()), position, snap)
-        if level in self.healthy_levels:
-            self._last_healthy_check = step
         self._update_pins(verdict)
         self._done(response)
         self._write(step, response)
@@ -476,10 +497,13 @@ class Rollback(Restores):
         self._disk.wait()
 
     def close(self) -> None:
-        """Waits for pending saves and releases orbax's resources."""
+        """Waits for pending saves (a failed one: see ``on_save_error``), puts back the
+        signal handlers :meth:`preempted` installed and releases orbax's resources."""
         try:
-            self.wait()
+            self._settle()
         finally:
+            if self.preemption is not None:
+                self.preemption.close()
             self._disk.close()
 
     def __enter__(self) -> "Rollback":
@@ -525,8 +549,10 @@ class Rollback(Restores):
         return last is None or step // every > last // every
 
     def _update_pins(self, verdict: Any) -> None:
-        """Sets the stores' pins (:func:`jvitals.guard.target.pins`), process 0's for all."""
-        keep = pins(self.history, self._disk.records(), open_alerts=self._log.open_records(verdict),
+        """Sets the stores' pins (:func:`jvitals.guard.target.pins`), process 0's for all
+        (preemption checkpoints are never rollback targets: not pinned as one)."""
+        keep = pins(self.history, [r for r in self._disk.records() if r.kind != PREEMPT],
+                    open_alerts=self._log.open_records(verdict),
                     checks=list(self._checks), onset_margin=self.onset_margin,
                     healthy_levels=self.healthy_levels, rewind_steps=self.rewind_steps)
         self._disk.set_pins(keep)
@@ -561,18 +587,57 @@ class Rollback(Restores):
             "monitor": self.monitor.state_dict() if self.monitor is not None and hasattr(
                 self.monitor, "state_dict") else None,
             "rollback_count": len(self.history), "rollbacks": self.history,
-            "remedies": self.remedies,
+            "remedies": self.remedies, "guard": self._guard_state(step, kind),
         }
-        saved = store.save(step, state, meta, level=level, kind=kind, restored_from=restored_from,
-                           open_peak=open_peak, lr_scale=self.lr_scale, sync=self.sync_save)
-        if saved is not None:
+        self._settle([store])              # an earlier save's failure first: this one is still tried
+        saved, failed = None, False
+        try:
+            saved = store.save(step, state, meta, level=level, kind=kind, restored_from=restored_from,
+                               open_peak=open_peak, lr_scale=self.lr_scale, sync=self.sync_save)
+        except CheckpointSaveError as e:
+            failed = True
+            self._save_failed(e)
+        if saved is not None or failed:    # failed: the next try is at the next cadence
             if kind in (CADENCE, ROLLBACK_SAVE, MANUAL):
                 self._last_regular = step
             if kind == SNAPSHOT:
                 self._last_snapshot = step
+        if saved is not None:
             self._event({"event": "save" if kind != SNAPSHOT else "snapshot", "step": step,
                          "kind": kind, "level": level_name(level)})
         return saved
+
+    def _guard_state(self, step: int, kind: str) -> dict[str, Any]:
+        """The guard's own state once a save of ``kind`` at ``step`` is done, for the
+        metadata: :meth:`resume` reads it back, so a resumed run saves, pins and picks
+        rollback targets as the uninterrupted run would."""
+        return {"last_regular": step if kind in (CADENCE, ROLLBACK_SAVE, MANUAL) else self._last_regular,
+                "last_snapshot": step if kind == SNAPSHOT else self._last_snapshot,
+                "last_healthy_check": self._last_healthy_check, "orange_saved": self._orange_saved,
+                "level": self._level, "open_peak": self._open_peak, "checks": list(self._checks),
+                "alerts": self._log.state_dict()}
+
+    def _settle(self, stores: Iterable[Any] | None = None, poll: bool = False) -> None:
+        """Waits for the stores' pending saves (``poll``: only finished ones, without
+        blocking); a failed one goes to :meth:`_save_failed`."""
+        for s in list(stores) if stores is not None else self._disk.all():
+            try:
+                s.poll() if poll else s.wait()
+            except CheckpointSaveError as e:
+                self._save_failed(e)
+
+    def _save_failed(self, e: CheckpointSaveError) -> None:
+        """A save that failed: raised (``on_save_error='raise'``), or one error line, an
+        alert and an event, and training goes on from the in-memory state."""
+        if self.on_save_error == "raise":
+            raise e
+        good = [r.step for r in self._disk.records() if r.kind != PREEMPT
+                and r.level in self.healthy_levels and r.open_peak < Level.ORANGE and r.quarantined is None]
+        alert = save_failed_alert(e, newest_good=max(good) if good else None, every=self.save_every)
+        _log.error("%s", alert.message)
+        self._pending.append(alert)
+        self._event({"event": "save_failed", "step": e.step, "directory": e.directory,
+                     "error": alert.details["error"]})
 
     # -- Small helpers. ----------------------------------------------
 

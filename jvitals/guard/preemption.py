@@ -1,0 +1,218 @@
+"""Preemption: the notice that the machine goes away, turned into a save at the next step boundary.
+
+Spot VMs and preemptible TPUs get SIGTERM and about 30 s before they stop; a job
+scheduler (Slurm, Kubernetes) sends SIGTERM before SIGKILL. :class:`Preemption`
+watches for that notice, and :meth:`jvitals.Rollback.preempted`, which the loop
+calls at the end of every step, asks it::
+
+    for step in range(int(state.step), num_steps):
+        state, metrics = train_step(state, loader(position)); position += 1
+        ...
+        if guard.preempted(step, state, position):   # SIGTERM: saved, committed; stop
+            break
+
+On a notice the guard saves the state, the data position and the monitor's state
+as checkpoint ``step`` (kind :data:`PREEMPT`), waits until it is committed, and
+returns True; the loop ends and the program exits with code 0. A restart's
+:meth:`~jvitals.Rollback.resume` continues from that checkpoint: no step is
+computed twice.
+
+Where the notice comes from (decided at the first :meth:`Preemption.reached`):
+
+- **One process**: a signal in ``signals`` (SIGTERM), caught by a Python
+  handler installed at that first call, so a loop that never asks keeps
+  Python's default (SIGTERM ends the process) and a SIGTERM before the loop's
+  first step still does (nothing is lost: no step was done since the resume).
+  A Python handler installed before is called too; :meth:`Preemption.close`
+  (called by ``Rollback.close``) puts the previous handlers back.
+  :meth:`Preemption.notify` is the same notice from code (a thread that watches
+  a cloud's metadata server, say).
+- **Several processes** (``jax.distributed``): JAX's preemption service, which
+  ``jax.distributed.initialize`` starts: its own SIGTERM handler (in C++; a Python
+  handler would replace it, so none is installed) tells the coordination service,
+  which tells every process, and
+  ``jax.experimental.multihost_utils.reached_preemption_sync_point(step)`` is True
+  on every process at one step (the fastest process's step + 1, so no process
+  has passed it). A SIGTERM on any one process saves on all at that step, and all
+  stop. Without the service (``jax_enable_preemption_service=False``) a warning
+  says so and no preemption save is made.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from typing import Any, Sequence
+
+import jax
+
+from jvitals.guard.events import write_events
+
+__all__ = ["PREEMPT", "Preempts", "Preemption"]
+
+_log = logging.getLogger("jvitals.guard.rollback")
+
+PREEMPT = "preempt"
+"""The kind of the checkpoint a preemption saves (:meth:`jvitals.Rollback.preempted`)."""
+
+
+class Preemption:
+    """Watches for a preemption notice (see module doc).
+
+    Args:
+      signals: the signals that mean "preempted" on one process (default SIGTERM;
+        Slurm's ``--signal=USR1@60`` wants ``(signal.SIGTERM, signal.SIGUSR1)``).
+
+    Attributes:
+      notice: what the notice was (``'SIGTERM'``, ``'jax preemption notice'``, a
+        :meth:`notify` reason), or None while there was none.
+      source: ``'signal'`` (one process), ``'jax'`` (JAX's service), ``'off'``
+        (no notice can arrive), or None before the first :meth:`reached`.
+    """
+
+    def __init__(self, signals: Sequence[int] = (signal.SIGTERM,)) -> None:
+        self.signals = tuple(signal.Signals(s) for s in signals)
+        if not self.signals:
+            raise ValueError("Preemption expects at least one signal, got none")
+        self.notice: str | None = None
+        self.source: str | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def reached(self, step: int) -> bool:
+        """True when the loop should save now and stop: the same answer, at the same
+        step, on every process. Cheap: a flag read (one process) or JAX's local
+        sync-point check (several; no collective).
+
+        Args:
+          step: the step just done (consecutive steps, the same on every process).
+
+        Returns:
+          True once a notice arrived (one process), or at the agreed step (several).
+        """
+        if self.source is None:
+            self.source = self._start()
+        if self.source == "jax":
+            try:
+                hit = self._jax_sync_point(int(step))
+            except RuntimeError as e:      # the service is off: said once, then never asked again
+                self.source = "off"
+                _log.warning("Rollback: no preemption saves on these %d processes: JAX's preemption "
+                             "service is off (%s); expected jax.distributed.initialize with "
+                             "jax_enable_preemption_service=True (the default).", jax.process_count(), e)
+                return False
+            if hit:
+                self.notice = self.notice or "jax preemption notice"
+            return hit
+        return self.notice is not None
+
+    def notify(self, reason: str = "notify()") -> None:
+        """A preemption notice from code (one process): the next :meth:`reached` is True."""
+        if self.notice is None:
+            self.notice = str(reason)
+
+    def close(self) -> None:
+        """Puts back the signal handlers that were there before (main thread only)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig, previous in self._previous.items():
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    # -- Internals. --------------------------------------------------
+
+    def _start(self) -> str:
+        """Chooses where the notice comes from (see module doc) and installs the handlers."""
+        if jax.process_count() > 1:
+            return "jax"
+        if threading.current_thread() is not threading.main_thread():
+            _log.warning("Rollback: no preemption saves: signal handlers can only be installed from "
+                         "the main thread, and guard.preempted() was first called from %r. Call it "
+                         "from the main thread (the training loop's).", threading.current_thread().name)
+            return "off"
+        for sig in self.signals:
+            self._previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._handler)
+        return "signal"
+
+    @staticmethod
+    def _jax_sync_point(step: int) -> bool:
+        from jax.experimental import multihost_utils
+        return bool(multihost_utils.reached_preemption_sync_point(step))
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        """Records the first notice (nothing else: it runs between two bytecodes of the
+        loop) and calls a Python handler that was installed before."""
+        if self.notice is None:
+            self.notice = signal.Signals(signum).name
+        previous = self._previous.get(signal.Signals(signum))
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(signum, frame)
+
+
+class Preempts:
+    """The preemption half of :class:`jvitals.Rollback` (a base class of it, like
+    :class:`jvitals.guard.restore.Restores`; not used on its own): :meth:`preempted`
+    and its save. It reads the guard's ``preemption``, ``store``, ``directory``,
+    ``writer``, ``_level``, ``_open_peak``, ``_preempted_at`` and calls its
+    ``_save``, ``_settle``, ``_event`` and ``_drain_events``.
+    """
+
+    def preempted(self, step: int, state: Any, position: Any = None) -> bool:
+        """Called at the end of every step: on a preemption notice, saves and says stop.
+
+        Cheap without a notice (a flag read; on several processes JAX's local
+        sync-point check, no collective). On a notice (SIGTERM; under
+        ``jax.distributed``, JAX's preemption notice from any process, acted on by
+        every process at one step; see :mod:`jvitals.guard.preemption`) it saves
+        ``state``, ``position`` and the monitor's state as checkpoint ``step`` (kind
+        ``'preempt'``), waits until it is committed, logs one line, and returns True,
+        then and at every later call: leave the loop. A restart's :meth:`resume`
+        continues from that checkpoint (step ``step + 1``: nothing recomputed), with
+        the guard's and the monitor's state as they were, whatever the level.
+
+        Args:
+          step: the step just done (the same on every process, consecutive).
+          state: the train state after it.
+          position: the data position after it (JSON-serialisable).
+
+        Returns:
+          True: stop the loop (the checkpoint is committed, or its save failed and
+          was reported: a restart then resumes from the last good checkpoint).
+
+        Raises:
+          CheckpointSaveError: the save failed, with ``on_save_error='raise'``.
+        """
+        if self._preempted_at is not None:
+            return True
+        if self.preemption is None or not self.preemption.reached(int(step)):
+            return False
+        return self._preempt(int(step), state, position)
+
+    def _preempt(self, step: int, state: Any, position: Any) -> bool:
+        """The preemption's save (see :meth:`preempted`): checkpoint ``step`` (or the one
+        :meth:`respond` saved at it), committed; one log line, an event; True."""
+        t0 = time.monotonic()
+        self._preempted_at = step
+        rec = self.store.records.get(step)
+        if rec is None or rec.quarantined is not None:
+            self._save(step, state, position, self._level, PREEMPT,
+                       open_peak=max(self._open_peak, self._level))
+        self._settle()
+        saved = step in self.store.records
+        notice = self.preemption.notice if self.preemption is not None else None
+        took = time.monotonic() - t0
+        if saved:
+            _log.warning("Rollback: preemption notice (%s) at step %d: checkpoint %d (state, data "
+                         "position %r, monitor) is committed in %r (%.1f s). Stop the loop; a restart's "
+                         "resume() continues from step %d.", notice, step, step, position,
+                         str(self.directory), took, step + 1)
+        else:
+            _log.warning("Rollback: preemption notice (%s) at step %d: its checkpoint could not be "
+                         "saved (the error above). Stop the loop; a restart's resume() continues from "
+                         "the newest healthy checkpoint.", notice, step)
+        self._event({"event": "preempt", "step": step, "notice": notice,
+                     "saved_step": step if saved else None, "seconds": round(took, 3)})
+        if self.writer is not None:
+            write_events(self.writer, step, {}, self._drain_events())
+        return True
