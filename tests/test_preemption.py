@@ -271,3 +271,110 @@ def test_sigterm_is_a_clean_exit_and_the_restart_recomputes_nothing(tmp_path):
         line = [ln for ln in err.splitlines() if "preemption notice" in ln]
         assert len(line) == 1 and "(SIGTERM)" in line[0] and f"checkpoint {stopped}" in line[0], err[-2000:]
     assert stops[0][0] == 0 and stops[1][0] == stops[0][1] + 1     # 0 steps recomputed
+
+
+# ----------------------------------------------------------------------------
+# SIGKILL during a rollback: in its restore, or while its save is in flight.
+# ----------------------------------------------------------------------------
+
+ROLLBACK_CHILD = textwrap.dedent("""
+    import os, sys, time
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    sys.path.insert(0, {repo!r})
+    import jax.numpy as jnp, optax
+    from jvitals.guard.rollback import Rollback
+    from jvitals.monitor.monitor import Alert, Level, Verdict
+    from jvitals.optim.lr_scale import with_lr_scale
+    tx = with_lr_scale(optax.sgd(0.1))
+    def state(v):
+        p = {{"w": jnp.full((4000, 4000), float(v))}}         # 64 MB: a restore takes a while
+        return {{"params": p, "opt_state": tx.init(p), "step": jnp.asarray(v + 1)}}
+    guard = Rollback({directory!r}, save_every=10, keep_last=10)
+    if {prepare!r}:                                         # checks 0..30, all GREEN
+        for s in (0, 10, 20, 30):
+            guard.respond(s, state(s), None, s + 1)
+        guard.close()
+        sys.exit(0)
+    guard.resume(state(-1), 0)                              # the guard's checks and alerts come back
+    a = Alert(id=1, rule="grad_norm", metric="grad/global_norm", level=Level.RED, step=40, value=9.0,
+              baseline=1.0, ratio=9.0, onset_step=25, opened_step=25, message="[RED] x", cause="c",
+              prescription="p", localization=[], peak_level=Level.RED)
+    now = state(40)
+    print("RED", flush=True)
+    guard.respond(40, now, Verdict(40, Level.RED, [a], [a], [], {{}}), 41)   # target 10
+    print("ROLLED", flush=True)
+    guard.wait()
+    print("SAVED", flush=True)
+    time.sleep(120)
+""")
+
+
+def rollback_child(tmp_path: Path, directory: Path, prepare: bool) -> subprocess.Popen:
+    script = tmp_path / f"rollback_child_{int(prepare)}.py"
+    script.write_text(ROLLBACK_CHILD.format(repo=str(REPO), directory=str(directory), prepare=prepare))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
+
+
+def big_like() -> dict:
+    w = jnp.zeros((4000, 4000))
+    return {"params": {"w": w}, "opt_state": with_lr_scale(optax.sgd(0.1)).init({"w": w}),
+            "step": jnp.asarray(0)}
+
+
+def test_a_kill_during_a_rollback_never_resumes_a_sick_checkpoint(tmp_path):
+    """Checks 0..30 are GREEN; the red at 40 (sign 25) restores 10: 20 and 30 are sick,
+    though saved GREEN. Killed during the rollback, before its save began (the restore
+    takes most of that time), a restart resumes 10, not 30: the quarantine reached the
+    disk before the restore began. Killed while the rollback's save is in flight, 10 or
+    (had it landed) the rollback's checkpoint 40, each with its own data position and
+    LR scale. Never 20 or 30."""
+    import shutil
+
+    template = tmp_path / "template"
+    assert rollback_child(tmp_path, template, True).wait(timeout=300) == 0
+
+    def run(when: float | str | None) -> tuple[dict, list[str], float]:
+        """Kills ``when`` seconds after the red (``'save'``: once its save is seen);
+        returns what a restart resumes, the ``40*`` entries left, and when the save began."""
+        directory = tmp_path / f"ck_{when}"
+        shutil.copytree(template, directory)
+        child = rollback_child(tmp_path, directory, False)
+        began = None
+        try:
+            assert child.stdout.readline().startswith("RED")
+            t0 = time.monotonic()
+            while child.poll() is None and time.monotonic() - t0 < 120 and began is None:
+                if isinstance(when, float) and time.monotonic() - t0 >= when:
+                    child.send_signal(signal.SIGKILL)
+                    break
+                if any(n.startswith("40.") for n in os.listdir(directory)):
+                    began = time.monotonic() - t0
+                    if when == "save":
+                        child.send_signal(signal.SIGKILL)
+                time.sleep(0.001)
+            if when is None:
+                assert [child.stdout.readline()[:6] for _ in range(2)] == ["ROLLED", "SAVED\n"]
+        finally:
+            child.kill()
+            child.wait(timeout=60)
+        left = sorted(n for n in os.listdir(directory) if n.startswith("40"))
+        guard = Rollback(directory, save_every=10)
+        state, pos = guard.resume(big_like(), 0)
+        got = {"resumed": guard.resumed_step, "position": pos, "value": float(state["params"]["w"][0, 0]),
+               "lr_scale": get_lr_scale(state), "quarantined": sorted(guard.quarantined)}
+        guard.close()
+        return got, left, began
+
+    target = {"resumed": 10, "position": 11, "value": 10.0, "lr_scale": 1.0, "quarantined": [20, 30]}
+    whole, _, began = run(None)
+    assert whole == {**target, "resumed": 40, "position": 41, "lr_scale": pytest.approx(0.9)}
+    before_save = 0
+    for frac in (0.3, 0.6):
+        got, left, _ = run(frac * began)
+        before_save += not left
+        assert got == target if not left else got in (target, whole), (frac, began, left, got)
+    assert before_save >= 1, "no kill landed before the rollback's save began"
+    got, left, _ = run("save")
+    assert left and got in (target, whole), (left, got)
