@@ -192,9 +192,9 @@ def test_the_readme_loop_survives_kills_and_preemptions_bitwise(tmp_path):
     for d in (ref_dir, run_dir):
         d.mkdir()
         (d / "usage.py").write_text(code)
-    ref = Child(ref_dir / "usage.py", ref_dir)
-    assert ref.finish(timeout=600) == 0, "".join(ref.err)[-3000:]
+    ref = Child(ref_dir / "usage.py", ref_dir)          # alongside the interrupted runs
     events, starts = run_interrupted(run_dir, run_dir / "usage.py")
+    assert ref.finish(timeout=600) == 0, "".join(ref.err)[-3000:]
 
     kills = [e for e in events if e["kind"] != "term"]
     assert len(kills) == KILLS_IN_SAVE + KILLS_AT_STEP
@@ -216,4 +216,6 @@ def test_the_readme_loop_survives_kills_and_preemptions_bitwise(tmp_path):
     for tag, s in both:
         assert logs[tag][s] == ref_logs[tag][s], (tag, s, logs[tag][s], ref_logs[tag][s])
     print(json.dumps({"interruptions": [{k: v for k, v in e.items() if k != "err"} for e in events],
-                      "starts": starts}))
+                      "starts": starts, "figures_compared": len(both),
+                      "kills_in_save": sum(e["in_save"] for e in kills),
+                      "term_exit_s": [round(e["exit_s"], 2) for e in events if e["kind"] == "term"]}))

@@ -160,7 +160,7 @@ from jvitals.guard.response import (
 )
 from jvitals.guard.restore import Restores
 from jvitals.guard.stores import Stores
-from jvitals.guard.target import cutoff_before, level_name, pins
+from jvitals.guard.target import cutoff_before, is_healthy, level_name, pins
 
 __all__ = [
     "Action",
@@ -631,8 +631,7 @@ class Rollback(Restores, Preempts):
         alert and an event, and training goes on from the in-memory state."""
         if self.on_save_error == "raise":
             raise e
-        good = [r.step for r in self._disk.records() if r.kind != PREEMPT
-                and r.level in self.healthy_levels and r.open_peak < Level.ORANGE and r.quarantined is None]
+        good = [r.step for r in self._disk.records() if is_healthy(r, self.healthy_levels)]
         alert = save_failed_alert(e, newest_good=max(good) if good else None, every=self.save_every)
         _log.error("%s", alert.message)
         self._pending.append(alert)
