@@ -40,19 +40,30 @@ KILLS_IN_SAVE, KILLS_AT_STEP, TERMS = 10, 10, 5
 TMP = ".orbax-checkpoint-tmp"
 
 
-def survive_block() -> str:
-    """The README block with the three edits of the module doc, and the final state
-    written to ``final.npz`` when the run is complete."""
-    code = usage_block()
-    edits = [("num_steps, logdir, ckpt_dir = 600,", f"num_steps, logdir, ckpt_dir = {NUM_STEPS},"),
+def survive_block(nnx: bool = False, num_steps: int = NUM_STEPS) -> str:
+    """The README block (its Flax NNX one with ``nnx``) with the three edits of the module
+    doc, and the final state written to ``final.npz`` when the run is complete."""
+    code = usage_block(nnx=nnx)
+    edits = [("num_steps, logdir, ckpt_dir = 600,", f"num_steps, logdir, ckpt_dir = {num_steps},"),
              ("save_every=100", "save_every=50"),
              ("def loader(position):", "def loader(position):\n    print('POS', position, flush=True)")]
     for old, new in edits:
         assert old in code, f"the README block changed: {old!r} is gone"
         code = code.replace(old, new, 1)
-    return code + ("\nif int(state.step) == num_steps:\n"
+    done, state = (("int(optimizer.step[...])", "nnx.state((model, optimizer))") if nnx
+                   else ("int(state.step)", "state"))
+    return code + (f"\nif {done} == num_steps:\n"
                    "    import numpy as _np\n"
-                   "    _np.savez('final.npz', *[_np.asarray(x) for x in jax.tree.leaves(state)])\n")
+                   f"    _np.savez('final.npz', *[_np.asarray(x) for x in jax.tree.leaves({state})])\n")
+
+
+def assert_bitwise(ref: Path, run: Path) -> int:
+    """The two ``final.npz`` hold the same arrays, bit for bit; returns how many."""
+    a, b = np.load(ref), np.load(run)
+    assert len(a.files) == len(b.files) > 10
+    for k in a.files:
+        assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), k
+    return len(a.files)
 
 
 def child_env() -> dict[str, str]:
@@ -317,11 +328,7 @@ def test_the_readme_loop_survives_kills_and_preemptions_bitwise(tmp_path):
             assert e["code"] == 0 and e["exit_s"] < 60, e["err"][-3000:]
             assert starts[i + 1] == e["last"] + 1, "steps recomputed after a SIGTERM"
             assert "preemption notice (SIGTERM)" in e["err"]
-    ref_final, final = np.load(ref_dir / "final.npz"), np.load(run_dir / "final.npz")
-    assert len(ref_final.files) == len(final.files) > 10
-    for k in ref_final.files:
-        np.testing.assert_array_equal(final[k], ref_final[k])
-        assert final[k].tobytes() == ref_final[k].tobytes()
+    assert_bitwise(ref_dir / "final.npz", run_dir / "final.npz")
     ref_logs, logs = logged(ref_dir / "runs/usage/logs"), logged(run_dir / "runs/usage/logs")
     both = [(tag, s) for tag in ref_logs for s in ref_logs[tag] if s in logs.get(tag, {})]
     assert len(both) > 50 and "loss" in logs
@@ -331,3 +338,26 @@ def test_the_readme_loop_survives_kills_and_preemptions_bitwise(tmp_path):
                       "starts": starts, "figures_compared": len(both),
                       "kills_in_save": sum(e["in_save"] for e in kills),
                       "term_exit_s": [round(e["exit_s"], 2) for e in events if e["kind"] == "term"]}))
+
+
+def test_the_readme_nnx_loop_survives_a_sigterm_bitwise(tmp_path):
+    """The Flax NNX block: a SIGTERM half-way is a clean exit; the restart recomputes no
+    step and ends bitwise where the uninterrupted run ends."""
+    ref_dir, run_dir = tmp_path / "uninterrupted", tmp_path / "interrupted"
+    for d in (ref_dir, run_dir):
+        d.mkdir()
+        (d / "usage.py").write_text(survive_block(nnx=True, num_steps=120))
+    ref = Child(ref_dir / "usage.py", ref_dir)
+    forker = Forker()
+    try:
+        first = forker.run(run_dir / "usage.py", run_dir)
+        assert first.wait_position(0) == 0
+        e = interrupt(first, "term", 60, run_dir / "runs" / "usage-nnx" / "ckpt")
+        assert e["code"] == 0 and e["exit_s"] < 60 and "preemption notice (SIGTERM)" in e["err"], e["err"][-3000:]
+        again = forker.run(run_dir / "usage.py", run_dir)
+        assert again.wait_position(0) == e["last"] + 1                # nothing recomputed
+        assert again.finish(timeout=600) == 0, again.err()[-3000:]
+    finally:
+        forker.close()
+    assert ref.finish(timeout=600) == 0, ref.err()[-3000:]
+    assert_bitwise(ref_dir / "final.npz", run_dir / "final.npz")

@@ -173,7 +173,8 @@ class Preempts:
 
         Args:
           step: the step just done (the same on every process, consecutive).
-          state: the train state after it.
+          state: the train state after it, or a function that returns it, called only
+            on a notice (``lambda: nnx.state((model, optimizer))``: nothing built per step).
           position: the data position after it (JSON-serialisable).
 
         Returns:
@@ -196,7 +197,7 @@ class Preempts:
         self._preempted_at = step
         rec = self.store.records.get(step)
         if rec is None or rec.quarantined is not None:
-            self._save(step, state, position, self._level, PREEMPT,
+            self._save(step, state() if callable(state) else state, position, self._level, PREEMPT,
                        open_peak=max(self._open_peak, self._level))
         self._settle()
         saved = step in self.store.records
