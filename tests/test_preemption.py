@@ -102,8 +102,8 @@ def test_a_previous_python_handler_is_still_called_and_comes_back(tmp_path):
         guard = Rollback(tmp_path, save_every=100, preemption=Preemption(signals=(USR1,)))
         assert not guard.preempted(0, make_state(0), 1)
         os.kill(os.getpid(), USR1)
-        assert guard.preempted(1, make_state(1), 2)
-        assert seen == [USR1]
+        assert guard.preempted(1, lambda: make_state(1), 2)   # the state built on the notice only
+        assert seen == [USR1] and value_of(guard.restore(1, make_state(0))[0]) == 1.0
         guard.close()
         os.kill(os.getpid(), USR1)                     # the user's handler alone again
         assert seen == [USR1, USR1]
@@ -166,6 +166,7 @@ def test_a_preemption_during_an_open_orange_resumes_exactly_there(tmp_path):
     # Not the newest healthy checkpoint (20): the continuation, whose guard knows the open
     # orange alert, so the red that follows restores what the uninterrupted run restores.
     assert guard.resumed_step == 33 and pos == 34 and value_of(state) == 33.0
+    assert guard.level == Level.ORANGE                         # the level it last acted on, back
     r = guard.act(40, make_state(40), verdict(40, Level.RED, onset=25), 41)
     assert r.target_step == 10 and sorted(guard.quarantined) == [20, 30, 33]
     guard.close()

@@ -163,6 +163,7 @@ class Forker:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert self.proc.stdout.readline().strip() == "READY"
         self.count = 0
+        self.runs: list[Forked] = []
 
     def ask(self, *words: str) -> str:
         self.proc.stdin.write("\t".join(words) + "\n")
@@ -173,9 +174,15 @@ class Forker:
         self.count += 1
         out, err = cwd / f"run_{self.count}.out", cwd / f"run_{self.count}.err"
         started = time.time()
-        return Forked(self, int(self.ask("RUN", str(cwd), str(script), str(out), str(err))), out, err, started)
+        self.runs.append(Forked(self, int(self.ask("RUN", str(cwd), str(script), str(out), str(err))),
+                                out, err, started))
+        return self.runs[-1]
 
     def close(self) -> None:
+        """Ends the runs still going (a failed test) and the forking process."""
+        for run in self.runs:
+            if run.alive():
+                os.kill(run.pid, signal.SIGKILL)
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
 
@@ -204,6 +211,10 @@ class Forked(Child):
         self.positions += [int(ln.split()[1]) for ln in done if ln.startswith("POS ")]
 
     def finish(self, timeout: float = 120.0) -> int:
+        deadline = time.monotonic() + timeout
+        while self.code is None and self.alive():
+            assert time.monotonic() < deadline, f"run {self.pid} still going after {timeout} s"
+            time.sleep(0.01)
         if self.code is None:
             self.code = int(self.forker.ask("WAIT", str(self.pid)))
         self.poll()                                # the last lines
@@ -315,9 +326,10 @@ def test_the_readme_loop_survives_kills_and_preemptions_bitwise(tmp_path):
     forker = Forker()
     try:
         events, starts = run_interrupted(run_dir, run_dir / "usage.py", forker)
+        assert ref.finish(timeout=600) == 0, ref.err()[-3000:]
     finally:
         forker.close()
-    assert ref.finish(timeout=600) == 0, ref.err()[-3000:]
+        ref.proc.kill()
 
     kills = [e for e in events if e["kind"] != "term"]
     assert len(kills) == KILLS_IN_SAVE + KILLS_AT_STEP
@@ -357,7 +369,8 @@ def test_the_readme_nnx_loop_survives_a_sigterm_bitwise(tmp_path):
         again = forker.run(run_dir / "usage.py", run_dir)
         assert again.wait_position(0) == e["last"] + 1                # nothing recomputed
         assert again.finish(timeout=600) == 0, again.err()[-3000:]
+        assert ref.finish(timeout=600) == 0, ref.err()[-3000:]
     finally:
         forker.close()
-    assert ref.finish(timeout=600) == 0, ref.err()[-3000:]
+        ref.proc.kill()
     assert_bitwise(ref_dir / "final.npz", run_dir / "final.npz")

@@ -280,6 +280,7 @@ class Rollback(Restores, Preempts):
       position: the data position to continue from after the latest call.
       resumed_step: the checkpoint :meth:`resume` restored (None: fresh start).
       preemption: the :class:`Preemption` :meth:`preempted` asks (None: never).
+      level: the level the guard last acted on (GREEN before any check).
       store: the :class:`~jvitals.guard.checkpoints.CheckpointStore` of the checkpoints.
       snapshot_store: the store of the snapshots (None without ``snapshots``).
       remedies: the remedies' flags for the loop (a plain JSON dict, saved with
@@ -381,6 +382,11 @@ class Rollback(Restores, Preempts):
     def quarantined(self) -> dict[int, str]:
         """``{step: reason}`` of the checkpoints (not snapshots) that are never restored."""
         return self.store.quarantined
+
+    @property
+    def level(self) -> Level:
+        """The level the guard last acted on (process 0's; :meth:`resume` brings it back)."""
+        return Level(self._level)
 
     @property
     def pins(self) -> dict[int, str]:
