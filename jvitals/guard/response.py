@@ -164,6 +164,9 @@ def save_failed_alert(err: CheckpointSaveError, *, newest_good: int | None, ever
       err: the store's error (``directory``, ``step``; the OS or orbax error as its cause).
       newest_good: the newest healthy checkpoint on disk (None: none).
       every: the guard's ``save_every`` (when the next cadence save tries again).
+
+    Returns:
+      The :class:`Alert` (its ``details``: ``error``, ``directory``, ``newest_good``).
     """
     cause = err.__cause__
     error = f"{type(cause).__name__}: {one_line(cause)}" if cause is not None else one_line(err)
