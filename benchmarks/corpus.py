@@ -50,6 +50,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fault_suite as fs  # noqa: E402
+import windows as win  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "data" / "corpus"
@@ -583,7 +584,7 @@ def _twin_check(faults: dict[str, dict[str, Any]], healthy: Sequence[tuple[fs.St
 
 def score_corpus(split: str, root: str | Path = CORPUS, cadence: int = 50, heavy_every: int = 0,
                  monitor_factory: Callable[[], Any] | None = None, with_fault_suite: bool = True,
-                 streams: Sequence[fs.Stream] | None = None) -> dict[str, Any]:
+                 streams: Sequence[fs.Stream] | None = None, windows: bool = True) -> dict[str, Any]:
     """Replay one split through a fresh monitor per stream (default: ``jvitals.Monitor()``) at
     a host cadence, and OLMo-core's loss-only rule on the same checks.
 
@@ -596,6 +597,10 @@ def score_corpus(split: str, root: str | Path = CORPUS, cadence: int = 50, heavy
       monitor_factory: makes the monitor (default ``jvitals.Monitor``).
       with_fault_suite: the TUNING part includes fault_suite's streams.
       streams: score these instead of loading the split.
+      windows: the README loop of issue 35 (``benchmarks/windows.py``): each check also
+        carries the device window since the previous check, and the free per-group figures
+        stay at every recorded step when the heavy family is thinned; False: the check's own
+        figures only (the loop before windows).
 
     Returns:
       ``{"healthy": {...per-rule counts, yellow_per_20k, ...}, "faults": {name: {...}},
@@ -606,14 +611,14 @@ def score_corpus(split: str, root: str | Path = CORPUS, cadence: int = 50, heavy
         streams = load_split(split, root, with_fault_suite)
     healthy, faults = [], {}
     for st0 in streams:
-        st = thin_heavy(st0, heavy_every)
+        st = win.thin(st0, heavy_every) if windows else thin_heavy(st0, heavy_every)
         spies: list[SpyMonitor] = []
 
         def make() -> SpyMonitor:
             spies.append(SpyMonitor(factory))
             return spies[-1]
 
-        sc = fs.score_stream(st, cadence, monitor_factory=make)
+        sc = fs.score_stream(st, cadence, monitor_factory=make, replay_fn=win.replay if windows else None)
         if st.meta.get("fault"):
             faults[st.name] = _fault_figures(st, sc, spies[-1], cadence)
         else:
@@ -622,7 +627,7 @@ def score_corpus(split: str, root: str | Path = CORPUS, cadence: int = 50, heavy
     leads = [x["lead"] for x in faults.values() if not math.isnan(x["lead"])]
     seen = [x["lead"] for x in faults.values() if x["olmo"] is not None]   # faults the loss rule catches
     return dict(
-        split=split, cadence=cadence, heavy_every=heavy_every, healthy=_healthy_figures(healthy), faults=faults,
+        split=split, cadence=cadence, heavy_every=heavy_every, windows=windows, healthy=_healthy_figures(healthy), faults=faults,
         median_lead=statistics.median(leads) if leads else math.nan,
         median_lead_where_loss_rule_fires=statistics.median(seen) if seen else math.nan,
         later_than_loss=sorted(n for n, x in faults.items() if x["later_than_loss"]),
@@ -639,7 +644,8 @@ def _fmt_lead(x: float) -> str:
 def format_scores(res: Mapping[str, Any]) -> str:
     """The markdown tables of :func:`score_corpus`'s result."""
     h = res["healthy"]
-    out = [f"## {res['split']}: cadence {res['cadence']}, heavy every {res['heavy_every'] or 'recorded (50)'}", "",
+    out = [f"## {res['split']}: cadence {res['cadence']}, heavy every {res['heavy_every'] or 'recorded (50)'}"
+           f"{'' if res.get('windows', True) else ', no windows'}", "",
            f"Healthy: {h['streams']} streams, {h['steps']} steps: {h['yellow']} YELLOW, {h['orange_red']} "
            f"ORANGE/RED ({h['yellow_per_20k']:.2f} YELLOW per 20,000 steps).", "",
            "| rule | YELLOW | ORANGE | RED | per 10k steps | per 20k steps | Policy fields |",
@@ -686,7 +692,7 @@ def _json_safe(x: Any) -> Any:
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    res = score_corpus(args.split, args.root, args.cadence, args.heavy_every)
+    res = score_corpus(args.split, args.root, args.cadence, args.heavy_every, windows=not args.no_windows)
     print(format_scores(res))
     if args.json:
         Path(args.json).write_text(json.dumps(_json_safe(res), indent=1))
@@ -721,6 +727,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--cadence", type=int, default=50)
     s.add_argument("--heavy-every", type=int, default=0, help="keep the heavy family only every N steps")
     s.add_argument("--json", default="", help="write the numbers here")
+    s.add_argument("--no-windows", action="store_true",
+                   help="the checks' own figures only (the loop before issue 35's windows)")
     args = ap.parse_args(argv)
     return {"generate": cmd_generate, "list": cmd_list, "score": cmd_score}[args.cmd](args)
 
