@@ -210,6 +210,10 @@ NEW_FAULTS: dict[str, fs.Run] = {r.name: r for r in (
            description="the Wq/Wk updates x30 (ramped in over 100 steps), no QK-norm: attention logits grow"),
     fs.Run("repeated_shard", "-", 0, F + 2000, "shard", F, "data", "YELLOW", 1500, params={"sequences": 256},
            description="the loader serves the same 256 sequences (16k tokens) again and again from the fault step"),
+    fs.Run("data_degrade", "-", 0, F + 2500, "degrade", F, "data", "YELLOW", 1500,
+           params={"share": 0.6, "ramp": 2000},
+           description="a degrading data pipeline: the share of sequences replaced by random tokens ramps "
+                       "0 -> 60% over 2000 steps (issue 35; TUNING only)"),
     fs.Run("loss_scale_collapse", "-", 0, F + 500, "head_growth", F, "loss_scale", "YELLOW", 200,
            params={"rate": 0.02},
            description="float16 with a dynamic loss scale; the LM head's kernel x1.02 per step: the "
@@ -282,6 +286,7 @@ FAULT_PLAN: dict[str, list[tuple[str, int]]] = {
     "attn_logit_growth": [(_T[0], 1200), (_T[5], 1200), (_H[0], 1200), (_H[3], 1200)],
     "repeated_shard": [(_T[0], 1200), (_T[7], 1200), (_H[1], 1200), (_H[3], 1200)],
     "loss_scale_collapse": [(_T[3], 1200), (_H[6], 1200)],
+    "data_degrade": [(_T[0], 1200), (_T[5], 1200)],
 }
 #: The BLIND part's faults (the same templates; no MoE or fp16 setup there, so no router or loss-scale fault).
 BLIND_FAULT_PLAN: dict[str, list[tuple[str, int]]] = {
@@ -304,7 +309,7 @@ BLIND_FAULT_PLAN: dict[str, list[tuple[str, int]]] = {
 #: k the fault's index here.
 _SEED_ORDER = ("lr_x100", "lr_x1000_once", "emb_lr_x30", "emb_wd_creep", "logit_drift", "nan_batch", "corrupt_data",
                "overfit", "periodic_shocks", "router_collapse", "throughput_drop", "attn_logit_growth",
-               "repeated_shard", "warmup_skip", "loss_scale_collapse", "restart_no_warmup")
+               "repeated_shard", "warmup_skip", "loss_scale_collapse", "restart_no_warmup", "data_degrade")
 
 
 def _fault_runs() -> list[CorpusRun]:

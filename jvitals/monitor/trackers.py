@@ -658,6 +658,17 @@ class SpikeTracker:
             self.wsum = b * self.wsum + (1.0 - b)
         self.trend = a * self.trend + (1.0 - a) * v
 
+    def beyond(self, v: float, warm: bool, p: Policy) -> bool:
+        """Whether ``v`` would be above the onset band now (of the open spike, or of the
+        trend once the band is ready), without learning from it."""
+        o = self.open
+        if o is not None:
+            return v > o["pre_trend"] + _margin(o["pre_trend"], o["pre_scale"], p.spike_z, p.spike_min_ratio)
+        ready = self.n_active >= p.spike_min_samples or (self.n_active >= 5 and self.wsum >= 0.5)
+        trend = self.trend
+        return (not warm and ready and trend == trend
+                and v > trend + _margin(trend, self.scale, p.spike_z, p.spike_min_ratio))
+
     def observe(self, s: int, v: float, warm: bool, p: Policy) -> list[Spike]:
         """Feeds one finite sample; returns the spikes completed at this sample."""
         done: list[Spike] = []

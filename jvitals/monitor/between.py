@@ -1,0 +1,469 @@
+"""Rules for what the README's cadence sees: the window since the last check, the first
+checks before the baselines are armed, a degrading data pipeline, the run's own throughput.
+
+The host checks once per ``cadence`` steps; the recorder's window
+(:mod:`jvitals.metrics.window`) hands it what happened in between. These rules read it,
+and judge what a sparse cadence needs judged its own way::
+
+    class            rule id     level     condition
+    NonFiniteRule    nonfinite   ORANGE    loss / grad norm non-finite at the check, a non-finite
+                                           gradient count, or a non-finite step in the window
+                                           (onset: that step)
+    SkipRule         skip        YELLOW,   an update skipped in the step since the last check
+                                 ORANGE    (onset: its step); ORANGE when skips recur at
+                                           ``skip_orange_checks`` checks running
+    EarlyRule        early       ORANGE    before the baselines are armed: the loss x2 or the
+                                           grad norm x10 the median of the last checks
+    DataRule         data        YELLOW    the loss rising while the update, gradient and
+                                           parameter figures stay in their bands: the data,
+                                           not the optimizer (the loss-spike alert and its
+                                           divergence step aside: no rollback loop)
+    ThroughputRule   throughput  YELLOW    tokens/s down beyond the run's own noise
+                                           (``throughput_z`` sd, at least ``throughput_drop``,
+                                           30%) for ``throughput_hold_steps``
+
+Window names: ``window/{figure}.max`` (``.min``, ``.mean``, ``.std``, ``.max_ago``, ``.n``),
+``window/steps``, ``window/nonfinite_steps``, ``window/first_nonfinite_ago``,
+``window/skipped_steps``, ``window/first_skipped_ago``; "ago" counts updates before the
+check: the event's step is ``check step - ago``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Mapping
+
+from jvitals.monitor.policy import Policy
+from jvitals.monitor.trackers import DriftBaseline, median
+from jvitals.monitor.types import Level, RuleBase, Spike, release, set_
+
+if TYPE_CHECKING:  # rules.py imports this module
+    from jvitals.monitor.rules import Figures
+    from jvitals.monitor.types import Change
+
+__all__ = ["DataRule", "EarlyRule", "NonFiniteRule", "SkipRule", "ThroughputRule", "WINDOW", "WindowSpikes",
+           "window_peak"]
+
+WINDOW = "window/"
+_NAN = math.nan
+
+
+def _ago_step(f: "Figures", name: str) -> int | None:
+    """The step of a window event (``check step - ago``), None when there was none."""
+    ago = f.get(WINDOW + name)
+    if ago is None or not ago >= 0:
+        return None
+    return f.step - int(round(ago))
+
+
+def window_peak(f: "Figures", metric: str) -> tuple[int, float] | None:
+    """``(step, value)`` of the window's maximum of ``metric`` when :class:`WindowSpikes`
+    found it an outlier of the steps before it (None otherwise)."""
+    return f.notes.get("window_peaks", {}).get(metric)
+
+
+class WindowSpikes(RuleBase):
+    """Finds the spikes between two checks in the windows, for the spike rule (no alert).
+
+    For each ``spike_metrics`` figure, the windows of the last ``rolling_window`` steps or
+    more (at least ``window_min_steps`` of them) are pooled into the per-step mean ``mu``
+    and standard deviation ``sd`` (``sum n (std^2 + (mean - mu)^2) / sum n``), so the
+    test is OLMo-core's loss rule applied to every step between the checks::
+
+        peak = window max, at step check - max_ago (before the check, above its value)
+        an outlier when peak > mu + spike_z * sd
+
+    Such a peak is published in ``notes['window_peaks']``; the spike rule feeds it to the
+    metric's spike tracker at its own step before the check's value (its anatomy, the
+    periodic-spike rule and the scores see it). In the tuning corpus' 78,000 healthy steps
+    this test, fed every step, fires once.
+    """
+
+    name = "window_spikes"
+    state_fields = ("pools",)
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.pools: dict[str, list] = {}        # metric -> [[t, n, mean, var], ...]
+
+    def check(self, f: "Figures") -> list["Change"]:
+        p, peaks = self.p, {}
+        for m in p.spike_metrics:
+            n, mean, sd = (f.get(f"{WINDOW}{m}.{k}") for k in ("n", "mean", "std"))
+            if n is None or mean is None or sd is None or not (n >= 1 and math.isfinite(mean) and math.isfinite(sd)):
+                continue
+            pool = self.pools.setdefault(m, [])
+            tot = sum(x[1] for x in pool)
+            if tot >= p.window_min_steps:
+                mu = sum(x[1] * x[2] for x in pool) / tot
+                var = sum(x[1] * (x[3] + (x[2] - mu) ** 2) for x in pool) / tot
+                peak = self._peak(f, m)
+                if peak is not None and peak[1] > mu + p.spike_z * math.sqrt(var):
+                    peaks[m] = peak
+            pool.append([f.t, n, mean, sd * sd])
+            while len(pool) > 1 and sum(x[1] for x in pool[1:]) >= p.rolling_window:
+                pool.pop(0)
+        if peaks:
+            f.notes["window_peaks"] = peaks
+        return []
+
+    @staticmethod
+    def _peak(f: "Figures", metric: str) -> tuple[int, float] | None:
+        mx, ago = f.get(f"{WINDOW}{metric}.max"), f.get(f"{WINDOW}{metric}.max_ago")
+        v = f.get(metric)
+        if mx is None or ago is None or not ago >= 1 or not math.isfinite(mx):
+            return None
+        if v is not None and math.isfinite(v) and mx <= v:
+            return None
+        return f.step - int(round(ago)), mx
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        self.pools = {m: [x for x in pool if x[0] <= t_to] for m, pool in self.pools.items()}
+        return []
+
+
+class NonFiniteRule(RuleBase):
+    """ORANGE while ``nonfinite_metrics`` are non-finite or ``nonfinite_count_metrics`` are
+    > 0 at the check (judged from the first check), or when the window since the last check
+    held a step whose loss or gradient was non-finite (key ``window``; onset: the first such
+    step). Under a dynamic loss scale (``loss_scale_metric`` logged) non-finite gradients
+    with a finite loss are the scale's overflow, the loss-scale rule's to judge."""
+
+    name = "nonfinite"
+
+    def check(self, f: "Figures") -> list["Change"]:
+        out, seen_bad = [], False
+        for m in self.p.nonfinite_metrics:
+            v = f.get(m)
+            if v is None:
+                continue
+            if math.isfinite(v):
+                out.append(release("nonfinite", m))
+            else:
+                seen_bad = True
+                out.append(set_("nonfinite", m, Level.ORANGE, v, _NAN, _NAN,
+                                f"{m} is non-finite ({v}).", f"{m} went non-finite"))
+        for m in self.p.nonfinite_count_metrics:
+            v = f.get(m)
+            if v is None:
+                continue
+            if v == 0:
+                out.append(release("nonfinite", m))
+            else:
+                seen_bad = True
+                out.append(set_("nonfinite", m, Level.ORANGE, v, 0.0, _NAN,
+                                f"{m} = {v:g}: gradients hold non-finite elements.",
+                                "gradients went non-finite"))
+        out += self._window(f, seen_bad)
+        return out
+
+    def _window(self, f: "Figures", seen_bad: bool) -> list["Change"]:
+        n = f.get(WINDOW + "nonfinite_steps")
+        if n is None:
+            return []
+        first = _ago_step(f, "first_nonfinite_ago")
+        steps, loss_n = f.get(WINDOW + "steps"), f.get(WINDOW + "loss.n")
+        overflow = (f.get(self.p.loss_scale_metric) is not None and loss_n is not None
+                    and steps is not None and loss_n >= steps)
+        if not n > 0 or first is None or seen_bad or overflow:
+            return [release("nonfinite", "window")]
+        return [set_("nonfinite", WINDOW + "nonfinite_steps", Level.ORANGE, n, 0.0, _NAN,
+                     f"{n:g} update(s) since the last check had a non-finite loss or gradient, the "
+                     f"first at step {first} (the recorder's window; this check's own figures are "
+                     "finite).", "a step went non-finite", key="window", onset=first,
+                     details={"steps": n, "first_step": first})]
+
+
+class SkipRule(RuleBase):
+    """An update skipped inside the step (``jvitals.skip_step``, ``optax.apply_if_finite``)
+    since the last check: YELLOW at the next check with the skip's step as onset; ORANGE
+    (divergent) once skips were seen at ``skip_orange_checks`` consecutive checks. Skips
+    that non-finite gradients explain under a dynamic loss scale are the scale's."""
+
+    name = "skip"
+    state_fields = ("run",)
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.run = 0
+
+    def check(self, f: "Figures") -> list["Change"]:
+        k = f.get(WINDOW + "skipped_steps")
+        if k is None:
+            return []
+        first = _ago_step(f, "first_skipped_ago")
+        expected = (f.get(self.p.loss_scale_metric) is not None
+                    and (f.get(WINDOW + "nonfinite_steps") or 0.0) >= k)
+        if not k > 0 or first is None or expected:
+            self.run = 0
+            return [release("skip", "skip")] if ("skip", "skip") in f.open else []
+        self.run += 1
+        p = self.p
+        lvl = Level.ORANGE if self.run >= p.skip_orange_checks else Level.YELLOW
+        again = (f" (skips at {self.run} checks running: >= skip_orange_checks = {p.skip_orange_checks})"
+                 if lvl == Level.ORANGE else "")
+        active = f.active("skip", "skip") is not None
+        return [set_("skip", WINDOW + "skipped_steps", lvl, k, 0.0, _NAN,
+                     f"{k:g} update(s) skipped in the step since the last check, the first at step "
+                     f"{first}{again}: a loss or gradient norm far outside the run's recent history "
+                     "(jvitals.skip_step) or a non-finite update (optax.apply_if_finite).",
+                     "an update was skipped", key="skip", onset=None if active else first,
+                     diverging=lvl >= Level.ORANGE, details={"skipped": k, "first_step": first})]
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        self.run = 0
+        return []
+
+
+class EarlyRule(RuleBase):
+    """Before the baselines are armed (``baseline_steps`` after their start, or before it):
+    a figure of ``early_jumps`` at least its ratio x the median of its last 8 checks
+    (``early_min_samples`` of them at least, spanning ``early_min_span`` steps) is ORANGE at
+    that check (onset: that check); it holds while at least half that ratio of the same
+    reference, so the divergence rule turns an unrecovered jump RED. In the tuning corpus'
+    first 800 steps healthy runs moved 1.28x (loss) and 5.4x (grad norm) at most."""
+
+    name = "early"
+    state_fields = ("hist", "anchor", "armed_at")
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.hist: dict[str, list] = {m: [] for m in policy.early_jumps}
+        self.anchor: dict[str, list] = {}       # metric -> [reference, onset step]
+        self.armed_at: int | None = None        # the step the regular baselines took over
+
+    def check(self, f: "Figures") -> list["Change"]:
+        p, out = self.p, []
+        armed = f.start is not None and f.t >= f.start + p.baseline_steps
+        for m, jump in p.early_jumps.items():
+            v = f.get(m)
+            if v is None or not (math.isfinite(v) and v > 0):
+                continue
+            a = self.anchor.get(m)
+            if armed and a is None:
+                self.hist[m] = []
+                self.armed_at = f.step if self.armed_at is None else self.armed_at
+                continue
+            h = self.hist.setdefault(m, [])
+            ref = (median([x for _, x in h]) if len(h) >= p.early_min_samples
+                   and f.t - h[0][0] >= p.early_min_span else None)
+            if a is None and ref is not None and ref > 0 and v >= jump * ref:
+                a = self.anchor[m] = [ref, f.step]
+            if a is not None:
+                if v >= 0.5 * jump * a[0]:
+                    out.append(set_("early", m, Level.ORANGE, v, a[0], v / a[0],
+                                    f"{m} = {v:.4g} is {v / a[0]:.1f}x the median of the checks before it "
+                                    f"({a[0]:.4g}), before the run's baselines were armed (>= "
+                                    f"Policy.early_jumps[{m!r}] = {jump:g}x); RED if it does not recover.",
+                                    f"{m} jumped {v / a[0]:.0f}x", onset=a[1]))
+                    continue
+                self.anchor.pop(m, None)
+                out.append(release("early", m))
+            h.append([f.t, v])
+            del h[:-8]
+        return out
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        self.anchor = {}
+        for h in self.hist.values():
+            h[:] = [x for x in h if x[0] <= t_to]
+        return []
+
+
+class DataRule(RuleBase):
+    """The loss rising while the optimizer's figures stay in their bands: the data, not the model.
+
+    The loss level is an EMA (half-life ``trend_halflife`` steps) of the window's least loss
+    (the check's loss without a window: a one-step spike between checks does not move it, a
+    share of bad sequences in every batch does); ``low`` its minimum over the last
+    ``data_window`` steps. Each of the gradient norm, the update/param ratio per unit learning rate and the
+    parameter norm is held against its own slow reference (an EMA of its log, half-life
+    ``drift_halflife``, learned while the rule does not hold)::
+
+        YELLOW when level >= data_rise x low at data_confirm checks running spanning
+               data_hold steps (after the baselines' start + baseline_steps), every
+               optimizer figure within data_band x its reference, and no ORANGE alert open
+
+    While it holds it publishes ``notes['data']``: the loss-spike rule then leaves the loss
+    to it (no "LR beyond the stable region" prescription, no divergence counted from the
+    loss), so a rollback that cannot help (the data stays bad) is not looped into.
+    Once open it holds on the loss alone, released when the level is back within
+    ``1 + hysteresis (data_rise - 1)`` of ``low``.
+    """
+
+    name = "data"
+    state_fields = ("level", "hist", "refs", "run", "onset")
+    _FIGS = ("grad/global_norm", "update/param_ratio", "param/global_norm")
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.level = [_NAN, 0]                 # the loss EMA and its model time
+        self.hist: list[list] = []             # [t, level], one per data_window / 32 steps
+        self.refs: dict[str, list] = {}        # figure -> [EMA of log x, last t]
+        self.run = 0
+        self.onset: int | None = None
+
+    def _loss_level(self, f: "Figures") -> float | None:
+        x = f.get(WINDOW + "loss.mean")
+        x = f.get("loss") if x is None else x
+        if x is None or not math.isfinite(x):
+            return None
+        e, t0 = self.level
+        if e != e:
+            e = x
+        else:
+            e += (1.0 - 0.5 ** (max(f.t - t0, 1) / self.p.trend_halflife)) * (x - e)
+        self.level = [e, f.t]
+        if not self.hist or f.t - self.hist[-1][0] >= max(1, self.p.data_window // 32):
+            self.hist.append([f.t, e])
+        else:
+            self.hist[-1][1] = min(self.hist[-1][1], e)
+        while self.hist and self.hist[0][0] < f.t - self.p.data_window:
+            self.hist.pop(0)
+        return e
+
+    def _calm(self, f: "Figures", learn: bool) -> bool:
+        """Whether every optimizer figure is logged and within ``data_band`` of its
+        reference (without all three there is no telling the data from the optimizer)."""
+        p, calm = self.p, True
+        lr = f.get(p.lr_metric)
+        for m in self._FIGS:
+            x = f.get(m)
+            if x is None or not (math.isfinite(x) and x > 0):
+                calm = False
+                continue
+            if m == "update/param_ratio" and lr is not None and lr > 0:
+                x /= lr
+            y = math.log(x)
+            r = self.refs.get(m)
+            if r is None:
+                self.refs[m] = [y, f.t]
+                continue
+            if abs(y - r[0]) > math.log(p.data_band):
+                calm = False
+            if learn:
+                r[0] += (1.0 - 0.5 ** (max(f.t - r[1], 1) / p.drift_halflife)) * (y - r[0])
+                r[1] = f.t
+        return calm
+
+    def check(self, f: "Figures") -> list["Change"]:
+        p = self.p
+        e = self._loss_level(f)
+        holding = self.run >= p.data_confirm and self.onset is not None and f.step - self.onset >= p.data_hold
+        calm = self._calm(f, learn=not holding)
+        if e is None or f.warm or f.t < f.start + p.baseline_steps or len(self.hist) < 8:
+            return []
+        low = min(x for _, x in self.hist)
+        rise = e / low if low > 0 else _NAN
+        worse = any(a.level >= Level.ORANGE and a.rule not in ("data", "loss_spike")
+                    for a in f.open.values())
+        active = f.active("data", "loss") is not None
+        thr = p.data_rise if not active else 1.0 + p.hysteresis * (p.data_rise - 1.0)
+        if rise >= thr and ((calm and not worse) or active):   # an open alert holds on the loss alone
+            self.run += 1
+            self.onset = f.step if self.run == 1 else self.onset
+            if self.run < p.data_confirm or f.step - self.onset < p.data_hold:
+                return []
+            f.notes["data"] = True
+            return [set_("data", "loss", Level.YELLOW, e, low, rise,
+                         f"the loss rose {rise:.2f}x over its low of the last {p.data_window} steps "
+                         f"({low:.4g} -> {e:.4g}; >= data_rise = {p.data_rise:g}) while the gradient "
+                         f"norm, the update per unit LR and the parameter norm stayed within "
+                         f"data_band = {p.data_band:g}x of their own levels: the data, not the optimizer.",
+                         "the loss rose with the optimizer calm", onset=self.onset, diverging=False,
+                         details={"rise": rise, "low": low})]
+        self.run, self.onset = 0, None
+        return [release("data", "loss")] if ("data", "loss") in f.open else []
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        self.hist = [x for x in self.hist if x[0] <= t_to]
+        self.run, self.onset = 0, None
+        return []
+
+
+class ThroughputRule(RuleBase):
+    """Throughput down beyond the run's own variability.
+
+    The first present ``throughput_metrics`` ``x`` against a
+    :class:`~jvitals.monitor.trackers.DriftBaseline` reference (learning only from checks
+    within the band: it follows a machine's slow changes, not a drop), with the run's own
+    noise ``sd``: the root of an EMA (half-life ``throughput_noise_halflife`` steps) of
+    ``d^2``, ``d = log(x / ref)`` clipped at twice the band, learned while no alert holds
+    (it starts from the baseline window's spread)::
+
+        band   = max(-log(1 - throughput_drop), throughput_z * sd)
+        YELLOW when d < -band at every check for throughput_hold_steps steps
+
+    (onset: the first check of the drop), held while ``d < -hysteresis * band``. The least
+    drop is METRICS.md §5's 30%: a steady run (4% noise) flags a 40% drop; a run whose rate
+    swings widens its own band (this shared 2-core machine's healthy runs dip 25-50% for
+    100-200 steps: none of the tuning corpus' 78,000 healthy steps alerts, at a check every
+    10 or 50 steps).
+    """
+
+    name = "throughput"
+    state_fields = ("baselines", "since", "var")
+    state_types = {"baselines": DriftBaseline}
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.baselines = {m: DriftBaseline() for m in policy.throughput_metrics}
+        self.since: dict[str, int] = {}
+        self.var: dict[str, list] = {}          # metric -> [EMA of d^2, weight, last t]
+
+    def _band(self, m: str) -> tuple[float, float]:
+        """``(band in log, sd)``."""
+        v = self.var.get(m)
+        sd = math.sqrt(v[0] / v[1]) if v and v[1] > 0 else 0.0
+        return max(-math.log(1.0 - self.p.throughput_drop), self.p.throughput_z * sd), sd
+
+    def _learn(self, m: str, t: int, d: float, band: float) -> None:
+        v = self.var.setdefault(m, [0.0, 0.0, t])
+        a = 0.5 ** (max(t - v[2], 1) / self.p.throughput_noise_halflife)
+        c = max(min(d, 2.0 * band), -2.0 * band)
+        v[0], v[1], v[2] = a * v[0] + (1.0 - a) * c * c, a * v[1] + (1.0 - a), t
+
+    def check(self, f: "Figures") -> list["Change"]:
+        p, out, judged = self.p, [], False
+        for m in p.throughput_metrics:
+            v = f.get(m)
+            if v is None or not (math.isfinite(v) and v > 0):
+                continue
+            band, sd = self._band(m)
+            is_open = f.active("throughput", m) is not None
+            ref, _ = self.baselines[m].step(f.t, f.step, v, p, f.start,
+                                            hold=0.0 if is_open else None,
+                                            floor=math.exp(-p.hysteresis * band))
+            if judged or ref is None or not ref > 0:
+                continue
+            judged = True
+            if m not in self.var:   # cold start: the baseline window's spread (a median of d^2)
+                self.var[m] = [self.baselines[m].var / 0.6745 ** 2, 1.0, f.t]
+                band, sd = self._band(m)
+            d = math.log(v / ref)
+            if d < -band or (is_open and d < -p.hysteresis * band):
+                since = self.since.setdefault(m, f.step)
+                if not is_open and f.step - since < p.throughput_hold_steps:
+                    continue
+                drop = 1.0 - v / ref
+                out.append(set_("throughput", m, Level.YELLOW, v, ref, v / ref,
+                                f"{m} = {v:.4g} is {100 * drop:.0f}% below its baseline {ref:.4g} since "
+                                f"step {since}, beyond the run's own band ({100 * (1 - math.exp(-band)):.0f}%: "
+                                f"max(throughput_drop = {p.throughput_drop:g}, throughput_z = "
+                                f"{p.throughput_z:g} x its noise {sd:.3f} in log)) for "
+                                f"{p.throughput_hold_steps} steps (throughput_hold_steps).",
+                                f"{m} fell {100 * drop:.0f}%", onset=since))
+            else:
+                self.since.pop(m, None)
+                if not is_open:
+                    self._learn(m, f.t, d, band)
+                out.append(release("throughput", m))
+        return out
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        super().load_state_dict(d)
+        self.baselines = {m: self.baselines.get(m) or DriftBaseline() for m in self.p.throughput_metrics}
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        self.since = {}
+        return []
