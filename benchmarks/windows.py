@@ -100,7 +100,7 @@ def window(dense: dict[str, np.ndarray], bad: np.ndarray, a: int, b: int) -> dic
         at = np.flatnonzero(ok)[int(np.argmax(v))]
         out |= {f"window/{f}.max": float(v.max()), f"window/{f}.min": float(v.min()),
                 f"window/{f}.mean": float(v.mean()), f"window/{f}.std": float(v.std()),
-                f"window/{f}.max_ago": float(b - a - at)}
+                f"window/{f}.max_ago": float(b - a - at), f"window/{f}.n": float(len(v))}
     nb = bad[a:b + 1]
     out["window/nonfinite_steps"] = float(nb.sum())
     out["window/first_nonfinite_ago"] = float(b - a - int(np.argmax(nb))) if nb.any() else -1.0

@@ -9,7 +9,7 @@ Per figure ``f`` of :data:`WINDOW_FIGURES` present (finite values only)::
     window/{f}.max, .min     the extremes over the window
     window/{f}.max_ago       updates between the maximum and the window's last update
     window/{f}.mean, .std    mean and (population) standard deviation (Welford)
-    window/{f}.n             finite values seen
+    window/{f}.n             finite values seen (0: the entries above are empty, 0)
 
 and for the window::
 
@@ -58,13 +58,12 @@ def window_names(figures: Sequence[str]) -> tuple[str, ...]:
 
 
 def empty_window(names: Sequence[str]) -> dict[str, jax.Array]:
-    """A window holding no update: counts 0, "ago" entries -1, extremes and moments NaN."""
+    """A window holding no update: "ago" entries -1, everything else 0 (``n = 0`` says the
+    extremes and moments are empty; no NaN, so a checkpoint of the state stays finite)."""
     out = {}
     for n in names:
         k = n.rsplit(".", 1)[-1] if "." in n else n[len(WINDOW_PREFIX):]
-        v = (0.0 if k in ("n", "steps", "nonfinite_steps", "skipped_steps")
-             else -1.0 if k.endswith("ago") else jnp.nan)
-        out[n] = jnp.asarray(v, _F32)
+        out[n] = jnp.asarray(-1.0 if k.endswith("ago") else 0.0, _F32)
     return out
 
 

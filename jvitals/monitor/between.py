@@ -34,7 +34,9 @@ import math
 from typing import TYPE_CHECKING, Any, Mapping
 
 from jvitals.monitor.policy import Policy
-from jvitals.monitor.trackers import DriftBaseline, median
+import numpy as np
+
+from jvitals.monitor.trackers import DriftBaseline, mann_kendall_z, median, theil_sen
 from jvitals.monitor.types import Level, RuleBase, Spike, release, set_
 
 if TYPE_CHECKING:  # rules.py imports this module
@@ -46,6 +48,7 @@ __all__ = ["DataRule", "EarlyRule", "NonFiniteRule", "SkipRule", "ThroughputRule
 
 WINDOW = "window/"
 _NAN = math.nan
+_SHORT = {"loss": "loss", "grad/global_norm": "grad_norm"}
 
 
 def _ago_step(f: "Figures", name: str) -> int | None:
@@ -73,9 +76,11 @@ class WindowSpikes(RuleBase):
         peak = window max, at step check - max_ago (before the check, above its value)
         an outlier when peak > mu + spike_z * sd
 
-    Such a peak is published in ``notes['window_peaks']``; the spike rule feeds it to the
-    metric's spike tracker at its own step before the check's value (its anatomy, the
-    periodic-spike rule and the scores see it). In the tuning corpus' 78,000 healthy steps
+    Such a peak is published in ``notes['window_peaks']`` and in the verdict's scores
+    (``monitor/loss_window_peak`` and ``monitor/loss_window_peak_step``; ``grad_norm`` for
+    the gradient norm); the spike rule feeds it to the metric's spike tracker at its own
+    step before the check's value (its anatomy, the periodic-spike rule and the spike
+    scores see it). In the tuning corpus' 78,000 healthy steps
     this test, fed every step, fires once.
     """
 
@@ -100,6 +105,9 @@ class WindowSpikes(RuleBase):
                 peak = self._peak(f, m)
                 if peak is not None and peak[1] > mu + p.spike_z * math.sqrt(var):
                     peaks[m] = peak
+                    short = _SHORT.get(m, m.replace("/", "_"))
+                    f.scores[f"monitor/{short}_window_peak"] = peak[1]
+                    f.scores[f"monitor/{short}_window_peak_step"] = float(peak[0])
             pool.append([f.t, n, mean, sd * sd])
             while len(pool) > 1 and sum(x[1] for x in pool[1:]) >= p.rolling_window:
                 pool.pop(0)
@@ -273,54 +281,52 @@ class EarlyRule(RuleBase):
 class DataRule(RuleBase):
     """The loss rising while the optimizer's figures stay in their bands: the data, not the model.
 
-    The loss level is an EMA (half-life ``trend_halflife`` steps) of the window's least loss
-    (the check's loss without a window: a one-step spike between checks does not move it, a
-    share of bad sequences in every batch does); ``low`` its minimum over the last
-    ``data_window`` steps. Each of the gradient norm, the update/param ratio per unit learning rate and the
-    parameter norm is held against its own slow reference (an EMA of its log, half-life
-    ``drift_halflife``, learned while the rule does not hold)::
+    Samples: each check's window mean loss (the check's loss without a window), averaged
+    into buckets of ``data_window // 32`` steps, over the last ``data_window`` steps. Each of
+    the gradient norm, the update/param ratio per unit learning rate (their window means
+    where there are windows) and the parameter norm is held against its own slow reference
+    (an EMA of its log, half-life ``drift_halflife``, learned while the rule does not hold)::
 
-        YELLOW when level >= data_rise x low at data_confirm checks running spanning
-               data_hold steps (after the baselines' start + baseline_steps), every
-               optimizer figure within data_band x its reference, and no ORANGE alert open
+        rising  Mann-Kendall z of the samples > data_z and their Theil-Sen rise over the
+                window >= (data_rise - 1) x their median             (>= 8 samples spanning
+                                                                      half the window)
+        YELLOW  rising at data_confirm checks running (after the baselines' start +
+                baseline_steps), every optimizer figure within data_band x its
+                reference, no ORANGE alert open
 
     While it holds it publishes ``notes['data']``: the loss-spike rule then leaves the loss
     to it (no "LR beyond the stable region" prescription, no divergence counted from the
-    loss), so a rollback that cannot help (the data stays bad) is not looped into.
-    Once open it holds on the loss alone, released when the level is back within
-    ``1 + hysteresis (data_rise - 1)`` of ``low``.
+    loss), so a rollback that cannot help (the data stays bad) is not looped into. Once open
+    it holds on the loss alone, while the latest bucket stays above ``1 + hysteresis
+    (data_rise - 1)`` x the median of the window it opened on.
     """
 
     name = "data"
-    state_fields = ("level", "hist", "refs", "run", "onset")
+    state_fields = ("buckets", "refs", "run", "onset", "anchor")
     _FIGS = ("grad/global_norm", "update/param_ratio", "param/global_norm")
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
-        self.level = [_NAN, 0]                 # the loss EMA and its model time
-        self.hist: list[list] = []             # [t, level], one per data_window / 32 steps
+        self.buckets: list[list] = []          # [bucket id, sum, count]
         self.refs: dict[str, list] = {}        # figure -> [EMA of log x, last t]
         self.run = 0
         self.onset: int | None = None
+        self.anchor = _NAN                     # the window's median when the alert opened
 
-    def _loss_level(self, f: "Figures") -> float | None:
-        x = f.get(WINDOW + "loss.mean")
+    def _sample(self, f: "Figures") -> None:
+        x = f.get(WINDOW + "loss.mean") if (f.get(WINDOW + "loss.n") or 0) >= 1 else None
         x = f.get("loss") if x is None else x
         if x is None or not math.isfinite(x):
-            return None
-        e, t0 = self.level
-        if e != e:
-            e = x
+            return
+        width = max(1, self.p.data_window // 32)
+        i = f.t // width
+        if self.buckets and self.buckets[-1][0] == i:
+            self.buckets[-1][1] += x
+            self.buckets[-1][2] += 1
         else:
-            e += (1.0 - 0.5 ** (max(f.t - t0, 1) / self.p.trend_halflife)) * (x - e)
-        self.level = [e, f.t]
-        if not self.hist or f.t - self.hist[-1][0] >= max(1, self.p.data_window // 32):
-            self.hist.append([f.t, e])
-        else:
-            self.hist[-1][1] = min(self.hist[-1][1], e)
-        while self.hist and self.hist[0][0] < f.t - self.p.data_window:
-            self.hist.pop(0)
-        return e
+            self.buckets.append([i, x, 1])
+        while self.buckets and self.buckets[0][0] < i - 32:
+            self.buckets.pop(0)
 
     def _calm(self, f: "Figures", learn: bool) -> bool:
         """Whether every optimizer figure is logged and within ``data_band`` of its
@@ -328,7 +334,9 @@ class DataRule(RuleBase):
         p, calm = self.p, True
         lr = f.get(p.lr_metric)
         for m in self._FIGS:
-            x = f.get(m)
+            x = f.get(m)       # the window's mean where there is one: far less noisy than one step
+            if (f.get(f"{WINDOW}{m}.n") or 0) >= 1:
+                x = f.get(f"{WINDOW}{m}.mean")
             if x is None or not (math.isfinite(x) and x > 0):
                 calm = False
                 continue
@@ -346,37 +354,51 @@ class DataRule(RuleBase):
                 r[1] = f.t
         return calm
 
+    def _rising(self) -> tuple[bool, float, float]:
+        """``(rising, Theil-Sen rise relative to the median, median)`` of the closed buckets."""
+        p = self.p
+        b = self.buckets[:-1]
+        if len(b) < 8 or b[-1][0] - b[0][0] < 16:
+            return False, _NAN, _NAN
+        ts = np.array([x[0] for x in b], np.float64)
+        ys = np.array([x[1] / x[2] for x in b], np.float64)
+        med = float(np.median(ys))
+        rise = theil_sen(ts, ys) * (ts[-1] - ts[0]) / med if med > 0 else _NAN
+        return bool(mann_kendall_z(ys) > p.data_z and rise >= p.data_rise - 1.0), rise, med
+
     def check(self, f: "Figures") -> list["Change"]:
         p = self.p
-        e = self._loss_level(f)
-        holding = self.run >= p.data_confirm and self.onset is not None and f.step - self.onset >= p.data_hold
-        calm = self._calm(f, learn=not holding)
-        if e is None or f.warm or f.t < f.start + p.baseline_steps or len(self.hist) < 8:
-            return []
-        low = min(x for _, x in self.hist)
-        rise = e / low if low > 0 else _NAN
-        worse = any(a.level >= Level.ORANGE and a.rule not in ("data", "loss_spike")
-                    for a in f.open.values())
+        self._sample(f)
         active = f.active("data", "loss") is not None
-        thr = p.data_rise if not active else 1.0 + p.hysteresis * (p.data_rise - 1.0)
-        if rise >= thr and ((calm and not worse) or active):   # an open alert holds on the loss alone
+        calm = self._calm(f, learn=not active)
+        if f.warm or f.t < f.start + p.baseline_steps:
+            return []
+        rising, rise, med = self._rising()
+        last = self.buckets[-2][1] / self.buckets[-2][2] if len(self.buckets) > 1 else _NAN
+        worse = any(a.level >= Level.ORANGE and a.rule not in ("data", "loss_spike") for a in f.open.values())
+        held = active and last >= (1.0 + p.hysteresis * (p.data_rise - 1.0)) * self.anchor
+        if held or (rising and calm and not worse):
             self.run += 1
             self.onset = f.step if self.run == 1 else self.onset
-            if self.run < p.data_confirm or f.step - self.onset < p.data_hold:
+            if self.run < p.data_confirm and not active:
                 return []
+            if not active:
+                self.anchor = med
             f.notes["data"] = True
-            return [set_("data", "loss", Level.YELLOW, e, low, rise,
-                         f"the loss rose {rise:.2f}x over its low of the last {p.data_window} steps "
-                         f"({low:.4g} -> {e:.4g}; >= data_rise = {p.data_rise:g}) while the gradient "
-                         f"norm, the update per unit LR and the parameter norm stayed within "
-                         f"data_band = {p.data_band:g}x of their own levels: the data, not the optimizer.",
+            return [set_("data", "loss", Level.YELLOW, last, self.anchor, last / self.anchor,
+                         f"the loss has been rising over the last {p.data_window} steps (Mann-Kendall z > "
+                         f"data_z = {p.data_z:g}; +{100 * rise:.0f}% over the window, >= data_rise = "
+                         f"{p.data_rise:g}; now {last:.4g}) while the gradient norm, the update per unit "
+                         f"LR and the parameter norm stayed within data_band = {p.data_band:g}x of their "
+                         "own levels: the data, not the optimizer.",
                          "the loss rose with the optimizer calm", onset=self.onset, diverging=False,
-                         details={"rise": rise, "low": low})]
+                         details={"rise": rise, "anchor": self.anchor})]
         self.run, self.onset = 0, None
         return [release("data", "loss")] if ("data", "loss") in f.open else []
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
-        self.hist = [x for x in self.hist if x[0] <= t_to]
+        width = max(1, self.p.data_window // 32)
+        self.buckets = [x for x in self.buckets if x[0] <= t_to // width]
         self.run, self.onset = 0, None
         return []
 

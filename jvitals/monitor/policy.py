@@ -172,9 +172,10 @@ class Policy:
       skip_orange_checks: an update skipped in the step (``skip_step``,
         ``apply_if_finite``) is a YELLOW at the next check; skips at this many
         consecutive checks are ORANGE.
-      data_window, data_rise, data_band, data_confirm, data_hold: the data rule: the
-        loss level ``data_rise`` x its low of the last ``data_window`` steps at
-        ``data_confirm`` checks running spanning ``data_hold`` steps while the grad norm, the update per unit LR and the param norm
+      data_window, data_rise, data_z, data_band, data_confirm: the data rule: the windows'
+        mean loss over the last ``data_window`` steps rising (Mann-Kendall z > ``data_z``,
+        a Theil-Sen rise >= ``data_rise`` - 1 of its median) at ``data_confirm`` checks
+        running while the grad norm, the update per unit LR and the param norm
         stay within ``data_band`` x their own slow levels.
       loss_scale_metric, loss_scale_drop: YELLOW when ``prev / x >=
         loss_scale_drop`` between two consecutive checks.
@@ -360,9 +361,9 @@ class Policy:
     window_min_steps: int = 64
     data_window: int = 1000
     data_rise: float = 1.15
-    data_band: float = 1.5
-    data_confirm: int = 3
-    data_hold: int = 200
+    data_z: float = 3.0
+    data_band: float = 2.0
+    data_confirm: int = 2
     loss_scale_metric: str = "opt/loss_scale"
     loss_scale_drop: float = 16.0
     event_hold_steps: int = 300
@@ -507,8 +508,7 @@ class Policy:
         for f in ("event_hold_steps", "physiological_steps", "pathological_steps",
                   "post_window", "spike_forget_steps", "periodic_min_interval", "red_min_steps",
                   "clear_steps", "episode_gap", "throughput_hold_steps", "confirm_steps",
-                  "spike_min_samples", "broken_steps", "router_steps", "broken_loss_steps", "early_min_span",
-                  "data_hold"):
+                  "spike_min_samples", "broken_steps", "router_steps", "broken_loss_steps", "early_min_span"):
             if int(getattr(self, f)) < 0:
                 raise ValueError(f"Policy.{f} expects an integer >= 0, got {getattr(self, f)!r}")
         if self.periodic_min_spikes < 3:
@@ -525,6 +525,8 @@ class Policy:
         if not self.drift_memory > 0 or not self.drift_halflife > 0:
             raise ValueError(f"Policy.drift_memory and drift_halflife expect positive "
                              f"steps, got {self.drift_memory} and {self.drift_halflife}")
+        if not self.data_z > 0:
+            raise ValueError(f"Policy.data_z expects a positive z-score, got {self.data_z}")
         if self.trend_halflife <= 0 or self.scale_halflife <= 0 or self.val_gap_halflife < 0:
             raise ValueError("Policy.trend_halflife and scale_halflife expect positive steps, got "
                              f"{self.trend_halflife} and {self.scale_halflife}")
