@@ -875,7 +875,8 @@ class DriftBand:
     A departure opens (``anchor`` = the level it left, ``sign`` its direction):
 
     - **jump**: ``|d| >= max(log(jump), z * noise)``: confirmed at once (from the
-      second change on: the first one only teaches ``noise``);
+      second change on: the first one only teaches ``noise``; until 3 changes were learned
+      the ``z * noise`` term is left out: a sparse figure's first changes say little);
     - **step**: ``|d| > max(log(band), z * noise)``: a candidate;
     - **drift**: ``|c_W| > max(log(band), k * D_W, z * noise)`` for some ``W``: a
       candidate (``anchor = y(t - W)``; the noise term matters where samples are
@@ -981,7 +982,10 @@ class DriftBand:
             d = y - prev
             noise = self.noise
             zn = z * (noise if noise is not None else math.sqrt(self.var))
-            if abrupt and self.nvar and abs(d) >= max(math.log(jump), zn):
+            # Before 3 changes were learned (sparse samples: a heavy family every 500 steps)
+            # their spread says little: a jump needs only to be one.
+            zj = zn if noise is not None else 0.0
+            if abrupt and self.nvar and abs(d) >= max(math.log(jump), zj):
                 self._open(s, prev, d, "jump", confirm)
             elif abrupt and noise is not None and abs(d) > max(lband, zn):
                 self._open(s, prev, d, "step", 1)
