@@ -288,6 +288,9 @@ FAULT_PLAN: dict[str, list[tuple[str, int]]] = {
     "loss_scale_collapse": [(_T[3], 1200), (_H[6], 1200)],
     "data_degrade": [(_T[0], 1200), (_T[5], 1200)],
 }
+#: Faults kept in the TUNING part only (added to tune a rule; the held-out and blind parts
+#: were scored as they were).
+TUNING_ONLY = ("data_degrade",)
 #: The BLIND part's faults (the same templates; no MoE or fp16 setup there, so no router or loss-scale fault).
 BLIND_FAULT_PLAN: dict[str, list[tuple[str, int]]] = {
     "lr_x100": [(_B[1], 1200), (_B[0], 1200)],
@@ -450,7 +453,11 @@ RULE_POLICY: dict[str, str] = {
     "group": "group_bands, group_jump, group_window, group_drift_k, group_z, group_min_share, group_global_ratio",
     "logits": "logit_bands, group_window, group_drift_k",
     "router": "router_bands, router_z, router_steps",
-    "throughput": "throughput_metrics, throughput_drop, throughput_hold_steps",
+    "throughput": "throughput_metrics, throughput_drop, throughput_z, throughput_noise_halflife, throughput_hold_steps",
+    "early": "early_jumps, early_min_samples, early_min_span, baseline_steps",
+    "data": "data_window, data_rise, data_z, data_band, data_confirm",
+    "skip": "skip_orange_checks",
+    "window_spikes": "spike_z, window_min_steps, rolling_window",
     "loss_scale": "loss_scale_metric, loss_scale_drop",
     "val_gap": "val_gap_ratio, val_gap_min_growth, val_gap_window, gap_z, gap_confirm",
     "val_rise": "val_rise_z, val_rise_min, val_rise_window",

@@ -498,12 +498,22 @@ def test_readme_placement_gives_group_update_figures_and_the_learning_rate(scan)
         np.testing.assert_allclose(float(m["grad/global_norm_post_clip"]), min(pre, 1.0), rtol=1e-6)
         np.testing.assert_allclose(float(m["opt/learning_rate"]), 0.5 * float(schedule(k)), rtol=1e-6)
         params = optax.apply_updates(params, updates)
-    # The light step (vitals_layers=False): no per-layer pass, but the every-update figures.
+    # The light step (vitals_layers=False): no per-role pass, but the every-update figures,
+    # every layer's and group's from the per-leaf (per-slice, scan) sums it takes anyway.
     light = jax.jit(lambda g, s, p: tx.update(g, s, p, vitals_layers=False))
     updates, state = light(grads, state, params)
     m = jax.device_get(vitals.recorded(state))
     np.testing.assert_allclose(float(m["update/global_norm"]), np_norm(updates), rtol=1e-5)
     np.testing.assert_allclose(float(m["opt/learning_rate"]), 0.5 * float(schedule(2)), rtol=1e-6)
+    want = _np_group_and_layer_figures(grads, params, updates, cfg.n_layers, scan)
+    for i in range(cfg.n_layers):
+        gi, pi = _np_layer(grads, i, scan), _np_layer(params, i, scan)
+        want[f"grad/norm/layer_{i}"] = np_norm(gi)
+        want[f"grad/share/layer_{i}"] = np_norm(gi) ** 2 / np_norm(grads) ** 2
+        want[f"param/norm/layer_{i}"] = np_norm(pi)
+    for name, v in want.items():
+        np.testing.assert_allclose(float(m[name]), v, rtol=2e-5, err_msg=name)
+    assert "grad/W_up_rms" not in m
 
 
 def test_tied_head_has_no_lm_head_figures():
