@@ -31,17 +31,15 @@ check: the event's step is ``check step - ago``.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from jvitals.monitor.policy import Policy
 import numpy as np
 
 from jvitals.monitor.trackers import DriftBaseline, mann_kendall_z, median, theil_sen
-from jvitals.monitor.types import Level, RuleBase, Spike, release, set_
+from jvitals.monitor.types import Change, Level, RuleBase, Spike, release, set_
 
-if TYPE_CHECKING:  # rules.py imports this module
-    from jvitals.monitor.rules import Figures
-    from jvitals.monitor.types import Change
+Figures = Any   # jvitals.monitor.rules.Figures (rules.py imports this module, not the other way)
 
 __all__ = ["DataRule", "EarlyRule", "NonFiniteRule", "SkipRule", "ThroughputRule", "WINDOW", "WindowSpikes",
            "window_peak"]
@@ -51,7 +49,7 @@ _NAN = math.nan
 _SHORT = {"loss": "loss", "grad/global_norm": "grad_norm"}
 
 
-def _ago_step(f: "Figures", name: str) -> int | None:
+def _ago_step(f: Figures, name: str) -> int | None:
     """The step of a window event (``check step - ago``), None when there was none."""
     ago = f.get(WINDOW + name)
     if ago is None or not ago >= 0:
@@ -59,7 +57,7 @@ def _ago_step(f: "Figures", name: str) -> int | None:
     return f.step - int(round(ago))
 
 
-def window_peak(f: "Figures", metric: str) -> tuple[int, float] | None:
+def window_peak(f: Figures, metric: str) -> tuple[int, float] | None:
     """``(step, value)`` of the window's maximum of ``metric`` when :class:`WindowSpikes`
     found it an outlier of the steps before it (None otherwise)."""
     return f.notes.get("window_peaks", {}).get(metric)
@@ -91,7 +89,7 @@ class WindowSpikes(RuleBase):
         super().__init__(policy)
         self.pools: dict[str, list] = {}        # metric -> [[t, n, mean, var], ...]
 
-    def check(self, f: "Figures") -> list["Change"]:
+    def check(self, f: Figures) -> list[Change]:
         p, peaks = self.p, {}
         for m in p.spike_metrics:
             n, mean, sd = (f.get(f"{WINDOW}{m}.{k}") for k in ("n", "mean", "std"))
@@ -116,7 +114,7 @@ class WindowSpikes(RuleBase):
         return []
 
     @staticmethod
-    def _peak(f: "Figures", metric: str) -> tuple[int, float] | None:
+    def _peak(f: Figures, metric: str) -> tuple[int, float] | None:
         mx, ago = f.get(f"{WINDOW}{metric}.max"), f.get(f"{WINDOW}{metric}.max_ago")
         v = f.get(metric)
         if mx is None or ago is None or not ago >= 1 or not math.isfinite(mx):
@@ -139,7 +137,7 @@ class NonFiniteRule(RuleBase):
 
     name = "nonfinite"
 
-    def check(self, f: "Figures") -> list["Change"]:
+    def check(self, f: Figures) -> list[Change]:
         out, seen_bad = [], False
         for m in self.p.nonfinite_metrics:
             v = f.get(m)
@@ -165,7 +163,7 @@ class NonFiniteRule(RuleBase):
         out += self._window(f, seen_bad)
         return out
 
-    def _window(self, f: "Figures", seen_bad: bool) -> list["Change"]:
+    def _window(self, f: Figures, seen_bad: bool) -> list[Change]:
         n = f.get(WINDOW + "nonfinite_steps")
         if n is None:
             return []
@@ -195,7 +193,7 @@ class SkipRule(RuleBase):
         super().__init__(policy)
         self.run = 0
 
-    def check(self, f: "Figures") -> list["Change"]:
+    def check(self, f: Figures) -> list[Change]:
         k = f.get(WINDOW + "skipped_steps")
         if k is None:
             return []
@@ -240,7 +238,7 @@ class EarlyRule(RuleBase):
         self.anchor: dict[str, list] = {}       # metric -> [reference, onset step]
         self.armed_at: int | None = None        # the step the regular baselines took over
 
-    def check(self, f: "Figures") -> list["Change"]:
+    def check(self, f: Figures) -> list[Change]:
         p, out = self.p, []
         armed = f.start is not None and f.t >= f.start + p.baseline_steps
         for m, jump in p.early_jumps.items():
@@ -313,7 +311,7 @@ class DataRule(RuleBase):
         self.onset: int | None = None
         self.anchor = _NAN                     # the window's median when the alert opened
 
-    def _sample(self, f: "Figures") -> None:
+    def _sample(self, f: Figures) -> None:
         x = f.get(WINDOW + "loss.mean") if (f.get(WINDOW + "loss.n") or 0) >= 1 else None
         x = f.get("loss") if x is None else x
         if x is None or not math.isfinite(x):
@@ -328,7 +326,7 @@ class DataRule(RuleBase):
         while self.buckets and self.buckets[0][0] < i - 32:
             self.buckets.pop(0)
 
-    def _calm(self, f: "Figures", learn: bool) -> bool:
+    def _calm(self, f: Figures, learn: bool) -> bool:
         """Whether every optimizer figure is logged and within ``data_band`` of its
         reference (without all three there is no telling the data from the optimizer)."""
         p, calm = self.p, True
@@ -366,7 +364,7 @@ class DataRule(RuleBase):
         rise = theil_sen(ts, ys) * (ts[-1] - ts[0]) / med if med > 0 else _NAN
         return bool(mann_kendall_z(ys) > p.data_z and rise >= p.data_rise - 1.0), rise, med
 
-    def check(self, f: "Figures") -> list["Change"]:
+    def check(self, f: Figures) -> list[Change]:
         p = self.p
         self._sample(f)
         active = f.active("data", "loss") is not None
@@ -445,7 +443,7 @@ class ThroughputRule(RuleBase):
         c = max(min(d, 2.0 * band), -2.0 * band)
         v[0], v[1], v[2] = a * v[0] + (1.0 - a) * c * c, a * v[1] + (1.0 - a), t
 
-    def check(self, f: "Figures") -> list["Change"]:
+    def check(self, f: Figures) -> list[Change]:
         p, out, judged = self.p, [], False
         for m in p.throughput_metrics:
             v = f.get(m)
