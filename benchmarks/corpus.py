@@ -50,6 +50,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fault_suite as fs  # noqa: E402
+import windows as win  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "data" / "corpus"
@@ -209,6 +210,10 @@ NEW_FAULTS: dict[str, fs.Run] = {r.name: r for r in (
            description="the Wq/Wk updates x30 (ramped in over 100 steps), no QK-norm: attention logits grow"),
     fs.Run("repeated_shard", "-", 0, F + 2000, "shard", F, "data", "YELLOW", 1500, params={"sequences": 256},
            description="the loader serves the same 256 sequences (16k tokens) again and again from the fault step"),
+    fs.Run("data_degrade", "-", 0, F + 2500, "degrade", F, "data", "YELLOW", 1500,
+           params={"share": 0.6, "ramp": 2000},
+           description="a degrading data pipeline: the share of sequences replaced by random tokens ramps "
+                       "0 -> 60% over 2000 steps (issue 35; TUNING only)"),
     fs.Run("loss_scale_collapse", "-", 0, F + 500, "head_growth", F, "loss_scale", "YELLOW", 200,
            params={"rate": 0.02},
            description="float16 with a dynamic loss scale; the LM head's kernel x1.02 per step: the "
@@ -281,7 +286,11 @@ FAULT_PLAN: dict[str, list[tuple[str, int]]] = {
     "attn_logit_growth": [(_T[0], 1200), (_T[5], 1200), (_H[0], 1200), (_H[3], 1200)],
     "repeated_shard": [(_T[0], 1200), (_T[7], 1200), (_H[1], 1200), (_H[3], 1200)],
     "loss_scale_collapse": [(_T[3], 1200), (_H[6], 1200)],
+    "data_degrade": [(_T[0], 1200), (_T[5], 1200)],
 }
+#: Faults kept in the TUNING part only (added to tune a rule; the held-out and blind parts
+#: were scored as they were).
+TUNING_ONLY = ("data_degrade",)
 #: The BLIND part's faults (the same templates; no MoE or fp16 setup there, so no router or loss-scale fault).
 BLIND_FAULT_PLAN: dict[str, list[tuple[str, int]]] = {
     "lr_x100": [(_B[1], 1200), (_B[0], 1200)],
@@ -303,7 +312,7 @@ BLIND_FAULT_PLAN: dict[str, list[tuple[str, int]]] = {
 #: k the fault's index here.
 _SEED_ORDER = ("lr_x100", "lr_x1000_once", "emb_lr_x30", "emb_wd_creep", "logit_drift", "nan_batch", "corrupt_data",
                "overfit", "periodic_shocks", "router_collapse", "throughput_drop", "attn_logit_growth",
-               "repeated_shard", "warmup_skip", "loss_scale_collapse", "restart_no_warmup")
+               "repeated_shard", "warmup_skip", "loss_scale_collapse", "restart_no_warmup", "data_degrade")
 
 
 def _fault_runs() -> list[CorpusRun]:
@@ -444,7 +453,11 @@ RULE_POLICY: dict[str, str] = {
     "group": "group_bands, group_jump, group_window, group_drift_k, group_z, group_min_share, group_global_ratio",
     "logits": "logit_bands, group_window, group_drift_k",
     "router": "router_bands, router_z, router_steps",
-    "throughput": "throughput_metrics, throughput_drop, throughput_hold_steps",
+    "throughput": "throughput_metrics, throughput_drop, throughput_z, throughput_noise_halflife, throughput_hold_steps",
+    "early": "early_jumps, early_min_samples, early_min_span, baseline_steps",
+    "data": "data_window, data_rise, data_z, data_band, data_confirm",
+    "skip": "skip_orange_checks",
+    "window_spikes": "spike_z, window_min_steps, rolling_window",
     "loss_scale": "loss_scale_metric, loss_scale_drop",
     "val_gap": "val_gap_ratio, val_gap_min_growth, val_gap_window, gap_z, gap_confirm",
     "val_rise": "val_rise_z, val_rise_min, val_rise_window",
@@ -583,7 +596,7 @@ def _twin_check(faults: dict[str, dict[str, Any]], healthy: Sequence[tuple[fs.St
 
 def score_corpus(split: str, root: str | Path = CORPUS, cadence: int = 50, heavy_every: int = 0,
                  monitor_factory: Callable[[], Any] | None = None, with_fault_suite: bool = True,
-                 streams: Sequence[fs.Stream] | None = None) -> dict[str, Any]:
+                 streams: Sequence[fs.Stream] | None = None, windows: bool = True) -> dict[str, Any]:
     """Replay one split through a fresh monitor per stream (default: ``jvitals.Monitor()``) at
     a host cadence, and OLMo-core's loss-only rule on the same checks.
 
@@ -596,6 +609,10 @@ def score_corpus(split: str, root: str | Path = CORPUS, cadence: int = 50, heavy
       monitor_factory: makes the monitor (default ``jvitals.Monitor``).
       with_fault_suite: the TUNING part includes fault_suite's streams.
       streams: score these instead of loading the split.
+      windows: the README loop of issue 35 (``benchmarks/windows.py``): each check also
+        carries the device window since the previous check, and the free per-group figures
+        stay at every recorded step when the heavy family is thinned; False: the check's own
+        figures only (the loop before windows).
 
     Returns:
       ``{"healthy": {...per-rule counts, yellow_per_20k, ...}, "faults": {name: {...}},
@@ -606,14 +623,14 @@ def score_corpus(split: str, root: str | Path = CORPUS, cadence: int = 50, heavy
         streams = load_split(split, root, with_fault_suite)
     healthy, faults = [], {}
     for st0 in streams:
-        st = thin_heavy(st0, heavy_every)
+        st = win.thin(st0, heavy_every) if windows else thin_heavy(st0, heavy_every)
         spies: list[SpyMonitor] = []
 
         def make() -> SpyMonitor:
             spies.append(SpyMonitor(factory))
             return spies[-1]
 
-        sc = fs.score_stream(st, cadence, monitor_factory=make)
+        sc = fs.score_stream(st, cadence, monitor_factory=make, replay_fn=win.replay if windows else None)
         if st.meta.get("fault"):
             faults[st.name] = _fault_figures(st, sc, spies[-1], cadence)
         else:
@@ -622,7 +639,7 @@ def score_corpus(split: str, root: str | Path = CORPUS, cadence: int = 50, heavy
     leads = [x["lead"] for x in faults.values() if not math.isnan(x["lead"])]
     seen = [x["lead"] for x in faults.values() if x["olmo"] is not None]   # faults the loss rule catches
     return dict(
-        split=split, cadence=cadence, heavy_every=heavy_every, healthy=_healthy_figures(healthy), faults=faults,
+        split=split, cadence=cadence, heavy_every=heavy_every, windows=windows, healthy=_healthy_figures(healthy), faults=faults,
         median_lead=statistics.median(leads) if leads else math.nan,
         median_lead_where_loss_rule_fires=statistics.median(seen) if seen else math.nan,
         later_than_loss=sorted(n for n, x in faults.items() if x["later_than_loss"]),
@@ -639,7 +656,8 @@ def _fmt_lead(x: float) -> str:
 def format_scores(res: Mapping[str, Any]) -> str:
     """The markdown tables of :func:`score_corpus`'s result."""
     h = res["healthy"]
-    out = [f"## {res['split']}: cadence {res['cadence']}, heavy every {res['heavy_every'] or 'recorded (50)'}", "",
+    out = [f"## {res['split']}: cadence {res['cadence']}, heavy every {res['heavy_every'] or 'recorded (50)'}"
+           f"{'' if res.get('windows', True) else ', no windows'}", "",
            f"Healthy: {h['streams']} streams, {h['steps']} steps: {h['yellow']} YELLOW, {h['orange_red']} "
            f"ORANGE/RED ({h['yellow_per_20k']:.2f} YELLOW per 20,000 steps).", "",
            "| rule | YELLOW | ORANGE | RED | per 10k steps | per 20k steps | Policy fields |",
@@ -686,7 +704,7 @@ def _json_safe(x: Any) -> Any:
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    res = score_corpus(args.split, args.root, args.cadence, args.heavy_every)
+    res = score_corpus(args.split, args.root, args.cadence, args.heavy_every, windows=not args.no_windows)
     print(format_scores(res))
     if args.json:
         Path(args.json).write_text(json.dumps(_json_safe(res), indent=1))
@@ -721,6 +739,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--cadence", type=int, default=50)
     s.add_argument("--heavy-every", type=int, default=0, help="keep the heavy family only every N steps")
     s.add_argument("--json", default="", help="write the numbers here")
+    s.add_argument("--no-windows", action="store_true",
+                   help="the checks' own figures only (the loop before issue 35's windows)")
     args = ap.parse_args(argv)
     return {"generate": cmd_generate, "list": cmd_list, "score": cmd_score}[args.cmd](args)
 

@@ -339,7 +339,7 @@ def build_trainer(adapter: ModelAdapter, optimizer: str, schedule: optax.Schedul
 # ----------------------------------------------------------------------------------
 # Data and fault controls.
 
-NEW_FAULT_KINDS = ("qk_lr", "shard", "no_warmup", "moments_reset")
+NEW_FAULT_KINDS = ("qk_lr", "shard", "no_warmup", "moments_reset", "degrade")
 
 
 def reset_moments(opt_state: Any) -> Any:
@@ -409,6 +409,12 @@ class Data:
             m = b["mask"]
             b = dict(b, tokens=np.where(m, rng.integers(2, self.vocab, m.shape), cd.PAD_ID).astype(np.int32),
                      labels=np.where(m, rng.integers(2, self.vocab, m.shape), cd.PAD_ID).astype(np.int32))
+        if host.get("degrade", 0.0) > 0.0:   # that share of the sequences, random tokens and labels
+            rng = np.random.default_rng(98_000 + 31 * self.seed + step)
+            m = b["mask"] & (rng.random((b["mask"].shape[0], 1)) < host["degrade"])
+            noise = lambda: rng.integers(2, self.vocab, m.shape)  # noqa: E731
+            b = dict(b, tokens=np.where(m, noise(), b["tokens"]).astype(np.int32),
+                     labels=np.where(m, noise(), b["labels"]).astype(np.int32))
         return b
 
     def val_batches(self) -> list[dict[str, np.ndarray]]:
@@ -432,7 +438,7 @@ def controls(run: Any, step: int) -> dict[str, Any]:
     kind = run.fault
     healthy = types.SimpleNamespace(fault=None, fault_step=None, params={})
     base = fs._controls(run if kind not in NEW_FAULT_KINDS else healthy, step)
-    base.update(qk_mult=1.0, shard=False)
+    base.update(qk_mult=1.0, shard=False, degrade=0.0)
     if kind in NEW_FAULT_KINDS and step >= run.fault_step:
         if kind == "qk_lr":
             ramp = float(run.params.get("ramp", 0))
@@ -440,6 +446,8 @@ def controls(run: Any, step: int) -> dict[str, Any]:
             base["qk_mult"] = 1.0 + (float(run.params["mult"]) - 1.0) * min(1.0, t)
         elif kind == "shard":
             base["shard"] = True
+        elif kind == "degrade":
+            base["degrade"] = float(run.params["share"]) * min(1.0, (step - run.fault_step + 1) / float(run.params["ramp"]))
     return base
 
 
@@ -470,11 +478,18 @@ def trainer_for(setup: Any, warmup: int) -> tuple[ModelAdapter, types.SimpleName
     return _TRAINERS[key]
 
 
-def _row(metrics: Mapping[str, Any], rec: Any) -> dict[str, float]:
+_FREE_GROUP = re.compile(r"^(grad/norm|grad/share|param/norm|update/param_ratio)/(layer_\d+|embedding|lm_head)$")
+
+
+def _row(metrics: Mapping[str, Any], rec: Any, full: bool = True) -> dict[str, float]:
     """This step's figures: the step's own and the recorder's fresh ones (``dict`` of a
-    host ``PackedMetrics`` holds only the families computed at this update)."""
+    host ``PackedMetrics`` holds only the families computed at this update). Stored as
+    the corpus was first generated: the recorder's window is left out
+    (``benchmarks/windows.py`` rebuilds it from the every-step figures) and its per-group
+    figures, on every update since issue 35, are kept at the heavy steps only."""
     row = {k: float(v) for k, v in metrics.items()}
-    row.update({k: float(v) for k, v in dict(rec).items()})
+    row.update({k: float(v) for k, v in dict(rec).items()
+                if not k.startswith("window/") and (full or not _FREE_GROUP.match(k))})
     return row
 
 
@@ -506,7 +521,7 @@ def train_run(setup: Any, run: Any, log: Callable[[str], None] = print) -> tuple
     t0 = time.perf_counter()
     for step in range(run.steps):
         ctl = controls(run, step)
-        host = {k: ctl.pop(k) for k in ("corrupt", "overfit", "sleep", "shard")}
+        host = {k: ctl.pop(k) for k in ("corrupt", "overfit", "sleep", "shard", "degrade")}
         if host["sleep"] and sleep_s == 0.0:
             sleep_s = float(np.median(cpu[-300:])) * float(run.params["factor"])
             log(f"  {run.name}: {sleep_s * 1e3:.1f} ms of extra host work per step from step {step}")
@@ -520,7 +535,7 @@ def train_run(setup: Any, run: Any, log: Callable[[str], None] = print) -> tuple
         params, opt_state, ls, metrics, rec = tr.step(params, opt_state, ls, batch, dev_ctl, full)
         if host["sleep"]:
             fs._busy(sleep_s)
-        row = _row(*jax.device_get((metrics, rec)))
+        row = _row(*jax.device_get((metrics, rec)), full=full)
         wall.append(time.perf_counter() - ts)
         cpu.append(time.process_time() - cs)
         timer.step()

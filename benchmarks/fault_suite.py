@@ -737,8 +737,11 @@ def _level_name(level: Any) -> str:
     return getattr(level, "name", str(level))
 
 
-def score_stream(stream: Stream, cadence: int = 10, monitor_factory: Callable[[], Any] | None = None) -> Score:
-    """Replay ``stream`` through a fresh ``jvitals.Monitor()`` and the two baselines."""
+def score_stream(stream: Stream, cadence: int = 10, monitor_factory: Callable[[], Any] | None = None,
+                 replay_fn: Callable[[Stream, int], Iterator[tuple[int, dict[str, float]]]] | None = None) -> Score:
+    """Replay ``stream`` through a fresh ``jvitals.Monitor()`` and the two baselines
+    (``replay_fn``: how the host sees the stream, default :func:`replay`; the baselines
+    read only the loss and the grad norm of the check's own step)."""
     if monitor_factory is None:
         from jvitals.monitor.monitor import Monitor
 
@@ -758,7 +761,7 @@ def score_stream(stream: Stream, cadence: int = 10, monitor_factory: Callable[[]
     where: dict[int, tuple[int, int | None]] = {}
     cost = 0.0
     n = 0
-    for s, m in replay(stream, cadence):
+    for s, m in (replay_fn or replay)(stream, cadence):
         t = time.perf_counter()
         v = mon.update(s, m)
         cost += time.perf_counter() - t

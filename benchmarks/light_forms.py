@@ -3,7 +3,7 @@
 The light step (``record(chain(clip, adamw))`` with ``vitals_layers=False``, every
 step) measures the global norms of the gradients, the parameters and the updates.
 This compiles the reference model's step once without vitals and once per form of
-:func:`jvitals.metrics.gradients.norm_metrics` (swapped in while tracing), and prints
+:func:`jvitals.metrics.light.light_metrics` (swapped in while tracing), and prints
 each form's extra bytes (XLA's cost analysis, the non-finite branch taken out, in
 units of the parameters' bytes P), temporary memory and paired time, all in one
 process (``benchmarks/overhead.py`` measures the shipped form on every config):
@@ -14,8 +14,10 @@ process (``benchmarks/overhead.py`` measures the shipped form on every config):
   plain sums for parameters and updates;
 - ``pu_fold``: the clip's gradient norm, parameters and updates in one variadic
   reduction per leaf;
-- ``shipped``: what ``norm_metrics`` does under ``jit``: the clip's gradient norm,
-  the parameters' plain sum, the updates' variadic reduction per leaf;
+- ``shipped``: what the recorder's light step does under ``jit``
+  (:func:`jvitals.metrics.light.light_metrics`): the clip's gradient norm, the
+  parameters' plain sum, the updates' variadic reduction per leaf, every group's figures
+  from those sums;
 - ``no_update``: the clip's gradient norm and the parameters' plain sum only (the
   floor without update figures; not a valid recorder: it reports ``||g||`` as the
   update norm).
@@ -37,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overhead as ob  # noqa: E402  (the benchmark's model, steps and timing)
 
 from jvitals.metrics import gradients as G  # noqa: E402
+from jvitals.metrics import light as L  # noqa: E402
 
 Norms = Callable[..., dict[str, jax.Array]]
 
@@ -81,22 +84,23 @@ def no_update(grads: Any, params: Any = None, updates: Any = None, **_: Any) -> 
     return out
 
 
-FORMS: dict[str, Norms] = {"fold": fold, "plain": plain, "pu_fold": pu_fold, "shipped": G.norm_metrics,
+FORMS: dict[str, Norms] = {"fold": fold, "plain": plain, "pu_fold": pu_fold, "shipped": L.light_metrics,
                            "no_update": no_update}
 
 
 def build(size: ob.Size, batch_shape: tuple[int, int], forms: list[str]) -> tuple[list[ob.Variant], int]:
-    """The step without vitals and one light step per form, compiled; the parameters' bytes."""
+    """The step without vitals and one light step per form, compiled; the parameters' bytes.
+    The forms other than ``shipped`` give the global figures only (no group's)."""
     params, batches = ob.inputs(size.cfg, batch_shape)
-    shipped = G.norm_metrics
+    shipped = L.light_metrics
     out = []
     try:
         for name in ["none"] + forms:
-            G.norm_metrics = FORMS.get(name, shipped)  # read while the step is traced
+            L.light_metrics = FORMS.get(name, shipped)  # read while the step is traced
             step, tx = ob.variants(size.cfg, "chain", ["light"])["none" if name == "none" else "light"]
             out.append(ob.compile_variant(name, step, tx, params, batches))
     finally:
-        G.norm_metrics = shipped
+        L.light_metrics = shipped
     return out, ob._nbytes(params)
 
 

@@ -33,9 +33,12 @@ family         what the step adds                                           one-
                sows around the model's ``apply``                            (recorded while tracing)
 ``light``      ``record(chain(clip, adamw), schedule=...)`` with            params + updates (the grad
                ``vitals_layers=False``: global norms, post-clip, update     norm is the clip's: XLA
-               norm and ratio, learning rate                                computes it once)
-``heavy``      the same with ``vitals_layers=True``: every per-layer,       gradients + params + updates
-               per-group and per-role figure
+               norm and ratio, learning rate, every layer's and group's     computes it once)
+               norms and ratios, the window (``loss=``, ``vitals_read``)
+``heavy``      the same with ``vitals_layers=True``: + every per-role       gradients + params + updates
+               figure
+``skip``       ``light`` around ``skip_step(chain(clip, adamw))``: the      params + updates
+               in-step skip's cost
 ``opt``        ``optimizer_metrics``: Adam ``nu`` max, median, spread       Adam ``nu``
 ``moe``        ``moe_metrics`` of the sown expert counts (MoE configs)      the counts
 =============  ===========================================================  ==============================
@@ -87,7 +90,7 @@ from jvitals.metrics.stats import TokenSummary  # noqa: E402
 MB = 1e6
 HEAVY_EVERY = 500  # METRICS.md §5: per-layer figures every 500 steps (the README's cadence)
 TARGET_BYTES, TARGET_TEMP = 1.5, 1.05
-FAMILIES = ("sow", "probes", "instrument", "light", "heavy", "opt", "moe")
+FAMILIES = ("sow", "probes", "instrument", "light", "heavy", "opt", "moe", "skip")
 
 
 class TrainState(NamedTuple):
@@ -206,7 +209,11 @@ def make_step(cfg: rm.ModelConfig, tx: optax.GradientTransformation, fams: Itera
 
     def step(state: TrainState, batch: dict):
         (loss, inter), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params, batch)
-        extra = {} if layers is None else {"vitals_layers": layers}
+        # As the README's loop calls it: the loss (into the recorder's window, or judged by
+        # skip_step) and whether the host reads after this step (traced: no recompile).
+        extra = {"loss": loss, "vitals_read": state.step % 50 == 0}
+        if layers is not None:
+            extra["vitals_layers"] = layers
         updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
         params = optax.apply_updates(state.params, updates)
         if cfg.moe:  # aux-loss-free balancing: training, not vitals; every step does it
@@ -244,6 +251,9 @@ def variants(cfg: rm.ModelConfig, placement: str, families: Iterable[str] = FAMI
     for fam, flag in (("light", False), ("heavy", True)):
         if fam in families:
             out[fam] = (make_step(cfg, rec, layers=flag), rec)
+    if "skip" in families and placement == "chain":   # the light step with the in-step skip
+        skip = vitals.record(vitals.skip_step(base_tx()), schedule=1e-3)
+        out["skip"] = (make_step(cfg, skip, layers=False), skip)
     if "all" in families:
         out["all"] = (make_step(cfg, rec, ["sow", "opt", "moe"], layers=True), rec)
     return out
@@ -268,6 +278,7 @@ def limits(cfg: rm.ModelConfig, params: Any, batch: dict, placement: str = "chai
     p = _nbytes(params)
     upd = p if placement == "chain" else 0
     return {"sow": act, "probes": act, "instrument": _instrument_reads(raw, params, batch), "light": p + upd,
+            "skip": p + upd,
             "heavy": 2 * p + upd, "opt": p, "moe": _nbytes(counts)}
 
 

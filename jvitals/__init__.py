@@ -7,7 +7,8 @@ The package is laid out as the data flows (imports run the same way, never back)
   :func:`instrument` (the activation summaries of any Flax Linen model), the optax
   recorder :func:`record`, :class:`StepTimer`.
 - :mod:`jvitals.optim`, the optax remedies beside it: :func:`with_lr_scale` per group,
-  :func:`layerwise_lr_decay`, :func:`adaptive_clip`, :func:`z_loss`, :func:`qk_clip`.
+  :func:`layerwise_lr_decay`, :func:`adaptive_clip`, :func:`z_loss`, :func:`qk_clip`,
+  :func:`skip_step`.
 - :mod:`jvitals.monitor`, the host's judgement: :class:`Monitor` (a list of rules;
   verdicts), :class:`Policy`.
 - :mod:`jvitals.guard`, the response: :class:`Rollback` (with ``remedies="default"`` it
@@ -77,6 +78,8 @@ from jvitals.optim import (
     LRGroupScaleState,
     qk_clip,
     set_lr_scale,
+    skip_step,
+    SkipStepState,
     with_lr_scale,
     z_loss,
 )
@@ -214,6 +217,8 @@ __all__ = [
     "RollbackError",
     "RollbackLimitError",
     "set_lr_scale",
+    "skip_step",
+    "SkipStepState",
     "Snapshots",
     "sow_summary",
     "Spike",

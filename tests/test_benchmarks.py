@@ -41,7 +41,8 @@ def test_overhead_quick_prints_bytes_limits_memory_and_time_per_family():
     for fam, cells in rows.items():
         extra, loops, branch, limit, x, temp, t = (float(c) for c in cells[1:])
         assert extra > 0 and limit > 0 and loops >= 0 and branch >= 0, (fam, cells)
-        assert math.isclose(x, extra / limit, rel_tol=0.02, abs_tol=0.01), (fam, cells)
+        # the printed MB are rounded to 0.01: on the tiny config that moves their ratio by 5%
+        assert math.isclose(x, extra / limit, rel_tol=0.02, abs_tol=0.01 + 0.006 * x / limit), (fam, cells)
         assert temp > 0 and t > 0 and math.isfinite(t), (fam, cells)
     # The activation families read their tensors once (within the partials' few %).
     assert float(rows["sow"][4]) < 1.2 and float(rows["instrument"][4]) < 1.2, text

@@ -181,3 +181,21 @@ def test_an_unmistakable_update_jump_alerts_at_its_check(split, cadence, heavy):
         x = res["faults"][st.name]
         assert x["first_alert"] is not None and x["first_alert"] <= at, (st.name, at, x["first_alert"])
     assert seen, "no held-out fault with an x5 update jump: the check would be vacuous"
+
+
+# Issue 35's target: at most 1 of 21 faults missed at checks every 50 (heavy 500) and every 10,
+# with the README loop's windows and free per-group figures (the scorer's default). Scored once
+# after the rules were set on the TUNING part: met on BLIND, not on HELD-OUT (5 and 2 missed;
+# docs/DIAGNOSIS.md says which and why): an expected failure there while it is not met, and no
+# more than the 5 and 2 found (a change that misses more fails).
+HELDOUT_MISSED = {50: 5, 10: 2}
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("cadence,heavy", CADENCES)
+def test_at_most_one_fault_missed(split, cadence, heavy):
+    res = scores(split, cadence, heavy)
+    if split == "heldout" and len(res["missed"]) > 1:
+        assert len(res["missed"]) <= HELDOUT_MISSED[cadence], res["missed"]
+        pytest.xfail(f"issue 35's target not met on HELD-OUT: {len(res['missed'])} missed, {res['missed']}")
+    assert len(res["missed"]) <= 1, res["missed"]

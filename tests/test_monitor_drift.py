@@ -387,6 +387,10 @@ def test_every_rules_state_round_trips_with_non_default_values():
             d["moe/maxvio.max"] = 0.2 + (0.8 if s > 5300 else 0.0)
         if 5800 <= s < 5803 or s >= 5990:
             d["loss"] = float("nan")          # a blip, then divergence under way at the end
+        if s >= 5950:                         # updates skipped in the step between the last checks
+            d["window/skipped_steps"], d["window/first_skipped_ago"] = 1.0, 2.0
+        for k, v in (("n", 5.0), ("mean", d["loss"]), ("std", 0.01), ("max", d["loss"] * 1.01), ("max_ago", 2.0)):
+            d[f"window/loss.{k}"] = v             # the recorder's window since the last check
         per_replica = loss_at(s) * (1 + 0.01 * rng.standard_normal(8))
         if 5600 <= s < 5700:
             per_replica[3] *= 3.0             # replica 3 an outlier while its data moves

@@ -51,6 +51,10 @@ def check_run(proc: subprocess.CompletedProcess, cwd: Path, name: str = "usage")
     steps, values = run.scalars["loss"]
     assert len(steps) >= 5 and all(int(s) % 50 == 0 for s in steps), steps
     assert all(v == v for v in values), values
+    # the window since the last check: 50 steps at every check after the first
+    wsteps, wvals = run.scalars["window/steps"]
+    assert list(wvals[1:]) == [50.0] * (len(wvals) - 1) and wvals[0] == 1.0, wvals
+    assert "window/loss.max" in run.scalars and "grad/norm/layer_0" in run.scalars
     ckpts = [p for p in (cwd / "runs" / name / "ckpt").iterdir() if p.name.isdigit()]
     assert ckpts, "the guard saved no checkpoint"
 

@@ -187,28 +187,35 @@ def test_multisteps_outside_records_every_micro_batch():
 
 
 def test_cadence_values_and_last_steps():
+    """Per-role figures at the per-layer cadence; per-layer and per-group norms (from the light
+    step's per-leaf sums) and the global figures at the global one; NumPy references."""
     params = tree(0)
     tx = vitals.record(optax.clip_by_global_norm(1.0), every={"global": 2, "layers": 3})
     state = tx.init(params)
     step = jax.jit(tx.update)
     seen = []
+
+    def wq_max(g):
+        return max(float(np.abs(np.asarray(g[f"layers_{i}"]["self_attn"]["q_proj"]["kernel"])).max()) for i in (0, 1))
+
     for i in range(7):
         g = tree(30 + i)
         _, state = step(g, state, params)
         rec, last = jax.device_get(vitals.recorded(state)), vitals.recorded_steps(state)
         m = rec.latest()
-        seen.append((i, float(m["grad/global_norm"]), float(m["grad/norm/layer_0"]),
+        seen.append((i, float(m["grad/global_norm"]), float(m["grad/norm/layer_0"]), float(m["grad/Wq_abs.max"]),
                      int(last["global"]), int(last["layers"])))
         # only what was computed at this update is shown
-        assert ("grad/norm/layer_0" in rec) == (i % 3 == 0), i
-        assert ("grad/global_norm" in rec) == (i % 2 == 0 or i % 3 == 0), i
+        assert ("grad/Wq_abs.max" in rec) == (i % 3 == 0), i
+        assert ("grad/global_norm" in rec) == ("grad/norm/layer_0" in rec) == (i % 2 == 0 or i % 3 == 0), i
     grads = [tree(30 + i) for i in range(7)]
-    for i, gnorm, l0, last_global, last_layers in seen:
+    for i, gnorm, l0, wq, last_global, last_layers in seen:
         lg = max(j for j in range(i + 1) if j % 2 == 0 or j % 3 == 0)  # layers steps refresh globals too
         ll = max(j for j in range(i + 1) if j % 3 == 0)
         assert (last_global, last_layers) == (lg, ll), i
         np.testing.assert_allclose(gnorm, np_norm(grads[lg]), rtol=1e-6)
-        np.testing.assert_allclose(l0, np_norm(grads[ll]["layers_0"]), rtol=1e-6)
+        np.testing.assert_allclose(l0, np_norm(grads[lg]["layers_0"]), rtol=1e-6)
+        np.testing.assert_allclose(wq, wq_max(grads[ll]), rtol=1e-6)
 
 
 def test_off_cadence_steps_do_not_compute_the_heavy_family(monkeypatch):
@@ -339,13 +346,15 @@ def test_packed_metrics_reads_as_a_flat_dict_and_is_one_leaf():
     assert isinstance(rec.metrics, vitals.PackedMetrics)
     assert len(jax.tree.leaves(rec.metrics)) == 1
     assert rec.metrics.vector.shape == (len(rec.metrics.names) + len(rec.metrics.flags),)
-    assert rec.metrics.flags == ("global",)  # no layer, no role: the per-layer family is empty
+    # no layer, no role: the per-layer family is empty; the window's flags, no loss given
+    assert rec.metrics.flags == ("global", "window", "window_loss")
+    shown = {n for n, f in zip(rec.metrics.names, rec.metrics.families) if f != "window_loss"}
     want = float(optax.tree.norm(grads))
     on_device = vitals.recorded(state)
     on_host = vitals.recorded(jax.device_get(state))  # NumPy-backed after device_get
     for got in (on_device, on_host, dict(rec.metrics), {**rec.metrics}):
         np.testing.assert_allclose(float(got["grad/global_norm"]), want, rtol=1e-6)
-        assert set(got) == set(rec.metrics.names)
+        assert set(got) == shown
     np.testing.assert_allclose(float(optax.tree.get(state, "grad/global_norm_post_clip")), 1.0, rtol=1e-6)
     assert "grad/clip_ratio" in rec.metrics and "nope" not in rec.metrics and rec.metrics.get("nope") is None
     # Abstract and spec trees keep the structure (what orbax and sharding code build).
@@ -377,11 +386,13 @@ def test_static_vitals_layers_flag_picks_the_family_at_trace_time(monkeypatch):
         _, state = step(g, state, params, full=full)
         rec, last = vitals.recorded(state), vitals.recorded_steps(state)
         m = rec.latest()
-        assert ("grad/norm/layer_1" in rec) == full
+        assert ("grad/W_up_rms/layer_1" in rec) == full and "grad/norm/layer_1" in rec
         ll = max(j for j in range(i + 1) if flags[j])
         assert (int(last["global"]), int(last["layers"])) == (i, ll), i
         np.testing.assert_allclose(float(m["grad/global_norm"]), np_norm(g), rtol=1e-6)
-        np.testing.assert_allclose(float(m["grad/norm/layer_1"]), np_norm(grads[ll]["layers_1"]), rtol=1e-6)
+        np.testing.assert_allclose(float(m["grad/norm/layer_1"]), np_norm(g["layers_1"]), rtol=1e-6)
+        up = np.asarray(grads[ll]["layers_1"]["mlp"]["up_proj"]["kernel"], np.float64)
+        np.testing.assert_allclose(float(m["grad/W_up_rms/layer_1"]), np.sqrt(np.mean(up ** 2)), rtol=1e-6)
         np.testing.assert_allclose(float(m["grad/global_norm_post_clip"]), min(np_norm(g), 1.0), rtol=1e-6)
     assert len(traced) == 1  # the True variant only; the False one never traces the per-layer pass
     # A traced flag is the conditional's predicate.
@@ -393,7 +404,8 @@ def test_static_vitals_layers_flag_picks_the_family_at_trace_time(monkeypatch):
     np.testing.assert_allclose(float(vitals.recorded(state)["grad/norm/layer_0"]),
                                np_norm(grads[1]["layers_0"]), rtol=1e-6)
     _, state = dyn(grads[0], state, params, jnp.asarray(False))
-    assert "grad/norm/layer_0" not in vitals.recorded(state) and "grad/global_norm" in vitals.recorded(state)
+    rec = vitals.recorded(state)
+    assert "grad/Wq_abs.max" not in rec and "grad/global_norm" in rec and "grad/norm/layer_0" in rec
 
 
 def test_wrapped_optax_clip_post_norm_is_known_without_a_pass():
@@ -486,12 +498,22 @@ def test_readme_placement_gives_group_update_figures_and_the_learning_rate(scan)
         np.testing.assert_allclose(float(m["grad/global_norm_post_clip"]), min(pre, 1.0), rtol=1e-6)
         np.testing.assert_allclose(float(m["opt/learning_rate"]), 0.5 * float(schedule(k)), rtol=1e-6)
         params = optax.apply_updates(params, updates)
-    # The light step (vitals_layers=False): no per-layer pass, but the every-update figures.
+    # The light step (vitals_layers=False): no per-role pass, but the every-update figures,
+    # every layer's and group's from the per-leaf (per-slice, scan) sums it takes anyway.
     light = jax.jit(lambda g, s, p: tx.update(g, s, p, vitals_layers=False))
     updates, state = light(grads, state, params)
     m = jax.device_get(vitals.recorded(state))
     np.testing.assert_allclose(float(m["update/global_norm"]), np_norm(updates), rtol=1e-5)
     np.testing.assert_allclose(float(m["opt/learning_rate"]), 0.5 * float(schedule(2)), rtol=1e-6)
+    want = _np_group_and_layer_figures(grads, params, updates, cfg.n_layers, scan)
+    for i in range(cfg.n_layers):
+        gi, pi = _np_layer(grads, i, scan), _np_layer(params, i, scan)
+        want[f"grad/norm/layer_{i}"] = np_norm(gi)
+        want[f"grad/share/layer_{i}"] = np_norm(gi) ** 2 / np_norm(grads) ** 2
+        want[f"param/norm/layer_{i}"] = np_norm(pi)
+    for name, v in want.items():
+        np.testing.assert_allclose(float(m[name]), v, rtol=2e-5, err_msg=name)
+    assert "grad/W_up_rms" not in m
 
 
 def test_tied_head_has_no_lm_head_figures():
@@ -556,8 +578,9 @@ def test_group_and_update_figures_on_a_mesh():
 
 
 def test_only_fresh_figures_reach_the_host_and_a_real_writer(tmp_path):
-    """Per-layer figures appear exactly at the cadence updates: in dict(device_get(recorded))
-    and in what vitals.write sends through a real clu writer (read back from the event files)."""
+    """Per-role figures appear exactly at the cadence updates, per-layer and per-group norms at
+    every update: in dict(device_get(recorded)) and in what vitals.write sends through a real
+    clu writer (read back from the event files)."""
     metric_writers = pytest.importorskip("clu.metric_writers")
     from test_writers import read_events
 
@@ -565,8 +588,10 @@ def test_only_fresh_figures_reach_the_host_and_a_real_writer(tmp_path):
     tx = vitals.record(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), every={"layers": 4})
     state = tx.init(params)
     step = jax.jit(tx.update)  # the lax.cond cadence
-    layer_names = {k for k, f in zip(state.metrics.names, state.metrics.families) if f == "layers"}
-    assert {"grad/norm/layer_0", "update/param_ratio/layer_1", "grad/share/embedding"} <= layer_names
+    fam = dict(zip(state.metrics.names, state.metrics.families))
+    layer_names = {k for k, f in fam.items() if f == "layers"}
+    assert {"grad/Wq_abs.max", "grad/W_up_rms/layer_1"} <= layer_names
+    assert {fam[k] for k in ("grad/norm/layer_0", "update/param_ratio/layer_1", "grad/share/embedding")} == {"global"}
     writer = metric_writers.create_default_writer(str(tmp_path), asynchronous=False)
     for i in range(9):
         grads = tree(70 + i)
@@ -577,18 +602,19 @@ def test_only_fresh_figures_reach_the_host_and_a_real_writer(tmp_path):
         assert (set(host) & layer_names) == (layer_names if due else set()), i
         assert "grad/global_norm" in host and "update/param_ratio" in host
         np.testing.assert_allclose(float(host["grad/global_norm"]), np_norm(grads), rtol=1e-6)
-        if due:
-            np.testing.assert_allclose(float(host["grad/norm/layer_0"]), np_norm(grads["layers_0"]), rtol=1e-6)
-            np.testing.assert_allclose(float(host["update/param_ratio/layer_1"]),
-                                       np_norm(updates["layers_1"]) / np_norm(params["layers_1"]), rtol=1e-5)
+        np.testing.assert_allclose(float(host["grad/norm/layer_0"]), np_norm(grads["layers_0"]), rtol=1e-6)
+        np.testing.assert_allclose(float(host["update/param_ratio/layer_1"]),
+                                   np_norm(updates["layers_1"]) / np_norm(params["layers_1"]), rtol=1e-5)
         # the device-side PackedMetrics (write fetches it) and the host copy say the same
         vitals.write(writer, i, rec if i % 2 else jax.device_get(rec))
     writer.flush()
     ev = read_events(tmp_path)
-    assert sorted(ev["grad/norm/layer_0"]) == [0, 4, 8]
-    assert sorted(ev["update/param_ratio/embedding"]) == [0, 4, 8]
+    assert sorted(ev["grad/Wq_abs.max"]) == [0, 4, 8]
+    assert sorted(ev["grad/W_up_rms/layer_1"]) == [0, 4, 8]
+    assert sorted(ev["grad/norm/layer_0"]) == list(range(9))
+    assert sorted(ev["update/param_ratio/embedding"]) == list(range(9))
     assert sorted(ev["grad/global_norm"]) == list(range(9))
-    assert sorted(ev["grad/norm/by_layer"]) == [0, 4, 8]
+    assert sorted(ev["grad/norm/by_layer"]) == list(range(9))
 
 
 def test_packed_metrics_freshness_survives_jit_device_get_pickle_and_merge():

@@ -71,6 +71,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jvitals.metrics import fold
 from jvitals.metrics.probes import (LogitsRows, LogitsSummary, attention_valid_mask, row_argmax, summarize_logits,
                                     vary_along)
 from jvitals.metrics.stats import (Summary, TokenSummary, check_axes, eager_jit, reduce, sharded_axes, summarize,
@@ -494,6 +495,13 @@ def activation_metrics(
     entries = _select(_collect(intermediates, "intermediates", "activation_metrics"), names)
     mask, labels, want_acc = _check_inputs(mask, labels, accuracy)
     tok = _token_shape(mask, labels, entries)
+    with fold.cpu_plain():   # the CPU's fastest form for these materialised tensors (fold.cpu_plain)
+        return _figures(entries, tok, mask, labels if want_acc else None, want_acc, axes, specs)
+
+
+def _figures(entries: dict[str, list[_Entry]], tok: Any, mask: jax.Array | None, labels: jax.Array | None,
+             want_acc: bool, axes: tuple[str, ...], specs: Any) -> dict[str, jax.Array]:
+    """:func:`activation_metrics`' figures from its checked inputs."""
     out: dict[str, jax.Array] = {}
     for name, (base, stats) in _LAYER_FAMILIES.items():
         if name in entries:
@@ -502,7 +510,7 @@ def activation_metrics(
             _emit_layers(out, base, stats, s)
     main = _logits_family(out, entries, tok, mask, axes, specs)
     if _MTP in entries or want_acc:
-        out.update(_agreement_family(entries, tok, mask, labels if want_acc else None, axes,
+        out.update(_agreement_family(entries, tok, mask, labels, axes,
                                      None if main is None else main.argmax, _MTP in entries))
     for name, items in entries.items():
         if name in _LAYER_FAMILIES or name in (_LOGITS, _MTP) or name in _NOT_HERE:

@@ -395,7 +395,8 @@ def sow_summary(module: Any, name: str, x: jax.Array, mask: jax.Array | None = N
     Returns:
       Whatever ``Module.sow`` returns (False when 'intermediates' is not mutable).
     """
-    return module.sow("intermediates", name, summarize(lax.stop_gradient(x), mask))
+    with fold.cpu_plain():   # the CPU's fastest form (fold.cpu_plain)
+        return module.sow("intermediates", name, summarize(lax.stop_gradient(x), mask))
 
 
 def logits_probe(module: Any, logits: jax.Array, mask: jax.Array | None = None,
@@ -471,7 +472,8 @@ def attn_logits_probe(module: Any, scores: jax.Array, mask: jax.Array | None = N
         valid = jnp.asarray(mask, bool)
     else:
         valid = attention_valid_mask(mask, scores.shape[-2], scores.shape[-1], scores.ndim, causal)
-    return module.sow("intermediates", name, summarize_max(scores, valid))
+    with fold.cpu_plain():
+        return module.sow("intermediates", name, summarize_max(scores, valid))
 
 
 def perturb_values(module: Any, v: jax.Array, name: str = "bos_value") -> jax.Array:

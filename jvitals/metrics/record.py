@@ -117,7 +117,11 @@ import optax
 from jax import lax
 
 from jvitals.metrics import gradients as _gradients
+from jvitals.metrics import light as _light
 from jvitals.metrics import stats as _stats
+from jvitals.metrics import window as _window
+from jvitals.metrics.chain import (SKIP_FIELD, _at, _clip_max_norm, _closure, _has_threshold, _is_optax_fn,  # noqa: F401
+                                   _leading_clip, _max_norm_of, _skipped, _unwrap)
 from jvitals.metrics.optimizer import LR_SCALE, LR_SCALE_ARG, injected_hyperparams
 from jvitals.metrics.packed import PackedMetrics
 from jvitals.metrics.roles import Roles
@@ -127,6 +131,7 @@ __all__ = ["RecordState", "record", "recorded", "recorded_steps", "DEFAULT_EVERY
 
 DEFAULT_EVERY: Mapping[str, int] = {"global": 1, "layers": 50}
 _FAMILIES = ("global", "layers")
+_READ = "read"   # last_step[_READ]: the update after which the host last read the window
 
 
 class RecordState(NamedTuple):
@@ -232,10 +237,11 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
     def init_fn(params: Any) -> RecordState:
         inner_state = inner.init(params) if inner is not None else optax.EmptyState()
         return RecordState(jnp.zeros([], jnp.int32), _empty_metrics(params, _plan(cfg, inner, inner_state), roles),
-                           {f: jnp.full((), -1, jnp.int32) for f in _FAMILIES}, inner_state)
+                           {f: jnp.full((), -1, jnp.int32) for f in _FAMILIES + (_READ,)}, inner_state)
 
     def update_fn(updates: Any, state: RecordState, params: Any = None, *,
-                  vitals_layers: bool | jax.Array | None = None, **extra: Any):
+                  vitals_layers: bool | jax.Array | None = None, vitals_read: bool | jax.Array | None = None,
+                  **extra: Any):
         if inner is not None:
             out, inner_state = inner.update(updates, state.inner_state, params, **extra)
         else:
@@ -243,20 +249,31 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
         step = _Step(grads=updates, out=out, params=params, count=state.count, inner_state=inner_state,
                      plan=_plan(cfg, inner, inner_state), outer=_outer_scale(extra),
                      names=state.metrics.names)
-        due, static = _due(cfg.cadence, state.count, vitals_layers)
-        vec, out_norm, heavy_static = _family_vector(cfg, step, state.metrics.vector[:len(step.names)], due,
-                                                     static, vitals_layers)
-        if heavy_static:
-            due["layers"] = jnp.asarray(True)
-        fresh = due["global"] | due["layers"]
-        vec = _set_outside(cfg, step, vec, state.metrics.vector[:len(step.names)], out_norm, fresh)
-        flags = PackedMetrics.flag_vector(state.metrics.flags, {"global": fresh, "layers": due["layers"]})
-        metrics = PackedMetrics(step.names, jnp.concatenate([vec, flags]), state.metrics.families)
-        last = {"global": jnp.where(fresh, state.count, state.last_step["global"]),
-                "layers": jnp.where(due["layers"], state.count, state.last_step["layers"])}
-        return out, RecordState(state.count + 1, metrics, last, inner_state)
+        return out, _recorded_state(cfg, step, state, vitals_layers, vitals_read, extra.get("loss"))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _recorded_state(cfg: "_Config", step: "_Step", state: RecordState, vitals_layers: Any, vitals_read: Any,
+                    loss: Any) -> RecordState:
+    """The recorder's state after one update: the due families' figures, the ones set
+    outside any conditional, the window (``loss``: the update's ``loss=``), the flags."""
+    due, static = _due(cfg.cadence, state.count, vitals_layers)
+    prev = state.metrics.vector[:len(step.names)]
+    vec, out_norm, heavy_static = _family_vector(cfg, step, prev, due, static, vitals_layers)
+    if heavy_static:
+        due["layers"] = jnp.asarray(True)
+    fresh = due["global"] | due["layers"]
+    vec = _set_outside(cfg, step, vec, prev, out_norm, fresh)
+    vec = _set_window(cfg, step, vec, state.last_step[_READ] >= state.count - 1, loss, fresh)
+    flags = PackedMetrics.flag_vector(state.metrics.flags, {
+        "global": fresh, "layers": due["layers"], "window": True, "window_loss": loss is not None})
+    metrics = PackedMetrics(step.names, jnp.concatenate([vec, flags]), state.metrics.families)
+    read = True if vitals_read is None else jnp.asarray(vitals_read, bool).reshape(())
+    last = {"global": jnp.where(fresh, state.count, state.last_step["global"]),
+            "layers": jnp.where(due["layers"], state.count, state.last_step["layers"]),
+            _READ: jnp.where(read, state.count, state.last_step[_READ])}
+    return RecordState(state.count + 1, metrics, last, step.inner_state)
 
 
 class _Config(NamedTuple):
@@ -267,7 +284,7 @@ class _Config(NamedTuple):
     axes: tuple[str, ...]
     cadence: dict[str, int]
     schedule: Any
-    lead: tuple[tuple[int, ...], Any, bool]  # _leading_clip(inner): path, max_norm, whole
+    lead: tuple[tuple[int | str, ...], Any, bool]  # _leading_clip(inner): path, max_norm, whole
     post: str
 
 
@@ -309,15 +326,17 @@ def _plan(cfg: _Config, inner: Any, inner_state: Any) -> _Plan:
 
 
 def _empty_metrics(params: Any, pl: _Plan, roles: Roles) -> PackedMetrics:
-    """Every name the recorder may fill (found by tracing the families on ``params``), NaN."""
+    """Every name the recorder may fill (found by tracing the families on ``params``), NaN;
+    the window's entries after them (empty)."""
     def names(p: Any) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
         # global view: no mesh axes are bound at init
         m = _gradients.gradient_metrics(p, params=p, updates=p if pl.update else None, roles=roles)
-        g = dict(_gradients.global_norm_metrics(p))
-        g["param/global_norm"] = m["param/global_norm"]
+        g = dict(_light.light_metrics(p, p, p if pl.update else None, roles=roles))
+        g.pop("update/nonfinite_count", None)
+        if not pl.update:
+            g = {k: v for k, v in g.items() if not k.startswith("update/")}
         one = m["grad/global_norm"]
         g.update(_clip_metrics(one, one, one if pl.clip == "threshold" else None) if pl.clip else {})
-        g.update(_update_metrics(one, one) if pl.update else {})
         if pl.lr:
             g[LR_NAME] = one
         return m, g
@@ -325,9 +344,14 @@ def _empty_metrics(params: Any, pl: _Plan, roles: Roles) -> PackedMetrics:
     heavy_names, light_names = jax.eval_shape(names, params)
     keys = list({**heavy_names, **light_names})
     families = ["global" if k in light_names else "layers" for k in keys]
+    win = _window.window_names(keys + ["loss"])
+    keys += win
+    families += ["window_loss" if k.startswith(_window.WINDOW_PREFIX + "loss.") else "window" for k in win]
     n_flags = len(dict.fromkeys(families))
-    return PackedMetrics(keys, jnp.concatenate([jnp.full((len(keys),), jnp.nan, jnp.float32),
-                                                jnp.zeros((n_flags,), jnp.float32)]), families)
+    empty = _window.empty_window(win)
+    vec = jnp.concatenate([jnp.full((len(keys) - len(win),), jnp.nan, jnp.float32),
+                           jnp.stack([empty[k] for k in win]), jnp.zeros((n_flags,), jnp.float32)])
+    return PackedMetrics(keys, vec, families)
 
 
 def _outer_scale(extra: Mapping[str, Any]) -> jax.Array | None:
@@ -383,11 +407,11 @@ def _family_vector(cfg: _Config, step: _Step, prev: jax.Array, due: Mapping[str,
     """The families' figures into the vector, and ``||out||`` where it is needed.
 
     Static per-layer flag: no cadence conditional (the light step's gradient norm
-    is the clip's, see :func:`jvitals.metrics.gradients.norm_metrics`; the per-layer
-    step reads gradient, parameter and output in one kernel per leaf). Traced cadence: a
-    ``lax.cond``/``lax.switch`` on the update count over the gradients and params
-    only (the outputs' norm outside it, so XLA need not hand them to the
-    conditional).
+    is the clip's and every group's figures come from the same per-leaf sums, see
+    :mod:`jvitals.metrics.light`; the per-layer step reads gradient, parameter and
+    output in one kernel per leaf). Traced cadence: a ``lax.cond``/``lax.switch`` on
+    the update count (the outputs' norm outside it, so XLA need not hand them to the
+    conditional for it).
 
     Returns:
       ``(vector, ||out|| or None, heavy_static)``.
@@ -396,18 +420,14 @@ def _family_vector(cfg: _Config, step: _Step, prev: jax.Array, due: Mapping[str,
     want_out = _needs_out_norm(step, heavy_static)
 
     def light(v: jax.Array) -> jax.Array:
-        return _fill(step, cfg.axes, _gradients.norm_metrics(step.grads, step.params, specs=cfg.specs,
-                                                             axes=cfg.axes), v)
+        return _fill(step, cfg.axes, _light_figures(cfg, step, True)[0], v)
 
     def heavy(v: jax.Array) -> jax.Array:
         return _fill(step, cfg.axes, _heavy_figures(cfg, step), v)
 
     if static is False and cfg.cadence["global"] == 1:
-        joint = _gradients.norm_metrics(step.grads, step.params, step.out if want_out else None,
-                                        specs=cfg.specs, axes=cfg.axes)
-        out_norm = _replicated({"n": joint["update/global_norm"]}, cfg.axes)["n"] if want_out else None
-        joint = {k: v for k, v in joint.items() if not k.startswith("update/")}  # set outside, scaled
-        return _fill(step, cfg.axes, joint, prev), out_norm, False
+        m, out_norm = _light_figures(cfg, step, want_out)
+        return _fill(step, cfg.axes, m, prev), out_norm, False
     out_norm = _out_norm(cfg, step.out) if want_out else None
     if heavy_static:
         return heavy(prev), out_norm, True
@@ -419,6 +439,51 @@ def _family_vector(cfg: _Config, step: _Step, prev: jax.Array, due: Mapping[str,
         return lax.cond(due["layers"], heavy, light, prev), out_norm, False
     which = jnp.where(due["layers"], 2, jnp.where(due["global"], 1, 0))
     return lax.switch(which, (lambda v: v, light, heavy), prev), out_norm, False
+
+
+_SET_OUTSIDE = ("update/global_norm", "update/param_ratio", "update/nonfinite_count")
+
+
+def _light_figures(cfg: _Config, step: _Step, with_out: bool) -> tuple[dict[str, jax.Array], jax.Array | None]:
+    """The light step's figures (:func:`jvitals.metrics.light.light_metrics`: global and
+    every group's, from one set of per-leaf sums) and ``||out||`` when ``with_out``.
+
+    The global update figures are left out (set outside, scaled, by :func:`_set_outside`);
+    the groups' update ratios are scaled by ``outer`` here, as the heavy step's are.
+    """
+    upd = with_out and step.with_updates
+    m = _light.light_metrics(step.grads, step.params, step.out if upd else None, roles=cfg.roles,
+                             specs=cfg.specs, axes=cfg.axes)
+    out_norm = None
+    if upd:
+        out_norm = _replicated({"n": m["update/global_norm"]}, cfg.axes)["n"]
+    elif with_out:
+        out_norm = _out_norm(cfg, step.out)
+    scale = step.outer if step.outer is not None else None
+    m = {k: (v * scale if scale is not None and k.startswith("update/") else v)
+         for k, v in m.items() if k not in _SET_OUTSIDE}
+    return m, out_norm
+
+
+def _set_window(cfg: _Config, step: _Step, vec: jax.Array, new: jax.Array, loss: Any,
+                fresh: jax.Array) -> jax.Array:
+    """The window's entries after this update (:mod:`jvitals.metrics.window`), where the
+    global figures are fresh: this update's loss (``loss=``, if given), gradient norm and
+    update ratio, whether any was non-finite, whether an in-step skip dropped it."""
+    index = {k: i for i, k in enumerate(step.names)}
+    loss_key = _window.WINDOW_PREFIX + "loss."
+    names = [k for k in step.names if k.startswith(_window.WINDOW_PREFIX)
+             and (loss is not None or not k.startswith(loss_key))]
+    if not names:
+        return vec
+    values = {f: vec[index[f]] for f in _window.WINDOW_FIGURES if f in index}
+    bad = ~jnp.isfinite(values["grad/global_norm"]) | (vec[index["grad/nonfinite_count"]] > 0)
+    if loss is not None:
+        values["loss"] = _replicated({"loss": jnp.asarray(loss, jnp.float32).reshape(())}, cfg.axes)["loss"]
+        bad = bad | ~jnp.isfinite(values["loss"])
+    at = jnp.array([index[k] for k in names])
+    w = _window.update_window({k: vec[index[k]] for k in names}, new, values, bad, _skipped(step.inner_state))
+    return vec.at[at].set(jnp.where(fresh, jnp.stack([w[k] for k in names]), vec[at]))
 
 
 def _out_norm(cfg: _Config, out: Any) -> jax.Array:
@@ -531,94 +596,6 @@ def _replicated(m: dict[str, jax.Array], axes: tuple[str, ...]) -> dict[str, jax
     vec = jnp.stack([_stats.make_varying(m[k].astype(jnp.float32), red) for k in keys])
     vec = lax.psum(vec, red) / math.prod(lax.axis_size(a) for a in red)
     return {**m, **{k: vec[i] for i, k in enumerate(keys)}}
-
-
-def _closure(fn: Any) -> dict[str, Any]:
-    try:
-        return {k: c.cell_contents for k, c in zip(fn.__code__.co_freevars, fn.__closure__ or ())}
-    except (AttributeError, ValueError):
-        return {}
-
-
-def _is_optax_fn(fn: Any, qualname: str) -> bool:
-    return (getattr(fn, "__qualname__", None) == qualname
-            and str(getattr(fn, "__module__", "")).startswith("optax"))
-
-
-def _unwrap(fn: Any) -> Any:
-    """The update function inside ``optax.with_extra_args_support`` wrappers."""
-    for _ in range(32):
-        if not _is_optax_fn(fn, "with_extra_args_support.<locals>.update"):
-            break
-        tx = _closure(fn).get("tx")
-        if tx is None:
-            break
-        fn = tx.update
-    return fn
-
-
-def _max_norm_of(fn: Any) -> Any:
-    """``max_norm`` if ``fn`` is the update of ``optax.clip_by_global_norm(max_norm)``, else None."""
-    if not _is_optax_fn(fn, "clip_by_global_norm.<locals>.update_fn"):
-        return None
-    value = _closure(fn).get("max_norm")
-    return value if isinstance(value, (int, float)) or getattr(value, "shape", None) == () else None
-
-
-def _clip_max_norm(inner: Any) -> Any:
-    """``max_norm`` if ``inner`` is ``optax.clip_by_global_norm(max_norm)``, else None.
-
-    Recognised by its update function (``clip_by_global_norm.<locals>.update_fn``
-    in optax, ``max_norm`` in its closure). Its output's norm is then
-    ``min(||g||, max_norm)``, known from the pre-clip norm without another pass
-    over the clipped gradients; any other transform's output is measured.
-    """
-    return _max_norm_of(getattr(inner, "update", None))
-
-
-def _leading_clip(inner: Any) -> tuple[tuple[int, ...], Any, bool]:
-    """Where the first transform applied by ``inner`` sits, and whether it is a known clip.
-
-    Follows ``optax.chain``'s first element (through nested chains and
-    ``with_extra_args_support`` wrappers), reading optax's closures.
-
-    Returns:
-      ``(path, max_norm, whole)``: ``path``, the indices of its state inside
-      ``inner``'s state (``()``: ``inner`` itself; ``(0,)``: a chain's first
-      element...); ``max_norm`` if it is an ``optax.clip_by_global_norm``, else
-      None (a clip with a ``clip_threshold`` state field is recognised from the
-      state); ``whole``: ``inner`` is that transform alone (every chain on the
-      way has one element).
-    """
-    if inner is None:
-        return (), None, True
-    fn = _unwrap(getattr(inner, "update", None))
-    path: tuple[int, ...] = ()
-    whole = True
-    for _ in range(32):
-        if not _is_optax_fn(fn, "chain.<locals>.update_fn"):
-            break
-        fns = _closure(fn).get("update_fns")
-        if not fns:
-            break
-        whole = whole and len(fns) == 1
-        path += (0,)
-        fn = _unwrap(fns[0])
-    return path, _max_norm_of(fn), whole
-
-
-def _at(state: Any, path: tuple[int, ...]) -> Any:
-    """``state[path[0]][path[1]]...`` (None where the state has no such element)."""
-    for i in path:
-        if not isinstance(state, tuple) or hasattr(state, "_fields") or len(state) <= i:
-            return None
-        state = state[i]
-    return state
-
-
-def _has_threshold(state: Any) -> bool:
-    """A clip's state: a NamedTuple with a ``clip_threshold`` field (e.g. ``AdaptiveClipState``)."""
-    return "clip_threshold" in getattr(state, "_fields", ())
 
 
 def _states(opt_state: Any) -> list[RecordState]:

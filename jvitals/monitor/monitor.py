@@ -17,7 +17,9 @@ escalates. Rules (every number a :class:`Policy` field)::
 
     rule            metric(s)                              level
     nonfinite       loss, grad/global_norm non-finite;     ORANGE
-                    grad/nonfinite_count > 0
+                    grad/nonfinite_count > 0; a non-finite
+                    step in the window since the last
+                    check (onset: its step)
     grad_norm       grad/global_norm / (reference x the    YELLOW, ORANGE
                     schedule's factor) > 2 (> 3) at 3      (3 checks running)
                     checks running; reference: the run's
@@ -47,8 +49,15 @@ escalates. Rules (every number a :class:`Policy` field)::
                     moe/dead_expert_ratio (+0.2) above its
                     baseline for 50 steps
     throughput      sys/tokens_per_sec (else               YELLOW
-                    sys/steps_per_sec) down > 45% for 40
-                    steps (vs its own slow level)
+                    sys/steps_per_sec) down beyond
+                    max(30%, 5 sd of its own noise) for
+                    40 steps (vs its own slow level)
+    skip            an update skipped in the step since    YELLOW (ORANGE
+                    the last check (the window)            when recurring)
+    early           before the baselines are armed: loss   ORANGE
+                    x2 / grad norm x10 the last checks'
+    data            the windows' mean loss rising while    YELLOW (no
+                    the optimizer's figures stay in band   rollback)
     loss_scale      opt/loss_scale falls >= 2**4 between   YELLOW
                     two checks or from its recent peak
     val_gap         val/gap (or val/loss - the train       YELLOW

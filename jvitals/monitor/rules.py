@@ -15,7 +15,8 @@ list[Change]``; ``state_dict``/``load_state_dict``/``rollback`` are optional.
 Rule table (every number a Policy field)::
 
     class               rule id          level    condition
-    NonFiniteRule       nonfinite        ORANGE   loss / grad norm non-finite, nonfinite count > 0
+    NonFiniteRule       nonfinite        ORANGE   loss / grad norm non-finite, nonfinite count > 0,
+      (between.py)                                a non-finite step in the window since the last check
     SpikeRule           loss_spike       YELLOW   a loss spike not back in its band after 300 steps
                         periodic_spike   YELLOW/  >= 3 loss spikes at near-regular intervals
                                          ORANGE   (intervals shrinking)
@@ -32,7 +33,11 @@ Rule table (every number a Policy field)::
     LogitRule           logits           YELLOW   attention / output logits rising beyond their drift
     RouterRule          router           YELLOW   moe/maxvio.max (+0.5) or moe/dead_expert_ratio
                                                   (+0.2) above its baseline for 50 steps
-    ThroughputRule      throughput       YELLOW   tokens/s (else steps/s) down > 45% for 40 steps
+    ThroughputRule      throughput       YELLOW   tokens/s (else steps/s) down beyond the run's own
+      (between.py)                                band (>= 20%, 5 sd of its noise) for 40 steps
+    SkipRule, EarlyRule, skip, early,    see   an update skipped in the step; a jump before the
+    DataRule (between)  data             between.py  baselines are armed; the loss rising with the
+                                                  optimizer calm (the data)
     LossScaleRule       loss_scale       YELLOW   loss scale falls >= 2**4 between two checks or
                                                   from its recent peak
     GapRule             val_gap          YELLOW   gap growth > 1.5x the growth before, above the
@@ -58,6 +63,8 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 
+from jvitals.monitor.between import (DataRule, EarlyRule, NonFiniteRule, SkipRule, ThroughputRule, WindowSpikes,
+                                     window_peak)
 from jvitals.monitor.policy import Policy
 from jvitals.monitor.replicas import ReplicaRule
 from jvitals.monitor.trackers import (
@@ -88,7 +95,9 @@ from jvitals.monitor.types import (
 __all__ = [
     "BrokenModelRule",
     "Change",
+    "DataRule",
     "DivergenceRule",
+    "EarlyRule",
     "Figures",
     "GapRule",
     "GroupRule",
@@ -99,10 +108,12 @@ __all__ = [
     "RatioRule",
     "RouterRule",
     "Rule",
+    "SkipRule",
     "SpikeRule",
     "ThroughputRule",
     "TrendRule",
     "ValRiseRule",
+    "WindowSpikes",
     "default_rules",
 ]
 
@@ -197,36 +208,6 @@ class Rule(Protocol):
 # --------------------------------------------------------------------------
 
 
-class NonFiniteRule(RuleBase):
-    """ORANGE while ``nonfinite_metrics`` are non-finite or
-    ``nonfinite_count_metrics`` are > 0 (judged from the first check)."""
-
-    name = "nonfinite"
-
-    def check(self, f: Figures) -> list[Change]:
-        out = []
-        for m in self.p.nonfinite_metrics:
-            v = f.get(m)
-            if v is None:
-                continue
-            if math.isfinite(v):
-                out.append(release("nonfinite", m))
-            else:
-                out.append(set_("nonfinite", m, Level.ORANGE, v, _NAN, _NAN,
-                                f"{m} is non-finite ({v}).", f"{m} went non-finite"))
-        for m in self.p.nonfinite_count_metrics:
-            v = f.get(m)
-            if v is None:
-                continue
-            if v == 0:
-                out.append(release("nonfinite", m))
-            else:
-                out.append(set_("nonfinite", m, Level.ORANGE, v, 0.0, _NAN,
-                                f"{m} = {v:g}: gradients hold non-finite elements.",
-                                "gradients went non-finite"))
-        return out
-
-
 class SpikeRule(RuleBase):
     """Spike anatomy, the unrecovered-spike YELLOW, periodic spikes, scores.
 
@@ -253,6 +234,10 @@ class SpikeRule(RuleBase):
             if v is None or not math.isfinite(v):
                 continue
             seen[m] = v
+            peak = window_peak(f, m)   # a spike between the checks, at its own step
+            if peak is not None and (tr.last_step is None or peak[0] > tr.last_step) and \
+                    tr.beyond(peak[1], f.warm, p):
+                f.spikes.extend(tr.observe(peak[0], peak[1], f.warm, p))
             f.spikes.extend(tr.observe(s, v, f.warm, p))
         for m in p.spike_alert_metrics:
             tr = self.trackers.get(m)
@@ -267,6 +252,9 @@ class SpikeRule(RuleBase):
             else:
                 if o is None:
                     out.append(clear("loss_spike", m))
+                continue
+            if f.notes.get("data"):      # the data rule holds: the loss is the data's, not the LR's
+                out.append(release("loss_spike", m))
                 continue
             ratio = v / ref if ref > 0 else _NAN
             out.append(set_(
@@ -1004,62 +992,6 @@ class RouterRule(RuleBase):
         return []
 
 
-class ThroughputRule(RuleBase):
-    """YELLOW when the first present ``throughput_metrics`` has been down more than
-    ``throughput_drop`` from its reference at every check for at least
-    ``throughput_hold_steps`` steps (a shared machine's dips are shorter); onset:
-    the first check of the drop. Held while down more than ``hysteresis x
-    throughput_drop``. The reference is a
-    :class:`~jvitals.monitor.trackers.DriftBaseline` learning only from checks
-    within the drop band (it follows a machine's slow changes, not a drop)."""
-
-    name = "throughput"
-    state_fields = ("baselines", "since")
-    state_types = {"baselines": DriftBaseline}
-
-    def __init__(self, policy: Policy) -> None:
-        super().__init__(policy)
-        self.baselines = {m: DriftBaseline() for m in policy.throughput_metrics}
-        self.since: dict[str, int] = {}
-
-    def check(self, f: Figures) -> list[Change]:
-        p, out, judged = self.p, [], False
-        for m in p.throughput_metrics:
-            v = f.get(m)
-            if v is None or not math.isfinite(v):
-                continue
-            ref, _ = self.baselines[m].step(f.t, f.step, v, p, f.start,
-                                            floor=1.0 - p.hysteresis * p.throughput_drop)
-            if judged or ref is None or not ref > 0:
-                continue
-            judged = True
-            drop = 1.0 - v / ref
-            is_open = f.active("throughput", m) is not None
-            if drop > p.throughput_drop or (is_open and drop > p.hysteresis * p.throughput_drop):
-                since = self.since.setdefault(m, f.step)
-                if not is_open and f.step - since < p.throughput_hold_steps:
-                    continue
-                out.append(set_("throughput", m, Level.YELLOW, v, ref, v / ref,
-                                f"{m} = {v:.4g} is {100 * drop:.0f}% below its baseline {ref:.4g} "
-                                f"since step {since} (yellow when down > "
-                                f"{100 * p.throughput_drop:.0f}% for {p.throughput_hold_steps} steps: "
-                                "Policy.throughput_drop, throughput_hold_steps).",
-                                f"{m} fell {100 * p.throughput_drop:.0f}%", onset=since))
-            else:
-                self.since.pop(m, None)
-                out.append(release("throughput", m))
-        return out
-
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        super().load_state_dict(d)
-        self.baselines = {m: self.baselines.get(m) or DriftBaseline()
-                          for m in self.p.throughput_metrics}
-
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
-        self.since = {}
-        return []
-
-
 class LossScaleRule(RuleBase):
     """YELLOW when the loss scale falls ``>= loss_scale_drop`` x between two
     consecutive checks, or collapses: ``>= loss_scale_drop`` x below its peak,
@@ -1498,7 +1430,8 @@ class DivergenceRule(RuleBase):
 
 def default_rules(policy: Policy) -> list[Any]:
     """The default rule list, in the order ``Monitor.update`` runs it."""
-    return [NonFiniteRule(policy), SpikeRule(policy), RatioRule(policy), TrendRule(policy),
-            JumpRule(policy), GroupRule(policy), LogitRule(policy), RouterRule(policy), ThroughputRule(policy),
-            LossScaleRule(policy), GapRule(policy), ValRiseRule(policy), BrokenModelRule(policy),
-            DivergenceRule(policy), ReplicaRule(policy)]
+    return [NonFiniteRule(policy), EarlyRule(policy), DataRule(policy), WindowSpikes(policy), SpikeRule(policy),
+            RatioRule(policy),
+            TrendRule(policy), JumpRule(policy), GroupRule(policy), LogitRule(policy), RouterRule(policy),
+            ThroughputRule(policy), SkipRule(policy), LossScaleRule(policy), GapRule(policy), ValRiseRule(policy),
+            BrokenModelRule(policy), DivergenceRule(policy), ReplicaRule(policy)]

@@ -658,6 +658,17 @@ class SpikeTracker:
             self.wsum = b * self.wsum + (1.0 - b)
         self.trend = a * self.trend + (1.0 - a) * v
 
+    def beyond(self, v: float, warm: bool, p: Policy) -> bool:
+        """Whether ``v`` would be above the onset band now (of the open spike, or of the
+        trend once the band is ready), without learning from it."""
+        o = self.open
+        if o is not None:
+            return v > o["pre_trend"] + _margin(o["pre_trend"], o["pre_scale"], p.spike_z, p.spike_min_ratio)
+        ready = self.n_active >= p.spike_min_samples or (self.n_active >= 5 and self.wsum >= 0.5)
+        trend = self.trend
+        return (not warm and ready and trend == trend
+                and v > trend + _margin(trend, self.scale, p.spike_z, p.spike_min_ratio))
+
     def observe(self, s: int, v: float, warm: bool, p: Policy) -> list[Spike]:
         """Feeds one finite sample; returns the spikes completed at this sample."""
         done: list[Spike] = []
@@ -864,7 +875,8 @@ class DriftBand:
     A departure opens (``anchor`` = the level it left, ``sign`` its direction):
 
     - **jump**: ``|d| >= max(log(jump), z * noise)``: confirmed at once (from the
-      second change on: the first one only teaches ``noise``);
+      second change on: the first one only teaches ``noise``; until 3 changes were learned
+      the ``z * noise`` term is left out: a sparse figure's first changes say little);
     - **step**: ``|d| > max(log(band), z * noise)``: a candidate;
     - **drift**: ``|c_W| > max(log(band), k * D_W, z * noise)`` for some ``W``: a
       candidate (``anchor = y(t - W)``; the noise term matters where samples are
@@ -970,7 +982,10 @@ class DriftBand:
             d = y - prev
             noise = self.noise
             zn = z * (noise if noise is not None else math.sqrt(self.var))
-            if abrupt and self.nvar and abs(d) >= max(math.log(jump), zn):
+            # Before 3 changes were learned (sparse samples: a heavy family every 500 steps)
+            # their spread says little: a jump needs only to be one.
+            zj = zn if noise is not None else 0.0
+            if abrupt and self.nvar and abs(d) >= max(math.log(jump), zj):
                 self._open(s, prev, d, "jump", confirm)
             elif abrupt and noise is not None and abs(d) > max(lband, zn):
                 self._open(s, prev, d, "step", 1)

@@ -271,6 +271,25 @@ PRESCRIPTIONS: Mapping[str, Prescription] = types.MappingProxyType({
         "a sick device or the data shard it read",
         "rotate the data shards between replicas to tell; if it stays on the replica, restart "
         "without its host"),
+    # Issue 35: what the README's cadence sees between two checks and before the baselines.
+    "data_quality": Prescription(
+        "loss rising while the gradient, update and parameter figures stay in their bands",
+        "the data: a degrading pipeline (corrupt, duplicated or off-distribution batches), not "
+        "the optimizer",
+        "inspect the recent batches and the data pipeline (sources, shuffling, tokenization); a "
+        "rollback does not help while the data stays bad: fix the data, then resume"),
+    "skipped_update": Prescription(
+        "an update skipped in the step (loss or gradient norm far outside the recent history, "
+        "or non-finite)",
+        "an outlying batch, or the first sign of an instability",
+        "inspect the batch at the skip's step; if skips recur, treat it as a divergence (lower "
+        "the learning rate, roll back)"),
+    "early_jump": Prescription(
+        "the loss or the gradient norm jumped before the baselines were armed",
+        "an oversized update or a broken batch early in the run (an LR spike, bad data, an "
+        "overflow)",
+        "restore the latest healthy checkpoint (or restart), check the learning rate, the "
+        "clipping and the batch"),
     "generic": Prescription(
         "a metric left its baseline",
         "see the localization for the earliest departing metric",
@@ -298,6 +317,9 @@ RULE_PRESCRIPTION: Mapping[str, str] = types.MappingProxyType({
     "divergence": "divergence",
     "rollback": "divergence",
     "replica": "replica_unknown",
+    "data": "data_quality",
+    "skip": "skipped_update",
+    "early": "early_jump",
 })
 """Rule id -> key of :data:`PRESCRIPTIONS`."""
 

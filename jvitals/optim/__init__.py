@@ -1,7 +1,7 @@
 """The optax remedies: what the guard (or a user) turns to when a vital is off.
 
 Learning-rate scales per group (``with_lr_scale``/``set_lr_scale``), layer-wise LR
-decay, an adaptive clip, QK-clip and the z-loss. They import ``jvitals.metrics`` (the
+decay, an adaptive clip, QK-clip, the z-loss and an in-step skip of outlying updates. They import ``jvitals.metrics`` (the
 parameter roles, the names the recorder reads) and nothing above it.
 """
 
@@ -31,6 +31,10 @@ from jvitals.optim.qk_clip import (
 from jvitals.optim.losses import (
     z_loss,
 )
+from jvitals.optim.skip import (
+    skip_step,
+    SkipStepState,
+)
 
 __all__ = [
     "adaptive_clip",
@@ -47,6 +51,8 @@ __all__ = [
     "LRGroupScaleState",
     "qk_clip",
     "set_lr_scale",
+    "skip_step",
+    "SkipStepState",
     "with_lr_scale",
     "z_loss",
 ]
