@@ -1,0 +1,27 @@
+"""The host side's verdicts, bit for bit: ``Policy()``'s defaults on the whole calibration
+corpus (every split and the fault suite's streams, 114 streams) at the README's cadence (a
+check every 50 steps, the heavy family every 500) and at every 10, each verdict written out
+whole (level, scores, every alert with every field and localization) and hashed per stream
+(``tests/verdict_digest.py``), against the digests recorded before the host side was
+reorganised (``tests/data/verdict_digests.json``, ``python tests/verdict_digest.py write``).
+A change of any verdict on any stream fails here and names the streams.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import verdict_digest as vd
+
+
+@pytest.mark.parametrize("cadence,heavy", vd.CADENCES)
+def test_default_policy_gives_the_recorded_verdicts_bit_for_bit(cadence, heavy):
+    want = json.loads(vd.GOLDEN.read_text())[f"{cadence}/{heavy}"]
+    got = vd.digests(cadences=((cadence, heavy),))[f"{cadence}/{heavy}"]
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    differ = sorted(k for k in want if got[k] != want[k])
+    assert not differ, (f"{len(differ)} of {len(want)} streams changed verdicts at checks every {cadence}: "
+                        f"{differ[:8]}; see one with: python tests/verdict_digest.py dump {differ[0]} "
+                        f"{cadence}/{heavy} OUT")
