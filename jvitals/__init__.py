@@ -17,7 +17,9 @@ The package is laid out as the data flows (imports run the same way, never back)
 - :mod:`jvitals.report`, what a person reads: :func:`write` (clu writers), the HTML
   report and ``jvitals report LOGDIR``.
 
-Every public name is re-exported here, flat, as optax does. See ``docs/METRICS.md``
+The names a training loop uses (those the README and ``docs/`` use) are re-exported
+here, flat, as optax does; each subpackage's ``__all__`` is its public API, and every
+name has one door (``tests/test_public_api.py`` pins them). See ``docs/METRICS.md``
 for every metric and ``docs/LAYOUT.md`` for the layout.
 """
 
@@ -117,35 +119,6 @@ from jvitals.report import (
 )
 
 __version__ = "0.1.0"
-
-# Code written against 0.1's flat layout keeps working: each old module path
-# (``jvitals.stats``, ``from jvitals.rollback import Rollback``, ...) is its new module.
-_FLAT_MODULES = {
-    "activations": "metrics.activations", "gradients": "metrics.gradients", "host": "metrics.host",
-    "moe": "metrics.moe", "optimizer": "metrics.optimizer", "packed": "metrics.packed",
-    "probes": "metrics.probes", "qkv": "metrics.qkv", "roles": "metrics.roles", "stats": "metrics.stats",
-    "clipping": "optim.clipping", "layer_decay": "optim.layer_decay", "losses": "optim.losses",
-    "lr_scale": "optim.lr_scale", "qk_clip": "optim.qk_clip",
-    "_monitor_localize": "monitor.localize", "_monitor_policy": "monitor.policy",
-    "_monitor_rules": "monitor.rules", "_monitor_trackers": "monitor.trackers", "_monitor_types": "monitor.types",
-    "checkpoints": "guard.checkpoints", "remedies": "guard.remedies", "rollback": "guard.rollback",
-    "cli": "report.cli", "writers": "report.writers",
-    # ``jvitals.record`` and ``jvitals.instrument`` stay the functions; their modules import by path.
-    "record": "metrics.record", "instrument": "metrics.instrument",
-}
-
-
-def _alias_flat_modules() -> None:
-    import importlib
-    import sys
-
-    for old, new in _FLAT_MODULES.items():
-        module = importlib.import_module(f"jvitals.{new}")
-        sys.modules.setdefault(f"jvitals.{old}", module)
-        globals().setdefault(old, module)
-
-
-_alias_flat_modules()
 
 __all__ = [
     "Action",

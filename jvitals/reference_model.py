@@ -60,6 +60,7 @@ import numpy as np
 from jax import lax
 
 from jvitals.metrics import probes
+from jvitals.metrics.paths import natural_key
 
 __all__ = [
     "Decoder",
@@ -469,9 +470,6 @@ def loss_fn(params: Any, batch: Mapping[str, jax.Array], cfg: ModelConfig,
     return loss, state.get("intermediates", {})
 
 
-def _natural(key: str) -> list:
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", key)]
-
 
 def update_expert_bias(params: Any, expert_counts: Any, rate: float) -> Any:
     """Aux-loss-free balancing: ``b_e += rate * sign(mean_e(c) - c_e)`` per MoE layer.
@@ -497,7 +495,7 @@ def update_expert_bias(params: Any, expert_counts: Any, rate: float) -> Any:
     """
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     paths = [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in flat]
-    bias_paths = sorted((p for p in paths if p.endswith("moe/expert_bias")), key=_natural)
+    bias_paths = sorted((p for p in paths if p.endswith("moe/expert_bias")), key=natural_key)
     if not bias_paths:
         raise ValueError("update_expert_bias: params hold no '.../moe/expert_bias' (not an MoE model)")
     by_path: dict[str, jax.Array] = {}

@@ -340,7 +340,7 @@ def test_update_and_global_norm_metrics_match_optax():
     assert set(g) == {"grad/global_norm_post_clip", "grad/nonfinite_count_post_clip"}
     np.testing.assert_allclose(g["grad/global_norm_post_clip"], optax.tree.norm(grads), rtol=1e-6)
     np.testing.assert_allclose(jax.jit(global_norm)(grads), optax.tree.norm(grads), rtol=1e-6)
-    m2 = jax.eval_shape(lambda t: gradient_metrics(t, per_layer=False, per_role=False), grads)
+    m2 = jax.eval_shape(lambda t: gradient_metrics(t, per=()), grads)
     assert set(m2) == {"grad/global_norm", "grad/nonfinite_count"}
 
 

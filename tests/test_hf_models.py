@@ -25,7 +25,8 @@ tf = pytest.importorskip("transformers")
 from jvitals.metrics.activations import activation_metrics  # noqa: E402
 from jvitals.metrics.gradients import gradient_metrics  # noqa: E402
 from jvitals.metrics.instrument import instrument  # noqa: E402
-from jvitals.metrics.roles import QKVSplit, Roles, explain_roles  # noqa: E402
+from jvitals.metrics.roles import QKVSplit, Roles  # noqa: E402
+from jvitals.metrics.explain import explain_roles
 
 B, T, V, D, H, L = 2, 8, 64, 32, 4, 2
 DH = D // H

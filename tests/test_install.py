@@ -10,7 +10,7 @@ import sys
 
 
 def test_base_import_needs_neither_clu_nor_tensorflow():
-    code = ("import sys, jvitals, jvitals.monitor, jvitals.rollback, jvitals.writers, jvitals.instrument; "
+    code = ("import sys, jvitals, jvitals.monitor, jvitals.guard.rollback, jvitals.report.writers, jvitals.metrics.instrument; "
             "print(sorted(m for m in ('clu', 'tensorflow', 'tensorboard', 'matplotlib', 'transformers') "
             "if m in sys.modules))")
     env = dict(os.environ, JAX_PLATFORMS="cpu")

@@ -10,7 +10,7 @@ import pytest
 
 from jvitals.optim.layer_decay import layer_decay_factors, layerwise_lr_decay
 from jvitals.reference_model import ModelConfig, init_params
-from jvitals.metrics.roles import path_str
+from jvitals.metrics.paths import path_str
 
 import hf_trees
 

@@ -145,19 +145,3 @@ def test_the_monitor_package_runs_without_jax_and_the_guard_without_the_report()
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-
-
-def test_code_written_for_the_flat_layout_still_imports():
-    """0.1's module paths are aliases of the new modules (the same objects)."""
-    import importlib
-
-    import jvitals as vitals
-
-    for old, new in vitals._FLAT_MODULES.items():
-        assert importlib.import_module(f"jvitals.{old}") is importlib.import_module(f"jvitals.{new}"), old
-    from jvitals.rollback import Rollback
-    from jvitals.stats import summarize_max
-
-    assert Rollback is vitals.Rollback and summarize_max is vitals.metrics.stats.summarize_max
-    assert vitals.stats is vitals.metrics.stats and vitals.probes.sow_summary is vitals.sow_summary
-    assert callable(vitals.record) and callable(vitals.instrument)  # the functions, not their modules

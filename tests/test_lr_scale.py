@@ -201,7 +201,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import hf_trees  # noqa: E402
 
 from jvitals.optim.lr_scale import LRGroupScaleState, get_lr_scales  # noqa: E402
-from jvitals.metrics.roles import path_str  # noqa: E402
+from jvitals.metrics.paths import path_str  # noqa: E402
 
 
 def _labels(params):

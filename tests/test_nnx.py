@@ -23,7 +23,7 @@ from flax import nnx
 
 import jvitals as vitals
 import nnx_models as nm
-from jvitals.metrics.roles import path_str
+from jvitals.metrics.paths import path_str
 
 # tunix's model files use APIs their dependencies now deprecate (Variable.value, sharding=,
 # jax.experimental.shard_map, pxla.thread_resources): not ours to fix, kept out of the report.

@@ -10,7 +10,7 @@ import pytest
 
 from jvitals.optim.qk_clip import qk_clip
 from jvitals.reference_model import Decoder, ModelConfig, init_params, make_batch
-from jvitals.metrics.roles import path_str
+from jvitals.metrics.paths import path_str
 
 import hf_trees
 

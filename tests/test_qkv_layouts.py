@@ -62,7 +62,7 @@ def test_split_merge_roundtrip_and_numpy(h, kvh):
     ref = _falcon_parts(np.asarray(w), h, kvh_)
     for got, want in zip((q, k, v), ref):
         np.testing.assert_array_equal(got, want.reshape(D, -1))
-    np.testing.assert_array_equal(merge_qkv(q, k, v, split, fused_shape=w.shape), w)
+    np.testing.assert_array_equal(merge_qkv((q, k, v), split, fused_shape=w.shape), w)
     ids = qkv_part_ids(qkv_layout(w.shape, split))
     for j, want in enumerate(ref):
         np.testing.assert_array_equal(np.asarray(w)[:, ids == j], want.reshape(D, -1))
@@ -73,9 +73,9 @@ def test_split_contiguous_and_stacked():
     q, k, v = split_qkv(w, QKVSplit(), stack_axis=0)
     np.testing.assert_array_equal(q, w[..., :D])
     np.testing.assert_array_equal(v, w[..., 2 * D:])
-    np.testing.assert_array_equal(merge_qkv(q, k, v, QKVSplit(), stack_axis=0, fused_shape=w.shape), w)
+    np.testing.assert_array_equal(merge_qkv((q, k, v), QKVSplit(), stack_axis=0, fused_shape=w.shape), w)
     with pytest.raises(ValueError, match="fused_shape"):
-        merge_qkv(q, k, v)
+        merge_qkv((q, k, v))
     w2 = _rand((3 * D, D))  # GPT-2 Conv1D [3D, D]: split axis 0
     for got, want in zip(split_qkv(w2), _gpt2_parts(np.asarray(w2))):
         np.testing.assert_array_equal(got, want)
@@ -145,7 +145,7 @@ def test_interleaved_split_axis_sharded(devices):
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(spec,), out_specs=P())
     def f(gl):
-        return gradient_metrics(gl, roles=roles, specs=spec, axes=("model",), per_layer=False)
+        return gradient_metrics(gl, roles=roles, specs=spec, axes=("model",), per=("role",))
 
     m = jax.device_get(f(g))
     w = np.asarray(g["h"]["0"]["self_attention"]["query_key_value"]["kernel"])

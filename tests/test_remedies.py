@@ -194,7 +194,8 @@ def test_guard_applies_records_checkpoints_and_resumes_the_remedies(tmp_path):
     (msg,) = [a.message for a in r.alerts if a.rule == "rollback"]
     assert "applied: embedding LR x0.5; QK-clip at tau=20" in msg
     pytest.importorskip("matplotlib")
-    from jvitals.report import Run, build_html
+    from jvitals.report import Run
+    from jvitals.report.page import build_html
     run = Run(str(tmp_path), [], {"loss": (np.arange(41), np.ones(41))}, {}, {}, [], [ev], {}, [])
     page = build_html(run)
     assert "<th>remedies applied</th>" in page and "<td>embedding LR x0.5; QK-clip at tau=20" in page

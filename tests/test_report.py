@@ -184,7 +184,7 @@ def test_rewritten_step_keeps_the_last_value(tmp_path):
     np.testing.assert_array_equal(run.scalars["loss"][1], [0, 1, 2, 13, 14, 15])
     np.testing.assert_array_equal(run.superseded["loss"][1], [3, 4])
     assert run.alerts == [] and any("not valid JSON" in x for x in run.warnings)
-    doc = report.build_html(run)
+    doc = report.page.build_html(run)
     assert "<b>" not in doc and "not json &lt;b&gt;" in doc
 
 
@@ -227,9 +227,9 @@ def test_report_content(doc, run):
 
 
 def test_checkup_items(run):
-    assert report.run_phase(run) == "middle"
-    assert report.run_phase(run, total_steps=2000) == "late"
-    assert report.run_phase(run, total_steps=10_000) == "middle"
+    assert report.guide.run_phase(run) == "middle"
+    assert report.guide.run_phase(run, total_steps=2000) == "late"
+    assert report.guide.run_phase(run, total_steps=10_000) == "middle"
     items = {(it.phase, it.text): it for it in report.checkup(run, all_phases=True)}
     assert len(items) == len(guide.CHECKLIST)
     by_text = {t: it for (_, t), it in items.items()}
@@ -331,7 +331,7 @@ def test_checkup_failures_late_phase():
     val = np.array([3.0, 2.8, 2.6, 2.5, 2.45, 2.5, 2.6, 2.7, 2.8])
     run = _run({"loss": (steps, loss), "opt/loss_scale": (steps, scale), "val/loss": (val_steps, val)},
                events=[{"event": "save", "step": 500}])
-    assert report.run_phase(run) == "middle" and report.run_phase(run, total_steps=5000) == "late"
+    assert report.guide.run_phase(run) == "middle" and report.guide.run_phase(run, total_steps=5000) == "late"
     items = {it.text: it for it in report.checkup(run, total_steps=5000, all_phases=True)}
     assert items["The loss scale is stable"].status == "FAILED"
     assert items["Validation loss has not started to rise (if it has, consider stopping early)"].status == "FAILED"
@@ -339,7 +339,7 @@ def test_checkup_failures_late_phase():
     assert items["Checkpoints are being saved as expected"].status == "FAILED"
     assert items["The final checkpoint has had a full evaluation"].status == "NOT MEASURED"
     assert items["The loss descent rate matches the learning-rate schedule"].status == "NOT MEASURED"
-    doc = report.build_html(run, total_steps=5000)
+    doc = report.page.build_html(run, total_steps=5000)
     assert "late <span class='muted'>(this run&#x27;s phase; window steps 2500-4000)" in doc
 
 
@@ -362,11 +362,11 @@ def test_alert_row_shows_its_peak_message_and_the_title_names_the_run(tmp_path):
     (alert,) = run.alerts
     assert alert["peak_level"] == "ORANGE" and alert["message"] == "[ORANGE] 3.5x"
     assert alert["step"] == 20 and alert["logged_step"] == 10
-    doc = report.build_html(run)
+    doc = report.page.build_html(run)
     assert "<title>jvitals report: my_run</title>" in doc
     assert "[ORANGE] 3.5x" in doc and "[YELLOW] 2.1x" not in doc
-    assert report.run_name("/x/runs/quickstart/logs") == "quickstart"
-    assert report.run_name("/x/exp7") == "exp7"
+    assert report.run.run_name("/x/runs/quickstart/logs") == "quickstart"
+    assert report.run.run_name("/x/exp7") == "exp7"
 
 
 def test_per_layer_figures_drawn_at_their_own_steps(tmp_path):
@@ -392,7 +392,7 @@ def test_per_layer_figures_drawn_at_their_own_steps(tmp_path):
         np.testing.assert_array_equal(ln.get_xdata(), np.arange(0, 101, 10))
         np.testing.assert_allclose(ln.get_ydata(), [1.0 + i + s / 100 for s in range(0, 101, 10)])
         assert ln.get_marker() == "."
-    layers, steps, mat, _ = report.share_matrix(run)
+    layers, steps, mat, _ = report.plots.share_matrix(run)
     np.testing.assert_array_equal(steps, np.arange(0, 101, 10))
     norms = np.array([[1.0 + i + s / 100 for s in range(0, 101, 10)] for i in range(3)])
     np.testing.assert_allclose(mat, norms ** 2 / (norms ** 2).sum(0), rtol=1e-6)
@@ -490,7 +490,7 @@ def test_readme_loop_as_written_report_shows_the_rollback_and_lr_scale(tmp_path)
     rb = run.rollbacks()
     assert len(rb) == n and all(r.get("to_step") is not None and r["to_step"] < 60 for r in rb)
     assert rb[0]["step"] > 60 and steps[np.argmax(counts > 0)] == rb[0]["step"]
-    doc = report.build_html(run)
+    doc = report.page.build_html(run)
     assert "<td>rollbacks</td><td>%d</td>" % n in doc
     assert "LR scale</td><td>1 -&gt; 0.9 from step %d" % rb[0]["step"] in doc
     assert "not measured (no rollback/lr_scale" not in doc

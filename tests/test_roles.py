@@ -7,7 +7,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jvitals.metrics.roles import QKVSplit, Roles, assign_roles, explain_roles
+from jvitals.metrics.roles import QKVSplit, Roles, assign_roles
+
+from jvitals.metrics.explain import explain_roles
 
 S = jax.ShapeDtypeStruct
 

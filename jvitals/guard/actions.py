@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import optax
 
-from jvitals.metrics.roles import leaves_by_path, path_str
+from jvitals.metrics.paths import leaves_by_path, path_str
 from jvitals.metrics.variables import holds_variables
 from jvitals.optim.lr_scale import has_lr_scale, set_lr_scale
 from jvitals.guard.remedies import check_regex

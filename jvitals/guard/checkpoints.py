@@ -59,7 +59,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jvitals.metrics.roles import path_str
+from jvitals.metrics.paths import path_str
 from jvitals.monitor.types import Level
 from jvitals.guard.target import CheckpointInfo, is_healthy, level_name
 

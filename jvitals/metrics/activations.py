@@ -64,18 +64,18 @@ need whole sequences on each shard: shard the batch axis, not the sequence.
 
 from __future__ import annotations
 
-import re
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jvitals.metrics import fold
-from jvitals.metrics.probes import (LogitsRows, LogitsSummary, attention_valid_mask, row_argmax, summarize_logits,
-                                    vary_along)
-from jvitals.metrics.stats import (Summary, TokenSummary, check_axes, eager_jit, reduce, sharded_axes, summarize,
-                                   summarize_many, summarize_max, varying_axes)
+from jvitals.metrics.probes import (LogitsRows, LogitsSummary, attention_valid_mask, row_argmax, summarize_logits)
+from jvitals.metrics.stats import (Summary, TokenSummary, eager_jit, summarize, summarize_many, summarize_max)
+from jvitals.metrics.axes import check_axes
+from jvitals.metrics.sown import (Entry, Tokens, cat, collect, red_axes, reduce_over, stacked_layout, token_shape,
+                                  token_stacked)
 
 __all__ = ["activation_metrics", "bos_value_grad_metrics", "mtp_metrics"]
 
@@ -91,164 +91,12 @@ _LAYER_FAMILIES: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {
 _LOGITS, _MTP = "logits", "mtp_logits"
 _NOT_HERE = frozenset({"expert_counts"})  # read by the MoE metrics
 
-_Entry = tuple[str, Any]  # (module path, one sown value)
-
 
 # ----------------------------------------------------------------------------------
-# Reading the sown tree.
+# Layer summaries (reading the sown tree: sown.py).
 
 
-def _natural(s: str) -> list:
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s)]
-
-
-def _plain(tree: Any) -> Any:
-    """NNX ``State`` -> pure dict; anything else unchanged."""
-    try:
-        from flax import nnx
-    except Exception:  # pragma: no cover
-        return tree
-    if isinstance(tree, nnx.State):
-        return nnx.to_pure_dict(tree)
-    return tree
-
-
-def _unwrap(v: Any) -> Any:
-    """An NNX ``Variable`` leaf -> its value."""
-    try:
-        from flax import nnx
-    except Exception:  # pragma: no cover
-        return v
-    if isinstance(v, nnx.Variable):
-        return v.get_value() if hasattr(v, "get_value") else v.value
-    return v
-
-
-def _collect(tree: Any, collection: str, who: str) -> dict[str, list[_Entry]]:
-    """Group every sown value by its leaf NAME, in model order (see module docstring)."""
-    tree = _plain(tree)
-    if not isinstance(tree, Mapping):
-        raise TypeError(
-            f"{who}: expected the sown '{collection}' dict (Linen: the '{collection}' entry "
-            f"of apply(..., mutable=['{collection}']); NNX: the State nnx.capture returns), "
-            f"got {type(tree).__name__}.")
-    if collection in tree and isinstance(_plain(tree[collection]), Mapping):
-        tree = _plain(tree[collection])
-    found: dict[str, list[tuple[list, int, str, Any]]] = {}
-
-    def walk(node: Mapping, path: tuple[str, ...]) -> None:
-        for key, value in node.items():
-            value = _plain(_unwrap(value))
-            p = path + (str(key),)
-            if isinstance(value, Mapping):
-                walk(value, p)
-                continue
-            items = value if type(value) in (tuple, list) else (value,)
-            for j, item in enumerate(items):
-                found.setdefault(str(key), []).append(
-                    ([_natural(c) for c in p], j, "/".join(p), _unwrap(item)))
-
-    walk(tree, ())
-    out = {name: [(path, v) for _, _, path, v in sorted(items, key=lambda e: (e[0], e[1]))]
-           for name, items in found.items()}
-    # A model that sows a NAME itself keeps its values: instrument()'s per-token
-    # summaries of that NAME are dropped (else every layer would count twice).
-    for name, items in out.items():
-        own = [e for e in items if not _from_instrument(e[1])]
-        if own and len(own) < len(items):
-            out[name] = own
-    return out
-
-
-def _from_instrument(v: Any) -> bool:
-    """What jvitals.instrument sows: per-token summaries (never raw arrays)."""
-    return isinstance(v, (TokenSummary, LogitsRows)) or type(v).__name__ == "ExpertChoices"
-
-
-def _axes(axes: Sequence[str] | str) -> tuple[str, ...]:
-    """Normalise ``axes`` and check each is bound (clear error outside ``shard_map``)."""
-    return check_axes(axes)
-
-
-def _red_axes(name: str, arrays: Iterable[Any], axes: tuple[str, ...],
-              specs: Mapping[str, PartitionSpec | None] | None) -> tuple[str, ...]:
-    """Mesh axes the statistics of ``name`` are reduced over."""
-    if not axes:
-        return ()
-    if specs is not None and name in specs:
-        return sharded_axes(specs[name], axes)
-    out: set[str] = set()
-    for a in jax.tree.leaves(list(arrays)):
-        out.update(varying_axes(a, axes))
-    return tuple(a for a in axes if a in out)
-
-
-def _reduce(tree: Any, red: tuple[str, ...]) -> Any:
-    return reduce(vary_along(tree, red), red) if red else tree
-
-
-def _cat(summaries: list[Summary]) -> Summary:
-    return jax.tree.map(lambda *a: jnp.concatenate([jnp.reshape(x, (-1,)) for x in a]), *summaries)
-
-
-# ----------------------------------------------------------------------------------
-# Token shape and layer layout.
-
-
-class _Tokens:
-    """The ``[B, T]`` token shape every token-shaped value is checked against."""
-
-    def __init__(self, shape: tuple[int, ...] | None, source: str):
-        self.shape = shape
-        self.source = source
-
-    def describe(self) -> str:
-        return f"{self.source} has shape {self.shape}"
-
-
-def _token_shape(mask: Any, labels: Any, entries: Mapping[str, list[_Entry]]) -> _Tokens:
-    if mask is not None:
-        return _Tokens(tuple(mask.shape), "mask")
-    if labels is not None:
-        return _Tokens(tuple(labels.shape), "labels")
-    for path, v in entries.get(_LOGITS, []):
-        if isinstance(v, (LogitsSummary, LogitsRows)):
-            return _Tokens(tuple(v.argmax.shape), f"the probed logits' argmax at '{path}'")
-        if hasattr(v, "shape") and len(v.shape) >= 2:
-            return _Tokens(tuple(v.shape[:-1]), f"the logits [B, T, V] at '{path}'")
-    return _Tokens(None, "no mask")
-
-
-def _stacked(name: str, shape: tuple[int, ...], tok: _Tokens, path: str, strict: bool) -> bool | None:
-    """True: ``(L, *S, ...)``; False: ``(*S, ...)``; None: not token-shaped (generic only)."""
-    rank = len(shape)
-    if tok.shape is None:
-        return rank >= {"hidden_states": 4, "attn_logits": 5}.get(name, 10**9)
-    s = tok.shape
-    n = len(s)
-    if name == "attn_logits":
-        b, t = (s[0], s[-1]) if n == 2 else (None, None)
-        tail = rank >= 3 and shape[-2:] == (t, t)
-        one = tail and shape[0] == b
-        many = tail and rank >= 4 and shape[1] == b
-        what = f"[B, ..., T, T] = ({b}, ..., {t}, {t})"
-    else:
-        one = shape[:n] == s
-        many = rank > n and shape[1:n + 1] == s
-        what = f"[B, T, ...] = ({', '.join(map(str, s))}, ...)"
-    if one and many:
-        return rank >= {"hidden_states": n + 2, "attn_logits": 5}.get(name, 10**9)
-    if one or many:
-        return many
-    if not strict:
-        return None
-    raise ValueError(
-        f"activation_metrics: {tok.describe()} but the sown '{name}' value at '{path}' has "
-        f"shape {shape}; expected {what} (or with a leading layer axis when nn.scan-stacked). "
-        f"Pass a [B, T] mask (True = valid) matching the model's tokens.")
-
-
-def _layer_summaries(name: str, entries: list[_Entry], tok: _Tokens, mask: Any,
+def _layer_summaries(name: str, entries: list[Entry], tok: Tokens, mask: Any,
                      strict: bool) -> Summary:
     """One ``Summary`` per instance, concatenated: fields of shape ``(n_instances,)``."""
     out = []
@@ -261,7 +109,7 @@ def _layer_summaries(name: str, entries: list[_Entry], tok: _Tokens, mask: Any,
             out.append(v)
             continue
         if isinstance(v, TokenSummary):
-            stacked = _token_stacked(name, v.shape, tok, path)
+            stacked = token_stacked(name, v.shape, tok, path)
             m = mask if mask is not None and stacked is not None else None
             out.append(v.masked(m, axis=0 if stacked else None))
             continue
@@ -269,7 +117,7 @@ def _layer_summaries(name: str, entries: list[_Entry], tok: _Tokens, mask: Any,
             raise ValueError(f"activation_metrics: a {type(v).__name__} was sown as '{name}' at '{path}'; "
                              f"logits probes belong under 'logits' or 'mtp_logits'.")
         x = jnp.asarray(v)
-        stacked = _stacked(name, tuple(x.shape), tok, path, strict)
+        stacked = stacked_layout(name, tuple(x.shape), tok, path, strict)
         axis = 0 if stacked else None
         if name == "attn_logits":
             lead = 1 if stacked else 0
@@ -283,26 +131,7 @@ def _layer_summaries(name: str, entries: list[_Entry], tok: _Tokens, mask: Any,
             out.append(summarize(x, axis=axis))
         else:
             out.append(summarize(x, mask, axis=axis))
-    return _cat(out)
-
-
-def _token_stacked(name: str, shape: tuple[int, ...], tok: _Tokens, path: str) -> bool | None:
-    """A per-token summary's fields: ``S`` (False) or ``(L, *S)`` (True); None if not
-    token-shaped (then summarised whole, unmasked)."""
-    if tok.shape is None:
-        return len(shape) >= 3
-    s = tok.shape
-    n = len(s)
-    one = shape[:n] == s
-    many = len(shape) > n and shape[1:n + 1] == s
-    if one and many:
-        return len(shape) > n
-    if one or many:
-        return many
-    raise ValueError(
-        f"activation_metrics: {tok.describe()} but the per-token summary sown as '{name}' at '{path}' "
-        f"covers positions of shape {shape}; expected [B, T] = {s} (or a leading layer axis when "
-        f"nn.scan-stacked). Pass the [B, T] mask (True = valid) of the tokens this apply ran on.")
+    return cat(out)
 
 
 def _emit_layers(out: dict, base: str, stats: Sequence[tuple[str, str]], s: Summary,
@@ -325,7 +154,7 @@ def _emit_layers(out: dict, base: str, stats: Sequence[tuple[str, str]], s: Summ
 # Logits, MTP and accuracies.
 
 
-def _logits_summary(path: str, v: Any, tok: _Tokens, mask: Any, name: str) -> LogitsSummary:
+def _logits_summary(path: str, v: Any, tok: Tokens, mask: Any, name: str) -> LogitsSummary:
     if isinstance(v, LogitsSummary):
         return v
     if isinstance(v, LogitsRows):
@@ -348,7 +177,7 @@ def _logits_summary(path: str, v: Any, tok: _Tokens, mask: Any, name: str) -> Lo
     return summarize_logits(x, mask)
 
 
-def _argmaxes(name: str, entries: list[_Entry], tok: _Tokens) -> list[jax.Array]:
+def _argmaxes(name: str, entries: list[Entry], tok: Tokens) -> list[jax.Array]:
     """Per-position argmax ``[B, T]`` of each instance (stacked ``(K, B, T[, V])`` split)."""
     out = []
     for path, v in entries:
@@ -374,7 +203,7 @@ def _argmaxes(name: str, entries: list[_Entry], tok: _Tokens) -> list[jax.Array]
 
 
 def _indicator_mean(hit: jax.Array, valid: jax.Array, red: tuple[str, ...]) -> jax.Array:
-    return _reduce(summarize(hit.astype(_F32), valid), red).mean
+    return reduce_over(summarize(hit.astype(_F32), valid), red).mean
 
 
 @eager_jit(static_argnames=("axes",))
@@ -404,11 +233,11 @@ def mtp_metrics(main_argmax: jax.Array, mtp_argmax: Sequence[jax.Array], *,
       ``act/mtp_{k}_lm_head_top1_agreement``; with labels also
       ``act/lm_head_top1_accuracy`` and ``act/mtp_{k}_top1_accuracy``.
     """
-    axes = _axes(axes)
+    axes = check_axes(axes)
     main = jnp.asarray(main_argmax)
     b, t = main.shape
     valid = jnp.ones((b, t), bool) if mask is None else jnp.asarray(mask, bool)
-    red = _red_axes("mtp_logits", [main, valid, *mtp_argmax] + ([labels] if labels is not None else []),
+    red = red_axes("mtp_logits", [main, valid, *mtp_argmax] + ([labels] if labels is not None else []),
                     axes, None)
     out: dict[str, jax.Array] = {}
     if labels is not None:
@@ -491,22 +320,22 @@ def activation_metrics(
       >>> m = activation_metrics(sown, mask=mask, labels=labels)
       >>> m["act/hidden_states_rms.avg"], m["act/hidden_states_rms/layer_0"]
     """
-    axes = _axes(axes)
-    entries = _select(_collect(intermediates, "intermediates", "activation_metrics"), names)
+    axes = check_axes(axes)
+    entries = _select(collect(intermediates, "intermediates", "activation_metrics"), names)
     mask, labels, want_acc = _check_inputs(mask, labels, accuracy)
-    tok = _token_shape(mask, labels, entries)
+    tok = token_shape(mask, labels, entries)
     with fold.cpu_plain():   # the CPU's fastest form for these materialised tensors (fold.cpu_plain)
         return _figures(entries, tok, mask, labels if want_acc else None, want_acc, axes, specs)
 
 
-def _figures(entries: dict[str, list[_Entry]], tok: Any, mask: jax.Array | None, labels: jax.Array | None,
+def _figures(entries: dict[str, list[Entry]], tok: Any, mask: jax.Array | None, labels: jax.Array | None,
              want_acc: bool, axes: tuple[str, ...], specs: Any) -> dict[str, jax.Array]:
     """:func:`activation_metrics`' figures from its checked inputs."""
     out: dict[str, jax.Array] = {}
     for name, (base, stats) in _LAYER_FAMILIES.items():
         if name in entries:
             s = _layer_summaries(name, entries[name], tok, mask, strict=True)
-            s = _reduce(s, _red_axes(name, [[v for _, v in entries[name]], mask], axes, specs))
+            s = reduce_over(s, red_axes(name, [[v for _, v in entries[name]], mask], axes, specs))
             _emit_layers(out, base, stats, s)
     main = _logits_family(out, entries, tok, mask, axes, specs)
     if _MTP in entries or want_acc:
@@ -516,12 +345,12 @@ def _figures(entries: dict[str, list[_Entry]], tok: Any, mask: jax.Array | None,
         if name in _LAYER_FAMILIES or name in (_LOGITS, _MTP) or name in _NOT_HERE:
             continue
         s = _layer_summaries(name, items, tok, mask, strict=False)
-        s = _reduce(s, _red_axes(name, [[v for _, v in items], mask], axes, specs))
+        s = reduce_over(s, red_axes(name, [[v for _, v in items], mask], axes, specs))
         _emit_generic(out, f"act/{name}", s)
     return out
 
 
-def _select(entries: dict[str, list[_Entry]], names: Sequence[str] | None) -> dict[str, list[_Entry]]:
+def _select(entries: dict[str, list[Entry]], names: Sequence[str] | None) -> dict[str, list[Entry]]:
     """The sown entries to read (``names``, each of which must be present; None: all).
 
     Raises:
@@ -561,7 +390,7 @@ def _check_inputs(mask: Any, labels: Any, accuracy: bool | None) -> tuple[Any, A
     return mask, labels, labels is not None if accuracy is None else bool(accuracy)
 
 
-def _logits_family(out: dict, entries: Mapping[str, list[_Entry]], tok: _Tokens, mask: Any,
+def _logits_family(out: dict, entries: Mapping[str, list[Entry]], tok: Tokens, mask: Any,
                    axes: tuple[str, ...], specs: Any) -> LogitsSummary | None:
     """The output layer's ``act/output_layer_*`` figures into ``out``; returns the
     (reduced) :class:`LogitsSummary`, whose local ``argmax`` the agreement reuses
@@ -575,7 +404,7 @@ def _logits_family(out: dict, entries: Mapping[str, list[_Entry]], tok: _Tokens,
             f"output-layer logits must be sown once per call. Sow MTP logits as 'mtp_logits'.")
     path, v = entries[_LOGITS][0]
     ls = _logits_summary(path, v, tok, mask, _LOGITS)
-    ls = ls.reduce(_red_axes(_LOGITS, [v, mask], axes, specs))
+    ls = ls.reduce(red_axes(_LOGITS, [v, mask], axes, specs))
     out["act/output_layer_logits_rms.avg"] = ls.logits.rms
     out["act/output_layer_logits_abs.max"] = ls.logits.abs_max
     out["act/output_layer_logits_top2_diff.avg"] = ls.top2_diff.mean
@@ -586,7 +415,7 @@ def _logits_family(out: dict, entries: Mapping[str, list[_Entry]], tok: _Tokens,
     return ls
 
 
-def _agreement_family(entries: Mapping[str, list[_Entry]], tok: _Tokens, mask: Any, labels: Any,
+def _agreement_family(entries: Mapping[str, list[Entry]], tok: Tokens, mask: Any, labels: Any,
                       axes: tuple[str, ...], main: jax.Array | None, has_mtp: bool) -> dict[str, jax.Array]:
     """MTP agreement and top-1 accuracies (:func:`mtp_metrics`) from the main head's
     argmax ``main`` (None: no sown logits, an error) and the MTP heads'."""
@@ -663,8 +492,8 @@ def bos_value_grad_metrics(
       ValueError: if neither tokens nor mask is given, no ``name`` leaf exists, or
         the shapes do not match.
     """
-    axes = _axes(axes)
-    entries = _collect(perturbation_grads, "perturbations", "bos_value_grad_metrics")
+    axes = check_axes(axes)
+    entries = collect(perturbation_grads, "perturbations", "bos_value_grad_metrics")
     if name not in entries:
         raise ValueError(
             f"bos_value_grad_metrics: no perturbation named '{name}' in the gradients; found "
@@ -672,11 +501,11 @@ def bos_value_grad_metrics(
             f"attention values and differentiate w.r.t. the 'perturbations' collection.")
     tok, valid, is_bos = _bos_positions(tokens, mask, bos_id)
     bos, rest = _bos_summaries(entries[name], name, tok, valid, is_bos)
-    red = _red_axes(name, [[v for _, v in entries[name]], valid, is_bos], axes, specs)
-    return _bos_figures(*_reduce((bos, rest), red))
+    red = red_axes(name, [[v for _, v in entries[name]], valid, is_bos], axes, specs)
+    return _bos_figures(*reduce_over((bos, rest), red))
 
 
-def _bos_positions(tokens: Any, mask: Any, bos_id: int | None) -> tuple[_Tokens, jax.Array, jax.Array]:
+def _bos_positions(tokens: Any, mask: Any, bos_id: int | None) -> tuple[Tokens, jax.Array, jax.Array]:
     """The ``[B, T]`` token shape, the valid positions and the BOS ones (``tokens ==
     bos_id`` given both, else position 0).
 
@@ -695,17 +524,17 @@ def _bos_positions(tokens: Any, mask: Any, bos_id: int | None) -> tuple[_Tokens,
         is_bos = jnp.asarray(tokens) == bos_id
     else:
         is_bos = jnp.broadcast_to(jnp.arange(shape[-1]) == 0, shape)
-    return _Tokens(shape, "tokens" if tokens is not None else "mask"), valid, is_bos
+    return Tokens(shape, "tokens" if tokens is not None else "mask"), valid, is_bos
 
 
-def _bos_summaries(entries: list[_Entry], name: str, tok: _Tokens, valid: jax.Array,
+def _bos_summaries(entries: list[Entry], name: str, tok: Tokens, valid: jax.Array,
                    is_bos: jax.Array) -> tuple[Summary, Summary]:
     """Per layer, the Summary of the gradients at valid BOS positions and at the other
     valid ones: one reduction per sown value for both (each gradient read once)."""
     bos_s, rest_s = [], []
     for path, v in entries:
         g = jnp.asarray(v)
-        stacked = _stacked(name, tuple(g.shape), tok, path, strict=False)
+        stacked = stacked_layout(name, tuple(g.shape), tok, path, strict=False)
         if stacked is None:
             raise ValueError(
                 f"bos_value_grad_metrics: {tok.describe()} but the '{name}' gradient at '{path}' "
@@ -715,7 +544,7 @@ def _bos_summaries(entries: list[_Entry], name: str, tok: _Tokens, valid: jax.Ar
         b, r = summarize_many([(g, valid & is_bos, axis), (g, valid & ~is_bos, axis)])
         bos_s.append(b)
         rest_s.append(r)
-    return _cat(bos_s), _cat(rest_s)
+    return cat(bos_s), cat(rest_s)
 
 
 def _bos_figures(bos: Summary, rest: Summary) -> dict[str, jax.Array]:

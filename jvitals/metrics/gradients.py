@@ -39,7 +39,7 @@ once):
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Mapping, NamedTuple, Sequence
+from typing import Any, Collection, Hashable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +51,8 @@ from jax.sharding import PartitionSpec
 from jvitals.metrics.qkv import _attn_module, _global_shape, _o_sizes, _qkv_pieces  # fused QKV: jvitals/metrics/qkv.py
 from jvitals.metrics.roles import LeafRole, Roles, assign_roles
 from jvitals.metrics import fold
-from jvitals.metrics.stats import Summary, check_axes, reduce, reduction_axes, summarize_fields
+from jvitals.metrics.stats import Summary, reduce, summarize_fields
+from jvitals.metrics.axes import check_axes, reduction_axes
 
 __all__ = [
     "GROUP_ROLES",
@@ -510,8 +511,7 @@ def update_metrics(updates: Any, params: Any = None, *, specs: Any = None, axes:
 
 def gradient_metrics(grads: Any, *, params: Any = None, updates: Any = None, roles: Roles | None = None,
                      specs: Any = None, axes: Sequence[str] | str = (), prefix: str = "grad",
-                     param_prefix: str = "param", update_prefix: str = "update",
-                     per_layer: bool = True, per_role: bool = True) -> dict[str, jax.Array]:
+                     per: Collection[str] = ("layer", "role")) -> dict[str, jax.Array]:
     """Every ``grad/*`` and ``param/*`` vital of METRICS.md §2-§3, in one pass per leaf.
 
     Emitted (``p = prefix``; ``{base}`` is the role's metric name, see
@@ -531,12 +531,12 @@ def gradient_metrics(grads: Any, *, params: Any = None, updates: Any = None, rol
       ``embedding`` / ``lm_head``; a group without leaves, e.g. a head tied to the
       embedding, is omitted): ``{p}/norm/{G} = ||g_G||``,
       ``{p}/share/{G} = ||g_G||^2 / ||g||^2``;
-    * with ``params``: ``{param_prefix}/global_norm``, ``{param_prefix}/norm/layer_{i}``,
-      ``{param_prefix}/norm/{G}``;
-    * with ``updates`` (and ``params``): ``{update_prefix}/global_norm = ||u||``,
-      ``{update_prefix}/param_ratio = ||u|| / ||p||``, and per layer and group
-      ``{update_prefix}/param_ratio/layer_{i} = ||u_i|| / ||p_i||``,
-      ``{update_prefix}/param_ratio/{G} = ||u_G|| / ||p_G||`` (``per_layer``);
+    * with ``params``: ``param/global_norm``, ``param/norm/layer_{i}``,
+      ``param/norm/{G}``;
+    * with ``updates`` (and ``params``): ``update/global_norm = ||u||``,
+      ``update/param_ratio = ||u|| / ||p||``, and per layer and group
+      ``update/param_ratio/layer_{i} = ||u_i|| / ||p_i||``,
+      ``update/param_ratio/{G} = ||u_G|| / ||p_G||`` (per layer);
       scan-stacked leaves per slice, as every per-layer figure.
 
     Leaves no role matches still count in the global and per-layer figures.
@@ -553,8 +553,10 @@ def gradient_metrics(grads: Any, *, params: Any = None, updates: Any = None, rol
         ``shard_map``, the axes each leaf varies along (JAX's type system).
       axes: mesh axes bound by the enclosing ``shard_map``; ``()`` under ``jit``
         with global (``NamedSharding``) arrays.
-      prefix, param_prefix, update_prefix: name prefixes.
-      per_layer, per_role: emit the per-layer / per-role families.
+      prefix: the gradient family's name prefix (``grad``; the ``param/*`` and
+        ``update/*`` names are fixed).
+      per: which breakdowns to emit besides the global figures: ``"layer"``
+        (per layer and group), ``"role"`` (per role); ``()``: the global ones only.
 
     Returns:
       ``{name: scalar jax.Array}`` (float32; counts int32).
@@ -571,14 +573,19 @@ def gradient_metrics(grads: Any, *, params: Any = None, updates: Any = None, rol
     if updates is not None and params is None:
         raise ValueError("gradient_metrics(updates=...): the update/param ratios need the parameters the "
                          "updates apply to; pass params= too")
+    per = set(per)
+    if per - {"layer", "role"}:
+        raise ValueError(f"gradient_metrics(per=...): {sorted(per - {'layer', 'role'})} are not breakdowns; "
+                         f"use 'layer' and/or 'role'")
+    per_layer, per_role = "layer" in per, "role" in per
     trees = {"grads": grads, "params": params, "updates": updates}
     t = tree_stats(trees, role_tree="grads" if per_role else None, layered=list(trees) if per_layer else (),
                    roles=roles, specs=specs, axes=axes, what="grads")
     out = _grad_figures(t["grads"], prefix, per_layer=per_layer, per_role=per_role)
     if params is not None:
-        out.update(_param_figures(t["params"], param_prefix, per_layer=per_layer))
+        out.update(_param_figures(t["params"], "param", per_layer=per_layer))
     if updates is not None:
-        out.update(_update_figures(t["updates"], t["params"], update_prefix, per_layer=per_layer))
+        out.update(_update_figures(t["updates"], t["params"], "update", per_layer=per_layer))
     return out
 
 

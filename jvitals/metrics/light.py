@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from jvitals.metrics import gradients as G
 from jvitals.metrics.roles import Roles
-from jvitals.metrics.stats import check_axes
+from jvitals.metrics.axes import check_axes
 
 __all__ = ["light_metrics"]
 

@@ -29,8 +29,10 @@ import jax
 import jax.numpy as jnp
 
 from jvitals.metrics.gradients import flat_specs
-from jvitals.metrics.roles import Roles, path_str
-from jvitals.metrics.stats import check_axes, eager_jit, psum_over, reduction_axes
+from jvitals.metrics.roles import Roles
+from jvitals.metrics.paths import path_str
+from jvitals.metrics.stats import eager_jit
+from jvitals.metrics.axes import check_axes, psum_over, reduction_axes
 
 __all__ = ["MoEWindowState", "moe_metrics", "moe_window_init", "moe_window_update"]
 

@@ -47,9 +47,10 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jvitals.metrics.gradients import Accumulator, flat_specs
-from jvitals.metrics.roles import path_str
+from jvitals.metrics.paths import path_str
 from jvitals.metrics.variables import unwrap
-from jvitals.metrics.stats import Summary, check_axes, make_varying, psum_over, reduction_axes, summarize_max
+from jvitals.metrics.stats import Summary, summarize_max
+from jvitals.metrics.axes import check_axes, make_varying, psum_over, reduction_axes
 
 __all__ = ["LR_SCALE", "LR_SCALE_ARG", "NU_BINS", "injected_hyperparams", "log_histogram", "histogram_quantile", "optimizer_metrics",
            "search_quantile"]

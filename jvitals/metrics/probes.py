@@ -36,8 +36,8 @@ from flax import struct
 from jax import lax
 
 from jvitals.metrics import fold
-from jvitals.metrics.stats import (Summary, _nan_rule, eager_jit, make_varying, pmax_over, reduce, summarize,
-                                   summarize_max)
+from jvitals.metrics.stats import Summary, _nan_rule, eager_jit, reduce, summarize, summarize_max
+from jvitals.metrics.axes import make_varying, pmax_over
 
 __all__ = [
     "LogitsRows",
@@ -322,8 +322,7 @@ class LogitsRows:
             if tuple(valid.shape) != pos_shape:
                 raise ValueError(f"logits rows of positions {pos_shape}: the mask must have that shape, "
                                  f"got {tuple(valid.shape)}.")
-        return _rows_summary(self.top1, self.top2, self.lse, self.sum, self.sumsq, self.abs_max,
-                             self.nonfinite, self.argmax, valid, self.vocab)
+        return _rows_summary(self, valid)
 
 
 @eager_jit(static_argnames=("chunk_elements",))
@@ -346,9 +345,7 @@ def _row_stats_chunked(x2: jax.Array, rows: int, v: int, chunk_elements: int | N
     return _row_stats(x2)
 
 
-def _rows_summary(top1: jax.Array, top2: jax.Array, lse: jax.Array, r_sum: jax.Array, r_sumsq: jax.Array,
-                  r_amax: jax.Array, r_bad: jax.Array, argmax: jax.Array, valid: jax.Array,
-                  v: int) -> "LogitsSummary":
+def _rows_summary(rows: "LogitsRows", valid: jax.Array) -> "LogitsSummary":
     """The masked :class:`LogitsSummary` from per-row figures: one reduction over positions.
 
     A row with a non-finite value makes every logits statistic NaN through
@@ -356,6 +353,8 @@ def _rows_summary(top1: jax.Array, top2: jax.Array, lse: jax.Array, r_sum: jax.A
     are summaries of per-row values (``tie`` NaN where ``top1 - top2`` is not
     finite), ``lse_max`` the signed maximum of ``lse`` over valid rows.
     """
+    top1, top2, lse, argmax, v = rows.top1, rows.top2, rows.lse, rows.argmax, rows.vocab
+    r_sum, r_sumsq, r_amax, r_bad = rows.sum, rows.sumsq, rows.abs_max, rows.nonfinite
     diff = top1 - top2
     tie_f = jnp.where(jnp.isfinite(diff), (top2 == top1).astype(_F32), jnp.nan)
     ok = valid & (r_bad == 0)

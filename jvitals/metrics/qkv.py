@@ -221,7 +221,7 @@ def split_qkv(kernel: jax.Array, split: "QKVSplit | None" = None, *, path: str =
 
     Example:
       >>> q, k, v = split_qkv(w, roles.qkv_split, layout=roles.qkv_layout_of(path))
-      >>> w2 = merge_qkv(q * s, k * s, v, roles.qkv_split, layout=roles.qkv_layout_of(path))
+      >>> w2 = merge_qkv((q * s, k * s, v), roles.qkv_split, layout=roles.qkv_layout_of(path))
     """
     kernel = jnp.asarray(kernel)
     shape = tuple(kernel.shape)
@@ -240,16 +240,16 @@ def split_qkv(kernel: jax.Array, split: "QKVSplit | None" = None, *, path: str =
                  for p in parts)
 
 
-def merge_qkv(q: jax.Array, k: jax.Array, v: jax.Array, split: "QKVSplit | None" = None, *,
+def merge_qkv(parts: Sequence[jax.Array], split: "QKVSplit | None" = None, *,
               path: str = "qkv", layout: str | None = None, q_size: int | None = None,
               stack_axis: int | None = None, fused_shape: Sequence[int] | None = None) -> jax.Array:
     """The fused kernel whose :func:`split_qkv` (same arguments) is ``(q, k, v)``.
 
-    ``merge_qkv(*split_qkv(w, s, ...), s, ..., fused_shape=w.shape) == w`` exactly
+    ``merge_qkv(split_qkv(w, s, ...), s, ..., fused_shape=w.shape) == w`` exactly
     (the entries are only permuted).
 
     Args:
-      q, k, v: the parts, as :func:`split_qkv` returns them.
+      parts: ``(q, k, v)``, as :func:`split_qkv` returns them.
       split, path, layout, q_size, stack_axis: as for :func:`split_qkv`.
       fused_shape: the fused kernel's shape; needed when Q, K and V have equal
         sizes (default: the parts concatenated along the one axis on which their
@@ -258,7 +258,7 @@ def merge_qkv(q: jax.Array, k: jax.Array, v: jax.Array, split: "QKVSplit | None"
     Returns:
       The fused kernel.
     """
-    q, k, v = (jnp.asarray(t) for t in (q, k, v))
+    q, k, v = (jnp.asarray(t) for t in parts)
     if split is None:
         from jvitals.metrics.roles import QKVSplit
         split = QKVSplit()

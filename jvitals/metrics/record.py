@@ -118,7 +118,7 @@ from jax import lax
 
 from jvitals.metrics import gradients as _gradients
 from jvitals.metrics import light as _light
-from jvitals.metrics import stats as _stats
+from jvitals.metrics import axes as _axes
 from jvitals.metrics import window as _window
 from jvitals.metrics.chain import (SKIP_FIELD, _at, _clip_max_norm, _closure, _has_threshold, _is_optax_fn,  # noqa: F401
                                    _leading_clip, _max_norm_of, _skipped, _unwrap)
@@ -588,12 +588,12 @@ def _replicated(m: dict[str, jax.Array], axes: tuple[str, ...]) -> dict[str, jax
     if not axes:
         return m
     # Axes each figure is typed as varying along (empty where JAX tracks nothing).
-    along = {k: (_stats._manual_varying(v) or frozenset()) & set(axes) for k, v in m.items()}
+    along = {k: (_axes.manual_varying(v) or frozenset()) & set(axes) for k, v in m.items()}
     keys = [k for k in m if along[k]]
     if not keys:
         return m
     red = tuple(a for a in axes if any(a in along[k] for k in keys))
-    vec = jnp.stack([_stats.make_varying(m[k].astype(jnp.float32), red) for k in keys])
+    vec = jnp.stack([_axes.make_varying(m[k].astype(jnp.float32), red) for k in keys])
     vec = lax.psum(vec, red) / math.prod(lax.axis_size(a) for a in red)
     return {**m, **{k: vec[i] for i, k in enumerate(keys)}}
 

@@ -53,10 +53,6 @@ report's heat map) reads these vectors; see ``docs/REPLICAS.md``.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import re
-import socket
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import jax
@@ -66,16 +62,13 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jvitals.metrics.probes import LogitsRows, LogitsSummary
-from jvitals.metrics.stats import (Summary, TokenSummary, bound_axes, check_axes, eager_jit, make_varying,
-                                   reduction_axes, summarize_sumsq, varying_axes)
+from jvitals.metrics.stats import Summary, TokenSummary, eager_jit, summarize_sumsq
+from jvitals.metrics.axes import bound_axes, check_axes, make_varying, reduction_axes, varying_axes
+from jvitals.metrics.sown import collect_all
 
 __all__ = [
     "REPLICA_FIGURES",
-    "ReplicaLayout",
-    "ReplicaPlace",
     "ReplicaWindow",
-    "process_hostnames",
-    "replica_layout",
     "replica_metrics",
     "replica_window_init",
     "replica_window_metrics",
@@ -286,45 +279,12 @@ def _loss_figures(loss: jax.Array, mask: jax.Array | None, groups: int
 
 
 # ----------------------------------------------------------------------------------
-# Activations.
-
-
-def _natural(s: str) -> list:
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s)]
+# Activations (the sown tree read as activation_metrics reads it: sown.collect).
 
 
 def _entries(tree: Any) -> dict[str, list[tuple[str, Any]]]:
     """Every sown value of the tree by its leaf NAME, in model order (Linen dict or NNX State)."""
-    try:
-        from flax import nnx
-        if isinstance(tree, nnx.State):
-            tree = nnx.to_pure_dict(tree)
-    except Exception:  # pragma: no cover
-        pass
-    if not isinstance(tree, Mapping):
-        raise TypeError(f"replica_metrics: intermediates must be the sown dict (Linen: the "
-                        f"'intermediates' entry of apply(..., mutable=['intermediates'])), got "
-                        f"{type(tree).__name__}.")
-    if "intermediates" in tree and isinstance(tree["intermediates"], Mapping):
-        tree = tree["intermediates"]
-    found: list[tuple[list, int, str, str, Any]] = []
-
-    def walk(node: Mapping, path: tuple[str, ...]) -> None:
-        for key, value in node.items():
-            value = getattr(value, "value", value) if type(value).__name__ == "Variable" else value
-            p = path + (str(key),)
-            if isinstance(value, Mapping):
-                walk(value, p)
-                continue
-            items = value if type(value) in (tuple, list) else (value,)
-            for j, item in enumerate(items):
-                found.append(([_natural(c) for c in p], j, str(key), "/".join(p), item))
-
-    walk(tree, ())
-    out: dict[str, list[tuple[str, Any]]] = {}
-    for _, _, name, path, v in sorted(found, key=lambda e: (e[0], e[1])):
-        out.setdefault(name, []).append((path, v))
-    return out
+    return collect_all(tree, "intermediates", "replica_metrics")
 
 
 def _per_token(name: str, items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
@@ -580,158 +540,3 @@ def replica_window_update(window: ReplicaWindow, metrics: Mapping[str, jax.Array
 def replica_window_metrics(window: ReplicaWindow) -> dict[str, jax.Array]:
     """``{"replica/first_nonfinite_step": float32 (R,)}`` (-1: never) for the host."""
     return {PREFIX + "first_nonfinite_step": window.first_nonfinite.astype(_F32)}
-
-
-# ----------------------------------------------------------------------------------
-# Where each replica lives (host side, once at start-up).
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplicaPlace:
-    """Where one replica lives.
-
-    Attributes:
-      replica: its index ``r`` (entry ``r`` of every ``replica/*`` vector).
-      devices: the ids of its devices (``jax.Device.id``).
-      device_names: ``str(device)`` of each (``TFRT_CPU_3``, ``cuda:5``, ``TPU_12(...)``).
-      processes: the process index of each device (``jax.Device.process_index``).
-      hosts: the host name of each device's process.
-    """
-
-    replica: int
-    devices: tuple[int, ...]
-    device_names: tuple[str, ...]
-    processes: tuple[int, ...]
-    hosts: tuple[str, ...]
-
-    def describe(self) -> str:
-        """``'replica 3 (device 3 TFRT_CPU_3, process 0, host worker-0)'``."""
-        devs = ", ".join(f"{i} {n}" for i, n in zip(self.devices[:4], self.device_names[:4]))
-        more = f" +{len(self.devices) - 4} more" if len(self.devices) > 4 else ""
-        procs = sorted(set(self.processes))
-        hosts = sorted(set(self.hosts))
-        return (f"replica {self.replica} (device{'s' if len(self.devices) > 1 else ''} {devs}{more}, "
-                f"process{'es' if len(procs) > 1 else ''} {', '.join(map(str, procs))}, "
-                f"host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)})")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"replica": self.replica, "devices": list(self.devices),
-                "device_names": list(self.device_names), "processes": list(self.processes),
-                "hosts": list(self.hosts)}
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplicaLayout:
-    """Replica -> devices -> process -> host, for every replica (see :func:`replica_layout`).
-
-    Attributes:
-      axes: the mesh axes the batch is sharded along (replica ``r`` is the flat index
-        over them, the first axis major, as ``lax.axis_index(axes)`` counts).
-      places: one :class:`ReplicaPlace` per replica.
-    """
-
-    axes: tuple[str, ...]
-    places: tuple[ReplicaPlace, ...]
-
-    @property
-    def size(self) -> int:
-        """The number of replicas ``R``."""
-        return len(self.places)
-
-    def __len__(self) -> int:
-        return len(self.places)
-
-    def __getitem__(self, r: int) -> ReplicaPlace:
-        return self.places[r]
-
-    def describe(self, r: int) -> str:
-        """The sentence naming replica ``r`` (see :meth:`ReplicaPlace.describe`)."""
-        return self.places[r].describe()
-
-    def replica_of(self, device_id: int) -> int:
-        """The replica holding the device of this id (ValueError if none)."""
-        for p in self.places:
-            if device_id in p.devices:
-                return p.replica
-        raise ValueError(f"no replica holds device {device_id}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON: what the monitor's rule and the report read."""
-        return {"axes": list(self.axes), "replicas": [p.to_dict() for p in self.places]}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ReplicaLayout":
-        return cls(tuple(d["axes"]), tuple(
-            ReplicaPlace(int(p["replica"]), tuple(p["devices"]), tuple(p["device_names"]),
-                         tuple(p["processes"]), tuple(p["hosts"])) for p in d["replicas"]))
-
-
-@functools.lru_cache(maxsize=1)
-def process_hostnames() -> tuple[str, ...]:
-    """Every process's host name, in process order (a collective: all processes call it).
-
-    One ``jax.experimental.multihost_utils.process_allgather`` of the UTF-8 name as
-    int32 codes (256 at most), once per process (cached): the public, backend-neutral
-    way JAX exchanges host values (gloo on CPU, NCCL/ICI elsewhere); the distributed
-    key-value store would do too, but JAX reaches it only through private modules.
-    """
-    name = socket.gethostname()
-    if jax.process_count() == 1:
-        return (name,)
-    from jax.experimental import multihost_utils
-
-    codes = np.zeros(256, np.int32)
-    raw = np.frombuffer(name.encode()[:256], np.uint8)
-    codes[:raw.size] = raw
-    rows = np.asarray(multihost_utils.process_allgather(codes)).reshape(jax.process_count(), -1)
-    return tuple(bytes(r[r > 0].astype(np.uint8).tolist()).decode(errors="replace") for r in rows)
-
-
-def replica_layout(mesh: Any, axes: Sequence[str] | str = ("data",), *,
-                   hosts: Sequence[str] | Mapping[int, str] | None = None) -> ReplicaLayout:
-    """Replica -> devices -> process index -> host name, gathered once at start-up.
-
-    Replica ``r`` is the flat index over the batch ``axes`` of the mesh (first axis
-    major), the order ``lax.axis_index(axes)`` and a ``PartitionSpec`` over those
-    axes use; its devices are every device at that index (all indices of the other
-    axes). Call it on every process (the host names are exchanged once, see
-    :func:`process_hostnames`).
-
-    Args:
-      mesh: a ``jax.sharding.Mesh``, or a sequence of devices (``pmap``: one replica
-        each, in that order).
-      axes: the mesh axes the batch is sharded along.
-      hosts: the host name of each process (a sequence by process index or a
-        mapping); None: gathered.
-
-    Returns:
-      A :class:`ReplicaLayout`.
-
-    Raises:
-      ValueError: an axis the mesh lacks.
-    """
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    if isinstance(mesh, jax.sharding.Mesh):
-        names = tuple(mesh.axis_names)
-        missing = [a for a in axes if a not in names]
-        if missing or not axes:
-            raise ValueError(f"replica_layout: the mesh has axes {list(names)}; the batch axes {list(axes)} "
-                             f"must be among them (pass axes=, e.g. ('data',)).")
-        order = [names.index(a) for a in axes] + [i for i, a in enumerate(names) if a not in axes]
-        grid = np.transpose(np.asarray(mesh.devices), order)
-        grid = grid.reshape(int(np.prod([mesh.shape[a] for a in axes])), -1)
-    else:
-        grid = np.asarray(list(mesh), dtype=object).reshape(-1, 1)
-        axes = axes or ("replica",)
-    if hosts is None:
-        hosts = process_hostnames()
-    name_of = dict(hosts) if isinstance(hosts, Mapping) else dict(enumerate(hosts))
-    places = []
-    for r, row in enumerate(grid):
-        devs = list(row)
-        places.append(ReplicaPlace(
-            r, tuple(int(d.id) for d in devs), tuple(str(d) for d in devs),
-            tuple(int(d.process_index) for d in devs),
-            tuple(str(name_of.get(int(d.process_index), f"process-{d.process_index}")) for d in devs)))
-    return ReplicaLayout(axes, tuple(places))
-

@@ -5,7 +5,7 @@ wrapped: ``nnx.Optimizer.opt_state`` keeps optax's structure with every array le
 in an ``nnx.OptState`` Variable, and ``nnx.state(...)`` / ``nnx.grad`` / ``nnx.split``
 give an ``nnx.State`` whose leaves flatten through each Variable's ``value``. One
 concern here: seeing through those wrappers, so the rest of jvitals reads arrays.
-Paths are normalised in one place, :func:`jvitals.metrics.roles.path_str`.
+Paths are normalised in one place, :func:`jvitals.metrics.paths.path_str`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ from jvitals.optim.lr_scale import (
     get_lr_scale,
     get_lr_scales,
     has_lr_scale,
-    leaf_groups,
     LR_SCALE,
     LR_SCALE_ARG,
     LRGroupScaleState,
@@ -23,7 +22,6 @@ from jvitals.optim.layer_decay import (
 from jvitals.optim.clipping import (
     adaptive_clip,
     AdaptiveClipState,
-    global_norm_f32,
 )
 from jvitals.optim.qk_clip import (
     qk_clip,
@@ -41,11 +39,9 @@ __all__ = [
     "AdaptiveClipState",
     "get_lr_scale",
     "get_lr_scales",
-    "global_norm_f32",
     "has_lr_scale",
     "layer_decay_factors",
     "layerwise_lr_decay",
-    "leaf_groups",
     "LR_SCALE",
     "LR_SCALE_ARG",
     "LRGroupScaleState",

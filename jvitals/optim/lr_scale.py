@@ -54,7 +54,8 @@ import numpy as np
 import optax
 
 from jvitals.metrics.optimizer import LR_SCALE, LR_SCALE_ARG  # the names the recorder reads
-from jvitals.metrics.roles import LeafRole, Roles, assign_roles, leaves_by_path, path_str
+from jvitals.metrics.roles import LeafRole, Roles, assign_roles
+from jvitals.metrics.paths import leaves_by_path, natural_key, path_str
 from jvitals.metrics.variables import value_of
 
 __all__ = [
@@ -163,7 +164,7 @@ def _scale_by_group(groups: GroupsArg, roles: Roles | None,
         if unknown:
             raise ValueError(
                 f"with_lr_scale(groups={dict(init)!r}): group(s) {unknown} have no parameter; "
-                f"the groups of these params are {sorted(names, key=_natural)}")
+                f"the groups of these params are {sorted(names, key=natural_key)}")
         return LRGroupScaleState({n: jnp.asarray(init.get(n, 1.0), jnp.float32) for n in names})
 
     def update_fn(updates, state, params=None):
@@ -287,13 +288,10 @@ def _slots(tree: Any) -> list[_Slot]:
 _GROUP_PATH = re.compile(r"(?:^|/)scales/([^/]+)$")
 
 
-def _natural(name: str) -> list[Any]:
-    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name)]
-
 
 def _group_names_in(tree: Any) -> list[str]:
     """The group names in ``tree``'s group states, in natural order (layer_2 < layer_10)."""
-    return sorted({s.group for s in _slots(tree) if s.group is not None}, key=_natural)
+    return sorted({s.group for s in _slots(tree) if s.group is not None}, key=natural_key)
 
 
 def _check_group(tree: Any, group: str, what: str) -> None:

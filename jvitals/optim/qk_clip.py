@@ -365,5 +365,5 @@ class _QKPlan:
         ax = (split.axis,)
         q = (q.astype(_F32) * _place(_spread(qf, nq, f"the Q part of {lr.path!r}"), lr, ax, [nq])).astype(x.dtype)
         k = (k.astype(_F32) * _place(_spread(kf, nk, f"the K part of {lr.path!r}"), lr, ax, [nk])).astype(x.dtype)
-        return merge_qkv(q, k, v, split, path=kl.path, layout=layout, q_size=q_size,
+        return merge_qkv((q, k, v), split, path=kl.path, layout=layout, q_size=q_size,
                          stack_axis=lr.stack_axis, fused_shape=x.shape)
