@@ -36,16 +36,17 @@ from typing import Any, Mapping
 from jvitals.monitor.policy import Policy
 import numpy as np
 
-from jvitals.monitor.trackers import DriftBaseline, mann_kendall_z, median, theil_sen
+from jvitals.monitor.baselines import DriftBaseline
+from jvitals.monitor.robust import mann_kendall_z, median, theil_sen
+from jvitals.monitor.rules_base import Figures
+from jvitals.monitor.types import NAN as _NAN
 from jvitals.monitor.types import Change, Level, RuleBase, Spike, release, set_
 
-Figures = Any   # jvitals.monitor.rules.Figures (rules.py imports this module, not the other way)
 
 __all__ = ["DataRule", "EarlyRule", "NonFiniteRule", "SkipRule", "ThroughputRule", "WINDOW", "WindowSpikes",
            "window_peak"]
 
 WINDOW = "window/"
-_NAN = math.nan
 _SHORT = {"loss": "loss", "grad/global_norm": "grad_norm"}
 
 
@@ -60,7 +61,7 @@ def _ago_step(f: Figures, name: str) -> int | None:
 def window_peak(f: Figures, metric: str) -> tuple[int, float] | None:
     """``(step, value)`` of the window's maximum of ``metric`` when :class:`WindowSpikes`
     found it an outlier of the steps before it (None otherwise)."""
-    return f.notes.get("window_peaks", {}).get(metric)
+    return f.notes.window_peaks.get(metric)
 
 
 class WindowSpikes(RuleBase):
@@ -74,7 +75,7 @@ class WindowSpikes(RuleBase):
         peak = window max, at step check - max_ago (before the check, above its value)
         an outlier when peak > mu + spike_z * sd
 
-    Such a peak is published in ``notes['window_peaks']`` and in the verdict's scores
+    Such a peak is published in ``notes.window_peaks`` and in the verdict's scores
     (``monitor/loss_window_peak`` and ``monitor/loss_window_peak_step``; ``grad_norm`` for
     the gradient norm); the spike rule feeds it to the metric's spike tracker at its own
     step before the check's value (its anatomy, the periodic-spike rule and the spike
@@ -110,7 +111,7 @@ class WindowSpikes(RuleBase):
             while len(pool) > 1 and sum(x[1] for x in pool[1:]) >= p.rolling_window:
                 pool.pop(0)
         if peaks:
-            f.notes["window_peaks"] = peaks
+            f.notes.window_peaks = peaks
         return []
 
     @staticmethod
@@ -292,7 +293,7 @@ class DataRule(RuleBase):
                 baseline_steps), every optimizer figure within data_band x its
                 reference, no ORANGE alert open
 
-    While it holds it publishes ``notes['data']``: the loss-spike rule then leaves the loss
+    While it holds it publishes ``notes.data``: the loss-spike rule then leaves the loss
     to it (no "LR beyond the stable region" prescription, no divergence counted from the
     loss), so a rollback that cannot help (the data stays bad) is not looped into. Once open
     it holds on the loss alone, while the latest bucket stays above ``1 + hysteresis
@@ -382,7 +383,7 @@ class DataRule(RuleBase):
                 return []
             if not active:
                 self.anchor = med
-            f.notes["data"] = True
+            f.notes.data = True
             return [set_("data", "loss", Level.YELLOW, last, self.anchor, last / self.anchor,
                          f"the loss has been rising over the last {p.data_window} steps (Mann-Kendall z > "
                          f"data_z = {p.data_z:g}; +{100 * rise:.0f}% over the window, >= data_rise = "

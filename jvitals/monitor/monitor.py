@@ -117,8 +117,12 @@ import numpy as np
 
 from jvitals.monitor.localize import group_of, lead_phrase, localize
 from jvitals.monitor.policy import Policy
-from jvitals.monitor.rules import Change, Figures, Plan, RatioRule, ThroughputRule, default_rules
-from jvitals.monitor.trackers import BaselineStart, LayerHistory
+from jvitals.monitor.rules import RatioRule, ThroughputRule, default_rules
+from jvitals.monitor.rules_base import Figures, Plan
+from jvitals.monitor.types import Change
+from jvitals.monitor.baselines import BaselineStart
+from jvitals.monitor.history import LayerHistory
+from jvitals.monitor.types import NAN as _NAN
 from jvitals.monitor.types import (
     PRESCRIPTIONS,
     RULE_PRESCRIPTION,
@@ -146,7 +150,6 @@ __all__ = [
     "default_rules",
 ]
 
-_NAN = math.nan
 _FORMAT_VERSION = 3
 _PLANS = 8  # key sets remembered (a loop alternates a few: per-layer families every N steps)
 

@@ -56,6 +56,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from jvitals.monitor.policy import Policy
+from jvitals.monitor.types import NAN as _NAN
 from jvitals.monitor.types import PRESCRIPTIONS, Level, RuleBase, Spike, release, set_
 
 __all__ = [
@@ -77,7 +78,6 @@ NONFINITE_FIGURE = "nonfinite"
 TOKENS_FIGURE = "tokens"
 FIRST_FIGURE = "first_nonfinite_step"   # jvitals.replica_window_metrics: -1 never, else the step
 _PER = re.compile(r"^replica/(?P<fig>.+)/(?P<r>\d+)$")
-_NAN = math.nan
 _MAD_SIGMA = 1.4826   # mad -> standard deviation of a normal sample
 
 

@@ -602,7 +602,8 @@ class Verdict:
 # --------------------------------------------------------------------------
 
 
-_NAN = float("nan")
+NAN = math.nan
+"""Not a number: the one NaN constant of the monitor modules."""
 
 
 class Change(NamedTuple):
@@ -621,9 +622,9 @@ class Change(NamedTuple):
     key: str
     metric: str = ""
     level: Level = Level.GREEN
-    value: float = _NAN
-    baseline: float = _NAN
-    ratio: float = _NAN
+    value: float = NAN
+    baseline: float = NAN
+    ratio: float = NAN
     headline: str = ""
     event: str = ""
     onset: int | None = None
