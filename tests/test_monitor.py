@@ -48,7 +48,7 @@ def opened(monitor: Monitor, rule: str) -> list[Alert]:
 
 
 def snapshot(v: Verdict):
-    return (v.step, int(v.level), [a.to_dict() for a in v.alerts],
+    return (v.step, int(v.level), [a.state_dict() for a in v.alerts],
             [a.id for a in v.new_alerts], [a.id for a in v.closed_alerts], dict(v.scores),
             v.onset_step)
 
@@ -130,7 +130,7 @@ def test_policy_validation_and_round_trip():
     p = Policy(warmup_steps=7, baseline="ema", ratio_rules={"update/param_ratio": (2, 4)},
                spike_metrics=["loss"])
     assert p.spike_metrics == ("loss",)
-    assert Policy.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    assert Policy.from_state_dict(json.loads(json.dumps(p.state_dict()))) == p
     with pytest.raises(ValueError, match="baseline"):
         Policy(baseline="median")
     with pytest.raises(ValueError, match="yellow < orange"):
@@ -138,7 +138,7 @@ def test_policy_validation_and_round_trip():
     with pytest.raises(TypeError, match="sequence of metric names"):
         Policy(spike_metrics="loss")
     with pytest.raises(ValueError, match="unknown fields"):
-        Policy.from_dict({"warmup": 3})
+        Policy.from_state_dict({"warmup": 3})
 
 
 # --------------------------------------------------------------------------
@@ -630,8 +630,8 @@ def test_resume_round_trip_gives_identical_verdicts(baseline):
             m = Monitor.from_state_dict(state)
         got = snapshot(m.update(s, d))
         assert got == expect[i], f"verdicts diverge at step {s}"
-    assert [a.to_dict() for a in m.history] == [a.to_dict() for a in ref.history]
-    assert [x.to_dict() for x in m.spikes] == [x.to_dict() for x in ref.spikes]
+    assert [a.state_dict() for a in m.history] == [a.state_dict() for a in ref.history]
+    assert [x.state_dict() for x in m.spikes] == [x.state_dict() for x in ref.spikes]
     assert json.dumps(m.state_dict()) == json.dumps(ref.state_dict())
 
 

@@ -8,17 +8,18 @@ from __future__ import annotations
 import bisect
 import collections
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from jvitals.monitor.codec import LegacyDict
 from jvitals.monitor.types import NAN as _NAN
 from jvitals.monitor.types import dec_floats, dec_state, enc_floats, enc_state
 
-__all__ = ["BucketSeries", "DriftBand", "GapSeries"]
+__all__ = ["BandSettings", "BucketSeries", "DriftBand", "GapSeries"]
 
 
-class BucketSeries:
+class BucketSeries(LegacyDict):
     """Means of ``k`` parallel series in fixed step buckets, last ``n`` kept.
 
     Bucket ``b = s // width``; ``add`` returns True when it closed a bucket
@@ -61,13 +62,13 @@ class BucketSeries:
         self.means.clear()
         self.cur, self.sums, self.cnt = None, [0.0] * self.k, 0
 
-    def to_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {"width": self.width, "n": self.n, "k": self.k, "ids": list(self.ids),
                 "means": [enc_floats(m) for m in self.means], "cur": self.cur,
                 "sums": enc_floats(self.sums), "cnt": self.cnt}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "BucketSeries":
+    def from_state_dict(cls, d: dict[str, Any]) -> "BucketSeries":
         b = cls(int(d["width"]), int(d["n"]), int(d["k"]))
         b.ids.extend(int(x) for x in d["ids"])
         b.means.extend(dec_floats(m) for m in d["means"])
@@ -75,7 +76,33 @@ class BucketSeries:
         return b
 
 
-class DriftBand:
+class BandSettings(NamedTuple):
+    """What :meth:`DriftBand.observe` judges a sample by (see :class:`DriftBand`).
+
+    Attributes:
+      band: the band ratio (``log(band)`` the least departure).
+      jump: a one-sample change of at least this ratio is a jump (``math.inf``: none).
+      z: departures beyond ``z`` x the one-sample noise.
+      k: a drift beyond ``k`` x the figure's own largest drift over the window.
+      windows: the drift windows ``W`` (steps).
+      memory: the half-life (steps) with which that largest drift fades.
+      confirm: samples a candidate must hold.
+      hysteresis: a confirmed departure holds above this fraction of ``log(band)``.
+      abrupt: judge jumps and steps too (False: drift only).
+    """
+
+    band: float
+    jump: float
+    z: float
+    k: float
+    windows: tuple[int, ...]
+    memory: float
+    confirm: int
+    hysteresis: float
+    abrupt: bool = True
+
+
+class DriftBand(LegacyDict):
     """Departures of one figure ``y`` (a log) from its own recent history.
 
     At each sample ``(t, y)`` (model time), for each window ``W`` of ``windows``::
@@ -179,11 +206,10 @@ class DriftBand:
         if k > 0:
             del self.dh_t[:k], self.dh_d[:k]
 
-    def observe(self, s: int, t: int, y: float, band: float, jump: float, z: float, k: float,
-                windows: tuple[int, ...], memory: float, confirm: int, hysteresis: float,
-                abrupt: bool = True) -> bool:
-        """Feeds one sample; True while a confirmed departure holds (see the class doc;
-        ``abrupt=False``: drift departures only)."""
+    def observe(self, s: int, t: int, y: float, c: BandSettings) -> bool:
+        """Feeds one sample ``y`` at step ``s`` (model time ``t``); True while a confirmed
+        departure holds (see the class doc; ``c.abrupt=False``: drift departures only)."""
+        band, jump, z, k, windows, memory, confirm, hysteresis, abrupt = c
         lband = math.log(band)
         prev = self.last_y if self.last_t is not None else None
         past = [self._at(t - w) for w in windows]
@@ -253,11 +279,11 @@ class DriftBand:
         self.last_y = self.ys[-1] if self.ys else _NAN
         self.anchor, self.run, self.kind = None, 0, ""
 
-    def to_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {k: enc_state(getattr(self, k)) for k in self.__slots__}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DriftBand":
+    def from_state_dict(cls, d: dict[str, Any]) -> "DriftBand":
         b = cls(len(d["drift"]))
         for k in cls.__slots__:
             setattr(b, k, dec_state(d[k], getattr(b, k)))
@@ -265,7 +291,7 @@ class DriftBand:
         return b
 
 
-class GapSeries:
+class GapSeries(LegacyDict):
     """(t, gap) samples covering the last ``2 * val_gap_window`` steps.
 
     Keeps one sample at or before ``t - 2W`` so both window ends can be
@@ -308,11 +334,11 @@ class GapSeries:
         self.gs = [self.gs[i] for i in keep]
         self.head = 0
 
-    def to_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {"ts": self.ts[self.head:], "gs": enc_floats(self.gs[self.head:])}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "GapSeries":
+    def from_state_dict(cls, d: dict[str, Any]) -> "GapSeries":
         g = cls()
         g.ts = [int(x) for x in d["ts"]]
         g.gs = dec_floats(d["gs"])

@@ -15,16 +15,17 @@ import numpy as np
 
 from jvitals.monitor.policy import Policy
 from jvitals.monitor.robust import median, theil_sen
+from jvitals.monitor.codec import LegacyDict
 from jvitals.monitor.types import NAN as _NAN
 from jvitals.monitor.types import dec_float, dec_floats, enc_float, enc_floats
 
 __all__ = ["BASELINES", "BaselineStart", "DriftBaseline", "EmaBaseline", "FixedBaseline", "RollingBaseline"]
 
 
-class BaselineStart:
+class BaselineStart(LegacyDict):
     """Model time at which the baselines start (``start``; ``None`` before).
 
-    ``Policy.warmup_steps`` set: that step. Else, with ``Policy.lr_metric``
+    ``Policy.baselines.warmup_steps`` set: that step. Else, with ``Policy.baselines.lr_metric``
     logged: the first check where the learning rate stopped rising, ``lr <=
     lr_prev * (1 + lr_plateau_tol)`` (the warm-up's peak plateau reached; a
     schedule without warm-up starts at its second check). Else the run has
@@ -51,26 +52,26 @@ class BaselineStart:
             return self.start
         if self.first is None:
             self.first = t
-        if p.warmup_steps is not None:
-            if t >= p.warmup_steps:
-                self.start, self.reason = p.warmup_steps, "Policy.warmup_steps"
+        if p.baselines.warmup_steps is not None:
+            if t >= p.baselines.warmup_steps:
+                self.start, self.reason = p.baselines.warmup_steps, "Policy.warmup_steps"
             return self.start
         if lr is not None and math.isfinite(lr):
             prev, self.lr_prev = self.lr_prev, lr
-            if prev == prev and lr <= prev * (1.0 + p.lr_plateau_tol):
+            if prev == prev and lr <= prev * (1.0 + p.baselines.lr_plateau_tol):
                 self.start, self.reason = t, "the learning rate stopped rising"
             return self.start
         if self.lr_prev == self.lr_prev:  # LR logged, not at this check: wait for it
             return self._cap(t, p)
-        w = p.settle_span
+        w = p.baselines.settle_span
         if x is not None and math.isfinite(x) and x > 0:
             self.steps.append(t)
             self.vals.append(math.log(x))
-            while len(self.steps) > p.settle_min_samples and self.steps[0] < t - w:
+            while len(self.steps) > p.baselines.settle_min_samples and self.steps[0] < t - w:
                 self.steps.popleft()
                 self.vals.popleft()
             n = len(self.steps)
-            if (n >= p.settle_min_samples and t - self.steps[0] >= w // 2
+            if (n >= p.baselines.settle_min_samples and t - self.steps[0] >= w // 2
                     and (self.last_eval is None or t - self.last_eval >= max(1, w // 8))):
                 self.last_eval = t
                 xs = np.fromiter(self.steps, np.float64, n)
@@ -81,8 +82,8 @@ class BaselineStart:
                     xs = xs[n - m:].reshape(-1, k).mean(1)
                     ys = ys[n - m:].reshape(-1, k).mean(1)
                 b = theil_sen(xs, ys)
-                if b == b and abs(math.expm1(b * w)) <= p.settle_tolerance:
-                    self.start, self.reason = t, f"{p.settle_metric} settled"
+                if b == b and abs(math.expm1(b * w)) <= p.baselines.settle_tolerance:
+                    self.start, self.reason = t, f"{p.baselines.settle_metric} settled"
                     return self.start
         elif not self.steps and t - self.first >= w:
             self.start, self.reason = self.first, "no learning rate or settle metric logged"
@@ -90,17 +91,17 @@ class BaselineStart:
         return self._cap(t, p)
 
     def _cap(self, t: int, p: Policy) -> int | None:
-        if t - self.first >= p.settle_cap:
-            self.start, self.reason = t, f"settle_max_steps ({p.settle_cap}) reached"
+        if t - self.first >= p.baselines.settle_cap:
+            self.start, self.reason = t, f"settle_max_steps ({p.baselines.settle_cap}) reached"
         return self.start
 
-    def to_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {"start": self.start, "first": self.first, "lr_prev": enc_float(self.lr_prev),
                 "steps": list(self.steps), "vals": enc_floats(self.vals),
                 "last_eval": self.last_eval, "reason": self.reason}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "BaselineStart":
+    def from_state_dict(cls, d: dict[str, Any]) -> "BaselineStart":
         b = cls()
         b.start, b.first, b.last_eval, b.reason = d["start"], d["first"], d["last_eval"], d["reason"]
         b.lr_prev = dec_float(d["lr_prev"])
@@ -109,7 +110,7 @@ class BaselineStart:
         return b
 
 
-class FixedBaseline:
+class FixedBaseline(LegacyDict):
     """Median over the first ``baseline_steps`` steps after the start.
 
     ``baseline = median(x_t for start <= t < start + baseline_steps)``; if
@@ -137,25 +138,25 @@ class FixedBaseline:
         if self.mean == self.mean:
             return self.mean, True
         if start is not None and t >= start:
-            end = start + p.baseline_steps
-            if t < end or len(self.vals) < p.baseline_min_samples:
+            end = start + p.baselines.steps
+            if t < end or len(self.vals) < p.baselines.min_samples:
                 self.vals.append(v)
-            if len(self.vals) >= p.baseline_min_samples and t >= end - 1:
+            if len(self.vals) >= p.baselines.min_samples and t >= end - 1:
                 self.mean = median(self.vals)
                 self.vals = []
         return None, False
 
-    def to_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {"kind": "fixed", "vals": enc_floats(self.vals), "mean": enc_float(self.mean)}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "FixedBaseline":
+    def from_state_dict(cls, d: dict[str, Any]) -> "FixedBaseline":
         b = cls()
         b.vals, b.mean = dec_floats(d["vals"]), dec_float(d["mean"])
         return b
 
 
-class RollingBaseline:
+class RollingBaseline(LegacyDict):
     """OLMo-core style: mean and std over a rolling window of steps.
 
     ``gate = x > mean + rolling_k * std`` over the samples of the last
@@ -183,30 +184,30 @@ class RollingBaseline:
             return None, False
         n = len(self.vals)
         ref, gate = None, False
-        if n >= p.adaptive_min_samples:
+        if n >= p.baselines.adaptive_min_samples:
             mean = math.fsum(self.vals) / n
             std = math.sqrt(math.fsum((x - mean) ** 2 for x in self.vals) / n)
-            ref, gate = mean, v > mean + p.rolling_k * std
-            v = min(v, mean + p.rolling_k * std)
+            ref, gate = mean, v > mean + p.baselines.rolling_k * std
+            v = min(v, mean + p.baselines.rolling_k * std)
         self.steps.append(s)
         self.vals.append(v)
-        while len(self.vals) > p.adaptive_min_samples and self.steps[0] <= s - p.rolling_window:
+        while len(self.vals) > p.baselines.adaptive_min_samples and self.steps[0] <= s - p.baselines.rolling_window:
             self.steps.popleft()
             self.vals.popleft()
         return ref, gate
 
-    def to_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {"kind": "rolling", "steps": list(self.steps), "vals": enc_floats(self.vals)}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RollingBaseline":
+    def from_state_dict(cls, d: dict[str, Any]) -> "RollingBaseline":
         b = cls()
         b.steps.extend(int(x) for x in d["steps"])
         b.vals.extend(dec_floats(d["vals"]))
         return b
 
 
-class EmaBaseline:
+class EmaBaseline(LegacyDict):
     """ZClip style: EMA of the mean and variance, z-score gate.
 
     After ``adaptive_min_samples`` samples (their plain mean and variance
@@ -239,34 +240,34 @@ class EmaBaseline:
         if self.mean != self.mean:
             self.init.append(v)
             self.last_step = s
-            if len(self.init) >= p.adaptive_min_samples:
+            if len(self.init) >= p.baselines.adaptive_min_samples:
                 n = len(self.init)
                 self.mean = math.fsum(self.init) / n
                 self.var = math.fsum((x - self.mean) ** 2 for x in self.init) / n
                 self.init = []
             return None, False
         std = math.sqrt(self.var)
-        ref, gate = self.mean, v > self.mean + p.ema_z * std
-        x = min(v, self.mean + p.ema_z * std)
-        a = max(p.ema_alpha ** max(s - self.last_step, 1), 1.0 - 1.0 / p.adaptive_min_samples)
+        ref, gate = self.mean, v > self.mean + p.baselines.ema_z * std
+        x = min(v, self.mean + p.baselines.ema_z * std)
+        a = max(p.baselines.ema_alpha ** max(s - self.last_step, 1), 1.0 - 1.0 / p.baselines.adaptive_min_samples)
         self.mean = a * self.mean + (1.0 - a) * x
         self.var = a * self.var + (1.0 - a) * (x - self.mean) ** 2
         self.last_step = s
         return ref, gate
 
-    def to_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {"kind": "ema", "init": enc_floats(self.init), "mean": enc_float(self.mean),
                 "var": enc_float(self.var), "last_step": self.last_step}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "EmaBaseline":
+    def from_state_dict(cls, d: dict[str, Any]) -> "EmaBaseline":
         b = cls()
         b.init = dec_floats(d["init"])
         b.mean, b.var, b.last_step = dec_float(d["mean"]), dec_float(d["var"]), int(d["last_step"])
         return b
 
 
-class DriftBaseline:
+class DriftBaseline(LegacyDict):
     """A reference that follows the run's own slow drift (the default).
 
     Starts as :class:`FixedBaseline` (the median over the first ``baseline_steps``
@@ -316,11 +317,11 @@ class DriftBaseline:
             if ref != ref:
                 ref = self.ref = math.exp(self.log_mean)
             dt = t - self.last_t
-            if dt < 0 or dt >= p.drift_halflife / 50:     # learns once per drift_halflife / 50 steps
+            if dt < 0 or dt >= p.baselines.drift_halflife / 50:     # learns once per drift_halflife / 50 steps
                 if v > 0 and hold != 0.0 and (floor is None or v > floor * ref):
                     c = self._decay
-                    if c[0] != dt or c[2] != p.drift_halflife:
-                        c = self._decay = (dt, 0.5 ** (max(dt, 0) / p.drift_halflife), p.drift_halflife)
+                    if c[0] != dt or c[2] != p.baselines.drift_halflife:
+                        c = self._decay = (dt, 0.5 ** (max(dt, 0) / p.baselines.drift_halflife), p.baselines.drift_halflife)
                     x = math.log(v if hold is None else min(v, hold * ref))
                     d = x - self.log_mean
                     self.var = c[1] * self.var + (1.0 - c[1]) * d * d
@@ -329,22 +330,22 @@ class DriftBaseline:
                 self.last_t = t
             return ref, True
         if start is not None and t >= start and v > 0:
-            end = start + p.baseline_steps
-            if t < end or len(self.vals) < p.baseline_min_samples:
+            end = start + p.baselines.steps
+            if t < end or len(self.vals) < p.baselines.min_samples:
                 self.vals.append(v)
-            if len(self.vals) >= p.baseline_min_samples and t >= end - 1:
+            if len(self.vals) >= p.baselines.min_samples and t >= end - 1:
                 self.log_mean, self.last_t = math.log(median(self.vals)), t
                 self.ref = math.exp(self.log_mean)
                 self.var = median([(math.log(x) - self.log_mean) ** 2 for x in self.vals])
                 self.vals = []
         return None, False
 
-    def to_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {"kind": "drift", "vals": enc_floats(self.vals), "log_mean": enc_float(self.log_mean),
                 "last_t": self.last_t, "var": enc_float(self.var)}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DriftBaseline":
+    def from_state_dict(cls, d: dict[str, Any]) -> "DriftBaseline":
         b = cls()
         b.vals, b.log_mean, b.last_t = dec_floats(d["vals"]), dec_float(d["log_mean"]), int(d["last_t"])
         b.var = dec_float(d["var"])

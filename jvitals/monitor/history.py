@@ -10,12 +10,13 @@ from typing import Any
 import numpy as np
 
 from jvitals.monitor.policy import Policy
+from jvitals.monitor.codec import LegacyDict
 from jvitals.monitor.types import dec_floats, enc_floats
 
 __all__ = ["LayerHistory"]
 
 
-class LayerHistory:
+class LayerHistory(LegacyDict):
     """Fixed-size NumPy history of the localization candidates.
 
     One row per ``stride`` steps of model time (later samples within a stride
@@ -76,7 +77,7 @@ class LayerHistory:
             self.ts[self.pos] = t
             self.pos = (self.pos + 1) % self.data.shape[0]
             self.n = min(self.n + 1, self.data.shape[0])
-        if self.pending and start is not None and t >= start + p.baseline_steps - 1:
+        if self.pending and start is not None and t >= start + p.baselines.steps - 1:
             self._baselines(start, p)
 
     def _baselines(self, start: int, p: Policy) -> None:
@@ -88,10 +89,10 @@ class LayerHistory:
         h = np.where(np.isfinite(h), h, np.nan)
         ok = ~np.isnan(h)
         rank = np.cumsum(ok, axis=0)
-        in_win = (self.ts[order] < start + p.baseline_steps)[:, None] | (rank <= p.baseline_min_samples)
+        in_win = (self.ts[order] < start + p.baselines.steps)[:, None] | (rank <= p.baselines.min_samples)
         h = np.where(in_win & ok, h, np.nan)
         cnt = (~np.isnan(h)).sum(axis=0)
-        ready = cnt >= p.baseline_min_samples
+        ready = cnt >= p.baselines.min_samples
         if ready.any():
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
@@ -119,7 +120,7 @@ class LayerHistory:
         self.n = k
         self.pos = k % self.data.shape[0]
 
-    def to_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         order = self._chrono()
         ncol = len(self.names)
         return {
@@ -133,7 +134,7 @@ class LayerHistory:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], rows: int, stride: int) -> "LayerHistory":
+    def from_state_dict(cls, d: dict[str, Any], rows: int, stride: int) -> "LayerHistory":
         h = cls(rows, stride)
         for name in d["names"]:
             h.column(name, len(d["names"]))

@@ -2,57 +2,21 @@
 
 A rule reads one check's :class:`Figures` and returns the alert
 :class:`Change` s it makes (open/update at a level, release, close). Its
-parameters come from the :class:`~jvitals.monitor.policy.Policy`; its state
+parameters come from its config in the :class:`~jvitals.monitor.policy.Policy`; its state
 has ``state_dict`` / ``load_state_dict`` (plain JSON). ``Monitor.update``
 runs the rules in order and applies each one's changes before the next
 runs, so a later rule sees what an earlier one published in
-``Figures.notes`` (the loss trend, the global ratios) and the divergence
-rule, last, sees the check's divergent alerts.
+``Figures.notes`` (a typed :class:`Notes`: the loss trend, the global ratios) and the divergence
+rule sees the divergent alerts of the rules before it.
 
 A user rule is any object with a ``name`` (unique) and ``check(figures) ->
 list[Change]``; ``state_dict``/``load_state_dict``/``rollback`` are optional.
 
-Rule table (every number a Policy field)::
-
-    class               rule id          level    condition
-    NonFiniteRule       nonfinite        ORANGE   loss / grad norm non-finite, nonfinite count > 0,
-      (between.py)                                a non-finite step in the window since the last check
-    SpikeRule           loss_spike       YELLOW   a loss spike not back in its band after 300 steps
-                        periodic_spike   YELLOW/  >= 3 loss spikes at near-regular intervals
-                                         ORANGE   (intervals shrinking)
-    RatioRule           grad_norm,       YELLOW,  x / (reference x the schedule's factor) > 2, > 3,
-                        ratio            ORANGE   confirmed over 3 checks; the reference follows the
-                                                  run's own slow drift (DriftBaseline)
-    TrendRule           grad_trend,      YELLOW   a rise over 1000 (4000) steps beyond 1.3x (1.5x)
-                        param_norm                and 3x the run's own (grad norm: net of the
-                                                  schedule, while the loss falls)
-    JumpRule            jump             YELLOW   update/param_ratio per unit LR x5 in one check
-    GroupRule           group            YELLOW   a group figure jumped x5, stepped beyond its band,
-                                                  or drifted beyond 3x its own drift, while the
-                                                  global figures did not move
-    LogitRule           logits           YELLOW   attention / output logits rising beyond their drift
-    RouterRule          router           YELLOW   moe/maxvio.max (+0.5) or moe/dead_expert_ratio
-                                                  (+0.2) above its baseline for 50 steps
-    ThroughputRule      throughput       YELLOW   tokens/s (else steps/s) down beyond the run's own
-      (between.py)                                band (>= 20%, 5 sd of its noise) for 40 steps
-    SkipRule, EarlyRule, skip, early,    see   an update skipped in the step; a jump before the
-    DataRule (between)  data             between.py  baselines are armed; the loss rising with the
-                                                  optimizer calm (the data)
-    LossScaleRule       loss_scale       YELLOW   loss scale falls >= 2**4 between two checks or
-                                                  from its recent peak
-    GapRule             val_gap          YELLOW   gap growth > 1.5x the growth before, above the
-                                                  noise (4 sd), 5% of the loss and its earlier high
-    ValRiseRule         val_rise         YELLOW   val loss rising (Mann-Kendall z > 3, Theil-Sen rise
-                                                  >= 2% over 500 steps) while the loss trend falls
-    BrokenModelRule     broken_model     YELLOW,  loss at chance level (log vocab) or param norm
-                                         ORANGE,  1.5x its value 100 steps before; RED when not
-                                         RED      recovered after 50 (param) / 100 (loss) steps
-    DivergenceRule      divergence       RED      red_after consecutive checks with an ORANGE
-                                                  condition (or the loss > 1.25x its pre-spike trend
-                                                  after the pathological window)
-    ReplicaRule         replica          YELLOW,  one replica's figure a robust outlier (median/MAD
-      (monitor/replicas.py)              ORANGE   across replicas) on consecutive checks; one
-                                                  replica non-finite while the others are finite
+The rules, their order, alert ids and levels: the table in docs/MONITOR.md (checked
+against :func:`default_rules` by tests/test_monitor_docs.py). The rule classes live in
+``rules_ratio`` (ratio, trend, jump), ``rules_bands`` (group, logits, router),
+``rules_health`` (spike, loss scale, broken model, divergence), ``rules_validation`` (val
+gap, val rise), ``between`` (the window rules) and ``replicas``; this module re-exports them.
 """
 
 from __future__ import annotations
@@ -76,6 +40,7 @@ __all__ = [
     "DivergenceRule",
     "EarlyRule",
     "Figures",
+    "Notes",
     "GapRule",
     "GroupRule",
     "JumpRule",

@@ -9,9 +9,9 @@ import math
 
 from jvitals.monitor.policy import Policy
 from jvitals.monitor.rules_base import Figures
-from jvitals.monitor.bands import DriftBand
+from jvitals.monitor.bands import BandSettings, DriftBand
 from jvitals.monitor.robust import median
-from jvitals.monitor.types import NAN as _NAN
+from jvitals.monitor.types import Reading, NAN as _NAN
 from jvitals.monitor.types import Change, Level, RuleBase, Spike, release, set_, split_group
 
 __all__ = ["GroupRule", "LogitRule", "RouterRule"]
@@ -23,7 +23,7 @@ class GroupRule(RuleBase):
     """One group's figure departed from its own history while the global figures did not.
 
     Groups: ``embedding``, ``lm_head``, ``layer_{i}``; figures ``{family}/{group}``
-    for the families of ``Policy.group_bands``. Each value is divided by the trunk's
+    for the families of ``Policy.bands.group_bands``. Each value is divided by the trunk's
     median of the family at the same check (the global figure where no layer figure
     is logged; the embedding's and the LM head's update ratios by the learning rate
     where ``lr_metric`` is logged, so that every layer's update moving together, as
@@ -53,6 +53,8 @@ class GroupRule(RuleBase):
     """
 
     name = "group"
+    alert_ids = ("group",)   # the alerts' ``rule`` (docs/MONITOR.md)
+    levels = (Level.YELLOW,)
     state_fields = ("bands",)
     state_types = {"bands": DriftBand}
 
@@ -66,7 +68,7 @@ class GroupRule(RuleBase):
             fams: dict[str, list[tuple[str, str, bool, int]]] = {}
             for i, k in enumerate(f.plan.keys):
                 sg = split_group(k)
-                if sg and sg[0] in self.p.group_bands:
+                if sg and sg[0] in self.p.bands.group_bands:
                     fams.setdefault(sg[0], []).append((k, sg[1], sg[2] is not None, i))
             got = f.plan.cache[self.name] = fams
         return got
@@ -74,7 +76,7 @@ class GroupRule(RuleBase):
     def _observe(self, f: Figures, fams) -> tuple[dict[str, tuple], set[str]]:
         """Feeds every group figure to its band; ``({group: strongest hit}, groups seen)``."""
         p, s = self.p, f.step
-        windows = (p.group_window, 4 * p.group_window)
+        windows = (p.bands.group_window, 4 * p.bands.group_window)
         hits: dict[str, tuple] = {}
         seen: set[str] = set()
         for fam, items in fams.items():
@@ -90,10 +92,10 @@ class GroupRule(RuleBase):
                 trunk = 1.0
             if not (trunk > 0 and math.isfinite(trunk)):
                 continue
-            band = p.group_bands[fam]
-            lr = f.get(p.lr_metric) if fam == "update/param_ratio" else None
+            band = p.bands.group_bands[fam]
+            lr = f.get(p.baselines.lr_metric) if fam == "update/param_ratio" else None
             per_lr = lr is not None and math.isfinite(lr) and lr > 0
-            floor = p.group_min_share if fam == "grad/share" else 0.0
+            floor = p.bands.group_min_share if fam == "grad/share" else 0.0
             for k, g, is_layer, v in vals:
                 if not (v > 0 and math.isfinite(v)):
                     continue
@@ -108,9 +110,10 @@ class GroupRule(RuleBase):
                 rel = ("per unit LR" if norm is lr else "as it is" if trunk == 1.0
                        else "relative to the trunk's median")
                 y = math.log(v / norm)
-                if b.observe(s, f.t, y, band, p.group_jump, p.group_z, p.group_drift_k,
-                             windows, p.drift_memory, p.group_confirm, p.hysteresis,
-                             abrupt=fam != "grad/share"):
+                if b.observe(s, f.t, y, BandSettings(band, p.bands.group_jump, p.bands.group_z,
+                                                     p.bands.group_drift_k, windows, p.bands.drift_memory,
+                                                     p.bands.group_confirm, p.alerts.hysteresis,
+                                                     abrupt=fam != "grad/share")):
                     if max(v, norm * math.exp(b.anchor)) < floor:
                         continue   # a share below group_min_share before and after: noise
                     size = abs(y - b.anchor) / math.log(band)
@@ -122,19 +125,19 @@ class GroupRule(RuleBase):
     def _headline(self, g: str, k: str, fam: str, v: float, ref: float, r: float,
                   b: DriftBand, rel: str) -> str:
         p = self.p
-        band = p.group_bands[fam]
+        band = p.bands.group_bands[fam]
         if b.kind == "drift":
-            i = 0 if b.window == p.group_window else 1
-            nat = b.natural(i, (p.group_window, 4 * p.group_window), b.last_t) or 0.0
+            i = 0 if b.window == p.bands.group_window else 1
+            nat = b.natural(i, (p.bands.group_window, 4 * p.bands.group_window), b.last_t) or 0.0
             why = (f"it changed {math.exp(abs(b.stat)):.2f}x over the last {b.window} steps, "
-                   f"beyond group_drift_k = {p.group_drift_k:g} x the largest change over "
+                   f"beyond group_drift_k = {p.bands.group_drift_k:g} x the largest change over "
                    f"{b.window} steps it showed before in this run ({math.exp(nat):.2f}x) and "
                    f"its band group_bands[{fam!r}] = {band:g}x (windows: group_window and 4x it)")
         else:
             noise = b.noise
-            nz = f" and > group_z = {p.group_z:g} x its sample-to-sample noise ({noise:.2g} in log)" \
+            nz = f" and > group_z = {p.bands.group_z:g} x its sample-to-sample noise ({noise:.2g} in log)" \
                 if noise is not None else ""
-            lim = (f"an unmistakable departure: >= group_jump = {p.group_jump:g}x" if b.kind == "jump"
+            lim = (f"an unmistakable departure: >= group_jump = {p.bands.group_jump:g}x" if b.kind == "jump"
                    else f"beyond its band group_bands[{fam!r}] = {band:g}x")
             why = f"it moved {math.exp(abs(b.stat)):.2f}x in one sample ({lim}{nz})"
         layer = g.startswith("layer_")
@@ -151,7 +154,7 @@ class GroupRule(RuleBase):
         hits, seen = self._observe(f, fams)
         changes = []
         ratios = f.notes.ratio
-        calm = all(ratios.get(m, 1.0) < p.group_global_ratio
+        calm = all(ratios.get(m, 1.0) < p.bands.group_global_ratio
                    for m in ("grad/global_norm", "param/global_norm"))
         for g in sorted(seen):
             hit = hits.get(g)
@@ -165,7 +168,7 @@ class GroupRule(RuleBase):
             _, k, fam, v, ref, r, b, rel = hit
             layer = g.startswith("layer_")
             changes.append(set_(
-                "group", k, Level.YELLOW, v, ref, r, self._headline(g, k, fam, v, ref, r, b, rel),
+                "group", k, Level.YELLOW, Reading(v, ref, r), self._headline(g, k, fam, v, ref, r, b, rel),
                 f"{k} left its band", key=g, onset=None if active else b.onset,
                 prescription="group_layer_lr" if layer else "group_embedding_lr",
                 details={"group": g, "family": fam, "kind": b.kind}))
@@ -181,7 +184,7 @@ class LogitRule(RuleBase):
     """Logits growing beyond their own drift: the attention's (no QK-norm, Wq/Wk LR
     too high) and the output's (logit drift).
 
-    For each ``(metric, band)`` of ``Policy.logit_bands`` (``act/attn_logits_abs.max``,
+    For each ``(metric, band)`` of ``Policy.bands.logit_bands`` (``act/attn_logits_abs.max``,
     ``act/output_layer_logits_abs.max``), the metric and its per-layer figures
     (``{metric}/layer_{i}``) are judged as the group rule judges a group figure, on
     ``y = log(x)`` with a :class:`~jvitals.monitor.trackers.DriftBand` (its
@@ -197,6 +200,8 @@ class LogitRule(RuleBase):
     """
 
     name = "logits"
+    alert_ids = ("logits",)   # the alerts' ``rule`` (docs/MONITOR.md)
+    levels = (Level.YELLOW,)
     state_fields = ("bands", "last_t")
     state_types = {"bands": DriftBand}
 
@@ -210,7 +215,7 @@ class LogitRule(RuleBase):
         if got is None:
             got = []
             for i, k in enumerate(f.plan.keys):
-                for m in self.p.logit_bands:
+                for m in self.p.bands.logit_bands:
                     if k == m or (k.startswith(m + "/layer_") and k[len(m) + 7:].isdigit()):
                         got.append((m, k, i))
             got = f.plan.cache[self.name] = got
@@ -219,12 +224,12 @@ class LogitRule(RuleBase):
     def check(self, f: Figures) -> list[Change]:
         items = self._plan(f)
         p = self.p
-        stride = max(1, p.group_window // 16)
+        stride = max(1, p.bands.group_window // 16)
         if f.warm or not items or 0 <= f.t - self.last_t < stride:
             return []       # logged more often than a stride: judged once per stride
         self.last_t = f.t
         s, out = f.step, []
-        windows = (p.group_window, 4 * p.group_window)
+        windows = (p.bands.group_window, 4 * p.bands.group_window)
         hits: dict[str, tuple] = {}
         for m, k, i in items:
             v = float(f.vals[i])
@@ -233,13 +238,15 @@ class LogitRule(RuleBase):
             b = self.bands.get(k)
             if b is None:
                 b = self.bands[k] = DriftBand()
-            band = p.logit_bands[m]
-            if b.observe(s, f.t, math.log(v), band, p.group_jump, p.group_z, p.group_drift_k,
-                         windows, p.drift_memory, p.group_confirm, p.hysteresis) and b.sign > 0:
+            band = p.bands.logit_bands[m]
+            if b.observe(s, f.t, math.log(v), BandSettings(band, p.bands.group_jump, p.bands.group_z,
+                                                           p.bands.group_drift_k, windows, p.bands.drift_memory,
+                                                           p.bands.group_confirm, p.alerts.hysteresis)) \
+                    and b.sign > 0:
                 size = (math.log(v) - b.anchor) / math.log(band)
                 if m not in hits or size > hits[m][0]:
                     hits[m] = (size, k, v, math.exp(b.anchor), b)
-        for m in p.logit_bands:
+        for m in p.bands.logit_bands:
             hit = hits.get(m)
             if hit is None:
                 if ("logits", m) in f.open:
@@ -247,14 +254,14 @@ class LogitRule(RuleBase):
                 continue
             _, k, v, ref, b = hit
             attn = "attn" in m
-            how = (f"moved {math.exp(abs(b.stat)):.2f}x in one sample (>= group_jump = {p.group_jump:g}x)"
+            how = (f"moved {math.exp(abs(b.stat)):.2f}x in one sample (>= group_jump = {p.bands.group_jump:g}x)"
                    if b.kind == "jump" else
                    f"moved {math.exp(abs(b.stat)):.2f}x in one sample (beyond its band "
-                   f"logit_bands[{m!r}] = {p.logit_bands[m]:g}x)" if b.kind == "step" else
+                   f"logit_bands[{m!r}] = {p.bands.logit_bands[m]:g}x)" if b.kind == "step" else
                    f"rose {math.exp(abs(b.stat)):.2f}x over the last {b.window} steps, beyond "
-                   f"group_drift_k = {p.group_drift_k:g} x the rise it showed before and its band "
-                   f"logit_bands[{m!r}] = {p.logit_bands[m]:g}x")
-            out.append(set_("logits", k, Level.YELLOW, v, ref, v / ref,
+                   f"group_drift_k = {p.bands.group_drift_k:g} x the rise it showed before and its band "
+                   f"logit_bands[{m!r}] = {p.bands.logit_bands[m]:g}x")
+            out.append(set_("logits", k, Level.YELLOW, Reading(v, ref, v / ref),
                             f"{k} = {v:.4g} is {v / ref:.2f}x the level it left ({ref:.4g}): it {how}.",
                             f"{k} started growing", key=m,
                             onset=None if f.active("logits", m) is not None else b.onset,
@@ -272,7 +279,7 @@ class LogitRule(RuleBase):
 class RouterRule(RuleBase):
     """MoE router collapse: a router figure far above its own baseline.
 
-    For each ``(metric, excess)`` of ``Policy.router_bands`` (e.g.
+    For each ``(metric, excess)`` of ``Policy.bands.router_bands`` (e.g.
     ``moe/maxvio.max``, ``moe/dead_expert_ratio``): baseline ``b`` = median
     over the baseline window, spread ``mad`` = 1.4826 x its median absolute
     deviation; out when ``x - b > max(router_z * mad, excess)`` at every check
@@ -281,6 +288,8 @@ class RouterRule(RuleBase):
     """
 
     name = "router"
+    alert_ids = ("router",)   # the alerts' ``rule`` (docs/MONITOR.md)
+    levels = (Level.YELLOW,)
     state_fields = ("cols",)
 
     def __init__(self, policy: Policy) -> None:
@@ -290,12 +299,12 @@ class RouterRule(RuleBase):
     def check(self, f: Figures) -> list[Change]:
         present = f.plan.cache.get(self.name)
         if present is None:
-            present = f.plan.cache[self.name] = any(m in f.plan.named for m in self.p.router_bands)
+            present = f.plan.cache[self.name] = any(m in f.plan.named for m in self.p.bands.router_bands)
         if f.warm or not present:
             return []
         p, s, out = self.p, f.step, []
-        end = f.start + p.baseline_steps
-        for m, excess in p.router_bands.items():
+        end = f.start + p.baselines.steps
+        for m, excess in p.bands.router_bands.items():
             v = f.get(m)
             if v is None or not math.isfinite(v):
                 continue
@@ -303,20 +312,20 @@ class RouterRule(RuleBase):
             if c is None:
                 c = self.cols[m] = [[], _NAN, _NAN, None]
             if c[1] != c[1]:
-                if f.t < end or len(c[0]) < p.baseline_min_samples:
+                if f.t < end or len(c[0]) < p.baselines.min_samples:
                     c[0].append(v)
-                if len(c[0]) >= p.baseline_min_samples and f.t >= end - 1:
+                if len(c[0]) >= p.baselines.min_samples and f.t >= end - 1:
                     b = median(c[0])
                     c[1], c[2] = b, 1.4826 * median([abs(z - b) for z in c[0]])
                     c[0] = []
                 continue
-            band = max(p.router_z * c[2], excess)
+            band = max(p.bands.router_z * c[2], excess)
             is_open = f.active("router", m) is not None
-            if v - c[1] > (p.hysteresis * band if is_open else band):
+            if v - c[1] > (p.alerts.hysteresis * band if is_open else band):
                 if c[3] is None:
                     c[3] = s
-                if is_open or s - c[3] >= p.router_steps:
-                    out.append(set_("router", m, Level.YELLOW, v, c[1], v / c[1] if c[1] else _NAN,
+                if is_open or s - c[3] >= p.bands.router_steps:
+                    out.append(set_("router", m, Level.YELLOW, Reading(v, c[1], v / c[1] if c[1] else _NAN),
                                     f"{m} = {v:.4g} has been above its baseline {c[1]:.4g} by more "
                                     f"than {band:.3g} since step {c[3]}: the router is collapsing "
                                     "onto a few experts.", f"{m} rose", onset=c[3],

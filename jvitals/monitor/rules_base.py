@@ -121,14 +121,14 @@ class Figures:
 
     def active(self, rule: str, key: str) -> Alert | None:
         """The open alert ``(rule, key)`` of the current episode: ``None`` when there is
-        none or when its condition has been clear for ``Policy.episode_gap`` steps or
-        more (it only waits out ``Policy.clear_steps``). A rule treats such an alert as
+        none or when its condition has been clear for ``Policy.alerts.episode_gap`` steps or
+        more (it only waits out ``Policy.alerts.clear_steps``). A rule treats such an alert as
         closed: a new crossing needs its own confirmation and is a new episode with
         its own onset (``Monitor`` closes the old alert when the rule sets it again);
         within the gap the alert's hysteresis still holds it (a dip is noise)."""
         a = self.open.get((rule, key))
         if a is None or (a.clearing_since is not None
-                         and self.step - a.clearing_since >= self.policy.episode_gap):
+                         and self.step - a.clearing_since >= self.policy.alerts.episode_gap):
             return None
         return a
 
@@ -179,16 +179,16 @@ def schedule_factor(lr: float | None, lr_ref: float | None, pn: float | None,
       term and its figures ("" for a factor of 1).
     """
     sched = pnf = 1.0
-    if lr is not None and lr_ref is not None and lr > 0 and lr_ref > 0 and p.weight_decay != 0 \
-            and p.lr_exponent > 0:
-        sched = min(max(lr_ref / lr, 1.0), 100.0) ** p.lr_exponent
+    if lr is not None and lr_ref is not None and lr > 0 and lr_ref > 0 and p.ratio.weight_decay != 0 \
+            and p.ratio.lr_exponent > 0:
+        sched = min(max(lr_ref / lr, 1.0), 100.0) ** p.ratio.lr_exponent
     if pn is not None and pn_ref is not None and pn > 0 and pn_ref > 0:
         pnf = max(pn_ref / pn, 1.0)
     if sched <= 1.0 and pnf <= 1.0:
         return 1.0, no_why
     if sched >= pnf:
         return sched, lambda: (f"(lr at baseline {lr_ref:.3g} / lr now {lr:.3g}) ** "
-                               f"{p.lr_exponent:g}, Policy.lr_exponent")
+                               f"{p.ratio.lr_exponent:g}, Policy.lr_exponent")
     return pnf, lambda: f"param norm at baseline {pn_ref:.4g} / now {pn:.4g}"
 
 

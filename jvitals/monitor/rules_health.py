@@ -13,7 +13,7 @@ from jvitals.monitor.between import window_peak
 from jvitals.monitor.policy import Policy
 from jvitals.monitor.rules_base import Figures
 from jvitals.monitor.spikes import SpikeTracker
-from jvitals.monitor.types import NAN as _NAN
+from jvitals.monitor.types import Reading, NAN as _NAN
 from jvitals.monitor.types import Change, Level, RuleBase, Spike, clear, release, set_
 
 __all__ = ["BrokenModelRule", "DivergenceRule", "LossScaleRule", "SpikeRule"]
@@ -31,14 +31,16 @@ class SpikeRule(RuleBase):
     """
 
     name = "spike"
+    alert_ids = ("loss_spike", "periodic_spike")   # the alerts' ``rule`` (docs/MONITOR.md)
+    levels = (Level.YELLOW, Level.ORANGE)
     state_fields = ("trackers",)
     state_types = {"trackers": SpikeTracker}
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
-        self.trackers = {m: SpikeTracker(m, policy) for m in policy.spike_metrics}
+        self.trackers = {m: SpikeTracker(m, policy) for m in policy.spike.metrics}
         self.score_names = {m: _SCORE_NAMES.get(m, "monitor/" + m.replace("/", "_") + "_spike_score")
-                            for m in policy.spike_metrics}
+                            for m in policy.spike.metrics}
 
     def check(self, f: Figures) -> list[Change]:
         p, s, out = self.p, f.step, []
@@ -53,13 +55,13 @@ class SpikeRule(RuleBase):
                     tr.beyond(peak[1], f.warm, p):
                 f.spikes.extend(tr.observe(peak[0], peak[1], f.warm, p))
             f.spikes.extend(tr.observe(s, v, f.warm, p))
-        for m in p.spike_alert_metrics:
+        for m in p.spike.alert_metrics:
             tr = self.trackers.get(m)
             if tr is None or m not in seen:
                 continue
             v = seen[m]
             o, e = tr.open, tr.elevated
-            if o is not None and s - o["onset"] >= p.physiological_steps:
+            if o is not None and s - o["onset"] >= p.spike.physiological_steps:
                 ref, onset = o["pre_trend"], o["onset"]
             elif o is None and e is not None:
                 ref, onset = e["pre_trend"], e["onset"]
@@ -72,14 +74,14 @@ class SpikeRule(RuleBase):
                 continue
             ratio = v / ref if ref > 0 else _NAN
             out.append(set_(
-                "loss_spike", m, Level.YELLOW, v, ref, ratio,
+                "loss_spike", m, Level.YELLOW, Reading(v, ref, ratio),
                 f"{m} spike at step {onset} not back to trend after {s - onset} steps: "
                 f"{v:.4g} vs pre-spike trend {ref:.4g} ({ratio:.2f}x).", f"{m} spiked",
                 onset=onset,
-                diverging=bool(o is None and ref > 0 and v > p.divergence_loss_ratio * ref)))
+                diverging=bool(o is None and ref > 0 and v > p.health.divergence_loss_ratio * ref)))
         for m, tr in self.trackers.items():
             f.scores[self.score_names[m]] = tr.score.score
-            if m not in seen or m not in p.periodic_metrics:
+            if m not in seen or m not in p.spike.periodic_metrics:
                 continue
             per = tr.periodic
             if per is None:
@@ -88,7 +90,7 @@ class SpikeRule(RuleBase):
             lvl = Level.ORANGE if per["shrinking"] else Level.YELLOW
             shrink = ", intervals shrinking" if per["shrinking"] else ""
             out.append(set_(
-                "periodic_spike", m, lvl, float(per["period"]), _NAN, _NAN,
+                "periodic_spike", m, lvl, Reading(float(per["period"]), _NAN, _NAN),
                 f"{per['count']} {m} spikes at near-regular intervals, period ~"
                 f"{per['period']:.0f} steps{shrink} (intervals {per['intervals']}); last onset at "
                 f"step {per['last_onset']}.", f"{m} spikes turned periodic",
@@ -110,7 +112,7 @@ class SpikeRule(RuleBase):
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         super().load_state_dict(d)
         self.trackers = {m: self.trackers.get(m) or SpikeTracker(m, self.p)
-                         for m in self.p.spike_metrics}
+                         for m in self.p.spike.metrics}
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         done = []
@@ -129,6 +131,8 @@ class LossScaleRule(RuleBase):
     closes ``event_hold_steps`` after the last drop."""
 
     name = "loss_scale"
+    alert_ids = ("loss_scale",)   # the alerts' ``rule`` (docs/MONITOR.md)
+    levels = (Level.YELLOW,)
     state_fields = ("prev", "drop", "peak")
 
     def __init__(self, policy: Policy) -> None:
@@ -139,27 +143,27 @@ class LossScaleRule(RuleBase):
 
     def check(self, f: Figures) -> list[Change]:
         p, s, out = self.p, f.step, []
-        m = p.loss_scale_metric
+        m = p.system.loss_scale_metric
         v = f.get(m)
         if v is not None and math.isfinite(v) and v > 0:
             prev, (peak, t0) = self.prev, self.peak
             if peak != peak or v >= peak:
                 peak = v
             else:
-                peak = max(peak * 0.5 ** ((s - t0) / max(p.event_hold_steps, 1)), v)
+                peak = max(peak * 0.5 ** ((s - t0) / max(p.system.event_hold_steps, 1)), v)
             self.peak = [peak, s]
-            one = prev == prev and prev / v >= p.loss_scale_drop
-            if not f.warm and (one or peak / v >= p.loss_scale_drop):
+            one = prev == prev and prev / v >= p.system.loss_scale_drop
+            if not f.warm and (one or peak / v >= p.system.loss_scale_drop):
                 first = self.drop["onset"] if self.drop else s
                 self.drop = {"step": s, "onset": first}
                 ref, how = (prev, "in one check") if one else (peak, "from its recent peak")
-                out.append(set_("loss_scale", m, Level.YELLOW, v, ref, v / ref,
+                out.append(set_("loss_scale", m, Level.YELLOW, Reading(v, ref, v / ref),
                                 f"{m} fell {ref / v:g}x {how} ({ref:g} -> {v:g}) at step {s} "
-                                f"(>= Policy.loss_scale_drop = {p.loss_scale_drop:g}x): gradients "
+                                f"(>= Policy.loss_scale_drop = {p.system.loss_scale_drop:g}x): gradients "
                                 "overflow float16 again and again.", f"{m} fell {ref / v:g}x",
                                 onset=first))
             self.prev = v
-        if self.drop is not None and s - self.drop["step"] >= p.event_hold_steps:
+        if self.drop is not None and s - self.drop["step"] >= p.system.event_hold_steps:
             out.append(clear("loss_scale", m))
             self.drop = None
         return out
@@ -176,7 +180,7 @@ class BrokenModelRule(RuleBase):
 
     - the loss is at chance level: ``loss >= broken_chance_frac * C`` while
       its pre-spike trend was below ``broken_chance_frac ** 2 * C``, with
-      ``C = log(V)`` (``V`` = ``Policy.vocab_size`` or the ``vocab_metric``
+      ``C = log(V)`` (``V`` = ``Policy.health.vocab_size`` or the ``vocab_metric``
       figure) or, without ``V``, the first loss the monitor saw (a run from
       scratch starts at chance; a resumed one at its starting point, which a
       broken model also falls back to); or
@@ -196,6 +200,8 @@ class BrokenModelRule(RuleBase):
     """
 
     name = "broken_model"
+    alert_ids = ("broken_model",)   # the alerts' ``rule`` (docs/MONITOR.md)
+    levels = (Level.YELLOW, Level.ORANGE, Level.RED)
     state_fields = ("pn", "vocab", "first_loss", "state")
 
     def __init__(self, policy: Policy) -> None:
@@ -207,11 +213,11 @@ class BrokenModelRule(RuleBase):
 
     def check(self, f: Figures) -> list[Change]:
         p, s = self.p, f.step
-        if p.vocab_size is None:
-            v = f.get(p.vocab_metric)
+        if p.health.vocab_size is None:
+            v = f.get(p.health.vocab_metric)
             if v is not None and v > 1 and math.isfinite(v):
                 self.vocab = v
-        vocab = float(p.vocab_size) if p.vocab_size is not None else self.vocab
+        vocab = float(p.health.vocab_size) if p.health.vocab_size is not None else self.vocab
         loss, pn = f.get("loss"), f.get("param/global_norm")
         if loss is not None and math.isfinite(loss) and self.first_loss != self.first_loss:
             self.first_loss = loss
@@ -222,19 +228,19 @@ class BrokenModelRule(RuleBase):
         pre = st["pre"] if st is not None else f.notes.loss_pre
         loss_bad = None
         if loss is not None and math.isfinite(loss) and chance == chance and chance > 0:
-            loss_bad = (loss >= p.broken_chance_frac * chance
-                        and pre < p.broken_chance_frac ** 2 * chance)
+            loss_bad = (loss >= p.health.broken_chance_frac * chance
+                        and pre < p.health.broken_chance_frac ** 2 * chance)
         pn_bad, pn_ref = None, _NAN
         if pn is not None and math.isfinite(pn) and pn > 0:
             if st is not None and st["pn_ref"] is not None:
-                pn_bad = pn >= (1.0 + 0.5 * (p.broken_param_jump - 1.0)) * st["pn_ref"]
+                pn_bad = pn >= (1.0 + 0.5 * (p.health.broken_param_jump - 1.0)) * st["pn_ref"]
             else:
                 q = self.pn
-                while len(q) > 1 and q[1][0] <= s - p.broken_jump_window:
+                while len(q) > 1 and q[1][0] <= s - p.health.broken_jump_window:
                     q.popleft()
                 if q:
                     pn_ref = q[0][1]
-                    pn_bad = pn >= p.broken_param_jump * pn_ref
+                    pn_bad = pn >= p.health.broken_param_jump * pn_ref
                 q.append((s, pn))
         if st is None:
             if not (loss_bad or pn_bad):
@@ -252,9 +258,9 @@ class BrokenModelRule(RuleBase):
                 return [release("broken_model", "")]
         st["checks"] += 1
         held = s - st["since"]
-        if held >= (p.broken_steps if st["kind"] == "param" else p.broken_loss_steps):
+        if held >= (p.health.broken_steps if st["kind"] == "param" else p.health.broken_loss_steps):
             lvl = Level.RED
-        elif st["kind"] == "param" or held >= p.broken_steps // 2:
+        elif st["kind"] == "param" or held >= p.health.broken_steps // 2:
             lvl = Level.ORANGE
         elif loss is not None and loss >= 1.5 * st["pre"]:
             lvl = Level.YELLOW   # at chance from well below: garbage data or a broken model, at once
@@ -263,7 +269,7 @@ class BrokenModelRule(RuleBase):
         if st["kind"] == "param":
             metric, value, ref = "param/global_norm", pn, st["pn_ref"]
             what = (f"param/global_norm jumped to {value:.4g} from {ref:.4g} "
-                    f"({value / ref:.2f}x within {p.broken_jump_window} steps)"
+                    f"({value / ref:.2f}x within {p.health.broken_jump_window} steps)"
                     if value is not None else "param/global_norm jumped")
         else:
             metric, value, ref = "loss", loss, chance
@@ -273,14 +279,14 @@ class BrokenModelRule(RuleBase):
                     f"trend {st['pre']:.4g})")
         value = _NAN if value is None else float(value)
         ratio = value / ref if ref and ref == ref else _NAN
-        red_at = st["since"] + (p.broken_steps if st["kind"] == "param" else p.broken_loss_steps)
+        red_at = st["since"] + (p.health.broken_steps if st["kind"] == "param" else p.health.broken_loss_steps)
         tail = (f"not recovered after {held} steps: the model is broken, roll back."
                 if lvl == Level.RED else f"RED if it has not recovered by step {red_at}.")
         if lvl == Level.YELLOW:
             tail = (f"a batch of garbage, or a broken model: ORANGE if it holds until step "
-                    f"{st['since'] + p.broken_steps // 2}, {tail} (Policy.broken_chance_frac, "
+                    f"{st['since'] + p.health.broken_steps // 2}, {tail} (Policy.broken_chance_frac, "
                     "broken_steps, broken_loss_steps)")
-        return [set_("broken_model", metric, lvl, value, ref, ratio, f"{what}; {tail}",
+        return [set_("broken_model", metric, lvl, Reading(value, ref, ratio), f"{what}; {tail}",
                      f"{metric} broke", key="", onset=st["since"], diverging=False,
                      details={"since": st["since"], "kind": st["kind"]})]
 
@@ -299,6 +305,8 @@ class DivergenceRule(RuleBase):
     conditions are back in their bands (their alerts closed or clearing)."""
 
     name = "divergence"
+    alert_ids = ("divergence",)   # the alerts' ``rule`` (docs/MONITOR.md)
+    levels = (Level.RED,)
     state_fields = ("consecutive", "start", "keys")
 
     def __init__(self, policy: Policy) -> None:
@@ -329,11 +337,11 @@ class DivergenceRule(RuleBase):
                    for a in (f.open.get(k) for k in self.keys)):
                 self.keys, recovered = set(), True
         red_open = f.active("divergence", "") is not None
-        if div and (red_open or (self.consecutive >= p.red_after
-                                 and s - self.start >= p.red_min_steps)):
+        if div and (red_open or (self.consecutive >= p.health.red_after
+                                 and s - self.start >= p.health.red_min_steps)):
             lead = min((a for _, a in div), key=lambda a: (a.onset_step, a.id))
-            return [set_("divergence", lead.metric, Level.RED, lead.value, lead.baseline,
-                         lead.ratio,
+            return [set_("divergence", lead.metric, Level.RED, Reading(lead.value, lead.baseline,
+                         lead.ratio),
                          f"unrecovered divergence for {self.consecutive} consecutive checks since "
                          f"step {self.start} (lead: {lead.rule} on {lead.metric}, onset step "
                          f"{lead.onset_step}).", f"{lead.metric} diverged",

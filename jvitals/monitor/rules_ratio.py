@@ -11,9 +11,9 @@ from typing import Any, Mapping
 from jvitals.monitor.policy import Policy
 from jvitals.monitor.rules_base import Figures, hysteresis_level, no_why, schedule_factor
 from jvitals.monitor.baselines import BASELINES, DriftBaseline, FixedBaseline, RollingBaseline
-from jvitals.monitor.bands import BucketSeries, DriftBand
+from jvitals.monitor.bands import BandSettings, BucketSeries, DriftBand
 from jvitals.monitor.robust import theil_sen
-from jvitals.monitor.types import NAN as _NAN
+from jvitals.monitor.types import Reading, NAN as _NAN
 from jvitals.monitor.types import Alert, Change, Level, RuleBase, Spike, release, set_
 
 __all__ = ["JumpRule", "RatioRule", "TrendRule"]
@@ -22,9 +22,9 @@ _RATIO_RULE_IDS = {"grad/global_norm": "grad_norm", "param/global_norm": "param_
 
 
 class RatioRule(RuleBase):
-    """``x / reference`` against ``(yellow, orange)`` per ``Policy.ratio_rules``.
+    """``x / reference`` against ``(yellow, orange)`` per ``Policy.ratio.thresholds``.
 
-    The reference is the metric's baseline; for ``Policy.schedule_metrics`` (the
+    The reference is the metric's baseline; for ``Policy.ratio.schedule_metrics`` (the
     grad norm) it is the baseline times what the schedule predicts
     (:func:`schedule_factor`: the LR and the param norm against their own
     baselines), so the healthy rise of the gradient norm as the LR decays is no
@@ -37,12 +37,14 @@ class RatioRule(RuleBase):
     """
 
     name = "ratio"
+    alert_ids = ("grad_norm", "param_norm", "ratio")   # the alerts' ``rule`` (docs/MONITOR.md)
+    levels = (Level.YELLOW, Level.ORANGE)
     state_fields = ("baselines", "above", "last_ratio", "refs")
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
-        self.state_types = {"baselines": BASELINES[policy.baseline], "refs": FixedBaseline}
-        self.baselines = {m: BASELINES[policy.baseline]() for m in policy.ratio_rules}
+        self.state_types = {"baselines": BASELINES[policy.baselines.kind], "refs": FixedBaseline}
+        self.baselines = {m: BASELINES[policy.baselines.kind]() for m in policy.ratio.thresholds}
         self.refs = {"lr": FixedBaseline(), "pn": FixedBaseline()}  # the schedule's references
         self.above: dict[str, dict[str, list[int]]] = {}  # metric -> {"y"/"o": [checks, first step]}
         self.orange_run: dict[str, list[int]] = {}         # this check's confirmed ORANGE runs
@@ -51,7 +53,7 @@ class RatioRule(RuleBase):
     def _schedule(self, f: Figures) -> tuple[float, Any]:
         """:func:`schedule_factor` at this check (the references learn here)."""
         p, refs = self.p, self.refs
-        lr, pn = f.get(p.lr_metric), f.get("param/global_norm")
+        lr, pn = f.get(p.baselines.lr_metric), f.get("param/global_norm")
         lr_ref = pn_ref = None
         if lr is not None and lr > 0 and math.isfinite(lr):
             b = refs["lr"]
@@ -67,21 +69,21 @@ class RatioRule(RuleBase):
         p, s, out = self.p, f.step, []
         sched = None
         self.orange_run = {}
-        for m, (y0, o0) in p.ratio_rules.items():
+        for m, (y0, o0) in p.ratio.thresholds.items():
             v = f.get(m)
             if v is None or not math.isfinite(v):
                 continue
             b = self.baselines[m]
             # A metric whose own check-to-check spread is wide (single steps of a
             # mixture-of-experts on mixed text: 2-3x) needs more than y0 to be a departure.
-            widen = max(1.0, math.exp(p.ratio_noise_z * b.noise) / y0) if isinstance(
+            widen = max(1.0, math.exp(p.ratio.noise_z * b.noise) / y0) if isinstance(
                 b, DriftBaseline) else 1.0
             y, o = y0 * widen, None if o0 is None else o0 * widen
             factor, why = 1.0, ""
-            if m in p.schedule_metrics:
+            if m in p.ratio.schedule_metrics:
                 if sched is None:
                     sched = self._schedule(f)
-                    f.notes.schedule = dict.fromkeys(p.schedule_metrics, sched[0])
+                    f.notes.schedule = dict.fromkeys(p.ratio.schedule_metrics, sched[0])
                 factor, why = sched
             rule = _RATIO_RULE_IDS.get(m, "ratio")
             cur = f.active(rule, m)
@@ -102,12 +104,12 @@ class RatioRule(RuleBase):
             why_ = why() if callable(why) else why
             what = (f"what the schedule predicts, {ref * factor:.4g} = its baseline {ref:.4g} x "
                     f"{factor:.2f} ({why_})" if why_ else f"its baseline {ref:.4g}")
-            wide = (f"; widened {widen:.2f}x: ratio_noise_z = {p.ratio_noise_z:g} x its "
+            wide = (f"; widened {widen:.2f}x: ratio_noise_z = {p.ratio.noise_z:g} x its "
                     f"check-to-check spread {b.noise:.2f} in log" if widen > 1.0 else "")
-            out.append(set_(rule, m, lvl, v, ref * factor, ratio,
+            out.append(set_(rule, m, lvl, Reading(v, ref * factor, ratio),
                             f"{m} = {v:.4g} is {ratio:.2f}x {what} (yellow > {y:.3g}x{orange}: "
                             f"Policy.ratio_rules[{m!r}]{wide}; confirmed over confirm_checks = "
-                            f"{p.confirm_checks} checks).", f"{m} crossed {thr:.3g}x", onset=onset,
+                            f"{p.ratio.confirm_checks} checks).", f"{m} crossed {thr:.3g}x", onset=onset,
                             details={"schedule_factor": factor, "baseline": ref, "widen": widen}))
         f.notes.ratio = self.last_ratio
         f.notes.orange_run = self.orange_run
@@ -132,19 +134,19 @@ class RatioRule(RuleBase):
         for name, thr in (("y", y), ("o", o)):
             run = runs.get(name)
             if thr is not None and gate and ratio > (thr if run is None else
-                                                     1.0 + p.hysteresis * (thr - 1.0)):
+                                                     1.0 + p.alerts.hysteresis * (thr - 1.0)):
                 if run is None:
                     run = runs[name] = [0, s]
                 run[0] += 1
             else:
                 runs.pop(name, None)
-        ok = {k for k, (c, first) in runs.items() if c >= p.confirm_checks and s - first >= p.confirm_steps}
+        ok = {k for k, (c, first) in runs.items() if c >= p.ratio.confirm_checks and s - first >= p.ratio.confirm_steps}
         if "o" in ok:
             self.orange_run[m] = list(runs["o"])
         if cur is None:
             lvl = Level.ORANGE if "o" in ok else Level.YELLOW if "y" in ok else Level.GREEN
             return lvl, runs["y"][1] if lvl > Level.GREEN else None
-        held = hysteresis_level(ratio, y, o, cur.level, gate, p.hysteresis)
+        held = hysteresis_level(ratio, y, o, cur.level, gate, p.alerts.hysteresis)
         return (Level.ORANGE if "o" in ok else min(held, cur.level) if held else held), None
 
     def baseline(self, metric: str) -> float | None:
@@ -152,15 +154,15 @@ class RatioRule(RuleBase):
         b = self.baselines.get(metric)
         if b is None:
             return None
-        if isinstance(b, RollingBaseline) and len(b.vals) < self.p.adaptive_min_samples:
+        if isinstance(b, RollingBaseline) and len(b.vals) < self.p.baselines.adaptive_min_samples:
             return None
         m = b.mean
         return None if m != m else float(m)
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         super().load_state_dict(d)
-        fresh = BASELINES[self.p.baseline]
-        self.baselines = {m: self.baselines.get(m) or fresh() for m in self.p.ratio_rules}
+        fresh = BASELINES[self.p.baselines.kind]
+        self.baselines = {m: self.baselines.get(m) or fresh() for m in self.p.ratio.thresholds}
         self.above = {m: v for m, v in self.above.items() if m in self.baselines}
         self.last_ratio = {m: r for m, r in self.last_ratio.items() if m in self.baselines}
 
@@ -176,7 +178,7 @@ class TrendRule(RuleBase):
     """Creep: a figure rising beyond the run's own drift (the grad norm net of the
     schedule, while the loss still falls).
 
-    For each ``(metric, rise)`` of ``Policy.trend_metrics``: bucket means (width
+    For each ``(metric, rise)`` of ``Policy.ratio.trend_metrics``: bucket means (width
     ``trend_window // trend_buckets`` steps, from ``baseline_steps`` after the start
     on; one sample per ``width // 8`` steps) of ``log(x / factor)`` (``factor``:
     :func:`schedule_factor` for ``schedule_metrics``, else 1) and of the loss; each
@@ -201,6 +203,8 @@ class TrendRule(RuleBase):
     """
 
     name = "trend"
+    alert_ids = ("grad_trend", "param_norm", "trend")   # the alerts' ``rule`` (docs/MONITOR.md)
+    levels = (Level.YELLOW,)
     state_fields = ("buckets", "bands", "smooth", "last_t")
     state_types = {"buckets": BucketSeries, "bands": DriftBand}
 
@@ -213,22 +217,22 @@ class TrendRule(RuleBase):
 
     def check(self, f: Figures) -> list[Change]:
         p, out = self.p, []
-        if f.warm or f.t < f.start + p.baseline_steps:
+        if f.warm or f.t < f.start + p.baselines.steps:
             return out
-        width = max(1, p.trend_window // p.trend_buckets)
+        width = max(1, p.ratio.trend_window // p.ratio.trend_buckets)
         if 0 <= f.t - self.last_t < max(1, width // 8):
             return out      # checked more often than width / 8: a sample per width / 8 is enough
         self.last_t = f.t
         loss = f.get("loss")
         loss = loss if loss is not None and math.isfinite(loss) else _NAN
-        for m, rise in p.trend_metrics.items():
+        for m, rise in p.ratio.trend_metrics.items():
             x = f.get(m)
             if x is None or not (math.isfinite(x) and x > 0):
                 continue
-            factor = f.notes.schedule.get(m, 1.0) if m in p.schedule_metrics else 1.0
+            factor = f.notes.schedule.get(m, 1.0) if m in p.ratio.schedule_metrics else 1.0
             bs = self.buckets.get(m)
             if bs is None:
-                bs = self.buckets[m] = BucketSeries(width, p.trend_buckets, 2)
+                bs = self.buckets[m] = BucketSeries(width, p.ratio.trend_buckets, 2)
             if not bs.add(f.t, [math.log(x / factor), loss]):     # model time
                 continue
             ids, means = bs.arrays()
@@ -238,9 +242,11 @@ class TrendRule(RuleBase):
             y = float(means[-1, 0])
             prev = self.smooth.get(m)   # the bucket means, EMA-smoothed over ~2 buckets
             y = self.smooth[m] = y if prev is None else prev + 0.3 * (y - prev)
-            held = band.observe(f.step, int(ids[-1]), y, rise, math.inf, 0.0,
-                                p.trend_drift_k, (p.trend_window, 4 * p.trend_window),
-                                p.drift_memory, 2, p.hysteresis, abrupt=False) and band.sign > 0
+            settings = BandSettings(rise, jump=math.inf, z=0.0, k=p.ratio.trend_drift_k,
+                                    windows=(p.ratio.trend_window, 4 * p.ratio.trend_window),
+                                    memory=p.bands.drift_memory, confirm=2, hysteresis=p.alerts.hysteresis,
+                                    abrupt=False)
+            held = band.observe(f.step, int(ids[-1]), y, settings) and band.sign > 0
             rule = _TREND_RULE_IDS.get(m, "trend")
             lslope = _NAN
             if held and m == "grad/global_norm":
@@ -256,15 +262,15 @@ class TrendRule(RuleBase):
     def _change(self, f: Figures, rule: str, m: str, x: float, factor: float, rise: float,
                 band: DriftBand, lslope: float) -> Change:
         p = self.p
-        i = 0 if band.window == p.trend_window else 1
-        nat = band.natural(i, (p.trend_window, 4 * p.trend_window)) or 0.0
+        i = 0 if band.window == p.ratio.trend_window else 1
+        nat = band.natural(i, (p.ratio.trend_window, 4 * p.ratio.trend_window)) or 0.0
         r = math.exp(band.stat)
         net = f" (net of the schedule's factor {factor:.2f})" if factor != 1.0 else ""
         loss = " while the loss still falls" if lslope == lslope else ""
-        return set_(rule, m, Level.YELLOW, x, x / r, r,
+        return set_(rule, m, Level.YELLOW, Reading(x, x / r, r),
                     f"{m} = {x:.4g}{net} rose {r:.2f}x over the last {band.window} steps{loss}: "
                     f"beyond trend_metrics[{m!r}] = {rise:g}x and trend_drift_k = "
-                    f"{p.trend_drift_k:g} x the largest rise over {band.window} steps this run "
+                    f"{p.ratio.trend_drift_k:g} x the largest rise over {band.window} steps this run "
                     f"showed before ({math.exp(nat):.2f}x).", f"{m} started climbing",
                     onset=None if f.active(rule, m) is not None else band.onset,
                     details={"rise": r, "window": band.window, "natural": math.exp(nat),
@@ -282,7 +288,7 @@ class TrendRule(RuleBase):
 class JumpRule(RuleBase):
     """An unmistakable departure: a figure ``jump`` x or more in one check, per unit LR.
 
-    For each ``(metric, jump)`` of ``Policy.jump_metrics`` (default: the global
+    For each ``(metric, jump)`` of ``Policy.ratio.jump_metrics`` (default: the global
     ``update/param_ratio``, the update applied at that very step), with ``r = x /
     lr`` (``lr`` the ``lr_metric`` when logged, else 1; a schedule moves ``r``
     little between two checks) at consecutive checks after the baseline start::
@@ -295,11 +301,13 @@ class JumpRule(RuleBase):
     """
 
     name = "jump"
+    alert_ids = ("jump",)   # the alerts' ``rule`` (docs/MONITOR.md)
+    levels = (Level.YELLOW,)
     state_fields = ("prev", "anchor")
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
-        self.items = tuple(policy.jump_metrics.items())
+        self.items = tuple(policy.ratio.jump_metrics.items())
         self.prev: dict[str, float] = {}
         self.anchor: dict[str, list] = {}   # metric -> [r before the jump, onset step]
 
@@ -307,7 +315,7 @@ class JumpRule(RuleBase):
         p, out = self.p, []
         if f.warm:
             return out
-        lr = f.get(p.lr_metric)
+        lr = f.get(p.baselines.lr_metric)
         lr = lr if lr is not None and lr > 0 and math.isfinite(lr) else 1.0
         for m, jump in self.items:
             x = f.get(m)
@@ -326,7 +334,7 @@ class JumpRule(RuleBase):
                     out.append(release("jump", m))
                 continue
             ref = a[0] * lr
-            out.append(set_("jump", m, Level.YELLOW, x, ref, x / ref,
+            out.append(set_("jump", m, Level.YELLOW, Reading(x, ref, x / ref),
                             f"{m} = {x:.4g} is {x / ref:.1f}x its value at the check before the "
                             f"jump ({ref:.4g} at this LR), an unmistakable departure in one check "
                             f"(>= Policy.jump_metrics[{m!r}] = {jump:g}x per unit LR); the loss has "

@@ -13,7 +13,7 @@ from jvitals.monitor.policy import Policy
 from jvitals.monitor.rules_base import Figures
 from jvitals.monitor.bands import GapSeries
 from jvitals.monitor.robust import mann_kendall_z, theil_sen
-from jvitals.monitor.types import NAN as _NAN
+from jvitals.monitor.types import Reading, NAN as _NAN
 from jvitals.monitor.types import Change, Level, RuleBase, Spike, clear, release, set_
 
 __all__ = ["GapRule", "ValRiseRule"]
@@ -47,6 +47,8 @@ class GapRule(RuleBase):
     """
 
     name = "val_gap"
+    alert_ids = ("val_gap",)   # the alerts' ``rule`` (docs/MONITOR.md)
+    levels = (Level.YELLOW,)
     state_fields = ("gap", "ema", "t_last", "raw_prev", "var", "decay", "run", "onset", "last_loss",
                     "level")
 
@@ -67,7 +69,7 @@ class GapRule(RuleBase):
         """``2 e1 - e2`` of the loss (see the class doc); NaN before any loss."""
         loss = f.get("loss")
         e1, e2, t0 = self.level
-        if e1 == e1 and 0 <= f.t - t0 < max(1, self.p.trend_halflife / 10) and f.get("val/loss") is None \
+        if e1 == e1 and 0 <= f.t - t0 < max(1, self.p.spike.trend_halflife / 10) and f.get("val/loss") is None \
                 and f.get("val/gap") is None:
             return 2.0 * e1 - e2      # a sample per trend_halflife / 10 steps is enough
         if loss is not None and math.isfinite(loss):
@@ -77,7 +79,7 @@ class GapRule(RuleBase):
             if e1 != e1:
                 e1 = e2 = x
             else:
-                a = 0.5 ** (max(f.t - t0, 1) / self.p.trend_halflife)
+                a = 0.5 ** (max(f.t - t0, 1) / self.p.spike.trend_halflife)
                 e1 = a * e1 + (1.0 - a) * x
                 e2 = a * e2 + (1.0 - a) * e1
             self.level = [e1, e2, f.t]
@@ -90,19 +92,19 @@ class GapRule(RuleBase):
         vl = f.get("val/loss")
         if g is None and vl is not None:
             g = vl - loss_ref if loss_ref == loss_ref else None
-        if g is None or not math.isfinite(g) or f.start is None or t < f.start + p.baseline_steps:
+        if g is None or not math.isfinite(g) or f.start is None or t < f.start + p.baselines.steps:
             return []
-        w = p.val_gap_window
+        w = p.validation.gap_window
         r0, r1 = self.raw_prev
         if r1 == r1 and self.run == 0:  # the noise: learned while the rule does not hold
             d2 = (g - 2.0 * r0 + r1) ** 2 / 6.0
             self.var = d2 if self.var != self.var else 0.9 * self.var + 0.1 * d2
         self.raw_prev = [g, r0]
-        if self.ema != self.ema or p.val_gap_halflife == 0:
+        if self.ema != self.ema or p.validation.gap_halflife == 0:
             self.ema = g
             a = 0.0
         else:
-            a = 0.5 ** (max(t - self.t_last, 1) / p.val_gap_halflife)
+            a = 0.5 ** (max(t - self.t_last, 1) / p.validation.gap_halflife)
             self.ema = a * self.ema + (1.0 - a) * g
         self.decay = a
         self.t_last = t
@@ -119,22 +121,22 @@ class GapRule(RuleBase):
         level_ref = abs(loss_ref) if loss_ref == loss_ref else (
             abs(vl) if vl is not None and math.isfinite(vl) else 0.0)
         var_e = (self.var if self.var == self.var else 0.0) * (1.0 - a) / (1.0 + a)
-        r = p.val_gap_ratio
+        r = p.validation.gap_ratio
         var_x = var_e * (1.0 + (1.0 + r) ** 2 + r * r) if before > 0 else 2.0 * var_e
-        floor = max(p.val_gap_min_growth * level_ref, p.gap_z * math.sqrt(var_x))
+        floor = max(p.validation.gap_min_growth * level_ref, p.validation.gap_z * math.sqrt(var_x))
         high = self.gap.max_before(t - w)       # the highest gap of the history kept before t - W
         if recent > r * max(before, 0.0) + floor and g - high > floor:
             self.run += 1
             if self.run == 1:
                 self.onset = s
-            if self.run < p.gap_confirm and f.active("val_gap", "val/gap") is None:
+            if self.run < p.validation.gap_confirm and f.active("val_gap", "val/gap") is None:
                 return []
             ratio = recent / before if before > 0 else math.inf
-            return [set_("val_gap", "val/gap", Level.YELLOW, g, g1, ratio,
+            return [set_("val_gap", "val/gap", Level.YELLOW, Reading(g, g1, ratio),
                          f"the train/val gap grew by {recent:.4g} over the last {w} steps vs "
                          f"{before:.4g} over the {w} before (> val_gap_ratio = {r:g}x, plus a floor "
-                         f"{floor:.2g}: val_gap_min_growth = {p.val_gap_min_growth:g} x the loss, "
-                         f"gap_z = {p.gap_z:g} noise sd {math.sqrt(var_x):.2g}); gap now {g:.4g}, "
+                         f"{floor:.2g}: val_gap_min_growth = {p.validation.gap_min_growth:g} x the loss, "
+                         f"gap_z = {p.validation.gap_z:g} noise sd {math.sqrt(var_x):.2g}); gap now {g:.4g}, "
                          f"above its earlier high {high:.4g} by more than that floor.",
                          "the train/val gap accelerated", onset=self.onset,
                          details={"recent_growth": recent, "previous_growth": before,
@@ -167,6 +169,8 @@ class ValRiseRule(RuleBase):
     """
 
     name = "val_rise"
+    alert_ids = ("val_rise",)   # the alerts' ``rule`` (docs/MONITOR.md)
+    levels = (Level.YELLOW,)
     state_fields = ("ts", "val", "trend", "run", "onset")
 
     def __init__(self, policy: Policy) -> None:
@@ -187,12 +191,12 @@ class ValRiseRule(RuleBase):
         self.ts.append(t)
         self.val.append(v)
         self.trend.append(trend)
-        while self.ts and self.ts[0] < t - p.val_rise_window:
+        while self.ts and self.ts[0] < t - p.validation.rise_window:
             self.ts.popleft()
             self.val.popleft()
             self.trend.popleft()
         n = len(self.ts)
-        if n < p.val_rise_min_samples:
+        if n < p.validation.rise_min_samples:
             return []
         u = np.fromiter(self.ts, np.float64, n)
         y = np.fromiter(self.val, np.float64, n)
@@ -201,13 +205,13 @@ class ValRiseRule(RuleBase):
         lslope = theil_sen(u, np.fromiter(self.trend, np.float64, n))
         is_open = ("val_rise", "val/loss") in f.open
         active = f.active("val_rise", "val/loss") is not None
-        if z > p.val_rise_z and rise >= p.val_rise_min and lslope < 0:
+        if z > p.validation.rise_z and rise >= p.validation.rise_min and lslope < 0:
             self.run += 1
             if self.run == 1:
                 self.onset = s
-            if self.run < p.gap_confirm and not active:
+            if self.run < p.validation.gap_confirm and not active:
                 return []
-            return [set_("val_rise", "val/loss", Level.YELLOW, v, float(y[0]), v / float(y[0]),
+            return [set_("val_rise", "val/loss", Level.YELLOW, Reading(v, float(y[0]), v / float(y[0])),
                          f"val/loss has been rising ({100 * rise:.1f}% over the last "
                          f"{int(u[-1] - u[0])} steps, Mann-Kendall z = {z:.1f}) while the train "
                          "loss still falls.", "val/loss started rising", onset=self.onset,

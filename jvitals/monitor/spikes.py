@@ -11,13 +11,14 @@ from typing import Any
 
 from jvitals.monitor.policy import Policy
 from jvitals.monitor.robust import median
+from jvitals.monitor.codec import LegacyDict
 from jvitals.monitor.types import NAN as _NAN
 from jvitals.monitor.types import Spike, dec_float, dec_floats, enc_float, enc_floats
 
 __all__ = ["ScoreWindow", "SpikeTracker"]
 
 
-class ScoreWindow:
+class ScoreWindow(LegacyDict):
     """Fraction of flagged checks over the last ``window`` steps.
 
     The window is cut into ``buckets`` fixed buckets of
@@ -62,12 +63,12 @@ class ScoreWindow:
     def score(self) -> float:
         return self.tot_flags / self.tot_obs if self.tot_obs else 0.0
 
-    def to_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {"width": self.width, "ids": self.ids, "obs": self.obs, "flags": self.flags,
                 "tot_obs": self.tot_obs, "tot_flags": self.tot_flags, "cur": self.cur}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ScoreWindow":
+    def from_state_dict(cls, d: dict[str, Any]) -> "ScoreWindow":
         w = cls(1, len(d["ids"]))
         w.width = int(d["width"])
         w.ids, w.obs, w.flags = list(d["ids"]), list(d["obs"]), list(d["flags"])
@@ -79,7 +80,7 @@ def _margin(trend: float, scale: float, z: float, ratio: float) -> float:
     return max(z * scale, (ratio - 1.0) * abs(trend))
 
 
-class SpikeTracker:
+class SpikeTracker(LegacyDict):
     """Trend, band, spike anatomy and periodicity of one metric.
 
     Trend and scale (between spikes, ``dt`` = steps since the last sample)::
@@ -122,7 +123,7 @@ class SpikeTracker:
         self.onsets: collections.deque[int] = collections.deque(maxlen=8)
         self.periodic: dict[str, Any] | None = None
         self.recent: collections.deque[tuple[int, float]] = collections.deque()
-        self.score = ScoreWindow(p.score_window)
+        self.score = ScoreWindow(p.spike.score_window)
         self.last_value = _NAN
 
     @property
@@ -134,10 +135,10 @@ class SpikeTracker:
             self.trend = self.prev_learned = v
             return
         dt = max(s - self.last_step, 1) if self.last_step is not None else 1
-        a = 0.5 ** (dt / p.trend_halflife)
+        a = 0.5 ** (dt / p.spike.trend_halflife)
         prev, self.prev_learned = self.prev_learned, v
         if not warm and prev == prev:  # the noise scale is a baseline: learned after warm-up
-            b = 0.5 ** (dt / p.scale_halflife)
+            b = 0.5 ** (dt / p.spike.scale_halflife)
             d = v - prev
             self.var = b * self.var + (1.0 - b) * 0.5 * d * d
             self.wsum = b * self.wsum + (1.0 - b)
@@ -148,11 +149,11 @@ class SpikeTracker:
         trend once the band is ready), without learning from it."""
         o = self.open
         if o is not None:
-            return v > o["pre_trend"] + _margin(o["pre_trend"], o["pre_scale"], p.spike_z, p.spike_min_ratio)
-        ready = self.n_active >= p.spike_min_samples or (self.n_active >= 5 and self.wsum >= 0.5)
+            return v > o["pre_trend"] + _margin(o["pre_trend"], o["pre_scale"], p.spike.z, p.spike.min_ratio)
+        ready = self.n_active >= p.spike.min_samples or (self.n_active >= 5 and self.wsum >= 0.5)
         trend = self.trend
         return (not warm and ready and trend == trend
-                and v > trend + _margin(trend, self.scale, p.spike_z, p.spike_min_ratio))
+                and v > trend + _margin(trend, self.scale, p.spike.z, p.spike.min_ratio))
 
     def observe(self, s: int, v: float, warm: bool, p: Policy) -> list[Spike]:
         """Feeds one finite sample; returns the spikes completed at this sample."""
@@ -160,12 +161,12 @@ class SpikeTracker:
         self.last_value = v
         recent = self.recent
         recent.append((s, v))
-        while recent[0][0] <= s - p.post_window and len(recent) > 1:
+        while recent[0][0] <= s - p.spike.post_window and len(recent) > 1:
             recent.popleft()
         if self.pending:
             keep = []
             for q in self.pending:
-                end = q["recovery_step"] + p.post_window
+                end = q["recovery_step"] + p.spike.post_window
                 if s <= end:
                     q["post_sum"] += v
                     q["post_n"] += 1
@@ -181,18 +182,18 @@ class SpikeTracker:
             pre, sc = o["pre_trend"], o["pre_scale"]
             if v > o["peak"]:
                 o["peak"], o["peak_step"] = v, s
-            if v > pre + _margin(pre, sc, p.spike_z, p.spike_min_ratio):
+            if v > pre + _margin(pre, sc, p.spike.z, p.spike.min_ratio):
                 o["last_above"] = s
                 flag = True
-            if v <= pre + _margin(pre, sc, p.spike_recover_z, p.spike_recover_ratio):
+            if v <= pre + _margin(pre, sc, p.spike.recover_z, p.spike.recover_ratio):
                 self.open = None
                 q = dict(o, recovery_step=s, post_sum=v, post_n=1)
-                if p.post_window <= 0:
+                if p.spike.post_window <= 0:
                     done.append(self._finish(q, s, p))
                 else:
                     self.pending.append(q)
                 self._learn(s, v, p)
-            elif s - o["onset"] >= p.pathological_steps:
+            elif s - o["onset"] >= p.spike.pathological_steps:
                 self.open = None
                 settle = math.fsum(x for _, x in recent) / len(recent)
                 done.append(self._spike(o, None, settle, s, "pathological"))
@@ -200,10 +201,10 @@ class SpikeTracker:
                 self.trend = settle
         else:
             trend = self.trend
-            ready = self.n_active >= p.spike_min_samples or (
+            ready = self.n_active >= p.spike.min_samples or (
                 self.n_active >= 5 and self.wsum >= 0.5)  # sparse cadence: >= 1 scale half-life
             if (not warm and ready and trend == trend
-                    and v > trend + _margin(trend, self.scale, p.spike_z, p.spike_min_ratio)):
+                    and v > trend + _margin(trend, self.scale, p.spike.z, p.spike.min_ratio)):
                 self.open = {"onset": s, "peak": v, "peak_step": s, "pre_trend": trend,
                              "pre_scale": self.scale, "last_above": s}
                 flag = True
@@ -215,12 +216,12 @@ class SpikeTracker:
                 self.n_active += 1
         e = self.elevated
         if e is not None and self.open is None:
-            if (v <= e["pre_trend"] + _margin(e["pre_trend"], e["pre_scale"], p.spike_recover_z,
-                                              p.spike_recover_ratio)
-                    or s - e["onset"] > p.spike_forget_steps):
+            if (v <= e["pre_trend"] + _margin(e["pre_trend"], e["pre_scale"], p.spike.recover_z,
+                                              p.spike.recover_ratio)
+                    or s - e["onset"] > p.spike.forget_steps):
                 self.elevated = None
         per = self.periodic
-        if per is not None and s - per["last_onset"] > (1.0 + 2.0 * p.periodic_tolerance) * per["last_interval"]:
+        if per is not None and s - per["last_onset"] > (1.0 + 2.0 * p.spike.periodic_tolerance) * per["last_interval"]:
             self.periodic = None
         self.last_step = s
         self.score.add(s, flag)
@@ -248,31 +249,31 @@ class SpikeTracker:
 
     def _finish(self, q: dict[str, Any], s: int, p: Policy) -> Spike:
         rec = q["recovery_step"] - q["onset"]
-        kind = ("physiological" if rec <= p.physiological_steps
-                else "slow" if rec <= p.pathological_steps else "pathological")
+        kind = ("physiological" if rec <= p.spike.physiological_steps
+                else "slow" if rec <= p.spike.pathological_steps else "pathological")
         return self._spike(q, q["recovery_step"], q["post_sum"] / q["post_n"], s, kind)
 
     def _check_periodic(self, p: Policy) -> None:
         ons = list(self.onsets)
         iv = [b - a for a, b in zip(ons, ons[1:])]
-        need = p.periodic_min_spikes - 1
-        if len(iv) < need or iv[-1] < p.periodic_min_interval:
+        need = p.spike.periodic_min_spikes - 1
+        if len(iv) < need or iv[-1] < p.spike.periodic_min_interval:
             self.periodic = None
             return
         # Longest run of recent intervals whose neighbours differ by <= tolerance.
         m = 1
         while m < len(iv):
             a, b = iv[-m - 1], iv[-m]
-            if a < p.periodic_min_interval or abs(b - a) > p.periodic_tolerance * max(a, b):
+            if a < p.spike.periodic_min_interval or abs(b - a) > p.spike.periodic_tolerance * max(a, b):
                 break
             m += 1
         if m < need:
             self.periodic = None
             return
         run = iv[-m:]
-        shrinking = (m >= p.periodic_escalate_min_spikes - 1
+        shrinking = (m >= p.spike.periodic_escalate_min_spikes - 1
                      and all(b < a for a, b in zip(run, run[1:]))
-                     and run[-1] <= p.periodic_shrink * run[0])
+                     and run[-1] <= p.spike.periodic_shrink * run[0])
         self.periodic = {"period": median(run), "last_interval": run[-1], "count": m + 1,
                          "shrinking": shrinking, "last_onset": ons[-1], "first_onset": ons[-m - 1],
                          "intervals": run}
@@ -290,7 +291,7 @@ class SpikeTracker:
         self.periodic = None
         return done
 
-    def to_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         def enc_map(m):
             if m is None:
                 return None
@@ -311,12 +312,12 @@ class SpikeTracker:
             "periodic": enc_map(self.periodic),
             "recent_steps": [x for x, _ in self.recent],
             "recent_vals": enc_floats(v for _, v in self.recent),
-            "score": self.score.to_dict(),
+            "score": self.score.state_dict(),
             "last_value": enc_float(self.last_value),
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], p: Policy | None = None) -> "SpikeTracker":
+    def from_state_dict(cls, d: dict[str, Any], p: Policy | None = None) -> "SpikeTracker":
         float_keys = {"peak", "pre_trend", "pre_scale", "post_sum", "period", "last_interval"}
 
         def dec_map(m):
@@ -335,6 +336,6 @@ class SpikeTracker:
         t.onsets.extend(int(x) for x in d["onsets"])
         t.periodic = dec_map(d["periodic"])
         t.recent.extend(zip((int(x) for x in d["recent_steps"]), dec_floats(d["recent_vals"])))
-        t.score = ScoreWindow.from_dict(d["score"])
+        t.score = ScoreWindow.from_state_dict(d["score"])
         t.last_value = dec_float(d["last_value"])
         return t

@@ -1,6 +1,6 @@
 """Per-metric state machines of the host-side monitor (plain helpers).
 
-Each tracker is a small bounded-memory object with ``to_dict``/``from_dict``
+Each tracker is a small bounded-memory object with ``state_dict``/``from_state_dict``
 (JSON-safe, lossless) so that a resumed monitor continues bit-for-bit. They
 import nothing from ``jvitals.monitor`` or the rules (no import circle):
 
