@@ -320,7 +320,7 @@ def test_a_new_crossing_after_the_figure_was_back_in_band_is_a_new_episode():
     gn = opened(m, "grad_norm")
     assert [a.onset_step for a in gn] == [1000, 1105]
     assert gn[0].peak_level == Level.YELLOW and gn[0].details.get("closed_by") == "new episode"
-    assert gn[0].closed_step == gn[1].opened_step == 1105 + Policy().confirm_checks - 1
+    assert gn[0].closed_step == gn[1].opened_step == 1105 + Policy().ratio.confirm_checks - 1
     assert gn[1].peak_level == Level.ORANGE
     red = opened(m, "divergence")
     assert red and red[0].onset_step == 1105

@@ -358,7 +358,7 @@ def test_a_spike_that_recovers_is_not_broken():
 
 def test_localization_ignores_drift_and_finds_the_change_point():
     p = Policy(localize_lookback=500, localize_reference=1000)
-    h = LayerHistory(p.localize_rows, max(1, p.localize_window // p.localize_rows))
+    h = LayerHistory(p.localize.rows, max(1, p.localize.window // p.localize.rows))
     names = ["param/norm/layer_0", "grad/share/layer_1", "grad/share/layer_2"]
     cols = np.asarray([h.column(n, 10) for n in names], np.intp)
     rng = np.random.default_rng(13)
@@ -374,7 +374,7 @@ def test_localization_ignores_drift_and_finds_the_change_point():
     assert re.match(r"grad/share/layer_1 rose from 10% to 1[5-7]% starting at step 3600, 100 steps "
                     r"before the anomaly$", loc[0].line), loc[0].line
     # Nothing changed before an onset at 3300: nothing named.
-    h2 = LayerHistory(p.localize_rows, max(1, p.localize_window // p.localize_rows))
+    h2 = LayerHistory(p.localize.rows, max(1, p.localize.window // p.localize.rows))
     cols2 = np.asarray([h2.column(n, 10) for n in names[:1]], np.intp)
     for s in range(0, 3400, 50):
         h2.observe(s, s, cols2, np.asarray([10.0 * (1 + 2e-4 * s)]), p, 0)
