@@ -37,6 +37,10 @@ def test_old_keywords_warn_naming_the_new_place_and_still_work():
         assert dataclasses.replace(p, spike_z=4.0).spike.z == 4.0
     with pytest.raises(TypeError, match="unexpected keyword"):
         Policy(spike_zz=1.0)
+    with pytest.warns(DeprecationWarning, match=r"policy\.baselines\.settle_span"):
+        assert Policy().settle_span == Policy().baselines.settle_span == 250
+    with pytest.raises(AttributeError):
+        Policy().spike_zz
 
 
 def test_the_flat_dict_round_trips_and_old_checkpoints_load():

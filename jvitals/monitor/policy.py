@@ -110,6 +110,10 @@ _FLAT: Mapping[str, tuple[str, str]] = {
     "replica_min_replicas": ("replica", "min_replicas"),
 }
 
+# The old Policy properties -> (config, property).
+_MOVED: Mapping[str, tuple[str, str]] = {"settle_span": ("baselines", "settle_span"),
+                                         "settle_cap": ("baselines", "settle_cap")}
+
 _CONFIGS: Mapping[str, type] = {
     "baselines": BaselineConfig, "ratio": RatioConfig, "alerts": AlertConfig, "system": SystemConfig,
     "between": BetweenConfig, "validation": ValidationConfig, "spike": SpikeConfig, "bands": BandConfig,
@@ -187,10 +191,10 @@ class Policy(LegacyDict):
 
     def __getattr__(self, name: str) -> Any:
         # Only called when the normal lookup fails: the old flat names.
-        if name in _FLAT:
-            warnings.warn(f"Policy.{name} is deprecated: read {_new_place(name)}", DeprecationWarning,
+        if name in _FLAT or name in _MOVED:
+            sub, new = _FLAT.get(name) or _MOVED[name]
+            warnings.warn(f"Policy.{name} is deprecated: read policy.{sub}.{new}", DeprecationWarning,
                           stacklevel=2)
-            sub, new = _FLAT[name]
             return getattr(object.__getattribute__(self, sub), new)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
