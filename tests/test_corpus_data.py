@@ -205,17 +205,17 @@ def test_the_scorers_policy_fields_exist_and_cover_every_default_rule():
     """``corpus.RULE_POLICY`` tells a user which ``Policy`` field tunes a noisy rule: each
     field it names is a ``Policy`` field, and every rule id the default rules can raise
     (each rule's ``name``, plus the ids a rule raises besides its own) has an entry."""
-    import dataclasses
     import re
 
     import jvitals as vitals
 
-    fields = {f.name for f in dataclasses.fields(vitals.Policy)}
+    # The flat names: the keys of Policy.state_dict() (and the deprecated keywords).
+    fields = set(vitals.Policy().state_dict())
     for rule, names in corpus.RULE_POLICY.items():
         for name in names.split(", "):
             assert re.sub(r"\[.*", "", name) in fields, (rule, name)
     # A rule's alerts carry its name, but for the two whose alerts carry finer ids (the rules
-    # table in jvitals/monitor/rules.py): SpikeRule and TrendRule.
+    # table in docs/MONITOR.md): SpikeRule and TrendRule.
     finer = {"spike": {"loss_spike", "periodic_spike"}, "trend": {"grad_trend", "param_norm"},
              "ratio": {"ratio", "grad_norm"}}
     ids = set().union(*(finer.get(r.name, {r.name}) for r in vitals.default_rules(vitals.Policy())))

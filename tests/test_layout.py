@@ -117,6 +117,13 @@ def test_no_import_circle():
     ("jvitals.monitor.replicas", ("jvitals.monitor.monitor", "jvitals.monitor.rules")),
     ("jvitals.monitor.types", ("jvitals.monitor.monitor", "jvitals.monitor.rules", "jvitals.monitor.replicas")),
     ("jvitals.monitor.rules", ("jvitals.monitor.monitor",)),
+    *[(f"jvitals.monitor.{m}", ("jvitals.monitor.monitor", "jvitals.monitor.rules", "jvitals.monitor.rules_base",
+                                "jvitals.monitor.trackers"))
+      for m in ("robust", "baselines", "spikes", "bands", "history")],
+    ("jvitals.monitor.rules_base", ("jvitals.monitor.monitor", "jvitals.monitor.rules", "jvitals.monitor.between",
+                                    "jvitals.monitor.trackers", "jvitals.monitor.replicas")),
+    *[(f"jvitals.monitor.rules_{m}", ("jvitals.monitor.monitor", "jvitals.monitor.rules"))
+      for m in ("ratio", "bands", "health", "validation")],
 ])
 def test_monitor_helpers_import_nothing_above_them(mod, banned):
     """Trackers, policy, types, localization and the replica rule import nothing from the monitor or the rules."""

@@ -10,6 +10,7 @@ import re
 import numpy as np
 import pytest
 
+from jvitals.monitor import config as C
 from jvitals.monitor import monitor as mon
 from jvitals.monitor.monitor import Alert, Level, Monitor, Policy, Spike, Verdict
 
@@ -48,7 +49,7 @@ def opened(monitor: Monitor, rule: str) -> list[Alert]:
 
 
 def snapshot(v: Verdict):
-    return (v.step, int(v.level), [a.to_dict() for a in v.alerts],
+    return (v.step, int(v.level), [a.state_dict() for a in v.alerts],
             [a.id for a in v.new_alerts], [a.id for a in v.closed_alerts], dict(v.scores),
             v.onset_step)
 
@@ -127,18 +128,19 @@ def test_prescriptions_cover_every_rule():
 
 
 def test_policy_validation_and_round_trip():
-    p = Policy(warmup_steps=7, baseline="ema", ratio_rules={"update/param_ratio": (2, 4)},
-               spike_metrics=["loss"])
-    assert p.spike_metrics == ("loss",)
-    assert Policy.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    p = Policy(baselines=C.BaselineConfig(warmup_steps=7, kind="ema"),
+               ratio=C.RatioConfig(thresholds={"update/param_ratio": (2, 4)}),
+               spike=C.SpikeConfig(metrics=["loss"]))
+    assert p.spike.metrics == ("loss",)
+    assert Policy.from_state_dict(json.loads(json.dumps(p.state_dict()))) == p
     with pytest.raises(ValueError, match="baseline"):
-        Policy(baseline="median")
+        Policy(baselines=C.BaselineConfig(kind="median"))
     with pytest.raises(ValueError, match="yellow < orange"):
-        Policy(ratio_rules={"grad/global_norm": (3.0, 2.0)})
+        Policy(ratio=C.RatioConfig(thresholds={"grad/global_norm": (3.0, 2.0)}))
     with pytest.raises(TypeError, match="sequence of metric names"):
-        Policy(spike_metrics="loss")
+        Policy(spike=C.SpikeConfig(metrics="loss"))
     with pytest.raises(ValueError, match="unknown fields"):
-        Policy.from_dict({"warmup": 3})
+        Policy.from_state_dict({"warmup": 3})
 
 
 # --------------------------------------------------------------------------
@@ -177,8 +179,9 @@ def test_grad_norm_climb_levels_onset_localization(cadence, layer_every):
     # after warm-up. (The default reference follows the run's own slow drift: see
     # test_grad_norm_climb_with_the_default_drift_reference.)
     # confirm_checks=2 (the default, 3, keeps two spiky real-text batches from confirming).
-    m = Monitor(Policy(baseline="fixed", confirm_checks=2, localize_lookback=3000,
-                       localize_reference=2000))
+    m = Monitor(Policy(baselines=C.BaselineConfig(kind="fixed"),
+                       ratio=C.RatioConfig(confirm_checks=2),
+                       localize=C.LocalizeConfig(lookback=3000, reference=2000)))
     vs = run(m, grad_climb_stream(0, layer_every), range(0, 11000, cadence))
     y_step, y = first(vs, "grad_norm", Level.YELLOW)
     o_step, _ = first(vs, "grad_norm", Level.ORANGE)
@@ -230,7 +233,7 @@ def test_default_lookback_says_no_earlier_sign():
     """With the default 250-step lookback the layer-1 change (1500 steps
     before) is out of reach: the grad-norm alert says so instead of naming
     the drift of other metrics."""
-    m = Monitor(Policy(baseline="fixed"))
+    m = Monitor(Policy(baselines=C.BaselineConfig(kind="fixed")))
     run(m, grad_climb_stream(0), range(0, 9300))
     (gn,) = opened(m, "grad_norm")
     assert "no earlier sign found" in gn.message
@@ -238,7 +241,7 @@ def test_default_lookback_says_no_earlier_sign():
 
 
 def test_alert_identity_is_kept_and_new_alerts_reported():
-    m = Monitor(Policy(baseline="fixed"))
+    m = Monitor(Policy(baselines=C.BaselineConfig(kind="fixed")))
     stream = grad_climb_stream(1)
     objs = {}
     for s in range(0, 9800):
@@ -265,8 +268,9 @@ def test_param_norm_growth_is_yellow_only(cadence):
     s2 = with_fault(2, ramp)
     # The param-norm ratio rule of METRICS.md §5 on a fixed baseline (not a default any
     # more: healthy runs' param norms grow 2-4x; see test_param_norm_creep_is_a_trend_yellow).
-    m = Monitor(Policy(baseline="fixed", confirm_checks=2,
-                       ratio_rules={"grad/global_norm": (2.0, 3.0), "param/global_norm": (1.5, None)}))
+    m = Monitor(Policy(baselines=C.BaselineConfig(kind="fixed"),
+                       ratio=C.RatioConfig(confirm_checks=2, thresholds={"grad/global_norm": (2.0, 3.0),
+                                                                         "param/global_norm": (1.5, None)})))
     vs = run(m, s2, range(0, 8000, cadence))
     step, a = first(vs, "param_norm")
     # 1.5x of the baseline (median of steps 125-625, ~100.4) at step ~5150.
@@ -302,7 +306,8 @@ def test_throughput_drop(cadence):
 
     # At once on a 30% drop (the defaults ask for 45% held 40 steps: see
     # test_throughput_drop_defaults_need_a_held_drop).
-    m = Monitor(Policy(clear_steps=100, throughput_drop=0.30, throughput_hold_steps=0))
+    m = Monitor(Policy(alerts=C.AlertConfig(clear_steps=100),
+                       system=C.SystemConfig(throughput_drop=0.30, throughput_hold_steps=0)))
     vs = run(m, stream, range(0, 8000, cadence))
     step, a = first(vs, "throughput")
     assert step == 5000 and a[2] == "sys/tokens_per_sec"
@@ -353,7 +358,7 @@ def test_single_nonfinite_gradient_is_orange_not_red():
         set_to("grad/global_norm", np.float32("inf"), 3000, 3001)(s, d)
 
     s2 = with_fault(5, bad_step)
-    m = Monitor(Policy(clear_steps=50))
+    m = Monitor(Policy(alerts=C.AlertConfig(clear_steps=50)))
     vs = run(m, s2, range(0, 4000))
     assert first(vs, "nonfinite", Level.ORANGE)[0] == 3000
     assert first(vs, "divergence")[0] is None
@@ -367,9 +372,11 @@ def test_red_after_and_red_min_steps_are_configurable():
     s2 = with_fault(6, scaled("grad/global_norm", 4.0, 3000))
     # ORANGE is confirmed at 3001 (two checks above 3x); its run counts from 3000: the
     # checks 3000-3004 are the 5 divergent checks of red_after=5.
-    vs = run(Monitor(Policy(red_after=5, confirm_checks=2)), s2, range(3200))
+    vs = run(Monitor(Policy(health=C.HealthConfig(red_after=5),
+                            ratio=C.RatioConfig(confirm_checks=2))), s2, range(3200))
     assert first(vs, "divergence")[0] == 3004
-    vs = run(Monitor(Policy(red_after=3, red_min_steps=100, confirm_checks=2)), s2, range(3200))
+    vs = run(Monitor(Policy(health=C.HealthConfig(red_after=3, red_min_steps=100),
+                            ratio=C.RatioConfig(confirm_checks=2))), s2, range(3200))
     assert first(vs, "divergence")[0] == 3100
 
 
@@ -382,7 +389,7 @@ def test_red_with_sparse_grad_norm_and_dense_loss():
         scaled("grad/global_norm", 4.0, 3000)(s, d)
 
     s2 = with_fault(20, sparse_climb)
-    vs = run(Monitor(Policy(confirm_checks=2)), s2, range(3100))
+    vs = run(Monitor(Policy(ratio=C.RatioConfig(confirm_checks=2))), s2, range(3100))
     assert first(vs, "grad_norm", Level.ORANGE)[0] == 3010  # confirmed by the next grad norm
     assert first(vs, "divergence", Level.RED)[0] == 3020     # 3000, 3010, 3020: 3 checks above 3x
 
@@ -562,7 +569,7 @@ def test_healthy_runs_have_no_orange_or_red():
     yellows, rules = 0, {}
     for seed in range(seeds):
         cadence = 50 if seed % 5 == 4 else 1
-        policy = Policy(warmup_steps=1000) if seed % 2 == 0 else Policy()
+        policy = Policy(baselines=C.BaselineConfig(warmup_steps=1000)) if seed % 2 == 0 else Policy()
         m = Monitor(policy)
         stream = healthy_stream(seed, n)
         worst = Level.GREEN
@@ -610,7 +617,7 @@ def kitchen_sink_stream(seed):
 
 @pytest.mark.parametrize("baseline", ["drift", "fixed", "rolling", "ema"])
 def test_resume_round_trip_gives_identical_verdicts(baseline):
-    policy = Policy(baseline=baseline, warmup_steps=100)
+    policy = Policy(baselines=C.BaselineConfig(kind=baseline, warmup_steps=100))
     steps = list(range(0, 10400, 2))
     stream = kitchen_sink_stream(12)
     inputs = [stream(s) for s in steps]
@@ -630,8 +637,8 @@ def test_resume_round_trip_gives_identical_verdicts(baseline):
             m = Monitor.from_state_dict(state)
         got = snapshot(m.update(s, d))
         assert got == expect[i], f"verdicts diverge at step {s}"
-    assert [a.to_dict() for a in m.history] == [a.to_dict() for a in ref.history]
-    assert [x.to_dict() for x in m.spikes] == [x.to_dict() for x in ref.spikes]
+    assert [a.state_dict() for a in m.history] == [a.state_dict() for a in ref.history]
+    assert [x.state_dict() for x in m.spikes] == [x.state_dict() for x in ref.spikes]
     assert json.dumps(m.state_dict()) == json.dumps(ref.state_dict())
 
 
@@ -664,13 +671,13 @@ def test_state_dict_is_plain_json():
 
 
 def test_from_state_dict_policy_override():
-    m = Monitor(Policy(red_after=3))
+    m = Monitor(Policy(health=C.HealthConfig(red_after=3)))
     stream = grad_climb_stream(14)
     for s in range(0, 9990):
         m.update(s, stream(s))
     m2 = Monitor.from_state_dict(json.loads(json.dumps(m.state_dict())),
-                                 policy=Policy(red_after=50))
-    assert m2.policy.red_after == 50
+                                 policy=Policy(health=C.HealthConfig(red_after=50)))
+    assert m2.policy.health.red_after == 50
     assert m2.baseline("grad/global_norm") == m.baseline("grad/global_norm")
     assert [a.id for a in m2.alerts] == [a.id for a in m.alerts]
 
@@ -692,7 +699,7 @@ def test_missing_metrics_and_step_gaps():
         d = stream(s)
         return {k: v for k, v in d.items() if rng.random() > 0.3}
 
-    m = Monitor(Policy(baseline="fixed"))
+    m = Monitor(Policy(baselines=C.BaselineConfig(kind="fixed")))
     vs = run(m, s2, steps)
     y_step, _ = first(vs, "grad_norm")
     assert 8700 <= y_step <= 9500
@@ -718,7 +725,7 @@ def test_empty_and_unknown_metrics_are_fine():
 
 def test_note_rollback():
     stream = grad_climb_stream(16)
-    m = Monitor(Policy(baseline="fixed", localize_lookback=3000))
+    m = Monitor(Policy(baselines=C.BaselineConfig(kind="fixed"), localize=C.LocalizeConfig(lookback=3000)))
     vs = run(m, stream, range(0, 10100))
     assert vs[-1][1] == Level.RED
     base = m.baseline("grad/global_norm")
@@ -757,7 +764,7 @@ def test_note_rollback():
 @pytest.mark.parametrize("baseline", ["rolling", "ema"])
 def test_adaptive_baselines_catch_a_jump(baseline):
     s2 = with_fault(17, scaled("grad/global_norm", 3.5, 4000))
-    m = Monitor(Policy(baseline=baseline, confirm_checks=2))
+    m = Monitor(Policy(baselines=C.BaselineConfig(kind=baseline), ratio=C.RatioConfig(confirm_checks=2)))
     vs = run(m, s2, range(0, 4100))
     step, a = first(vs, "grad_norm", Level.ORANGE)
     assert step == 4001 and a[4] == 4000  # two checks above 3x; onset the first
@@ -771,14 +778,14 @@ def test_custom_ratio_rule():
         r = 1e-3 * (1 + 0.05 * rng.standard_normal()) * (5.0 if s >= 2000 else 1.0)
         return {"update/param_ratio": r}
 
-    m = Monitor(Policy(ratio_rules={"update/param_ratio": (2.0, 4.0)}, confirm_checks=2))
+    m = Monitor(Policy(ratio=C.RatioConfig(thresholds={"update/param_ratio": (2.0, 4.0)}, confirm_checks=2)))
     vs = run(m, stream, range(0, 2010))
     step, a = first(vs, "ratio", Level.ORANGE)
     assert step == 2001 and a[2] == "update/param_ratio" and a[4] == 2000
 
 
 def test_spike_scores_window():
-    m = Monitor(Policy(score_window=1000))
+    m = Monitor(Policy(spike=C.SpikeConfig(score_window=1000)))
     stream = spike_stream(19, [(2000, 3.0)], decay=10.0)
     for s in range(0, 2100):
         v = m.update(s, stream(s))
@@ -814,7 +821,8 @@ def test_bad_inputs_raise_with_the_metric_name():
 
 def test_memory_is_bounded():
     stream = healthy_stream(3, 60_000)
-    m = Monitor(Policy(spikes_size=16, history_size=16, localize_rows=64))
+    m = Monitor(Policy(alerts=C.AlertConfig(spikes_size=16, history_size=16),
+                       localize=C.LocalizeConfig(rows=64)))
     sizes = []
     for s in range(0, 60_000, 5):
         m.update(s, stream(s))

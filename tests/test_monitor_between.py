@@ -68,7 +68,7 @@ def test_a_jump_250_steps_in_is_seen_at_once_and_goes_red():
             losses[i] = float(host["loss"])
             verdicts[i] = mon.update(i, host)
     assert all(verdicts[s].level == vitals.Level.GREEN for s in verdicts if s < 250)
-    assert mon.baseline_start is not None and 250 < mon.baseline_start + mon.policy.baseline_steps
+    assert mon.baseline_start is not None and 250 < mon.baseline_start + mon.policy.baselines.steps
     jumped = losses[255] / np.median([losses[s] for s in range(205, 250, 5)])
     assert jumped >= 2.0, jumped
     v = verdicts[255]

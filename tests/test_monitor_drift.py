@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 
+from jvitals.monitor import config as C
 from jvitals.monitor.monitor import Level, Monitor, Policy
 from jvitals.monitor.replicas import flat_replicas
 from jvitals.monitor.rules import default_rules
@@ -74,7 +75,7 @@ def test_the_schedules_grad_norm_rise_is_quiet(cadence):
     assert all(v.level == Level.GREEN for v in vs), {a.rule for v in vs for a in v.alerts}
     rise = math.sqrt(PEAK / cosine_lr(horizon - 1, horizon))
     assert 3.0 < rise < 3.3
-    old = Monitor(Policy(baseline="fixed", lr_exponent=0.0))
+    old = Monitor(Policy(baselines=C.BaselineConfig(kind="fixed"), ratio=C.RatioConfig(lr_exponent=0.0)))
     vs = feed(old, lion_stream(0, horizon), range(0, horizon, cadence))
     assert max(v.level for v in vs) == Level.RED
 
@@ -83,7 +84,7 @@ def test_a_jump_beyond_the_schedule_names_its_prediction():
     """A grad norm x2.5 late in the cosine: the alert compares it with the schedule's
     prediction, baseline x sqrt(lr_b / lr), both computed here."""
     horizon, at = 8000, 7000
-    m = Monitor(Policy(drift_halflife=1e9))   # the reference stays the baseline median
+    m = Monitor(Policy(baselines=C.BaselineConfig(drift_halflife=1e9)))   # the reference stays the baseline median
     vs = feed(m, lion_stream(1, horizon, jump_at=at, jump=2.5), range(0, horizon))
     (a,) = [a for a in opened(m) if a.rule == "grad_norm"]
     assert at <= a.onset_step <= at + 2 and a.level == Level.YELLOW
@@ -162,7 +163,7 @@ def test_param_norm_creep_is_a_trend_yellow():
         return {"loss": loss_at(s) * (1 + 0.01 * n[0]), "grad/global_norm": 1.0 * math.exp(0.05 * n[1]),
                 "param/global_norm": 100.0 * (1 + 1e-5 * s) * (1 + 0.6 * min(max(s - 3000, 0) / 3000, 1))}
 
-    vs = feed(Monitor(Policy(warmup_steps=100)), stream, range(0, 8000, 10))
+    vs = feed(Monitor(Policy(baselines=C.BaselineConfig(warmup_steps=100))), stream, range(0, 8000, 10))
     (a,) = [a for v in vs for a in v.new_alerts]
     assert a.rule == "param_norm" and a.level == Level.YELLOW
 
@@ -320,7 +321,7 @@ def test_a_new_crossing_after_the_figure_was_back_in_band_is_a_new_episode():
     gn = opened(m, "grad_norm")
     assert [a.onset_step for a in gn] == [1000, 1105]
     assert gn[0].peak_level == Level.YELLOW and gn[0].details.get("closed_by") == "new episode"
-    assert gn[0].closed_step == gn[1].opened_step == 1105 + Policy().confirm_checks - 1
+    assert gn[0].closed_step == gn[1].opened_step == 1105 + Policy().ratio.confirm_checks - 1
     assert gn[1].peak_level == Level.ORANGE
     red = opened(m, "divergence")
     assert red and red[0].onset_step == 1105

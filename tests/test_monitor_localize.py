@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 
+from jvitals.monitor import config as C
 from jvitals.monitor.localize import (
     _band,
     _candidates,
@@ -27,7 +28,7 @@ from jvitals.monitor.policy import Policy
 
 def test_the_reference_is_the_steps_before_the_window_and_none_before_the_start():
     ts = np.arange(0, 101, 10)
-    p = Policy(localize_lookback=20, localize_reference=30)
+    p = Policy(localize=C.LocalizeConfig(lookback=20, reference=30))
     # Onset 80: the window is [60, now], the reference [30, 60).
     wr, rr = _windows(ts, 80, p, None)
     assert ts[wr].tolist() == [60, 70, 80, 90, 100] and ts[rr].tolist() == [30, 40, 50]
@@ -81,7 +82,7 @@ def test_the_band_lets_an_extrapolated_drift_run_twice_as_fast():
     # 0.1 x sqrt(1 + 1/10 + 25/100).
     fit = _Fit(np.array([10]), np.array([0.0]), np.array([0.0]), np.array([1.0]), np.array([100.0]),
                np.array([0.1]), np.array([5.0]))
-    p = Policy(localize_z=1.0, localize_min_ratio=0.01, localize_drift_slack=1.0)
+    p = Policy(localize=C.LocalizeConfig(z=1.0, min_ratio=0.01, drift_slack=1.0))
     pred, band = _band(fit, np.array([5.0, 105.0]), np.array([False]), p)
     assert pred[:, 0].tolist() == [5.0, 105.0]
     assert band[0, 0] == pytest.approx(0.1 * math.sqrt(1.35)) and band[1, 0] == pytest.approx(100.0)

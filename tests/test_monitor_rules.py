@@ -12,6 +12,7 @@ import re
 import numpy as np
 import pytest
 
+from jvitals.monitor import config as C
 from jvitals.monitor.localize import localize
 from jvitals.monitor.rules import Change, Figures, default_rules, set_
 from jvitals.monitor.trackers import LayerHistory, mann_kendall_z, theil_sen
@@ -73,7 +74,7 @@ def feed(m, stream, steps):
 
 
 def test_baseline_starts_at_the_lr_plateau():
-    m = Monitor(Policy(baseline="fixed"))
+    m = Monitor(Policy(baselines=C.BaselineConfig(kind="fixed")))
     feed(m, warmup_stream(0, warm=300), range(0, 1000))
     # lr(s) = 1e-3 * min(1, (s + 1) / 300): the first step with lr <= lr(s-1) is 300.
     assert m.baseline_start == 300 and "learning rate" in m.baseline_start_reason
@@ -99,7 +100,7 @@ def test_baseline_starts_when_the_grad_norm_settles_without_an_lr():
 
 
 def test_explicit_warmup_steps_wins():
-    m = Monitor(Policy(warmup_steps=50))
+    m = Monitor(Policy(baselines=C.BaselineConfig(warmup_steps=50)))
     feed(m, warmup_stream(2, warm=300), range(0, 600))
     assert m.baseline_start == 50 and m.baseline_start_reason == "Policy.warmup_steps"
 
@@ -115,7 +116,8 @@ def test_a_creep_after_warmup_is_judged_against_the_post_warmup_level():
         d["grad/global_norm"] *= 1.0 + max(0, s - 2000) / 2000.0  # 2x of the settled level at 4000
         return d
 
-    vs = feed(Monitor(Policy(baseline="fixed", confirm_checks=2)), stream, range(0, 5000))
+    vs = feed(Monitor(Policy(baselines=C.BaselineConfig(kind="fixed"),
+                             ratio=C.RatioConfig(confirm_checks=2))), stream, range(0, 5000))
     y = next(v.step for v in vs if any(a.rule == "grad_norm" for a in v.alerts))
     assert 3600 <= y <= 4100, y
 
@@ -152,7 +154,7 @@ class LossAbove:
 
 
 def test_user_rule_objects_run_and_resume():
-    p = Policy(warmup_steps=0)
+    p = Policy(baselines=C.BaselineConfig(warmup_steps=0))
     rule = LossAbove(7.0)
     m = Monitor(p, rules=default_rules(p) + [rule])
     stream = warmup_stream(4)
@@ -302,7 +304,7 @@ def test_noisy_healthy_gap_is_quiet():
             d["val/loss"] = power_loss(s) + 0.05 + 2e-6 * s + 0.01 * rng.standard_normal()
         return d
 
-    vs = feed(Monitor(Policy(warmup_steps=0)), stream, range(0, 40_000, 10))
+    vs = feed(Monitor(Policy(baselines=C.BaselineConfig(warmup_steps=0))), stream, range(0, 40_000, 10))
     assert not any(a.rule == "val_gap" for v in vs for a in v.alerts)
 
 
@@ -326,7 +328,7 @@ def test_loss_at_chance_goes_red_within_100_steps(vocab):
             d["loss"] = math.log(V) * (1 + 0.01 * math.sin(s))   # broken: at chance, stays
         return d
 
-    m = Monitor(Policy(vocab_size=V) if vocab == "policy" else Policy())
+    m = Monitor(Policy(health=C.HealthConfig(vocab_size=V)) if vocab == "policy" else Policy())
     vs = feed(m, stream, range(0, 3300, 5))
     red = next(v.step for v in vs if v.level == Level.RED)
     assert red == 3100   # broken_loss_steps after the onset (checks every 5 steps)
@@ -347,7 +349,7 @@ def test_a_spike_that_recovers_is_not_broken():
             d["loss"] = math.log(V)        # 20 steps at chance, then back
         return d
 
-    vs = feed(Monitor(Policy(vocab_size=V)), stream, range(0, 3500))
+    vs = feed(Monitor(Policy(health=C.HealthConfig(vocab_size=V))), stream, range(0, 3500))
     assert max(v.level for v in vs) <= Level.YELLOW
 
 
@@ -357,8 +359,8 @@ def test_a_spike_that_recovers_is_not_broken():
 
 
 def test_localization_ignores_drift_and_finds_the_change_point():
-    p = Policy(localize_lookback=500, localize_reference=1000)
-    h = LayerHistory(p.localize_rows, max(1, p.localize_window // p.localize_rows))
+    p = Policy(localize=C.LocalizeConfig(lookback=500, reference=1000))
+    h = LayerHistory(p.localize.rows, max(1, p.localize.window // p.localize.rows))
     names = ["param/norm/layer_0", "grad/share/layer_1", "grad/share/layer_2"]
     cols = np.asarray([h.column(n, 10) for n in names], np.intp)
     rng = np.random.default_rng(13)
@@ -374,7 +376,7 @@ def test_localization_ignores_drift_and_finds_the_change_point():
     assert re.match(r"grad/share/layer_1 rose from 10% to 1[5-7]% starting at step 3600, 100 steps "
                     r"before the anomaly$", loc[0].line), loc[0].line
     # Nothing changed before an onset at 3300: nothing named.
-    h2 = LayerHistory(p.localize_rows, max(1, p.localize_window // p.localize_rows))
+    h2 = LayerHistory(p.localize.rows, max(1, p.localize.window // p.localize.rows))
     cols2 = np.asarray([h2.column(n, 10) for n in names[:1]], np.intp)
     for s in range(0, 3400, 50):
         h2.observe(s, s, cols2, np.asarray([10.0 * (1 + 2e-4 * s)]), p, 0)

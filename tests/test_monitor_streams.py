@@ -35,7 +35,7 @@ def _stream(name):
 
 
 def snapshot(v):
-    return (v.step, int(v.level), [a.to_dict() for a in v.alerts],
+    return (v.step, int(v.level), [a.state_dict() for a in v.alerts],
             [a.id for a in v.new_alerts], [a.id for a in v.closed_alerts], dict(v.scores),
             v.onset_step)
 

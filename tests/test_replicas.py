@@ -19,6 +19,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jvitals.monitor import config as C
 import jvitals as vitals
 from jvitals import reference_model as rm
 from jvitals.monitor.replicas import replica_summaries, replica_vectors, robust_z
@@ -471,12 +472,13 @@ def test_state_round_trip_mid_streak_and_rollback():
 
 
 def test_policy_fields_are_checked():
-    with pytest.raises(ValueError, match=r"Policy.replica_min_replicas expects an integer >= 3"):
-        vitals.Monitor(vitals.Policy(replica_min_replicas=2))
-    with pytest.raises(ValueError, match=r"Policy.replica_min_ratio expects a value > 1"):
-        vitals.Monitor(vitals.Policy(replica_min_ratio=1.0))
-    p = vitals.Policy(replica_z=5.0)
-    assert vitals.Policy.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    with pytest.raises(ValueError,
+                       match=r"ReplicaConfig.min_replicas \(Policy.replica_min_replicas\) expects an integer >= 3"):
+        vitals.Monitor(vitals.Policy(replica=C.ReplicaConfig(min_replicas=2)))
+    with pytest.raises(ValueError, match=r"ReplicaConfig.min_ratio \(Policy.replica_min_ratio\) expects a value > 1"):
+        vitals.Monitor(vitals.Policy(replica=C.ReplicaConfig(min_ratio=1.0)))
+    p = vitals.Policy(replica=C.ReplicaConfig(z=5.0))
+    assert vitals.Policy.from_state_dict(json.loads(json.dumps(p.state_dict()))) == p
 
 
 def test_a_layout_of_another_size_is_not_used_for_names():

@@ -1,11 +1,13 @@
 """The host side's judgement: a ``Monitor`` made of rules, turning figures into verdicts.
 
 Plain Python and NumPy, no JAX: ``types`` (``Level``, ``Alert``, ``Verdict``, the
-prescriptions), ``policy`` (every threshold), ``trackers`` (baselines, spikes, change
-points), ``rules`` (one small class each), ``localize`` (the earliest sign) and
-``monitor`` (runs the rules, builds the verdict); ``replicas`` (the per-replica figures'
-host side and the rule that names a sick device or data shard). A verdict never acts by
-itself.
+prescriptions), ``config`` (one small config per rule family) and ``policy`` (their
+composition), ``robust`` / ``baselines`` / ``spikes`` / ``bands`` / ``history`` (the
+trackers; ``trackers`` re-exports them), ``rules`` (one small class each, in
+``rules_ratio``, ``rules_bands``, ``rules_health``, ``rules_validation`` and ``between``),
+``localize`` (the earliest sign) and ``monitor`` (runs the rules, builds the verdict);
+``replicas`` (the per-replica figures' host side and the rule that names a sick device or
+data shard). A verdict never acts by itself. The rule table: docs/MONITOR.md.
 """
 
 from jvitals.monitor.types import (
@@ -18,6 +20,19 @@ from jvitals.monitor.types import (
     Spike,
     Verdict,
 )
+from jvitals.monitor.config import (
+    AlertConfig,
+    BandConfig,
+    BaselineConfig,
+    BetweenConfig,
+    HealthConfig,
+    LocalizeConfig,
+    RatioConfig,
+    ReplicaConfig,
+    SpikeConfig,
+    SystemConfig,
+    ValidationConfig,
+)
 from jvitals.monitor.policy import (
     BASELINE_KINDS,
     Policy,
@@ -29,6 +44,7 @@ from jvitals.monitor.rules import (
     DivergenceRule,
     Figures,
     GapRule,
+    Notes,
     GroupRule,
     JumpRule,
     LogitRule,
@@ -60,6 +76,18 @@ from jvitals.monitor.replicas import (
 
 __all__ = [
     "Alert",
+    "AlertConfig",
+    "BandConfig",
+    "BaselineConfig",
+    "BetweenConfig",
+    "HealthConfig",
+    "LocalizeConfig",
+    "Notes",
+    "RatioConfig",
+    "ReplicaConfig",
+    "SpikeConfig",
+    "SystemConfig",
+    "ValidationConfig",
     "flat_replicas",
     "replica_summaries",
     "replica_vectors",

@@ -36,16 +36,17 @@ from typing import Any, Mapping
 from jvitals.monitor.policy import Policy
 import numpy as np
 
-from jvitals.monitor.trackers import DriftBaseline, mann_kendall_z, median, theil_sen
+from jvitals.monitor.baselines import DriftBaseline
+from jvitals.monitor.robust import mann_kendall_z, median, theil_sen
+from jvitals.monitor.rules_base import Figures
+from jvitals.monitor.types import Reading, NAN as _NAN
 from jvitals.monitor.types import Change, Level, RuleBase, Spike, release, set_
 
-Figures = Any   # jvitals.monitor.rules.Figures (rules.py imports this module, not the other way)
 
 __all__ = ["DataRule", "EarlyRule", "NonFiniteRule", "SkipRule", "ThroughputRule", "WINDOW", "WindowSpikes",
            "window_peak"]
 
 WINDOW = "window/"
-_NAN = math.nan
 _SHORT = {"loss": "loss", "grad/global_norm": "grad_norm"}
 
 
@@ -60,7 +61,7 @@ def _ago_step(f: Figures, name: str) -> int | None:
 def window_peak(f: Figures, metric: str) -> tuple[int, float] | None:
     """``(step, value)`` of the window's maximum of ``metric`` when :class:`WindowSpikes`
     found it an outlier of the steps before it (None otherwise)."""
-    return f.notes.get("window_peaks", {}).get(metric)
+    return f.notes.window_peaks.get(metric)
 
 
 class WindowSpikes(RuleBase):
@@ -74,7 +75,7 @@ class WindowSpikes(RuleBase):
         peak = window max, at step check - max_ago (before the check, above its value)
         an outlier when peak > mu + spike_z * sd
 
-    Such a peak is published in ``notes['window_peaks']`` and in the verdict's scores
+    Such a peak is published in ``notes.window_peaks`` and in the verdict's scores
     (``monitor/loss_window_peak`` and ``monitor/loss_window_peak_step``; ``grad_norm`` for
     the gradient norm); the spike rule feeds it to the metric's spike tracker at its own
     step before the check's value (its anatomy, the periodic-spike rule and the spike
@@ -83,6 +84,8 @@ class WindowSpikes(RuleBase):
     """
 
     name = "window_spikes"
+    alert_ids = ()   # the alerts' ``rule`` (docs/MONITOR.md)
+    levels = ()
     state_fields = ("pools",)
 
     def __init__(self, policy: Policy) -> None:
@@ -91,26 +94,26 @@ class WindowSpikes(RuleBase):
 
     def check(self, f: Figures) -> list[Change]:
         p, peaks = self.p, {}
-        for m in p.spike_metrics:
+        for m in p.spike.metrics:
             n, mean, sd = (f.get(f"{WINDOW}{m}.{k}") for k in ("n", "mean", "std"))
             if n is None or mean is None or sd is None or not (n >= 1 and math.isfinite(mean) and math.isfinite(sd)):
                 continue
             pool = self.pools.setdefault(m, [])
             tot = sum(x[1] for x in pool)
-            if tot >= p.window_min_steps:
+            if tot >= p.between.window_min_steps:
                 mu = sum(x[1] * x[2] for x in pool) / tot
                 var = sum(x[1] * (x[3] + (x[2] - mu) ** 2) for x in pool) / tot
                 peak = self._peak(f, m)
-                if peak is not None and peak[1] > mu + p.spike_z * math.sqrt(var):
+                if peak is not None and peak[1] > mu + p.spike.z * math.sqrt(var):
                     peaks[m] = peak
                     short = _SHORT.get(m, m.replace("/", "_"))
                     f.scores[f"monitor/{short}_window_peak"] = peak[1]
                     f.scores[f"monitor/{short}_window_peak_step"] = float(peak[0])
             pool.append([f.t, n, mean, sd * sd])
-            while len(pool) > 1 and sum(x[1] for x in pool[1:]) >= p.rolling_window:
+            while len(pool) > 1 and sum(x[1] for x in pool[1:]) >= p.baselines.rolling_window:
                 pool.pop(0)
         if peaks:
-            f.notes["window_peaks"] = peaks
+            f.notes.window_peaks = peaks
         return []
 
     @staticmethod
@@ -136,10 +139,12 @@ class NonFiniteRule(RuleBase):
     with a finite loss are the scale's overflow, the loss-scale rule's to judge."""
 
     name = "nonfinite"
+    alert_ids = ("nonfinite",)   # the alerts' ``rule`` (docs/MONITOR.md)
+    levels = (Level.ORANGE,)
 
     def check(self, f: Figures) -> list[Change]:
         out, seen_bad = [], False
-        for m in self.p.nonfinite_metrics:
+        for m in self.p.system.nonfinite_metrics:
             v = f.get(m)
             if v is None:
                 continue
@@ -147,9 +152,9 @@ class NonFiniteRule(RuleBase):
                 out.append(release("nonfinite", m))
             else:
                 seen_bad = True
-                out.append(set_("nonfinite", m, Level.ORANGE, v, _NAN, _NAN,
+                out.append(set_("nonfinite", m, Level.ORANGE, Reading(v, _NAN, _NAN),
                                 f"{m} is non-finite ({v}).", f"{m} went non-finite"))
-        for m in self.p.nonfinite_count_metrics:
+        for m in self.p.system.nonfinite_count_metrics:
             v = f.get(m)
             if v is None:
                 continue
@@ -157,7 +162,7 @@ class NonFiniteRule(RuleBase):
                 out.append(release("nonfinite", m))
             else:
                 seen_bad = True
-                out.append(set_("nonfinite", m, Level.ORANGE, v, 0.0, _NAN,
+                out.append(set_("nonfinite", m, Level.ORANGE, Reading(v, 0.0, _NAN),
                                 f"{m} = {v:g}: gradients hold non-finite elements.",
                                 "gradients went non-finite"))
         out += self._window(f, seen_bad)
@@ -169,11 +174,11 @@ class NonFiniteRule(RuleBase):
             return []
         first = _ago_step(f, "first_nonfinite_ago")
         steps, loss_n = f.get(WINDOW + "steps"), f.get(WINDOW + "loss.n")
-        overflow = (f.get(self.p.loss_scale_metric) is not None and loss_n is not None
+        overflow = (f.get(self.p.system.loss_scale_metric) is not None and loss_n is not None
                     and steps is not None and loss_n >= steps)
         if not n > 0 or first is None or seen_bad or overflow:
             return [release("nonfinite", "window")]
-        return [set_("nonfinite", WINDOW + "nonfinite_steps", Level.ORANGE, n, 0.0, _NAN,
+        return [set_("nonfinite", WINDOW + "nonfinite_steps", Level.ORANGE, Reading(n, 0.0, _NAN),
                      f"{n:g} update(s) since the last check had a non-finite loss or gradient, the "
                      f"first at step {first} (the recorder's window; this check's own figures are "
                      "finite).", "a step went non-finite", key="window", onset=first,
@@ -187,6 +192,8 @@ class SkipRule(RuleBase):
     that non-finite gradients explain under a dynamic loss scale are the scale's."""
 
     name = "skip"
+    alert_ids = ("skip",)   # the alerts' ``rule`` (docs/MONITOR.md)
+    levels = (Level.YELLOW, Level.ORANGE)
     state_fields = ("run",)
 
     def __init__(self, policy: Policy) -> None:
@@ -198,18 +205,18 @@ class SkipRule(RuleBase):
         if k is None:
             return []
         first = _ago_step(f, "first_skipped_ago")
-        expected = (f.get(self.p.loss_scale_metric) is not None
+        expected = (f.get(self.p.system.loss_scale_metric) is not None
                     and (f.get(WINDOW + "nonfinite_steps") or 0.0) >= k)
         if not k > 0 or first is None or expected:
             self.run = 0
             return [release("skip", "skip")] if ("skip", "skip") in f.open else []
         self.run += 1
         p = self.p
-        lvl = Level.ORANGE if self.run >= p.skip_orange_checks else Level.YELLOW
-        again = (f" (skips at {self.run} checks running: >= skip_orange_checks = {p.skip_orange_checks})"
+        lvl = Level.ORANGE if self.run >= p.between.skip_orange_checks else Level.YELLOW
+        again = (f" (skips at {self.run} checks running: >= skip_orange_checks = {p.between.skip_orange_checks})"
                  if lvl == Level.ORANGE else "")
         active = f.active("skip", "skip") is not None
-        return [set_("skip", WINDOW + "skipped_steps", lvl, k, 0.0, _NAN,
+        return [set_("skip", WINDOW + "skipped_steps", lvl, Reading(k, 0.0, _NAN),
                      f"{k:g} update(s) skipped in the step since the last check, the first at step "
                      f"{first}{again}: a loss or gradient norm far outside the run's recent history "
                      "(jvitals.skip_step) or a non-finite update (optax.apply_if_finite).",
@@ -230,18 +237,20 @@ class EarlyRule(RuleBase):
     first 800 steps healthy runs moved 1.28x (loss) and 5.4x (grad norm) at most."""
 
     name = "early"
+    alert_ids = ("early",)   # the alerts' ``rule`` (docs/MONITOR.md)
+    levels = (Level.ORANGE,)
     state_fields = ("hist", "anchor", "armed_at")
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
-        self.hist: dict[str, list] = {m: [] for m in policy.early_jumps}
+        self.hist: dict[str, list] = {m: [] for m in policy.between.early_jumps}
         self.anchor: dict[str, list] = {}       # metric -> [reference, onset step]
         self.armed_at: int | None = None        # the step the regular baselines took over
 
     def check(self, f: Figures) -> list[Change]:
         p, out = self.p, []
-        armed = f.start is not None and f.t >= f.start + p.baseline_steps
-        for m, jump in p.early_jumps.items():
+        armed = f.start is not None and f.t >= f.start + p.baselines.steps
+        for m, jump in p.between.early_jumps.items():
             v = f.get(m)
             if v is None or not (math.isfinite(v) and v > 0):
                 continue
@@ -251,13 +260,13 @@ class EarlyRule(RuleBase):
                 self.armed_at = f.step if self.armed_at is None else self.armed_at
                 continue
             h = self.hist.setdefault(m, [])
-            ref = (median([x for _, x in h]) if len(h) >= p.early_min_samples
-                   and f.t - h[0][0] >= p.early_min_span else None)
+            ref = (median([x for _, x in h]) if len(h) >= p.between.early_min_samples
+                   and f.t - h[0][0] >= p.between.early_min_span else None)
             if a is None and ref is not None and ref > 0 and v >= jump * ref:
                 a = self.anchor[m] = [ref, f.step]
             if a is not None:
                 if v >= 0.5 * jump * a[0]:
-                    out.append(set_("early", m, Level.ORANGE, v, a[0], v / a[0],
+                    out.append(set_("early", m, Level.ORANGE, Reading(v, a[0], v / a[0]),
                                     f"{m} = {v:.4g} is {v / a[0]:.1f}x the median of the checks before it "
                                     f"({a[0]:.4g}), before the run's baselines were armed (>= "
                                     f"Policy.early_jumps[{m!r}] = {jump:g}x); RED if it does not recover.",
@@ -292,7 +301,7 @@ class DataRule(RuleBase):
                 baseline_steps), every optimizer figure within data_band x its
                 reference, no ORANGE alert open
 
-    While it holds it publishes ``notes['data']``: the loss-spike rule then leaves the loss
+    While it holds it publishes ``notes.data``: the loss-spike rule then leaves the loss
     to it (no "LR beyond the stable region" prescription, no divergence counted from the
     loss), so a rollback that cannot help (the data stays bad) is not looped into. Once open
     it holds on the loss alone, while the latest bucket stays above ``1 + hysteresis
@@ -300,6 +309,8 @@ class DataRule(RuleBase):
     """
 
     name = "data"
+    alert_ids = ("data",)   # the alerts' ``rule`` (docs/MONITOR.md)
+    levels = (Level.YELLOW,)
     state_fields = ("buckets", "refs", "run", "onset", "anchor")
     _FIGS = ("grad/global_norm", "update/param_ratio", "param/global_norm")
 
@@ -316,7 +327,7 @@ class DataRule(RuleBase):
         x = f.get("loss") if x is None else x
         if x is None or not math.isfinite(x):
             return
-        width = max(1, self.p.data_window // 32)
+        width = max(1, self.p.between.data_window // 32)
         i = f.t // width
         if self.buckets and self.buckets[-1][0] == i:
             self.buckets[-1][1] += x
@@ -330,7 +341,7 @@ class DataRule(RuleBase):
         """Whether every optimizer figure is logged and within ``data_band`` of its
         reference (without all three there is no telling the data from the optimizer)."""
         p, calm = self.p, True
-        lr = f.get(p.lr_metric)
+        lr = f.get(p.baselines.lr_metric)
         for m in self._FIGS:
             x = f.get(m)       # the window's mean where there is one: far less noisy than one step
             if (f.get(f"{WINDOW}{m}.n") or 0) >= 1:
@@ -345,10 +356,10 @@ class DataRule(RuleBase):
             if r is None:
                 self.refs[m] = [y, f.t]
                 continue
-            if abs(y - r[0]) > math.log(p.data_band):
+            if abs(y - r[0]) > math.log(p.between.data_band):
                 calm = False
             if learn:
-                r[0] += (1.0 - 0.5 ** (max(f.t - r[1], 1) / p.drift_halflife)) * (y - r[0])
+                r[0] += (1.0 - 0.5 ** (max(f.t - r[1], 1) / p.baselines.drift_halflife)) * (y - r[0])
                 r[1] = f.t
         return calm
 
@@ -362,32 +373,32 @@ class DataRule(RuleBase):
         ys = np.array([x[1] / x[2] for x in b], np.float64)
         med = float(np.median(ys))
         rise = theil_sen(ts, ys) * (ts[-1] - ts[0]) / med if med > 0 else _NAN
-        return bool(mann_kendall_z(ys) > p.data_z and rise >= p.data_rise - 1.0), rise, med
+        return bool(mann_kendall_z(ys) > p.between.data_z and rise >= p.between.data_rise - 1.0), rise, med
 
     def check(self, f: Figures) -> list[Change]:
         p = self.p
         self._sample(f)
         active = f.active("data", "loss") is not None
         calm = self._calm(f, learn=not active)
-        if f.warm or f.t < f.start + p.baseline_steps:
+        if f.warm or f.t < f.start + p.baselines.steps:
             return []
         rising, rise, med = self._rising()
         last = self.buckets[-2][1] / self.buckets[-2][2] if len(self.buckets) > 1 else _NAN
         worse = any(a.level >= Level.ORANGE and a.rule not in ("data", "loss_spike") for a in f.open.values())
-        held = active and last >= (1.0 + p.hysteresis * (p.data_rise - 1.0)) * self.anchor
+        held = active and last >= (1.0 + p.alerts.hysteresis * (p.between.data_rise - 1.0)) * self.anchor
         if held or (rising and calm and not worse):
             self.run += 1
             self.onset = f.step if self.run == 1 else self.onset
-            if self.run < p.data_confirm and not active:
+            if self.run < p.between.data_confirm and not active:
                 return []
             if not active:
                 self.anchor = med
-            f.notes["data"] = True
-            return [set_("data", "loss", Level.YELLOW, last, self.anchor, last / self.anchor,
-                         f"the loss has been rising over the last {p.data_window} steps (Mann-Kendall z > "
-                         f"data_z = {p.data_z:g}; +{100 * rise:.0f}% over the window, >= data_rise = "
-                         f"{p.data_rise:g}; now {last:.4g}) while the gradient norm, the update per unit "
-                         f"LR and the parameter norm stayed within data_band = {p.data_band:g}x of their "
+            f.notes.data = True
+            return [set_("data", "loss", Level.YELLOW, Reading(last, self.anchor, last / self.anchor),
+                         f"the loss has been rising over the last {p.between.data_window} steps (Mann-Kendall z > "
+                         f"data_z = {p.between.data_z:g}; +{100 * rise:.0f}% over the window, >= data_rise = "
+                         f"{p.between.data_rise:g}; now {last:.4g}) while the gradient norm, the update per unit "
+                         f"LR and the parameter norm stayed within data_band = {p.between.data_band:g}x of their "
                          "own levels: the data, not the optimizer.",
                          "the loss rose with the optimizer calm", onset=self.onset, diverging=False,
                          details={"rise": rise, "anchor": self.anchor})]
@@ -395,7 +406,7 @@ class DataRule(RuleBase):
         return [release("data", "loss")] if ("data", "loss") in f.open else []
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
-        width = max(1, self.p.data_window // 32)
+        width = max(1, self.p.between.data_window // 32)
         self.buckets = [x for x in self.buckets if x[0] <= t_to // width]
         self.run, self.onset = 0, None
         return []
@@ -422,12 +433,14 @@ class ThroughputRule(RuleBase):
     """
 
     name = "throughput"
+    alert_ids = ("throughput",)   # the alerts' ``rule`` (docs/MONITOR.md)
+    levels = (Level.YELLOW,)
     state_fields = ("baselines", "since", "var")
     state_types = {"baselines": DriftBaseline}
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
-        self.baselines = {m: DriftBaseline() for m in policy.throughput_metrics}
+        self.baselines = {m: DriftBaseline() for m in policy.system.throughput_metrics}
         self.since: dict[str, int] = {}
         self.var: dict[str, list] = {}          # metric -> [EMA of d^2, weight, last t]
 
@@ -435,17 +448,17 @@ class ThroughputRule(RuleBase):
         """``(band in log, sd)``."""
         v = self.var.get(m)
         sd = math.sqrt(v[0] / v[1]) if v and v[1] > 0 else 0.0
-        return max(-math.log(1.0 - self.p.throughput_drop), self.p.throughput_z * sd), sd
+        return max(-math.log(1.0 - self.p.system.throughput_drop), self.p.system.throughput_z * sd), sd
 
     def _learn(self, m: str, t: int, d: float, band: float) -> None:
         v = self.var.setdefault(m, [0.0, 0.0, t])
-        a = 0.5 ** (max(t - v[2], 1) / self.p.throughput_noise_halflife)
+        a = 0.5 ** (max(t - v[2], 1) / self.p.system.throughput_noise_halflife)
         c = max(min(d, 2.0 * band), -2.0 * band)
         v[0], v[1], v[2] = a * v[0] + (1.0 - a) * c * c, a * v[1] + (1.0 - a), t
 
     def check(self, f: Figures) -> list[Change]:
         p, out, judged = self.p, [], False
-        for m in p.throughput_metrics:
+        for m in p.system.throughput_metrics:
             v = f.get(m)
             if v is None or not (math.isfinite(v) and v > 0):
                 continue
@@ -453,7 +466,7 @@ class ThroughputRule(RuleBase):
             is_open = f.active("throughput", m) is not None
             ref, _ = self.baselines[m].step(f.t, f.step, v, p, f.start,
                                             hold=0.0 if is_open else None,
-                                            floor=math.exp(-p.hysteresis * band))
+                                            floor=math.exp(-p.alerts.hysteresis * band))
             if judged or ref is None or not ref > 0:
                 continue
             judged = True
@@ -461,17 +474,17 @@ class ThroughputRule(RuleBase):
                 self.var[m] = [self.baselines[m].var / 0.6745 ** 2, 1.0, f.t]
                 band, sd = self._band(m)
             d = math.log(v / ref)
-            if d < -band or (is_open and d < -p.hysteresis * band):
+            if d < -band or (is_open and d < -p.alerts.hysteresis * band):
                 since = self.since.setdefault(m, f.step)
-                if not is_open and f.step - since < p.throughput_hold_steps:
+                if not is_open and f.step - since < p.system.throughput_hold_steps:
                     continue
                 drop = 1.0 - v / ref
-                out.append(set_("throughput", m, Level.YELLOW, v, ref, v / ref,
+                out.append(set_("throughput", m, Level.YELLOW, Reading(v, ref, v / ref),
                                 f"{m} = {v:.4g} is {100 * drop:.0f}% below its baseline {ref:.4g} since "
                                 f"step {since}, beyond the run's own band ({100 * (1 - math.exp(-band)):.0f}%: "
-                                f"max(throughput_drop = {p.throughput_drop:g}, throughput_z = "
-                                f"{p.throughput_z:g} x its noise {sd:.3f} in log)) for "
-                                f"{p.throughput_hold_steps} steps (throughput_hold_steps).",
+                                f"max(throughput_drop = {p.system.throughput_drop:g}, throughput_z = "
+                                f"{p.system.throughput_z:g} x its noise {sd:.3f} in log)) for "
+                                f"{p.system.throughput_hold_steps} steps (throughput_hold_steps).",
                                 f"{m} fell {100 * drop:.0f}%", onset=since))
             else:
                 self.since.pop(m, None)
@@ -482,7 +495,7 @@ class ThroughputRule(RuleBase):
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         super().load_state_dict(d)
-        self.baselines = {m: self.baselines.get(m) or DriftBaseline() for m in self.p.throughput_metrics}
+        self.baselines = {m: self.baselines.get(m) or DriftBaseline() for m in self.p.system.throughput_metrics}
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         self.since = {}

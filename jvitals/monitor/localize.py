@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jvitals.monitor.policy import Policy
-from jvitals.monitor.trackers import LayerHistory
+from jvitals.monitor.history import LayerHistory
 from jvitals.monitor.types import Localization, split_group
 
 __all__ = ["NO_EARLIER_SIGN", "lead_phrase", "localize"]
@@ -127,7 +127,7 @@ def localize(hist: LayerHistory, onset: int, event: str, p: Policy, exclude: str
     departed = [(hist.names[cand[j]], int(wsteps[first[j]]),
                  float(abs(dl[j]) / bl[j]) if bl[j] > 0 else math.inf, j) for j in np.flatnonzero(ok)]
     res = []
-    for name, dep_s, _, j in _rank(departed, group)[: p.localize_top]:
+    for name, dep_s, _, j in _rank(departed, group)[: p.localize.top]:
         k = int(first[j])
         before = float(np.exp(pred[k, j]) if logs[j] else pred[k, j])
         res.append(_entry(name, dep_s, before, float(W[last[j], j]), onset, event))
@@ -154,8 +154,8 @@ def _windows(ts: np.ndarray, t_onset: int, p: Policy,
     ``localize_reference`` steps before it, none before ``start`` (the warm-up's
     dynamics are not a reference). None when either is empty.
     """
-    lo = t_onset - p.localize_lookback
-    ref_lo = max(lo - p.localize_reference, -math.inf if start is None else start)
+    lo = t_onset - p.localize.lookback
+    ref_lo = max(lo - p.localize.reference, -math.inf if start is None else start)
     wr = ts >= lo
     rr = (ts >= ref_lo) & ~wr
     if not wr.any() or not rr.any():
@@ -227,9 +227,9 @@ def _band(fit: _Fit, uw: np.ndarray, logs: np.ndarray, p: Policy) -> tuple[np.nd
         pred = fit.level + fit.slope * dw
         psd = fit.sigma * np.sqrt(1.0 + 1.0 / fit.n + np.where(
             fit.suu > 0, dw * dw / np.where(fit.suu > 0, fit.suu, 1.0), 0.0))
-        rel = np.where(logs, math.log1p(p.localize_min_ratio), p.localize_min_ratio * np.abs(pred))
-        slack = p.localize_drift_slack * np.abs(fit.slope) * np.maximum(uw[:, None] - fit.u_last, 0.0)
-        return pred, np.maximum(np.maximum(p.localize_z * psd, rel), slack)
+        rel = np.where(logs, math.log1p(p.localize.min_ratio), p.localize.min_ratio * np.abs(pred))
+        slack = p.localize.drift_slack * np.abs(fit.slope) * np.maximum(uw[:, None] - fit.u_last, 0.0)
+        return pred, np.maximum(np.maximum(p.localize.z * psd, rel), slack)
 
 
 def _departures(Wt: np.ndarray, pred: np.ndarray, band: np.ndarray,

@@ -9,82 +9,18 @@ rollback module's job. Plain Python + NumPy; memory is bounded and
 
 ``Monitor.update`` validates the step, reads the figures, finds when the
 baselines start (the end of the LR warm-up, read from ``opt/learning_rate``;
-else the grad norm settling; an explicit ``Policy.warmup_steps`` wins), runs
-its rules in order (each a small class of ``jvitals._monitor_rules`` that
+else the grad norm settling; an explicit ``Policy.baselines.warmup_steps`` wins), runs
+its rules in order (each a small class of ``jvitals.monitor.rules`` that
 returns alert changes) and applies their changes; localization
-(``jvitals._monitor_localize``) is a service it calls when an alert opens or
-escalates. Rules (every number a :class:`Policy` field)::
-
-    rule            metric(s)                              level
-    nonfinite       loss, grad/global_norm non-finite;     ORANGE
-                    grad/nonfinite_count > 0; a non-finite
-                    step in the window since the last
-                    check (onset: its step)
-    grad_norm       grad/global_norm / (reference x the    YELLOW, ORANGE
-                    schedule's factor) > 2 (> 3) at 3      (3 checks running)
-                    checks running; reference: the run's
-                    own level (an EMA, half-life 500
-                    steps); factor: max((lr_b/lr)^0.5,
-                    pn_b/pn) (Defazio 2025)
-    grad_trend,     the grad norm (net of the schedule)    YELLOW
-    param_norm      or the param norm rose over 1000 (or
-                    4000) steps beyond 1.3x (1.5x) and 3x
-                    the rise the run showed before (grad
-                    norm: while the loss falls)
-    jump            update/param_ratio per unit LR x5 in   YELLOW at that
-                    one check                              check
-    group           update/param_ratio, grad/share or      YELLOW (a jump at
-                    param/norm of embedding, lm_head or    once, else 2
-                    layer_i (relative to the trunk; the    samples)
-                    embedding's and head's update ratio
-                    per unit LR) jumped x5, stepped beyond
-                    its band (2x, 2x, 1.5x) or drifted
-                    beyond 3x its own drift, while the
-                    global figures are calm
-    logits          act/attn_logits_abs.max,               YELLOW
-                    act/output_layer_logits_abs.max (and
-                    per layer) rising beyond their own
-                    drift, as the group rule judges
-    router          moe/maxvio.max (+0.5) or               YELLOW
-                    moe/dead_expert_ratio (+0.2) above its
-                    baseline for 50 steps
-    throughput      sys/tokens_per_sec (else               YELLOW
-                    sys/steps_per_sec) down beyond
-                    max(30%, 5 sd of its own noise) for
-                    40 steps (vs its own slow level)
-    skip            an update skipped in the step since    YELLOW (ORANGE
-                    the last check (the window)            when recurring)
-    early           before the baselines are armed: loss   ORANGE
-                    x2 / grad norm x10 the last checks'
-    data            the windows' mean loss rising while    YELLOW (no
-                    the optimizer's figures stay in band   rollback)
-    loss_scale      opt/loss_scale falls >= 2**4 between   YELLOW
-                    two checks or from its recent peak
-    val_gap         val/gap (or val/loss - the train       YELLOW
-                    level): g(t) - g(t-W) > 1.5 (g(t-W) -
-                    g(t-2W)) + max(5% of the loss, 4 sd),
-                    above its earlier high, W = 1000
-    val_rise        val/loss rising (Mann-Kendall z > 3,   YELLOW
-                    Theil-Sen +2% over 500 steps, 2
-                    samples running) while the loss falls
-    loss_spike      a loss spike not back within its       YELLOW
-                    recovery band after 300 steps
-    periodic_spike  >= 3 loss spikes at near-regular       YELLOW (ORANGE
-                    intervals                              when shrinking)
-    broken_model    param norm >= 1.5x its value 100       YELLOW (loss at
-                    steps before, or the loss >= 0.9       once), ORANGE, RED
-                    log(vocab) (without a vocab size:      after 50 (param) /
-                    0.9x the first loss seen)              100 (loss) steps
-    divergence      red_after consecutive checks with an   RED
-                    ORANGE grad-norm/non-finite condition
-                    or the loss > 1.25x its pre-spike
-                    trend after 500 steps
+(``jvitals.monitor.localize``) is a service it calls when an alert opens or
+escalates. The rules, their order, ids and levels: the table in docs/MONITOR.md (every
+number a field of the rule's config in :class:`Policy`).
 
 An alert is one episode: once its condition has been clear for
-``episode_gap`` steps, a new crossing closes it and opens a new alert with its
-own onset (``clear_steps`` only keeps a cleared alert visible meanwhile).
+``Policy.alerts.episode_gap`` steps, a new crossing closes it and opens a new alert with its
+own onset (``Policy.alerts.clear_steps`` only keeps a cleared alert visible meanwhile).
 
-Baselines start as medians over ``baseline_steps`` steps from the start.
+Baselines start as medians over ``Policy.baselines.steps`` steps from the start.
 Localization ranks the per-group candidates by the change point of their own
 recent history (drift the history extrapolates is no departure); without
 one before the onset the message says "no earlier sign found".
@@ -117,8 +53,12 @@ import numpy as np
 
 from jvitals.monitor.localize import group_of, lead_phrase, localize
 from jvitals.monitor.policy import Policy
-from jvitals.monitor.rules import Change, Figures, Plan, RatioRule, ThroughputRule, default_rules
-from jvitals.monitor.trackers import BaselineStart, LayerHistory
+from jvitals.monitor.rules import RatioRule, ThroughputRule, default_rules
+from jvitals.monitor.rules_base import Figures, Plan
+from jvitals.monitor.types import Change
+from jvitals.monitor.baselines import BaselineStart
+from jvitals.monitor.history import LayerHistory
+from jvitals.monitor.types import NAN as _NAN
 from jvitals.monitor.types import (
     PRESCRIPTIONS,
     RULE_PRESCRIPTION,
@@ -146,7 +86,6 @@ __all__ = [
     "default_rules",
 ]
 
-_NAN = math.nan
 _FORMAT_VERSION = 3
 _PLANS = 8  # key sets remembered (a loop alternates a few: per-layer families every N steps)
 
@@ -184,17 +123,17 @@ class Monitor:
 
     ``update(step, metrics)`` reads the metrics its rules know (see
     :class:`Policy` and the module docstring) and every candidate metric
-    matching ``Policy.localize_pattern`` (e.g. ``grad/share/layer_1``,
+    matching ``Policy.localize.pattern`` (e.g. ``grad/share/layer_1``,
     ``update/param_ratio/embedding``, ``param/norm/lm_head``); other names
     are ignored.
 
     Alerts: one object per episode of a condition ``(rule, key)``, updated
     in place (same ``id``); level changes within it; it closes when the
-    condition has been clear for ``Policy.clear_steps`` steps (ratio,
+    condition has been clear for ``Policy.alerts.clear_steps`` steps (ratio,
     throughput, non-finite, group, trend, broken model, divergence) or at
     once (spike, periodic, gap; the loss-scale alert after
     ``event_hold_steps``), then moves to :attr:`history`; a condition that
-    holds again after ``Policy.episode_gap`` clear steps is a new alert
+    holds again after ``Policy.alerts.episode_gap`` clear steps is a new alert
     (``details['closed_by'] == 'new episode'`` on the old one).
 
     Missing metrics: a rule whose metric is absent at a step keeps its
@@ -213,8 +152,8 @@ class Monitor:
       policy: the :class:`Policy`.
       rules: the rule objects.
       alerts: the open alerts (most severe first).
-      history: closed alerts, oldest first (``Policy.history_size`` kept).
-      spikes: completed :class:`Spike` records (``Policy.spikes_size``).
+      history: closed alerts, oldest first (``Policy.alerts.history_size`` kept).
+      spikes: completed :class:`Spike` records (``Policy.alerts.spikes_size``).
       step: the last step seen (``None`` before the first update).
       baseline_start: model step at which the baselines started (``None``
         before), and :attr:`baseline_start_reason`.
@@ -235,18 +174,18 @@ class Monitor:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"Monitor rules must have unique names; repeated: {dup}")
-        self._pattern = re.compile(p.localize_pattern)
+        self._pattern = re.compile(p.localize.pattern)
         self._last_step: int | None = None
         self._offset = 0
         self._segments: list[tuple[int, int]] = []
         self._next_id = 0
         self._open: dict[tuple[str, str], Alert] = {}
         self._events: dict[int, str] = {}  # open alert id -> onset event phrase
-        self._history: collections.deque[Alert] = collections.deque(maxlen=p.history_size)
-        self._spikes: collections.deque[Spike] = collections.deque(maxlen=p.spikes_size)
+        self._history: collections.deque[Alert] = collections.deque(maxlen=p.alerts.history_size)
+        self._spikes: collections.deque[Spike] = collections.deque(maxlen=p.alerts.spikes_size)
         self._start = BaselineStart()
-        self._layers = LayerHistory(p.localize_rows, max(1, p.localize_window // p.localize_rows))
-        self._watched = {p.lr_metric, p.settle_metric}
+        self._layers = LayerHistory(p.localize.rows, max(1, p.localize.window // p.localize.rows))
+        self._watched = {p.baselines.lr_metric, p.baselines.settle_metric}
         self._plans: collections.OrderedDict[tuple, Plan] = collections.OrderedDict()
         # Per-check scratch.
         self._new: list[Alert] = []
@@ -312,7 +251,7 @@ class Monitor:
         for i, k in enumerate(keys):
             named[k] = i
             if self._pattern.search(k):
-                c = self._layers.column(k, self.policy.localize_max_metrics)
+                c = self._layers.column(k, self.policy.localize.max_metrics)
                 if c >= 0:
                     pos.append(i)
                     cols.append(c)
@@ -355,7 +294,7 @@ class Monitor:
                 return
             if a.clearing_since is None:
                 a.clearing_since = s
-            if s - a.clearing_since >= self.policy.clear_steps:
+            if s - a.clearing_since >= self.policy.alerts.clear_steps:
                 self._close(k, s)
             return
         if c.op == "clear":
@@ -368,7 +307,7 @@ class Monitor:
         a = self._open.get(k)
         onset = c.onset
         if a is not None and a.clearing_since is not None:
-            if s - a.clearing_since >= self.policy.episode_gap:
+            if s - a.clearing_since >= self.policy.alerts.episode_gap:
                 # Its condition had cleared (the figure back in band that long): this
                 # crossing is a new episode, with its own onset and localization.
                 a.details = {**a.details, "closed_by": "new episode"}
@@ -399,7 +338,7 @@ class Monitor:
                 a.peak_level = level
                 # Leads are measured to the onset, so keep the onset's event.
                 a.localization = self._localize(a, self._events.get(a.id, c.event))
-        lead = lead_phrase(a.localization, self.policy.localize_lookback) if (
+        lead = lead_phrase(a.localization, self.policy.localize.lookback) if (
             a.localization or self._layers.names) else ""
         a.message = (f"[{a.level.name}] {c.headline} Likely cause: {pres.cause}. "
                      f"Prescription: {pres.prescription}.{lead}")
@@ -437,7 +376,7 @@ class Monitor:
                 a.metric, a.onset_step, a.baseline, a.value, ratio, 0,
                 f"{a.metric} left its band at step {a.onset_step} (from {a.baseline:.4g} to "
                 f"{a.value:.4g}); no member of {group} changed earlier"))
-            del loc[self.policy.localize_top:]
+            del loc[self.policy.localize.top:]
         return loc
 
     # ------------------------------------------------------------------
@@ -475,7 +414,7 @@ class Monitor:
         named = plan.named
         start = self._start.start
         if start is None:
-            i, j = named.get(p.lr_metric), named.get(p.settle_metric)
+            i, j = named.get(p.baselines.lr_metric), named.get(p.baselines.settle_metric)
             start = self._start.observe(t, None if i is None else float(vals[i]),
                                         None if j is None else float(vals[j]), p)
         self._new, self._closed = [], []
@@ -602,17 +541,17 @@ class Monitor:
         return {
             "format": "jvitals.Monitor",
             "version": _FORMAT_VERSION,
-            "policy": self.policy.to_dict(),
+            "policy": self.policy.state_dict(),
             "last_step": self._last_step,
             "offset": self._offset,
             "segments": [list(x) for x in self._segments],
             "next_id": self._next_id,
-            "open": [[k[0], k[1], a.to_dict(), self._events.get(a.id, "")]
+            "open": [[k[0], k[1], a.state_dict(), self._events.get(a.id, "")]
                      for k, a in self._open.items()],
-            "history": [a.to_dict() for a in self._history],
-            "spikes": [x.to_dict() for x in self._spikes],
-            "start": self._start.to_dict(),
-            "layers": self._layers.to_dict(),
+            "history": [a.state_dict() for a in self._history],
+            "spikes": [x.state_dict() for x in self._spikes],
+            "start": self._start.state_dict(),
+            "layers": self._layers.state_dict(),
             "rules": rules,
         }
 
@@ -634,7 +573,7 @@ class Monitor:
           ValueError: ``d`` is not a monitor state of a known version.
         """
         _check_state(d)
-        p = policy if policy is not None else Policy.from_dict(d["policy"])
+        p = policy if policy is not None else Policy.from_state_dict(d["policy"])
         m = cls(p, rules)
         m._load(d)
         return m
@@ -655,15 +594,15 @@ class Monitor:
         self._next_id = int(d["next_id"])
         self._open, self._events = {}, {}
         for rule, key, a, event in d["open"]:
-            alert = self._open[(rule, key)] = Alert.from_dict(a)
+            alert = self._open[(rule, key)] = Alert.from_state_dict(a)
             self._events[alert.id] = event
         self._history.clear()
-        self._history.extend(Alert.from_dict(a) for a in d["history"])
+        self._history.extend(Alert.from_state_dict(a) for a in d["history"])
         self._spikes.clear()
-        self._spikes.extend(Spike.from_dict(x) for x in d["spikes"])
-        self._start = BaselineStart.from_dict(d["start"])
-        self._layers = LayerHistory.from_dict(d["layers"], p.localize_rows,
-                                              max(1, p.localize_window // p.localize_rows))
+        self._spikes.extend(Spike.from_state_dict(x) for x in d["spikes"])
+        self._start = BaselineStart.from_state_dict(d["start"])
+        self._layers = LayerHistory.from_state_dict(d["layers"], p.localize.rows,
+                                              max(1, p.localize.window // p.localize.rows))
         self._plans.clear()
         saved = d["rules"]
         for r in self.rules:

@@ -56,6 +56,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from jvitals.monitor.policy import Policy
+from jvitals.monitor.types import Reading, NAN as _NAN
 from jvitals.monitor.types import PRESCRIPTIONS, Level, RuleBase, Spike, release, set_
 
 __all__ = [
@@ -77,7 +78,6 @@ NONFINITE_FIGURE = "nonfinite"
 TOKENS_FIGURE = "tokens"
 FIRST_FIGURE = "first_nonfinite_step"   # jvitals.replica_window_metrics: -1 never, else the step
 _PER = re.compile(r"^replica/(?P<fig>.+)/(?P<r>\d+)$")
-_NAN = math.nan
 _MAD_SIGMA = 1.4826   # mad -> standard deviation of a normal sample
 
 
@@ -253,7 +253,7 @@ class ReplicaRule(RuleBase):
 
     Args:
       policy: the :class:`Policy`.
-      layout: a :class:`~jvitals.metrics.replicas.ReplicaLayout` or its ``to_dict()``.
+      layout: a :class:`~jvitals.metrics.replicas.ReplicaLayout` or its ``state_dict()``.
       figures: the ``replica/{figure}`` vectors judged for outliers (default
         :attr:`FIGURES`); the non-finite counts are always judged.
 
@@ -262,6 +262,8 @@ class ReplicaRule(RuleBase):
     """
 
     name = "replica"
+    alert_ids = ("replica",)   # the alerts' ``rule`` (docs/MONITOR.md)
+    levels = (Level.YELLOW, Level.ORANGE)
     state_fields = ("streaks", "spread")   # the layout is the run's: set it again after a restart
     FIGURES = ("loss", "hidden_states_rms", "hidden_states_abs.max", "output_layer_logits_abs.max",
                "grad_norm")
@@ -269,22 +271,7 @@ class ReplicaRule(RuleBase):
     def __init__(self, policy: Policy, layout: Any = None, *, figures: Sequence[str] | None = None) -> None:
         self.p = policy
         self.figures = tuple(self.FIGURES if figures is None else figures)
-        for f in ("replica_z", "replica_min_ratio"):
-            v = getattr(policy, f)
-            if not v > (1.0 if f == "replica_min_ratio" else 0.0):
-                raise ValueError(f"Policy.{f} expects a value > {1 if f == 'replica_min_ratio' else 0}, "
-                                 f"got {v!r}")
-        if not 0 <= policy.replica_rel_floor < 1:
-            raise ValueError(f"Policy.replica_rel_floor expects a fraction in [0, 1), got "
-                             f"{policy.replica_rel_floor!r}")
-        for f in ("replica_confirm", "replica_min_replicas"):
-            if int(getattr(policy, f)) < (1 if f == "replica_confirm" else 3):
-                raise ValueError(f"Policy.{f} expects an integer >= {1 if f == 'replica_confirm' else 3} "
-                                 f"(a median of fewer than 3 replicas names no outlier), got "
-                                 f"{getattr(policy, f)!r}")
-        if not policy.replica_spread_halflife > 0:
-            raise ValueError(f"Policy.replica_spread_halflife expects a positive number of checks, got "
-                             f"{policy.replica_spread_halflife!r}")
+        # The replica thresholds are checked by ReplicaConfig (Policy.replica).
         self._layout: dict[str, Any] | None = None
         self.layout = layout
         self.streaks: dict[str, list[dict[str, Any]]] = {}
@@ -355,10 +342,10 @@ class ReplicaRule(RuleBase):
                 continue
             r, z, med, k = hit
             streak = self._extend(key, f.step, r, data, float(x[r]), z)
-            if len(streak) < self.p.replica_confirm:
+            if len(streak) < self.p.replica.confirm:
                 out.append(release("replica", key))
                 continue
-            out.append(self._set(f, key, Level.YELLOW, x, r, z, med, k, streak))
+            out.append(self._set(key, Level.YELLOW, x, r, z, med, k, streak))
         return out
 
     def _outliers(self, figs: list[str], x: np.ndarray, tokens: np.ndarray | None
@@ -372,11 +359,11 @@ class ReplicaRule(RuleBase):
         if tokens is not None and tokens.shape == x.shape[1:]:
             ok &= tokens > 0
         xs = np.where(ok, x, _NAN)
-        z, med, s = robust_z_rows(xs, self.p.replica_rel_floor)
+        z, med, s = robust_z_rows(xs, self.p.replica.rel_floor)
         k = ok.sum(axis=1)
-        decay = 0.5 ** (1.0 / self.p.replica_spread_halflife)
+        decay = 0.5 ** (1.0 / self.p.replica.spread_halflife)
         for i, fig in enumerate(figs):
-            if not (k[i] >= self.p.replica_min_replicas and med[i] > 0 and math.isfinite(s[i])):
+            if not (k[i] >= self.p.replica.min_replicas and med[i] > 0 and math.isfinite(s[i])):
                 continue
             rel, typical = s[i] / med[i], self.spread.get(fig)
             if typical is not None and typical * med[i] > s[i]:
@@ -384,10 +371,10 @@ class ReplicaRule(RuleBase):
             self.spread[fig] = rel if typical is None else decay * typical + (1 - decay) * rel
         with np.errstate(invalid="ignore", divide="ignore"):
             ratio = xs / med[:, None]
-        lim = self.p.replica_min_ratio
+        lim = self.p.replica.min_ratio
         az = np.where(np.isnan(z), 0.0, np.abs(z))
-        cand = ok & (az > self.p.replica_z) & ((ratio > lim) | (ratio < 1.0 / lim))
-        cand &= ((k >= self.p.replica_min_replicas) & (med > 0))[:, None]
+        cand = ok & (az > self.p.replica.z) & ((ratio > lim) | (ratio < 1.0 / lim))
+        cand &= ((k >= self.p.replica.min_replicas) & (med > 0))[:, None]
         out: list[tuple[int, float, float, int] | None] = []
         for i in range(x.shape[0]):
             if not cand[i].any():
@@ -427,7 +414,7 @@ class ReplicaRule(RuleBase):
             first = streak[0]
             text, where = self._place(first["replica"], n)
             return [self._change(
-                key, Level.ORANGE, float(np.nansum(np.where(np.isfinite(nf), nf, 0))), _NAN,
+                key, Level.ORANGE, (float(np.nansum(np.where(np.isfinite(nf), nf, 0))), _NAN),
                 f"every replica is non-finite now (spread through the gradient all-reduce); {text} was "
                 f"the first, at step {first['step']}, while the others were finite. "
                 f"{self._verdict(streak, n)[1]}", streak, where, n)]
@@ -438,7 +425,7 @@ class ReplicaRule(RuleBase):
         also = f" (also replicas {_ids([i for i in others if i != r])})" if len(others) > 1 else ""
         head = (f"{text} holds {nf[r]:g} non-finite values{also} while {int((~bad).sum())} of {n} "
                 f"replicas are finite. {self._verdict(streak, n)[1]}")
-        return [self._change(key, Level.ORANGE, float(nf[r]), 0.0, head, streak, where, n,
+        return [self._change(key, Level.ORANGE, (float(nf[r]), 0.0), head, streak, where, n,
                              bad_replicas=others)]
 
     def _first(self, f: Any, key: str, nf: np.ndarray, first: np.ndarray | None) -> list[Any]:
@@ -459,19 +446,21 @@ class ReplicaRule(RuleBase):
         head = (f"every replica is non-finite now (spread through the gradient all-reduce); {text}{also} "
                 f"went non-finite first, at step {int(s0)}, while the others were finite (the device "
                 f"window's record). Suspect: not known from one event.")
-        return [self._change(key, Level.ORANGE, float(nf[r]), 0.0, head, [entry], where, n,
+        return [self._change(key, Level.ORANGE, (float(nf[r]), 0.0), head, [entry], where, n,
                              bad_replicas=went, first_step=int(s0))]
 
-    def _set(self, f: Any, key: str, level: Level, x: np.ndarray, r: int, z: float, med: float,
-             k: int, streak: list[dict[str, Any]]) -> Any:
+    def _set(self, key: str, level: Level, x: np.ndarray, r: int, z: float, med: float, k: int,
+             streak: list[dict[str, Any]]) -> Any:
         text, where = self._place(r, x.size)
         head = (f"{text} is an outlier in {key} on {len(streak)} consecutive checks: {x[r]:.4g} against "
                 f"a median of {med:.4g} over {k} replicas (robust z {z:+.3g}, {x[r] / med:.3g}x). "
                 f"{self._verdict(streak, x.size)[1]}")
-        return self._change(key, level, float(x[r]), med, head, streak, where, x.size, z=z)
+        return self._change(key, level, (float(x[r]), med), head, streak, where, x.size, z=z)
 
-    def _change(self, key: str, level: Level, value: float, baseline: float, head: str,
+    def _change(self, key: str, level: Level, figures: tuple[float, float], head: str,
                 streak: list[dict[str, Any]], where: dict[str, Any], n: int, **extra: Any) -> Any:
+        """The ``"set"`` change of ``key``; ``figures``: ``(value, baseline)``."""
+        value, baseline = figures
         suspect, _, cause, prescription = self._verdict(streak, n)
         pres_key = f"replica_{suspect}"
         details = {**where, "suspect": suspect, "cause": cause, "prescription": prescription,
@@ -479,7 +468,7 @@ class ReplicaRule(RuleBase):
                    "data_seen": [s["data"] for s in streak], "steps_seen": [s["step"] for s in streak],
                    **{k: (float(v) if isinstance(v, (float, np.floating)) else v) for k, v in extra.items()}}
         ratio = value / baseline if baseline and math.isfinite(baseline) else _NAN
-        return set_("replica", key, level, value, baseline, ratio, head,
+        return set_("replica", key, level, Reading(value, baseline, ratio), head,
                     f"{key} left the other replicas' on replica {streak[-1]['replica']}",
                     key=key, onset=streak[0]["step"], details=details, diverging=False,
                     prescription=pres_key if pres_key in PRESCRIPTIONS else None)

@@ -1,6 +1,6 @@
 """Value types of the host-side monitor: levels, alerts, spikes, verdicts.
 
-Plain dataclasses with a lossless JSON form (``to_dict`` / ``from_dict``):
+Plain dataclasses with a lossless JSON form (``state_dict`` / ``from_state_dict``):
 non-finite floats are written as the strings ``"nan"``, ``"inf"`` and
 ``"-inf"`` so that ``json.dumps(..., allow_nan=False)`` accepts them and a
 round trip gives back the same bits.
@@ -12,12 +12,8 @@ immutable data (:data:`PRESCRIPTIONS`), keyed by the monitor's rule ids
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import enum
-import math
-import numbers
-import re
 import types
 from typing import Any, Mapping, NamedTuple
 
@@ -33,114 +29,18 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------
-# JSON helpers (non-finite floats survive as strings).
-# --------------------------------------------------------------------------
-
-
-_GROUP = re.compile(r"^(?P<fam>.+)/(?P<g>embedding|lm_head|layer_(?P<i>\d+))$")
-
-
-def split_group(name: str) -> tuple[str, str, int | None] | None:
-    """A per-group metric name split as ``(family, group, layer index or None)``:
-    ``"update/param_ratio/layer_3"`` -> ``("update/param_ratio", "layer_3", 3)``,
-    ``"grad/share/embedding"`` -> ``("grad/share", "embedding", None)``; None for a
-    name that does not end in a group (``embedding``, ``lm_head``, ``layer_{i}``)."""
-    m = _GROUP.match(name)
-    if m is None:
-        return None
-    return m["fam"], m["g"], None if m["i"] is None else int(m["i"])
-
-
-def enc_float(x: float) -> float | str:
-    """Encodes a float for JSON: finite floats as is, others as a string."""
-    x = float(x)
-    if math.isfinite(x):
-        return x
-    if math.isnan(x):
-        return "nan"
-    return "inf" if x > 0 else "-inf"
-
-
-def dec_float(x: Any) -> float:
-    """Decodes :func:`enc_float`'s output (``None`` reads as NaN)."""
-    if x is None:
-        return math.nan
-    return float(x)
-
-
-def enc_floats(xs) -> list[float | str]:
-    return [enc_float(x) for x in xs]
-
-
-def dec_floats(xs) -> list[float]:
-    return [dec_float(x) for x in xs]
-
-
-_NONFINITE = ("nan", "inf", "-inf")
-
-
-def enc_state(x: Any) -> Any:
-    """A rule's state value as plain JSON: floats by :func:`enc_float`, tuples, lists
-    and deques as lists, sets as sorted lists, mappings with str keys, and objects
-    with ``to_dict()`` (the trackers) as that dict.
-
-    Raises:
-      TypeError: a value of another type (name it in the rule's ``state_fields``
-        only if it is one of these).
-    """
-    if x is None or isinstance(x, (bool, str)):
-        return x
-    if isinstance(x, numbers.Integral):
-        return int(x)
-    if isinstance(x, numbers.Real):
-        return enc_float(x)
-    if isinstance(x, Mapping):
-        return {str(k): enc_state(v) for k, v in x.items()}
-    if isinstance(x, (set, frozenset)):
-        return sorted(enc_state(v) for v in x)
-    if isinstance(x, (list, tuple, collections.deque)):
-        return [enc_state(v) for v in x]
-    to_dict = getattr(x, "to_dict", None)
-    if to_dict is not None:
-        return to_dict()
-    raise TypeError(f"enc_state: cannot write a {type(x).__name__} ({x!r:.60}) as JSON state")
-
-
-def dec_any(x: Any) -> Any:
-    """Inverse of :func:`enc_state` for plain values: ``"nan"``/``"inf"``/``"-inf"``
-    back to floats, lists and dicts decoded element by element."""
-    if isinstance(x, str):
-        return float(x) if x in _NONFINITE else x
-    if isinstance(x, list):
-        return [dec_any(v) for v in x]
-    if isinstance(x, dict):
-        return {k: dec_any(v) for k, v in x.items()}
-    return x
-
-
-def dec_state(x: Any, like: Any, value_type: Any = None) -> Any:
-    """Inverse of :func:`enc_state`, shaped like ``like`` (the field's value in a fresh
-    rule): a tracker through its class's ``from_dict``; a deque with ``like``'s
-    ``maxlen``; a set of tuples; a float by :func:`dec_float`; a dict whose values are
-    ``value_type`` trackers (``value_type.from_dict`` each; an entry saved with another
-    ``kind`` than ``value_type.kind`` is dropped: that tracker restarts); anything else
-    by :func:`dec_any`."""
-    if value_type is not None:
-        kind = getattr(value_type, "kind", None)
-        kind = kind if isinstance(kind, str) else None
-        return {k: value_type.from_dict(v) for k, v in x.items()
-                if kind is None or v.get("kind", kind) == kind}
-    if like is not None and not isinstance(like, (Mapping, list, tuple, str, numbers.Number)) \
-            and hasattr(like, "from_dict"):
-        return type(like).from_dict(x)
-    if isinstance(like, collections.deque):
-        return collections.deque((dec_any(v) for v in x), maxlen=like.maxlen)
-    if isinstance(like, (set, frozenset)):
-        return {tuple(v) if isinstance(v, list) else v for v in dec_any(x)}
-    if isinstance(like, float):
-        return dec_float(x)
-    return dec_any(x)
+from jvitals.monitor.codec import (  # noqa: F401  (re-exported: the rules import them from here)
+    NAN,
+    LegacyDict,
+    dec_any,
+    dec_float,
+    dec_floats,
+    dec_state,
+    enc_float,
+    enc_floats,
+    enc_state,
+    split_group,
+)
 
 
 # --------------------------------------------------------------------------
@@ -330,7 +230,7 @@ RULE_PRESCRIPTION: Mapping[str, str] = types.MappingProxyType({
 
 
 @dataclasses.dataclass(frozen=True)
-class Localization:
+class Localization(LegacyDict):
     """One ranked entry of an alert's localization.
 
     Attributes:
@@ -357,7 +257,7 @@ class Localization:
     lead_steps: int
     line: str
 
-    def to_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "metric": self.metric,
             "departure_step": self.departure_step,
@@ -369,7 +269,7 @@ class Localization:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Localization":
+    def from_state_dict(cls, d: Mapping[str, Any]) -> "Localization":
         return cls(
             metric=d["metric"],
             departure_step=int(d["departure_step"]),
@@ -382,7 +282,7 @@ class Localization:
 
 
 @dataclasses.dataclass
-class Alert:
+class Alert(LegacyDict):
     """One anomaly: a condition on a metric, opened once and updated in place.
 
     An ongoing condition is one ``Alert`` object (same ``id``) whose ``step``,
@@ -419,7 +319,7 @@ class Alert:
         details: rule-specific numbers (e.g. ``period``, ``consecutive_checks``).
         clearing_since: first step of the current run of checks at which the
             condition no longer held; the alert closes once that run lasts
-            ``Policy.clear_steps`` steps (``None`` while the condition holds).
+            ``Policy.alerts.clear_steps`` steps (``None`` while the condition holds).
     """
 
     id: int
@@ -445,7 +345,7 @@ class Alert:
     def is_open(self) -> bool:
         return self.closed_step is None
 
-    def to_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (non-finite floats as strings)."""
         return {
             "id": self.id,
@@ -461,7 +361,7 @@ class Alert:
             "message": self.message,
             "cause": self.cause,
             "prescription": self.prescription,
-            "localization": [x.to_dict() for x in self.localization],
+            "localization": [x.state_dict() for x in self.localization],
             "peak_level": int(self.peak_level),
             "closed_step": self.closed_step,
             "details": {
@@ -472,8 +372,8 @@ class Alert:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Alert":
-        """Inverse of :meth:`to_dict`."""
+    def from_state_dict(cls, d: Mapping[str, Any]) -> "Alert":
+        """Inverse of :meth:`state_dict`."""
         details = {}
         for k, v in d["details"].items():
             if isinstance(v, str) and v in ("nan", "inf", "-inf"):
@@ -493,7 +393,7 @@ class Alert:
             message=d["message"],
             cause=d["cause"],
             prescription=d["prescription"],
-            localization=[Localization.from_dict(x) for x in d["localization"]],
+            localization=[Localization.from_state_dict(x) for x in d["localization"]],
             peak_level=Level(d["peak_level"]),
             closed_step=None if d["closed_step"] is None else int(d["closed_step"]),
             details=details,
@@ -502,7 +402,7 @@ class Alert:
 
 
 @dataclasses.dataclass(frozen=True)
-class Spike:
+class Spike(LegacyDict):
     """Anatomy of one completed spike of ``loss`` or ``grad/global_norm``.
 
     The band: a spike starts when ``x > trend + max(spike_z * scale,
@@ -515,7 +415,7 @@ class Spike:
 
     Attributes:
         metric: ``"loss"`` or ``"grad/global_norm"`` (any of
-            ``Policy.spike_metrics``).
+            ``Policy.spike.metrics``).
         onset_step: first step above the onset band.
         peak_step: step of the peak.
         peak: peak value.
@@ -551,14 +451,14 @@ class Spike:
     end_step: int
     rolled_back: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         for k in ("peak", "pre_trend", "height", "post_level", "post_ratio"):
             d[k] = enc_float(d[k])
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Spike":
+    def from_state_dict(cls, d: Mapping[str, Any]) -> "Spike":
         d = dict(d)
         for k in ("peak", "pre_trend", "height", "post_level", "post_ratio"):
             d[k] = dec_float(d[k])
@@ -602,7 +502,6 @@ class Verdict:
 # --------------------------------------------------------------------------
 
 
-_NAN = float("nan")
 
 
 class Change(NamedTuple):
@@ -610,7 +509,7 @@ class Change(NamedTuple):
 
     ``op``: ``"set"`` opens or updates the alert ``(rule, key)`` at
     ``level``; ``"release"`` says its condition did not hold (it closes after
-    ``Policy.clear_steps`` clear steps); ``"clear"`` closes it now.
+    ``Policy.alerts.clear_steps`` clear steps); ``"clear"`` closes it now.
     ``diverging``: counts toward the divergence rule (``None``: every
     ORANGE-or-worse set does). ``prescription``: a key of ``PRESCRIPTIONS``
     overriding the rule's own.
@@ -621,9 +520,9 @@ class Change(NamedTuple):
     key: str
     metric: str = ""
     level: Level = Level.GREEN
-    value: float = _NAN
-    baseline: float = _NAN
-    ratio: float = _NAN
+    value: float = NAN
+    baseline: float = NAN
+    ratio: float = NAN
     headline: str = ""
     event: str = ""
     onset: int | None = None
@@ -632,9 +531,30 @@ class Change(NamedTuple):
     prescription: str | None = None
 
 
-def set_(rule: str, metric: str, level: Level, value: float, baseline: float, ratio: float,
-         headline: str, event: str, *, key: str | None = None, **kw: Any) -> Change:
-    """A ``"set"`` change (``key`` defaults to the metric)."""
+class Reading(NamedTuple):
+    """The figures of a ``"set"`` change: the value, the reference it was judged against
+    and their ratio (``NAN`` where it has none)."""
+
+    value: float
+    baseline: float = NAN
+    ratio: float = NAN
+
+
+def set_(rule: str, metric: str, level: Level, *fields: Any, key: str | None = None, **kw: Any) -> Change:
+    """A ``"set"`` change (``key`` defaults to the metric).
+
+    Args:
+      rule, metric, level: the alert's rule, metric and level.
+      *fields: ``(reading, headline, event)`` with ``reading`` a :class:`Reading`; the older
+        flat form ``(value, baseline, ratio, headline, event)`` is accepted too.
+      key: the alert's key (default: ``metric``).
+      **kw: the other :class:`Change` fields (``onset``, ``details``, ...).
+    """
+    if len(fields) == 3:
+        reading, headline, event = fields
+        value, baseline, ratio = reading
+    else:
+        value, baseline, ratio, headline, event = fields
     return Change("set", rule, metric if key is None else key, metric, level, value, baseline,
                   ratio, headline, event, **kw)
 
@@ -673,6 +593,8 @@ class RuleBase:
     """
 
     name = ""
+    alert_ids: tuple[str, ...] = ()          # the ``rule`` of the alerts it makes
+    levels: tuple[Level, ...] = ()           # the levels it can set
     state_fields: tuple[str, ...] = ()
     state_types: Mapping[str, type] = {}
 
