@@ -282,7 +282,7 @@ def test_layout_of_a_data_expert_mesh(devices):
     both = vitals.replica_layout(mesh, ("data", "expert"))
     assert both.size == 8 and [p.devices[0] for p in both.places] == [d.id for d in grid.reshape(-1)]
     assert both[0].hosts == vitals.metrics.replica_layout.process_hostnames()
-    assert vitals.ReplicaLayout.from_dict(json.loads(json.dumps(both.to_dict()))) == both
+    assert vitals.ReplicaLayout.from_state_dict(json.loads(json.dumps(both.state_dict()))) == both
     one = vitals.replica_layout(jax.devices()[:3], hosts={0: "h"})
     assert one.size == 3 and one[2].devices == (jax.devices()[2].id,)
     with pytest.raises(ValueError, match=r"the mesh has axes \['data', 'expert'\]; the batch axes \['dp'\]"):

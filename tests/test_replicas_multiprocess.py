@@ -71,7 +71,7 @@ params = jax.tree.map(lambda a: glob(np.asarray(a), P()), rm.init_params(cfg, ja
 opt = jax.jit(tx.init, out_shardings=REP)(params)    # the step's own output shardings: no recompile
 monitor = vitals.Monitor()
 monitor.rule("replica").layout = layout
-out = {"layout": layout.to_dict(), "alerts": []}
+out = {"layout": layout.state_dict(), "alerts": []}
 for c in range(4):
     shards = (np.arange(8) + c) %% 8
     parts = [rm.make_batch(int(j) * 7919 + c, cfg, batch=2, seq=16, pad_fraction=0.2) for j in shards]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import socket
+import warnings
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -47,7 +48,8 @@ class ReplicaPlace:
                 f"process{'es' if len(procs) > 1 else ''} {', '.join(map(str, procs))}, "
                 f"host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)})")
 
-    def to_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
+        """Plain JSON (the monitor's one serialisation convention)."""
         return {"replica": self.replica, "devices": list(self.devices),
                 "device_names": list(self.device_names), "processes": list(self.processes),
                 "hosts": list(self.hosts)}
@@ -88,12 +90,25 @@ class ReplicaLayout:
                 return p.replica
         raise ValueError(f"no replica holds device {device_id}")
 
-    def to_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """Plain JSON: what the monitor's rule and the report read."""
-        return {"axes": list(self.axes), "replicas": [p.to_dict() for p in self.places]}
+        return {"axes": list(self.axes), "replicas": [p.state_dict() for p in self.places]}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Deprecated alias of :meth:`state_dict` (one release)."""
+        warnings.warn("ReplicaLayout.to_dict is deprecated: use state_dict", DeprecationWarning, stacklevel=2)
+        return self.state_dict()
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ReplicaLayout":
+        """Deprecated alias of :meth:`from_state_dict` (one release)."""
+        warnings.warn("ReplicaLayout.from_dict is deprecated: use from_state_dict", DeprecationWarning,
+                      stacklevel=2)
+        return cls.from_state_dict(d)
+
+    @classmethod
+    def from_state_dict(cls, d: Mapping[str, Any]) -> "ReplicaLayout":
+        """The layout :meth:`state_dict` wrote."""
         return cls(tuple(d["axes"]), tuple(
             ReplicaPlace(int(p["replica"]), tuple(p["devices"]), tuple(p["device_names"]),
                          tuple(p["processes"]), tuple(p["hosts"])) for p in d["replicas"]))

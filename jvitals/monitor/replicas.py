@@ -231,10 +231,10 @@ def replica_summaries(vectors: Mapping[str, np.ndarray], rel_floor: float = 0.02
 def _layout_dict(layout: Any) -> dict[str, Any] | None:
     if layout is None:
         return None
-    d = layout.to_dict() if hasattr(layout, "to_dict") else dict(layout)
+    d = layout.state_dict() if hasattr(layout, "state_dict") else dict(layout)
     if "replicas" not in d:
         raise TypeError("ReplicaRule.layout expects a jvitals.ReplicaLayout (vitals.replica_layout(mesh)) "
-                        f"or its to_dict(), got {type(layout).__name__}")
+                        f"or its state_dict(), got {type(layout).__name__}")
     return d
 
 

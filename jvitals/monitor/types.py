@@ -238,7 +238,7 @@ class Localization(LegacyDict):
             ``"update/param_ratio/embedding"``.
         departure_step: the change point of the metric's own recent history:
             the first step from which it stayed off the extrapolation of its
-            earlier samples (see ``jvitals._monitor_localize``).
+            earlier samples (see ``jvitals.monitor.localize``).
         baseline: the value that extrapolation predicted at the departure.
         value: its latest value when the alert was localized.
         ratio: ``value / baseline`` (``inf`` when the baseline is 0).

@@ -87,7 +87,7 @@ def _finite_or_none(x: Any) -> Any:
 
 
 def _alert_dict(alert: Any) -> dict[str, Any]:
-    d = alert.to_dict() if hasattr(alert, "to_dict") else dict(vars(alert))
+    d = alert.state_dict() if hasattr(alert, "state_dict") else dict(vars(alert))
     level = getattr(alert, "level", d.get("level"))
     d["level"] = getattr(level, "name", str(level))
     if "localization" in d:
