@@ -140,6 +140,7 @@ from jvitals.guard.checkpoints import (
     SNAPSHOT,
     CheckpointInfo,
     CheckpointSaveError,
+    Provenance,
     allgather_ints,
     allgather_json,
 )
@@ -598,8 +599,8 @@ class Rollback(Restores, Preempts):
         self._settle([store])              # an earlier save's failure first: this one is still tried
         saved, failed = None, False
         try:
-            saved = store.save(step, state, meta, level=level, kind=kind, restored_from=restored_from,
-                               open_peak=open_peak, lr_scale=self.lr_scale, sync=self.sync_save)
+            saved = store.save(step, state, meta, level=level, kind=kind, open_peak=open_peak,
+                               provenance=Provenance(restored_from, self.lr_scale), sync=self.sync_save)
         except CheckpointSaveError as e:
             failed = True
             self._save_failed(e)
