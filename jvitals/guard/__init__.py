@@ -33,6 +33,7 @@ from jvitals.guard.checkpoints import (
     ROLLBACK_SAVE,
     SNAPSHOT,
 )
+from jvitals.guard.configs import Actions, RestorePolicy, Retention, Saving
 from jvitals.guard.preemption import PREEMPT, Preemption
 from jvitals.guard.remedies import (
     applied_text,
@@ -58,6 +59,7 @@ from jvitals.guard.target import AlertRecord, choose_target, Target
 
 __all__ = [
     "Action",
+    "Actions",
     "AlertRecord",
     "applied_text",
     "apply_remedies",
@@ -82,12 +84,15 @@ __all__ = [
     "REMEDY_NAMES",
     "RemedyTable",
     "Response",
+    "RestorePolicy",
+    "Retention",
     "Rollback",
     "ROLLBACK_COUNT",
     "ROLLBACK_LR_SCALE",
     "ROLLBACK_SAVE",
     "RollbackError",
     "RollbackLimitError",
+    "Saving",
     "SNAPSHOT",
     "Snapshots",
     "Target",
