@@ -22,18 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
-from jvitals.monitor.types import Level
 from jvitals.guard.actions import parse_reset
 from jvitals.guard.remedies import parse_remedies
 from jvitals.guard.response import Snapshots
+from jvitals.guard.target import RestorePolicy, fail as _fail
 
 __all__ = ["Actions", "LEGACY", "RestorePolicy", "Retention", "Saving", "split_options"]
-
-
-def _fail(config: str, field: str, expected: str, got: Any) -> None:
-    raise ValueError(f"{config} expects {field} {expected}, got {got!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,36 +60,6 @@ class Retention:
             _fail("Retention", "keep_green", ">= 0", self.keep_green)
         if int(self.keep_quarantined) < 0:
             _fail("Retention", "keep_quarantined", ">= 0", self.keep_quarantined)
-
-
-@dataclasses.dataclass(frozen=True)
-class RestorePolicy:
-    """Which checkpoint a rollback (or a resume) restores.
-
-    Attributes:
-      healthy_levels: saved levels a rollback may restore (stored as a frozenset of ints).
-      check_finite: reject targets holding non-finite values (quarantined, the next tried).
-      onset_margin: the least margin in steps before the earliest sign (one host
-        cadence, back to the last check before it, is used when larger).
-      rewind_steps: restore a checkpoint at least this many steps before the
-        earliest sign (the guide: "roll back 10-100 steps before the spike";
-        None: the newest healthy one).
-    """
-
-    healthy_levels: frozenset[int] = frozenset((int(Level.GREEN), int(Level.YELLOW)))
-    check_finite: bool = True
-    onset_margin: int = 1
-    rewind_steps: int | None = None
-
-    def __post_init__(self) -> None:
-        levels = self.healthy_levels
-        if isinstance(levels, (int, str)) or not isinstance(levels, Iterable):
-            _fail("RestorePolicy", "healthy_levels", "an iterable of levels", levels)
-        object.__setattr__(self, "healthy_levels", frozenset(int(x) for x in levels))
-        if int(self.onset_margin) < 0:
-            _fail("RestorePolicy", "onset_margin", ">= 0", self.onset_margin)
-        if self.rewind_steps is not None and int(self.rewind_steps) < 0:
-            _fail("RestorePolicy", "rewind_steps", ">= 0 or None", self.rewind_steps)
 
 
 @dataclasses.dataclass(frozen=True)
