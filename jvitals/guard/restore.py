@@ -214,7 +214,8 @@ class Restorer:
                                  where=f" in {str(self.disk.main.directory)!r}")
         raise RollbackError(
             f"Rollback: {text} Alerts: {alert_lines(verdict_alerts)}. Save earlier (a smaller "
-            "save_every, snapshots=, or a larger keep_last) or restart from an older run.")
+            "save_every, Saving(snapshots=...), or a larger Retention(keep_last=...)) or restart from an "
+            "older run.")
 
     def _act(self, guard: Any, rec: CheckpointInfo, got: tuple[Any, Mapping[str, Any], Any], verdict: Any,
              position: Any) -> tuple[Any, float, Any, list[dict[str, Any]]]:
