@@ -228,7 +228,7 @@ class Rollback:
         check_position(position)
         skip = self.actions.skip_data
         if skip is not False and not isinstance(position, (int, np.integer)):
-            raise TypeError(f"Rollback(skip_data={skip!r}) expects an int data position "
+            raise TypeError(f"Rollback(actions=Actions(skip_data={skip!r})) expects an int data position "
                             f"(batches consumed), got {type(position).__name__} {position!r}; pass "
                             "an int, or skip_data=False and skip in your loader.")
         self._state.alerts.observe(step, verdict)
