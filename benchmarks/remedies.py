@@ -9,8 +9,8 @@ mismatch that lives in the loop, so no restore undoes it). A real
 updates, every step); a real :class:`jvitals.Rollback` on orbax checkpoints acts
 on its verdicts. Two arms, the same seed and fault:
 
-- ``global``: ``Rollback(lr_factor=0.9)`` (today: the global LR x0.9 per rollback);
-- ``remedy``: ``Rollback(lr_factor=0.9, remedies="default")`` (plus the alert's
+- ``global``: ``Rollback(actions=Actions(lr_factor=0.9))`` (today: the global LR x0.9 per rollback);
+- ``remedy``: ``Rollback(actions=Actions(lr_factor=0.9, remedies="default"))`` (plus the alert's
   group LR x0.5: the embedding's).
 
 Measured per arm: the first group alert naming the embedding, the first red, the
@@ -40,7 +40,7 @@ import optax
 import jvitals as vitals
 from jvitals import reference_model as rm
 from jvitals.monitor.monitor import Monitor, Policy
-from jvitals.guard.rollback import Action, Rollback, RollbackLimitError
+from jvitals.guard.rollback import Action, Actions, Retention, Rollback, RollbackLimitError
 
 CFG = rm.ModelConfig(vocab=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64,
                      sow_attn_logits=False)
@@ -124,8 +124,8 @@ def run_arm(directory: str | Path, *, remedies: Any, mult: float, steps: int = 4
     params = rm.init_params(CFG, jax.random.key(seed))
     state = {"params": params, "opt_state": TX.init(params), "step": jnp.asarray(0, jnp.int32)}
     monitor = Monitor(policy())
-    guard = Rollback(directory, save_every=save_every, keep_last=3, keep_every=None,
-                     max_rollbacks=max_rollbacks, lr_factor=0.9, remedies=remedies)
+    guard = Rollback(directory, save_every=save_every, retention=Retention(keep_last=3, keep_every=None),
+                     actions=Actions(max_rollbacks=max_rollbacks, lr_factor=0.9, remedies=remedies))
     state, position = guard.resume(state, 0, monitor)
     losses: dict[int, float] = {}
     out: dict[str, Any] = {"group_alert_step": None, "first_red": None, "rollbacks": [],

@@ -1,4 +1,4 @@
-"""Cost of the light recent snapshots (``Rollback(snapshots=Snapshots(...))``), measured side by side.
+"""Cost of the light recent snapshots (``Rollback(saving=Saving(snapshots=Snapshots(...)))``), measured side by side.
 
 One process trains the reference model with the guard in the loop, in alternating
 blocks of steps: (a) the guard with its cadence checkpoints only, (b) the same plus
@@ -34,7 +34,7 @@ import optax
 
 from jvitals import reference_model as rm
 from jvitals.optim.lr_scale import with_lr_scale
-from jvitals.guard.rollback import Rollback, Snapshots
+from jvitals.guard.rollback import Retention, Rollback, Saving, Snapshots
 
 
 class State(NamedTuple):
@@ -83,7 +83,8 @@ def main(argv=None) -> None:
             directory = root / f"{variant}{block}"
             shutil.rmtree(directory, ignore_errors=True)
             snaps = Snapshots(every=args.snap_every, keep=args.keep) if variant == "b" else None
-            guard = Rollback(directory, save_every=args.save_every, keep_every=None, snapshots=snaps)
+            guard = Rollback(directory, save_every=args.save_every, retention=Retention(keep_every=None),
+                             saving=Saving(snapshots=snaps))
             state = state0
             guard.act(0, state, None, 0)                  # the first (cadence) save, untimed
             guard.wait()

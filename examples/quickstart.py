@@ -42,6 +42,7 @@ import optax  # noqa: E402
 
 import jvitals as vitals  # noqa: E402
 from jvitals import reference_model as rm  # noqa: E402
+from jvitals.guard import Retention  # noqa: E402
 
 EVENT_WIDTH = 160  # an event line, cut at a word
 COLORS = {"GREEN": "\033[32m", "YELLOW": "\033[33m", "ORANGE": "\033[38;5;208m", "RED": "\033[31m"}
@@ -184,8 +185,8 @@ def main(argv=None) -> int:
     writer = metric_writers.create_default_writer(str(logdir), just_logging=False)
     # The guard writes rollback/count, rollback/lr_scale and its events (save, pause,
     # rollback) through vitals.write at each of its calls.
-    guard = vitals.Rollback(ckptdir, save_every=25, keep_last=5, keep_every=100, lr_factor=0.9,
-                            max_rollbacks=3, writer=writer)
+    guard = vitals.Rollback(ckptdir, save_every=25, writer=writer,
+                            retention=Retention(keep_every=100))   # keeps the newest 5; LR x0.9, 3 rollbacks
     timer = vitals.StepTimer(tokens_per_step=args.batch * args.seq)
 
     position = 0

@@ -21,6 +21,7 @@ import pytest
 
 from jvitals.guard.rollback import Rollback
 from jvitals.optim.lr_scale import with_lr_scale
+from jvitals.guard import Retention
 
 TX = with_lr_scale(optax.sgd(0.1))
 
@@ -64,7 +65,7 @@ def test_a_disk_that_fills_during_a_save_is_one_line_and_the_run_keeps_its_last_
     directory = small_disk / "ck"
     # keep_last=1: orbax's retention, run when the save of 20 starts, drops 0 from its list
     # (10 is pinned as the newest healthy); the save fails, so 0 stays on disk and in the guard.
-    guard = Rollback(directory, save_every=10, keep_last=1, keep_green=0, keep_every=None)
+    guard = Rollback(directory, save_every=10, retention=Retention(keep_last=1, keep_green=0, keep_every=None))
     guard.respond(0, big(0), None, 1)
     guard.respond(10, big(10), None, 11)
     guard.wait()
@@ -95,7 +96,7 @@ def test_a_disk_that_fills_during_a_save_is_one_line_and_the_run_keeps_its_last_
     guard.close()
     # Space freed: a restart resumes from the last good checkpoint; the next cadence save lands.
     (small_disk / "filler").unlink()
-    guard = Rollback(directory, save_every=10, keep_last=1, keep_green=0, keep_every=None)
+    guard = Rollback(directory, save_every=10, retention=Retention(keep_last=1, keep_green=0, keep_every=None))
     state, pos = guard.resume(big(-1), 0)
     assert guard.resumed_step == 10 and pos == 11 and same(state, big(10))
     guard.respond(30, big(30), None, 31)

@@ -27,9 +27,11 @@ from jvitals.guard.target import (
     cutoff_before,
     earliest_sign,
     no_target_message,
+    Past,
     pick_target,
     pins,
     restore_order,
+    RestorePolicy,
 )
 from jvitals.monitor.types import Level
 
@@ -62,7 +64,7 @@ def checks_until(step):
 def test_newest_healthy_save_before_the_sign_is_the_target():
     # A spike from step 57 goes RED at the check of step 90. E = 57; the last check
     # before it is 50, so cutoff = min(57 - 1, 50) = 50; below 50 the newest is 40.
-    t = choose_target([al(1, "loss_spike", 57, R)], DISK, step=90, checks=checks_until(90))
+    t = choose_target([al(1, "loss_spike", 57, R)], DISK, step=90, past=Past(checks_until(90)))
     assert (t.sign, t.cutoff, t.step) == (57, 50, 40)
     assert [r.step for r in t.candidates] == [40, 20, 0]           # the fallbacks, newest first
 
@@ -70,7 +72,7 @@ def test_newest_healthy_save_before_the_sign_is_the_target():
 def test_a_sign_at_a_check_takes_the_check_before_it():
     # E = 60 is itself a check: the metrics seen at 60 may come from any update in
     # (50, 60], so the checkpoint of 60 is out and so is anything >= 50: target 40.
-    t = choose_target([al(1, "grad_norm", 60, R)], DISK, step=90, checks=checks_until(90))
+    t = choose_target([al(1, "grad_norm", 60, R)], DISK, step=90, past=Past(checks_until(90)))
     assert (t.cutoff, t.step) == (50, 40)
 
 
@@ -79,7 +81,7 @@ def test_without_an_earlier_check_the_margin_decides():
     assert choose_target([al(1, "loss_spike", 57, R)], DISK, step=90).cutoff == 56
     assert choose_target([al(1, "loss_spike", 57, R)], DISK, step=90).step == 40
     # A margin of 20 steps: cutoff 37, so 40 is too new and 20 is the target.
-    t = choose_target([al(1, "loss_spike", 57, R)], DISK, step=90, onset_margin=20)
+    t = choose_target([al(1, "loss_spike", 57, R)], DISK, step=90, policy=RestorePolicy(onset_margin=20))
     assert (t.cutoff, t.step) == (37, 20)
 
 
@@ -103,7 +105,7 @@ def test_a_closed_blip_does_not_move_the_target_the_escalating_episode_does():
     # and the target is 40 (not 0, which a sign at 15 would give: cutoff 10).
     alerts = [al(1, "grad_norm", 15, Y, closed=30), al(2, "grad_norm", 62, R)]
     assert chain(alerts) == {2}
-    t = choose_target(alerts, DISK, step=90, checks=checks_until(90))
+    t = choose_target(alerts, DISK, step=90, past=Past(checks_until(90)))
     assert (t.sign, t.cutoff, t.step) == (62, 60, 40)
 
 
@@ -112,11 +114,11 @@ def test_an_orange_episode_closed_since_the_last_calm_check_is_in_the_chain():
     # open was 40 (calm), so it closed during this fault: E = min(45, 62) = 45,
     # cutoff = min(44, 40) = 40, target 20.
     alerts = [al(3, "update_ratio", 45, O, closed=70), al(2, "grad_norm", 62, R)]
-    t = choose_target(alerts, DISK, step=90, checks=checks_until(90), calm=40)
+    t = choose_target(alerts, DISK, step=90, past=Past(checks_until(90), calm=40))
     assert (t.sign, t.step) == (45, 20)
     # Had a calm check (no ORANGE+ open) come after it closed (80), it was another
     # episode: E = 62 and the target is 40 again.
-    t = choose_target(alerts, DISK, step=90, checks=checks_until(90), calm=80)
+    t = choose_target(alerts, DISK, step=90, past=Past(checks_until(90), calm=80))
     assert (t.sign, t.step) == (62, 40)
 
 
@@ -125,13 +127,13 @@ def test_a_revived_alert_counts_from_the_check_it_held_again():
     # so E = 75, cutoff = min(74, 70) = 70, target 60.
     rec = al(4, "loss_creep", 30, R, revived=75)
     assert rec.sign() == 75
-    assert choose_target([rec], DISK, step=90, checks=checks_until(90)).step == 60
+    assert choose_target([rec], DISK, step=90, past=Past(checks_until(90))).step == 60
 
 
 def test_a_change_point_of_the_localization_is_a_sign_too():
     # Onset 70 but the localization's departure at 33: E = 33, cutoff = min(32, 30) = 30.
     rec = al(5, "update_ratio", 70, R, departures=(33,))
-    t = choose_target([rec], DISK, step=90, checks=checks_until(90))
+    t = choose_target([rec], DISK, step=90, past=Past(checks_until(90)))
     assert (t.sign, t.cutoff, t.step) == (33, 30, 20)
 
 
@@ -141,19 +143,19 @@ def test_the_lead_alert_named_by_the_red_one_is_in_the_chain():
     lead = al(6, "grad_share", 33, Y, closed=50)
     red = al(7, "loss_spike", 70, R, lead=6)
     assert chain([lead, red]) == {6, 7}
-    assert choose_target([lead, red], DISK, step=90, checks=checks_until(90)).step == 20
+    assert choose_target([lead, red], DISK, step=90, past=Past(checks_until(90))).step == 20
     assert choose_target([lead, al(7, "loss_spike", 70, R)], DISK, step=90,
-                         checks=checks_until(90)).step == 40
+                         past=Past(checks_until(90))).step == 40
 
 
 def test_an_open_spike_counts_at_yellow_a_periodic_spike_does_not():
     # An open YELLOW loss spike from 44 beside the RED (70): E = 44, cutoff 40, target 20.
     red = al(2, "grad_norm", 70, R)
     assert choose_target([al(8, "loss_spike", 44, Y), red], DISK, step=90,
-                         checks=checks_until(90)).step == 20
+                         past=Past(checks_until(90))).step == 20
     # A periodic pattern is not a spike: E = 70, target 40.
     assert choose_target([al(8, "periodic_spike", 44, Y), red], DISK, step=90,
-                         checks=checks_until(90)).step == 40
+                         past=Past(checks_until(90))).step == 40
 
 
 def test_a_remedied_yellow_in_the_chain_moves_the_target_before_its_onset():
@@ -163,11 +165,11 @@ def test_a_remedied_yellow_in_the_chain_moves_the_target_before_its_onset():
     # applies the YELLOW's remedy (the group's LR x0.5), so its onset is the fault's:
     # E = 35, cutoff = min(34, 30) = 30, target 20.
     alerts = [al(9, "update_ratio", 35, Y), al(10, "loss_spike", 70, R)]
-    assert choose_target(alerts, DISK, step=90, checks=checks_until(90)).step == 40
-    t = choose_target(alerts, DISK, step=90, checks=checks_until(90), remedied={9})
+    assert choose_target(alerts, DISK, step=90, past=Past(checks_until(90))).step == 40
+    t = choose_target(alerts, DISK, step=90, past=Past(checks_until(90)), remedied={9})
     assert (t.sign, t.cutoff, t.step) == (35, 30, 20)
     # An id the guard never saw is ignored.
-    assert choose_target(alerts, DISK, step=90, checks=checks_until(90), remedied={99}).step == 40
+    assert choose_target(alerts, DISK, step=90, past=Past(checks_until(90)), remedied={99}).step == 40
 
 
 def test_without_a_chain_the_verdicts_onset_or_the_step_is_the_sign():
@@ -201,9 +203,9 @@ def test_a_checkpoint_comes_before_a_snapshot_of_the_same_step():
 def test_rewind_steps_bounds_the_target_too():
     # E = 70, cutoff 60; rewind 25: at most step 45 -> 40; rewind 35: at most 35 -> 20.
     rec = [al(1, "loss_spike", 70, R)]
-    t = choose_target(rec, DISK, step=90, checks=checks_until(90), rewind_steps=25)
+    t = choose_target(rec, DISK, step=90, past=Past(checks_until(90)), policy=RestorePolicy(rewind_steps=25))
     assert (t.not_after, t.step) == (45, 40)
-    t = choose_target(rec, DISK, step=90, checks=checks_until(90), rewind_steps=35)
+    t = choose_target(rec, DISK, step=90, past=Past(checks_until(90)), policy=RestorePolicy(rewind_steps=35))
     assert (t.not_after, t.step, t.bound()) == (35, 20, "step 60 and at most step 35")
 
 
@@ -212,7 +214,7 @@ def test_no_healthy_checkpoint_before_the_sign_says_which_steps_are_on_disk_and_
     # 40 (ORANGE), both after it: no target. The message names the sign, the bound
     # and each checkpoint with why it is not used.
     disk = [ck(30), ck(40, O, kind="orange")]
-    t = choose_target([al(1, "loss_spike", 25, R)], disk, step=50, checks=checks_until(50))
+    t = choose_target([al(1, "loss_spike", 25, R)], disk, step=50, past=Past(checks_until(50)))
     assert t.step is None and t.candidates == () and (t.sign, t.cutoff) == (25, 20)
     text = no_target_message(t, disk, step=50, where=" in '/ck'")
     assert "red at step 50 (earliest sign 25) but no healthy checkpoint before step 20 in '/ck'" in text
@@ -304,6 +306,16 @@ def test_the_target_module_loads_without_orbax_or_jax():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
 
+
+
+def test_choose_targets_old_keywords_still_work_with_a_deprecation_warning():
+    alerts = [al(1, "loss_spike", 57, R)]
+    new = choose_target(alerts, DISK, step=90, past=Past(checks_until(90)), policy=RestorePolicy(rewind_steps=35))
+    with pytest.warns(DeprecationWarning, match=r"choose_target\(checks=, rewind_steps=\) is deprecated"):
+        old = choose_target(alerts, DISK, step=90, checks=checks_until(90), rewind_steps=35)
+    assert old == new
+    with pytest.raises(TypeError, match="unexpected keyword argument 'check'"):
+        choose_target(alerts, DISK, step=90, check=[])
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

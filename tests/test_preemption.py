@@ -27,6 +27,7 @@ from jvitals.guard.preemption import PREEMPT, Preemption
 from jvitals.guard.rollback import Action, Rollback
 from jvitals.monitor.monitor import Alert, Level, Verdict
 from jvitals.optim.lr_scale import get_lr_scale, with_lr_scale
+from jvitals.guard import Retention
 
 REPO = Path(__file__).resolve().parents[1]
 TX = with_lr_scale(optax.adam(1e-2))
@@ -133,13 +134,13 @@ def test_notify_and_a_step_already_saved_by_respond(tmp_path):
 
 
 def test_a_preemption_checkpoint_is_resumed_but_never_a_rollback_target(tmp_path):
-    guard = Rollback(tmp_path, save_every=20, keep_last=10)
+    guard = Rollback(tmp_path, save_every=20, retention=Retention(keep_last=10))
     for s in (0, 10, 20):
         guard.respond(s, make_state(s), verdict(s, 0), s + 1)
     guard.preemption.notify()
     assert guard.preempted(25, make_state(25), 26)
     guard.close()
-    guard = Rollback(tmp_path, save_every=20, keep_last=10)
+    guard = Rollback(tmp_path, save_every=20, retention=Retention(keep_last=10))
     state, pos = guard.resume(make_state(-1), 0)
     assert guard.resumed_step == 25 and pos == 26
     acts = {s: guard.act(s, make_state(s), verdict(s, 0), s + 1).action for s in (30, 40)}
@@ -153,7 +154,7 @@ def test_a_preemption_checkpoint_is_resumed_but_never_a_rollback_target(tmp_path
 
 
 def test_a_preemption_during_an_open_orange_resumes_exactly_there(tmp_path):
-    guard = Rollback(tmp_path, save_every=10, keep_last=10)
+    guard = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=10))
     for s in (0, 10, 20):
         guard.respond(s, make_state(s), verdict(s, 0), s + 1)
     guard.respond(30, make_state(30), verdict(30, Level.ORANGE, onset=25), 31)   # orange save at 30
@@ -161,7 +162,7 @@ def test_a_preemption_during_an_open_orange_resumes_exactly_there(tmp_path):
     assert guard.preempted(33, make_state(33), 34)
     assert guard.store.records[33].level == Level.ORANGE
     guard.close()
-    guard = Rollback(tmp_path, save_every=10, keep_last=10)
+    guard = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=10))
     state, pos = guard.resume(make_state(-1), 0)
     # Not the newest healthy checkpoint (20): the continuation, whose guard knows the open
     # orange alert, so the red that follows restores what the uninterrupted run restores.
@@ -188,7 +189,7 @@ STORY = {80: [(7, Level.ORANGE, 75), (8, Level.ORANGE, 35)], 90: [(7, Level.ORAN
 def run_story(directory: Path, stop_after: int | None = None) -> tuple[list, Rollback]:
     """Checks every 10 steps to 120 (from the resumed step on); with ``stop_after``, a
     preemption 5 steps after that check."""
-    guard = Rollback(directory, save_every=30, keep_last=20, keep_quarantined=5)
+    guard = Rollback(directory, save_every=30, retention=Retention(keep_last=20, keep_quarantined=5))
     guard.resume(make_state(-1), 0)
     out = []
     for s in range(0, 130, 10):

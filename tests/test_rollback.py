@@ -27,6 +27,7 @@ from flax.training import train_state
 
 from jvitals.optim.lr_scale import get_lr_scale, set_lr_scale, with_lr_scale
 from jvitals.monitor.monitor import Alert, Level, Monitor, Policy, Verdict
+from jvitals.guard import Actions, Retention, Saving
 from jvitals.guard.rollback import (
     QUARANTINE_FILE,
     Action,
@@ -83,7 +84,7 @@ def drive(guard, steps, levels=None, onsets=None, state_fn=make_state):
 
 
 def test_cadence_and_retention_verified_on_disk(tmp_path):
-    guard = Rollback(tmp_path / "ck", save_every=10, keep_last=3, keep_every=50)
+    guard = Rollback(tmp_path / "ck", save_every=10, retention=Retention(keep_last=3, keep_every=50))
     out = drive(guard, range(0, 125, 5))
     guard.wait()
     assert [s for s, r in out.items() if r.action is Action.SAVED] == list(range(0, 121, 10))
@@ -95,7 +96,7 @@ def test_cadence_and_retention_verified_on_disk(tmp_path):
 
 
 def test_cadence_when_respond_is_not_called_on_multiples(tmp_path):
-    guard = Rollback(tmp_path, save_every=10, keep_last=10, keep_every=None)
+    guard = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=10, keep_every=None))
     out = drive(guard, range(3, 60, 7))       # 3, 10, 17, 24, 31, 38, 45, 52, 59
     assert [s for s, r in out.items() if r.saved_step is not None] == [3, 10, 24, 31, 45, 52]
     guard.close()
@@ -175,7 +176,7 @@ def test_red_restores_newest_healthy_before_onset_not_the_newest(tmp_path):
 
 
 def test_save_after_rollback_lands_on_disk_and_steps_go_forward(tmp_path):
-    guard = Rollback(tmp_path, save_every=10, keep_last=10, save_on_rollback=False)
+    guard = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=10), actions=Actions(save_on_rollback=False))
     drive(guard, [0, 10, 20, 30])
     # Onset 32: the target is older than the last check before it (30).
     r = guard.act(33, make_state(33), verdict(33, Level.RED, onset=32), 34)
@@ -189,7 +190,7 @@ def test_save_after_rollback_lands_on_disk_and_steps_go_forward(tmp_path):
 
 
 def test_lr_scale_compounds_and_limit_error_names_steps_and_alerts(tmp_path):
-    guard = Rollback(tmp_path, save_every=10, max_rollbacks=2)
+    guard = Rollback(tmp_path, save_every=10, actions=Actions(max_rollbacks=2))
     drive(guard, [0, 10, 20])
     r1 = guard.act(25, make_state(25), verdict(25, Level.RED, onset=22), 26)
     drive(guard, [30, 40])                                  # healthy checks: no relapse
@@ -253,7 +254,7 @@ def test_state_types_survive_and_lr_scale_is_required(tmp_path):
     plain = {"params": {"w": jnp.ones(3)}, "opt_state": optax.adam(1e-3).init({"w": jnp.ones(3)})}
     with pytest.raises(ValueError, match="with_lr_scale"):
         Rollback(tmp_path / "x").respond(0, plain, verdict(0, 0), 0)
-    guard = Rollback(tmp_path / "y", lr_factor=1.0)          # no scale needed then
+    guard = Rollback(tmp_path / "y", actions=Actions(lr_factor=1.0))          # no scale needed then
     assert guard.respond(0, plain, None, 0) is plain
     with pytest.raises(TypeError, match="JSON-serialisable"):
         guard.respond(1, plain, None, object())
@@ -466,7 +467,7 @@ def test_unwritable_directory_is_a_clear_error_and_state_is_untouched(tmp_path):
     with pytest.raises(CheckpointSaveError, match="file.txt/ck"):
         Rollback(tmp_path / "file.txt" / "ck")
     directory = tmp_path / "ck"
-    guard = Rollback(directory, save_every=10, on_save_error="raise")
+    guard = Rollback(directory, save_every=10, saving=Saving(on_save_error="raise"))
     drive(guard, [0])
     guard.wait()
     shutil.rmtree(directory)
@@ -508,13 +509,13 @@ def test_full_disk_is_a_clear_error(tmp_path):
             guard.wait()
         assert guard.checkpoints == []
         # sync_save: reported by the save call itself.
-        guard = Rollback(mnt / "b", save_every=10, sync_save=True, on_save_error="raise")
+        guard = Rollback(mnt / "b", save_every=10, saving=Saving(sync=True, on_save_error="raise"))
         with pytest.raises(CheckpointSaveError, match="step 0"):
             guard.respond(0, live, None, 1)
         # A disk with no room at all: the write probe fails before orbax starts.
         shutil.rmtree(mnt / "a", ignore_errors=True)
         shutil.rmtree(mnt / "b", ignore_errors=True)
-        guard = Rollback(mnt / "c", save_every=10, on_save_error="raise")
+        guard = Rollback(mnt / "c", save_every=10, saving=Saving(on_save_error="raise"))
         with open(mnt / "filler", "wb") as f:
             try:
                 while True:
@@ -567,7 +568,7 @@ def _train(directory, fault: str, fault_step: int, num_steps: int):
     state = train_state.TrainState.create(apply_fn=None, params=init_params(CFG, jax.random.key(0)),
                                           tx=LM_TX)
     monitor = Monitor(Policy(warmup_steps=5, baseline_steps=20))
-    guard = Rollback(directory, save_every=10, keep_last=5)
+    guard = Rollback(directory, save_every=10, retention=Retention(keep_last=5))
     state, position = guard.resume(state, 0, monitor)
     consumed, losses, rollbacks = [], {}, []
     for step in range(int(state.step), num_steps):
@@ -623,7 +624,7 @@ def test_end_to_end_fault_rolls_back_and_recovers(tmp_path, fault, fault_step, e
 def test_onset_at_a_sparse_check_skips_the_checkpoint_of_the_previous_check(tmp_path):
     """Checks every 5 steps: an onset seen at check 25 may come from the update of
     step 20, which checkpoint 20 holds, so the target is 10, not 20."""
-    guard = Rollback(tmp_path, save_every=10, keep_last=10)
+    guard = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=10))
     drive(guard, [0, 5, 10, 15, 20])
     r = guard.act(25, make_state(25), verdict(25, Level.RED, onset=25), 26)
     assert r.target_step == 10 and value_of(r.state) == 10.0
@@ -670,7 +671,8 @@ def _loop(directory, num_steps, *, lr_mult=lambda step: 1.0, weight=lambda step:
           check_every=1, guard=None, monitor=None, **guard_kwargs):
     """The loop, checking every ``check_every`` steps; stops at a RollbackLimitError."""
     monitor = monitor or Monitor(Policy(warmup_steps=5, baseline_steps=20))
-    guard = guard or Rollback(directory, save_every=10, keep_last=3, keep_every=None, **guard_kwargs)
+    guard = guard or Rollback(directory, save_every=10, retention=Retention(keep_last=3, keep_every=None),
+                              **guard_kwargs)
     state, position = guard.resume(_fresh_state(), 0, monitor)
     out = {"consumed": {}, "rollbacks": [], "verdicts": {}, "error": None, "guard": guard,
            "monitor": monitor}
@@ -728,7 +730,7 @@ def test_persistent_fault_limit_keeps_targets_and_restart_resumes_healthy(tmp_pa
     guard.close()
     # A restart with a larger max_rollbacks resumes a healthy one: the params of a
     # pre-fault step of the fault-free run, not the diverged ones.
-    guard2 = Rollback(tmp_path, save_every=10, keep_last=3, keep_every=None, max_rollbacks=4)
+    guard2 = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=3, keep_every=None), actions=Actions(max_rollbacks=4))
     state, position = guard2.resume(_fresh_state(), 0, Monitor(Policy(warmup_steps=5, baseline_steps=20)))
     assert guard2.resumed_step == err.healthy[0]
     rec = next(c for c in guard2.checkpoints if c.step == guard2.resumed_step)
@@ -762,7 +764,7 @@ def test_late_onset_between_checks_takes_the_checkpoint_before(tmp_path):
     """The onset 3 steps after the cadence save of step 60, between the checks 60 and 65:
     the save of 60 may hold the first faulty update; the target is 50, with the
     fault-free run's params."""
-    guard = Rollback(tmp_path, save_every=10, keep_last=10, keep_every=None)
+    guard = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=10, keep_every=None))
     state = _fresh_state()
     for step in range(0, 71):
         state, _ = _train_step(state, _batch_at(step), jnp.float32(30.0 if step >= 60 else 1.0),
@@ -791,7 +793,7 @@ def _v(step, *alerts, closed=()):
 
 
 def test_closed_noise_yellow_and_a_revived_alert_do_not_move_the_target(tmp_path):
-    guard = Rollback(tmp_path, save_every=10, keep_last=20, keep_every=None)
+    guard = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=20, keep_every=None))
     for s in range(0, 60, 5):
         if s == 20:
             v = _v(s, _alert(1, Level.YELLOW, s, 20))                       # noise: one check
@@ -978,9 +980,9 @@ def test_reset_optimizer_per_group_and_a_fresh_adam(tmp_path):
                if isinstance(x, optax.ScaleByAdamState)]
     assert int(adam.count) == 0 and summary["count_reset"]
     with pytest.raises(ValueError, match="moments among"):
-        Rollback(tmp_path, reset_optimizer=("nu", "v"))
+        Rollback(tmp_path, actions=Actions(reset_optimizer=("nu", "v")))
     with pytest.raises(TypeError, match="int data position"):
-        Rollback(tmp_path / "b", skip_data=True).act(0, make_state(0), None, {"i": 0})
+        Rollback(tmp_path / "b", actions=Actions(skip_data=True)).act(0, make_state(0), None, {"i": 0})
 
 
 def test_snapshots_cut_the_lost_steps_and_are_targets(tmp_path):
@@ -1012,7 +1014,7 @@ def test_sigkill_during_a_snapshot_then_resume(tmp_path):
     snaps = directory / "snapshots"
     committed = steps_on_disk(snaps)
     assert committed
-    guard = Rollback(directory, save_every=10**6, snapshots=Snapshots(every=10, keep=2))
+    guard = Rollback(directory, save_every=10**6, saving=Saving(snapshots=Snapshots(every=10, keep=2)))
     state, pos = guard.resume(big_like(), 0)
     newest = max(committed)
     assert guard.resumed_step == newest and pos == newest + 1
@@ -1022,7 +1024,7 @@ def test_sigkill_during_a_snapshot_then_resume(tmp_path):
 
 
 def test_resume_skips_sick_checkpoints_and_says_why(tmp_path, caplog):
-    guard = Rollback(tmp_path, save_every=10, keep_last=10, keep_every=None)
+    guard = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=10, keep_every=None))
     drive(guard, [0, 10, 20])
     guard.act(25, make_state(25), _v(25, _alert(1, Level.ORANGE, 25, 25)), 26)     # orange save
     guard.act(30, make_state(30), _v(30, _alert(1, Level.YELLOW, 30, 25)), 31)     # still open: sick

@@ -1,15 +1,20 @@
-"""The response: the only part of jvitals that acts on a verdict.
+"""The response: the only part of jvitals that acts on a verdict (design: docs/GUARD.md).
 
 ``rollback`` (the response policy: :class:`Rollback` decides to save, pause or
-roll back), ``restore`` (its restores: a rollback's steps and a resume),
-``target`` (the rollback target, a pure function of the alerts seen and the
-checkpoints on disk: :func:`choose_target`), ``alertlog`` (the guard's record of
-the monitor's alerts, by id), ``actions`` (the actions after a restore: LR scale,
-Adam moments, data position), ``response`` (what the guard returns and raises),
-``preemption`` (the notice that the machine goes away, and the save it
-triggers: :class:`Preemption`), ``stores`` (the checkpoints and the snapshots as one), ``checkpoints`` (the orbax
-store: levels, pins, quarantine, retention, resume), ``remedies`` (the table of
-causes and the remedy the guard applies) and ``events`` (the names the guard
+roll back, composed of the parts below), ``configs`` (its settings, one frozen
+config per idea: :class:`Retention`, :class:`RestorePolicy`, :class:`Actions`,
+:class:`Saving`, and the old keywords' map), ``state`` (its bookkeeping and
+outbox), ``saver`` (its saves), ``restore`` (its restores: a rollback's steps, a
+resume, the pins), ``target`` (the rollback target, a pure function of the alerts
+seen and the checkpoints on disk: :func:`choose_target`), ``alertlog`` (the
+guard's record of the monitor's alerts, by id), ``actions`` (the actions after a
+restore: LR scale, Adam moments, data position), ``response`` (what the guard
+returns and raises, and its orange pause), ``preemption`` (the notice that the
+machine goes away, and the save it triggers: :class:`Preemption`), ``stores``
+(the checkpoints and the snapshots as one), ``checkpoints`` (the orbax store:
+levels, pins, quarantine, retention, resume), ``orbax_noise``,
+``multiprocess`` and ``pytrees`` (the store's helpers), ``remedies`` (the table
+of causes and the remedy the guard applies) and ``events`` (the names the guard
 writes). Imports ``jvitals.monitor`` (levels, alerts) and ``jvitals.optim`` (the
 LR scales it turns).
 """
@@ -33,6 +38,7 @@ from jvitals.guard.checkpoints import (
     ROLLBACK_SAVE,
     SNAPSHOT,
 )
+from jvitals.guard.configs import Actions, RestorePolicy, Retention, Saving
 from jvitals.guard.preemption import PREEMPT, Preemption
 from jvitals.guard.remedies import (
     applied_text,
@@ -54,10 +60,11 @@ from jvitals.guard.response import (
     TrainingPaused,
 )
 from jvitals.guard.rollback import Rollback
-from jvitals.guard.target import AlertRecord, choose_target, Target
+from jvitals.guard.target import AlertRecord, choose_target, Past, Target
 
 __all__ = [
     "Action",
+    "Actions",
     "AlertRecord",
     "applied_text",
     "apply_remedies",
@@ -74,6 +81,7 @@ __all__ = [
     "MANUAL",
     "ORANGE_SAVE",
     "parse_remedies",
+    "Past",
     "PREEMPT",
     "Preemption",
     "QUARANTINE_FILE",
@@ -82,12 +90,15 @@ __all__ = [
     "REMEDY_NAMES",
     "RemedyTable",
     "Response",
+    "RestorePolicy",
+    "Retention",
     "Rollback",
     "ROLLBACK_COUNT",
     "ROLLBACK_LR_SCALE",
     "ROLLBACK_SAVE",
     "RollbackError",
     "RollbackLimitError",
+    "Saving",
     "SNAPSHOT",
     "Snapshots",
     "Target",

@@ -43,24 +43,30 @@ multi-host aware); agreement on restores uses ``process_allgather``.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import datetime
 import json
 import logging
 import os
-import re
 import threading
 import weakref
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jvitals.metrics.paths import path_str
 from jvitals.monitor.types import Level
+from jvitals.guard.multiprocess import agree, allgather_ints, allgather_json, json_default  # noqa: F401 - re-exported
+from jvitals.guard.orbax_noise import (  # noqa: F401 - re-exported (tests reach _NOISE and the installers here)
+    _NOISE,
+    _OrbaxNoise,
+    _install_log_filter,
+    _install_unraisablehook,
+    _is_closed_loop_error,
+    _one_line,
+    quiet_orbax,
+)
+from jvitals.guard.pytrees import abstract, all_finite  # noqa: F401 - re-exported
 from jvitals.guard.target import CheckpointInfo, is_healthy, level_name
 
 __all__ = [
@@ -70,6 +76,7 @@ __all__ = [
     "CheckpointStore",
     "MANUAL",
     "ORANGE_SAVE",
+    "Provenance",
     "QUARANTINE_FILE",
     "ROLLBACK_SAVE",
     "SNAPSHOT",
@@ -86,6 +93,18 @@ CADENCE, ORANGE_SAVE, ROLLBACK_SAVE, MANUAL, SNAPSHOT = "cadence", "orange", "ro
 REGULAR = (CADENCE, ROLLBACK_SAVE, MANUAL)
 
 
+class Provenance(NamedTuple):
+    """Where a saved state came from (kept in the checkpoint's metadata).
+
+    Attributes:
+      restored_from: the checkpoint it was restored from (None: trained on, not restored).
+      lr_scale: the LR scale in force when it was saved.
+    """
+
+    restored_from: int | None = None
+    lr_scale: float = 1.0
+
+
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written (unwritable directory, full disk, ...).
 
@@ -95,204 +114,6 @@ class CheckpointSaveError(RuntimeError):
     def __init__(self, message: str, *, directory: str, step: int | None) -> None:
         super().__init__(message)
         self.directory, self.step = directory, step
-
-
-# ----------------------------------------------------------------------------
-# orbax's asyncio noise.
-# ----------------------------------------------------------------------------
-
-
-class _OrbaxNoise(logging.Filter):
-    """Drops log records carrying an orbax/asyncio traceback (counted, not printed)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.dropped = 0
-        self.late_reads = 0   # closed-loop errors of late reads (see _install_unraisablehook)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        tb = record.exc_info[2] if record.exc_info else None
-        files = []
-        while tb is not None:
-            files.append(tb.tb_frame.f_code.co_filename)
-            tb = tb.tb_next
-        exc_text = str(record.exc_info[1]) if record.exc_info and record.exc_info[1] is not None else ""
-        if any("orbax" in f or "tensorstore" in f for f in files) \
-                or ("orbax" in text and record.levelno >= logging.ERROR) \
-                or (_never_retrieved(text) and ("orbax" in text + exc_text or "tensorstore" in text + exc_text)) \
-                or "Event loop is closed" in text + exc_text and any("asyncio" in f for f in files):
-            self.dropped += 1
-            _log.debug("orbax: %s", text.splitlines()[0][:200] if text else "(no message)")
-            return False
-        return True
-
-
-def _never_retrieved(text: str) -> bool:
-    """asyncio's log of a task or future garbage-collected with its exception unread (a
-    restore's late reads: a failed read's sibling futures, see :func:`_is_closed_loop_error`)."""
-    return "Task exception was never retrieved" in text or "Future exception was never retrieved" in text
-
-
-_NOISE = _OrbaxNoise()
-_NOISE_LOGGERS = ("asyncio", "absl")
-
-
-def _is_closed_loop_error(exc: BaseException | None, tb: Any) -> bool:
-    """``RuntimeError('Event loop is closed')`` raised by asyncio's ``call_soon_threadsafe``.
-
-    Root cause: orbax runs a restore's reads as asyncio tasks on a fresh event
-    loop (``asyncio_utils._run_sync_via_new_loop``: ``run_until_complete`` then
-    ``close``). When one read fails, the gather raises and the loop is closed
-    with the other reads' tasks still pending; their tensorstore futures keep
-    going, and when each completes, tensorstore's ``__await__`` callback calls
-    ``loop.call_soon_threadsafe`` on the closed loop. tensorstore's C++ callback
-    runner reports that ``RuntimeError`` with ``PyErr_WriteUnraisable(nullptr)``:
-    it reaches ``sys.unraisablehook`` (not ``sys.excepthook``), whose default
-    prints a bare traceback to stderr: one per late read.
-    """
-    if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
-        return False
-    names = []
-    while tb is not None:
-        names.append(tb.tb_frame.f_code.co_name)
-        tb = tb.tb_next
-    return bool(names) and names[0] == "call_soon_threadsafe"
-
-
-def _install_unraisablehook() -> None:
-    """Holds back the closed-loop errors of :func:`_is_closed_loop_error` (once).
-
-    Everything else goes to the hook that was installed before (by default,
-    Python's, which prints it).
-    """
-    import sys
-
-    previous = sys.unraisablehook
-    if getattr(previous, "_jvitals_quiet", False):
-        return
-
-    def hook(unraisable: Any) -> None:
-        if _is_closed_loop_error(unraisable.exc_value, unraisable.exc_traceback):
-            _NOISE.dropped += 1
-            _NOISE.late_reads += 1
-            return
-        previous(unraisable)
-
-    hook._jvitals_quiet = True  # type: ignore[attr-defined]
-    sys.unraisablehook = hook
-
-
-def _install_log_filter() -> None:
-    """Keeps :class:`_OrbaxNoise` on the ``asyncio`` and ``absl`` loggers (orbax's
-    background threads log there after the call that started them returned)."""
-    for name in _NOISE_LOGGERS:
-        lg = logging.getLogger(name)
-        if _NOISE not in lg.filters:
-            lg.addFilter(_NOISE)
-
-
-@contextlib.contextmanager
-def quiet_orbax() -> Iterator[_OrbaxNoise]:
-    """Captures orbax's asyncio tracebacks (``asyncio`` and ``absl`` loggers) inside the block.
-
-    The caller logs one line of its own per failed checkpoint instead. Yields the
-    filter (``.dropped`` counts the records held back).
-    """
-    loggers = [logging.getLogger(n) for n in _NOISE_LOGGERS]
-    added = [lg for lg in loggers if _NOISE not in lg.filters]
-    for lg in added:
-        lg.addFilter(_NOISE)
-    try:
-        yield _NOISE
-    finally:
-        for lg in added:
-            lg.removeFilter(_NOISE)
-
-
-def _one_line(err: BaseException, limit: int = 300) -> str:
-    """``err``'s first line, at most ``limit`` characters: its start and its end.
-
-    tensorstore nests its causes (``Error opening "zarr" driver: ... Error reading
-    byte range ... of local file ...: <cause>``): the end names the cause.
-    """
-    text = str(err).splitlines()[0] if str(err) else ""
-    # tensorstore appends payloads: [tensorstore_spec='{...}'] [source locations='...'].
-    text = re.split(r" \[(?:tensorstore_spec|source locations)", text, maxsplit=1)[0]
-    if len(text) <= limit:
-        return text
-    head = limit // 3
-    return f"{text[:head]} ... {text[-(limit - head - 5):]}"
-
-
-# ----------------------------------------------------------------------------
-# Multi-process helpers (no-ops on one process).
-# ----------------------------------------------------------------------------
-
-
-def allgather_ints(values: Sequence[int]) -> np.ndarray:
-    """``[process_count, len(values)]`` int64 rows: every process's ``values``."""
-    row = np.asarray(values, np.int64)
-    if jax.process_count() == 1:
-        return row[None]
-    from jax.experimental import multihost_utils
-    return np.asarray(multihost_utils.process_allgather(row.astype(np.int32))).reshape(
-        jax.process_count(), -1).astype(np.int64)
-
-
-def agree(ok: bool) -> bool:
-    """True only if ``ok`` is true on every process."""
-    return bool(allgather_ints([int(bool(ok))]).min())
-
-
-def json_default(x: Any) -> Any:
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, (np.ndarray, jax.Array)):
-        return np.asarray(x).tolist()
-    raise TypeError(f"{type(x).__name__} is not JSON-serialisable")
-
-
-def allgather_json(obj: Any) -> list[Any]:
-    """Every process's ``obj`` (JSON-serialisable), in process order."""
-    text = json.dumps(obj, default=json_default)
-    if jax.process_count() == 1:
-        return [json.loads(text)]
-    data = np.frombuffer(text.encode(), np.uint8).astype(np.int64)
-    n = int(allgather_ints([data.size]).max())
-    rows = allgather_ints(np.pad(data, (0, n - data.size), constant_values=-1).tolist())
-    return [json.loads(bytes(r[r >= 0].astype(np.uint8).tolist()).decode()) for r in rows]
-
-
-# ----------------------------------------------------------------------------
-# Pytree helpers.
-# ----------------------------------------------------------------------------
-
-
-def abstract(tree: Any) -> Any:
-    """Restore target: jax.Arrays become ShapeDtypeStructs with their sharding."""
-    def leaf(x: Any) -> Any:
-        if isinstance(x, jax.Array):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        return x
-    return jax.tree.map(leaf, tree)
-
-
-_MEASUREMENTS = re.compile(r"(?:^|/)metrics/vector$")
-"""The recorder's figures (``RecordState.metrics``, a ``PackedMetrics`` vector; in an
-``nnx.State`` the same path): measurements of the last update, not training state, so a
-NaN figure (a skipped non-finite step, a family never computed) is not a sick checkpoint."""
-
-
-def all_finite(tree: Any) -> bool:
-    """True if every floating-point leaf of ``tree`` is finite (one host read), the
-    recorder's figures (:data:`_MEASUREMENTS`) aside."""
-    flags = [jnp.all(jnp.isfinite(x)) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-             if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating)
-             and not _MEASUREMENTS.search(path_str(p))]
-    if not flags:
-        return True
-    return bool(jax.device_get(jnp.all(jnp.stack(flags))))
 
 
 # ----------------------------------------------------------------------------
@@ -471,12 +292,13 @@ class CheckpointStore:
     # ------------------------------------------------------------------
 
     def save(self, step: int, state: Any, meta: Mapping[str, Any], *, level: int, kind: str,
-             restored_from: int | None = None, open_peak: int = 0, lr_scale: float = 1.0,
+             open_peak: int = 0, provenance: Provenance = Provenance(),
              sync: bool = False) -> int | None:
         """Saves ``state`` and ``meta`` as checkpoint ``step`` (asynchronously unless ``sync``).
 
         A quarantined checkpoint of the same step (reached again after a resume
-        from an older one) is deleted and replaced.
+        from an older one) is deleted and replaced. ``provenance`` is where the
+        state came from (the checkpoint it was restored from, the LR scale in force).
 
         Returns:
           ``step``, or None when a usable checkpoint of that step exists.
@@ -495,6 +317,7 @@ class CheckpointStore:
         if existing is not None or step in self._mngr.all_steps():
             self._mngr.delete(step)
             self.records.pop(step, None)
+        restored_from, lr_scale = provenance
         rec = CheckpointInfo(step, int(level), kind, float(lr_scale), restored_from, None,
                              int(open_peak), self.name)
         full = dict(meta)
@@ -661,16 +484,8 @@ class CheckpointStore:
             rec.quarantined = reason
         self.failures.append((int(step), reason))
         self.write_quarantine()
-        _log.warning("%s", self._skip_message(step, reason))
+        _log.warning("%s", skip_message(self, step, reason))
         return None
-
-    def _skip_message(self, step: int, reason: str) -> str:
-        """The one log line of a checkpoint that cannot be used: step, reason, what happens."""
-        keep = (f"its files are kept for a post-mortem (the newest {self.keep_quarantined} "
-                f"quarantined are kept) in {str(self.directory / str(int(step)))!r}"
-                if self.keep_quarantined else "it is deleted at the next retention")
-        return (f"{self.name}: checkpoint {int(step)} in {str(self.directory)!r} skipped: {reason}. "
-                f"Quarantined: never restored, an older healthy checkpoint is used instead; {keep}.")
 
     def read_meta(self, step: int) -> dict[str, Any]:
         with quiet_orbax():
@@ -695,7 +510,7 @@ class CheckpointStore:
                 reason = f"corrupt: metadata unreadable: {type(e).__name__}: {_one_line(e, 200)}"
                 rec = CheckpointInfo(step, -1, "unknown", quarantined=reason, store=self.name)
                 self.failures.append((step, reason))
-                _log.warning("%s", self._skip_message(step, reason))
+                _log.warning("%s", skip_message(self, step, reason))
             self.records[step] = rec
         for s, reason in quarantine.items():
             if s in self.records and self.records[s].quarantined is None:
@@ -736,6 +551,15 @@ class CheckpointStore:
         finally:
             with quiet_orbax():
                 self._mngr.close()
+
+
+def skip_message(store: "CheckpointStore", step: int, reason: str) -> str:
+    """The one log line of a checkpoint that cannot be used: step, reason, what happens."""
+    keep = (f"its files are kept for a post-mortem (the newest {store.keep_quarantined} "
+            f"quarantined are kept) in {str(store.directory / str(int(step)))!r}"
+            if store.keep_quarantined else "it is deleted at the next retention")
+    return (f"{store.name}: checkpoint {int(step)} in {str(store.directory)!r} skipped: {reason}. "
+            f"Quarantined: never restored, an older healthy checkpoint is used instead; {keep}.")
 
 
 def _wait_at_exit(ref: "weakref.ref[CheckpointStore]") -> None:

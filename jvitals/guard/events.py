@@ -28,11 +28,13 @@ ROLLBACK_LR_SCALE = "rollback/lr_scale"
 
 def json_default(x: Any) -> Any:
     """``json.dumps(default=)`` for what events and alerts hold: NumPy scalars, objects
-    with ``to_dict()``, anything else as its ``str``."""
+    with ``state_dict()`` (or, before it, ``to_dict()``), anything else as its ``str``."""
     if isinstance(x, (np.generic,)):
         return x.item()
-    if hasattr(x, "to_dict"):
-        return x.to_dict()
+    for name in ("state_dict", "to_dict"):
+        method = getattr(x, name, None)
+        if callable(method):
+            return method()
     return str(x)
 
 

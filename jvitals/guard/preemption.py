@@ -44,13 +44,12 @@ import logging
 import signal
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 
-from jvitals.guard.events import write_events
 
-__all__ = ["PREEMPT", "Preempts", "Preemption"]
+__all__ = ["PREEMPT", "Preemption", "save_on_notice"]
 
 _log = logging.getLogger("jvitals.guard.rollback")
 
@@ -150,70 +149,32 @@ class Preemption:
             previous(signum, frame)
 
 
-class Preempts:
-    """The preemption half of :class:`jvitals.Rollback` (a base class of it, like
-    :class:`jvitals.guard.restore.Restores`; not used on its own): :meth:`preempted`
-    and its save. It reads the guard's ``preemption``, ``store``, ``directory``,
-    ``writer``, ``_level``, ``_open_peak``, ``_preempted_at`` and calls its
-    ``_save``, ``_settle``, ``_event`` and ``_drain_events``.
+def save_on_notice(step: int, save: Callable[[], Any], settle: Callable[[], None], *, store: Any,
+                   notice: str | None, position: Any) -> dict[str, Any]:
+    """The save of a preemption notice at ``step`` (see :meth:`jvitals.Rollback.preempted`).
+
+    Calls ``save()`` unless ``store`` holds a usable checkpoint of ``step`` (the one
+    ``respond`` saved at it), then ``settle()`` (the save committed, or its failure
+    reported); logs one line.
+
+    Returns:
+      The ``preempt`` event.
     """
-
-    def preempted(self, step: int, state: Any, position: Any = None) -> bool:
-        """Called at the end of every step: on a preemption notice, saves and says stop.
-
-        Cheap without a notice (a flag read; on several processes JAX's local
-        sync-point check, no collective). On a notice (SIGTERM; under
-        ``jax.distributed``, JAX's preemption notice from any process, acted on by
-        every process at one step; see :mod:`jvitals.guard.preemption`) it saves
-        ``state``, ``position`` and the monitor's state as checkpoint ``step`` (kind
-        ``'preempt'``), waits until it is committed, logs one line, and returns True,
-        then and at every later call: leave the loop. A restart's :meth:`resume`
-        continues from that checkpoint (step ``step + 1``: nothing recomputed), with
-        the guard's and the monitor's state as they were, whatever the level.
-
-        Args:
-          step: the step just done (the same on every process, consecutive).
-          state: the train state after it, or a function that returns it, called only
-            on a notice (``lambda: nnx.state((model, optimizer))``: nothing built per step).
-          position: the data position after it (JSON-serialisable).
-
-        Returns:
-          True: stop the loop (the checkpoint is committed, or its save failed and
-          was reported: a restart then resumes from the last good checkpoint).
-
-        Raises:
-          CheckpointSaveError: the save failed, with ``on_save_error='raise'``.
-        """
-        if self._preempted_at is not None:
-            return True
-        if self.preemption is None or not self.preemption.reached(int(step)):
-            return False
-        return self._preempt(int(step), state, position)
-
-    def _preempt(self, step: int, state: Any, position: Any) -> bool:
-        """The preemption's save (see :meth:`preempted`): checkpoint ``step`` (or the one
-        :meth:`respond` saved at it), committed; one log line, an event; True."""
-        t0 = time.monotonic()
-        self._preempted_at = step
-        rec = self.store.records.get(step)
-        if rec is None or rec.quarantined is not None:
-            self._save(step, state() if callable(state) else state, position, self._level, PREEMPT,
-                       open_peak=max(self._open_peak, self._level))
-        self._settle()
-        saved = step in self.store.records
-        notice = self.preemption.notice if self.preemption is not None else None
-        took = time.monotonic() - t0
-        if saved:
-            _log.warning("Rollback: preemption notice (%s) at step %d: checkpoint %d (state, data "
-                         "position %r, monitor) is committed in %r (%.1f s). Stop the loop; a restart's "
-                         "resume() continues from step %d.", notice, step, step, position,
-                         str(self.directory), took, step + 1)
-        else:
-            _log.warning("Rollback: preemption notice (%s) at step %d: its checkpoint could not be "
-                         "saved (the error above). Stop the loop; a restart's resume() continues from "
-                         "the newest healthy checkpoint.", notice, step)
-        self._event({"event": "preempt", "step": step, "notice": notice,
-                     "saved_step": step if saved else None, "seconds": round(took, 3)})
-        if self.writer is not None:
-            write_events(self.writer, step, {}, self._drain_events())
-        return True
+    t0 = time.monotonic()
+    rec = store.records.get(step)
+    if rec is None or rec.quarantined is not None:
+        save()
+    settle()
+    saved = step in store.records
+    took = time.monotonic() - t0
+    if saved:
+        _log.warning("Rollback: preemption notice (%s) at step %d: checkpoint %d (state, data "
+                     "position %r, monitor) is committed in %r (%.1f s). Stop the loop; a restart's "
+                     "resume() continues from step %d.", notice, step, step, position,
+                     str(store.directory), took, step + 1)
+    else:
+        _log.warning("Rollback: preemption notice (%s) at step %d: its checkpoint could not be "
+                     "saved (the error above). Stop the loop; a restart's resume() continues from "
+                     "the newest healthy checkpoint.", notice, step)
+    return {"event": "preempt", "step": step, "notice": notice,
+            "saved_step": step if saved else None, "seconds": round(took, 3)}

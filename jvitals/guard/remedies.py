@@ -194,7 +194,7 @@ def _float(x: Any) -> float:
 
 
 def causes_of(alerts: Iterable[Any]) -> list[Cause]:
-    """The alerts (``Alert`` objects or their ``state_dict`` form) as :class:`Cause` s.
+    """The alerts (``Alert`` objects or their dict form: ``state_dict()``, ``to_dict()``) as :class:`Cause` s.
 
     Args:
       alerts: the red verdict's alerts (open ones first, then the just-closed ones).

@@ -20,6 +20,7 @@ from jvitals.guard.checkpoints import CheckpointSaveError, _one_line as one_line
 
 __all__ = [
     "Action",
+    "PauseOnOrange",
     "Response",
     "RollbackError",
     "RollbackLimitError",
@@ -124,6 +125,39 @@ class TrainingPaused(Exception):
                  alerts: Sequence[Any], response: Response) -> None:
         super().__init__(message)
         self.step, self.saved_step, self.alerts, self.response = step, saved_step, list(alerts), response
+
+
+class PauseOnOrange:
+    """The response to ORANGE after its save: ``Rollback(pause=)``.
+
+    Args:
+      how: ``'return'`` (the action PAUSE; the loop decides), ``'raise'``
+        (:class:`TrainingPaused`) or a callable taking the :class:`Response`.
+
+    Raises:
+      ValueError: ``how`` is none of these.
+    """
+
+    def __init__(self, how: Any = "return") -> None:
+        if not (how in ("return", "raise") or callable(how)):
+            raise ValueError(f"Rollback expects pause='return', 'raise' or a callable, got {how!r}")
+        self.how = how
+
+    def __call__(self, response: "Response", verdict: Any, directory: Any) -> None:
+        """Pauses as asked after ``response`` (a PAUSE) on ``verdict``."""
+        if self.how == "return":
+            return
+        if self.how == "raise":
+            alerts = getattr(verdict, "alerts", []) or []
+            where = (f"checkpoint saved as step {response.saved_step}" if response.saved_step is not None
+                     else "this orange episode was already saved")
+            raise TrainingPaused(
+                f"Rollback: training paused at step {response.step} on ORANGE "
+                f"({alert_lines(alerts)}); {where} in "
+                f"{str(directory)!r}. Fix the cause, then restart and call guard.resume() "
+                "(it resumes from the newest healthy checkpoint).",
+                step=response.step, saved_step=response.saved_step, alerts=alerts, response=response)
+        self.how(response)
 
 
 def alert_lines(alerts: Iterable[Any], limit: int = 5) -> str:

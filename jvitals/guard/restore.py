@@ -1,11 +1,14 @@
-"""The restoring half of :class:`jvitals.Rollback`: a rollback on red, and a resume.
+"""The restoring part of :class:`jvitals.Rollback`: a rollback on red, and a resume.
 
-:class:`Restores` is a base class of :class:`jvitals.guard.rollback.Rollback`; the
-decisions (which action for which verdict, what to save and pin) are in
-:mod:`jvitals.guard.rollback`, this module carries them out when a checkpoint is
-read back:
+:class:`Restorer` is a collaborator of :class:`jvitals.guard.rollback.Rollback`
+(it holds the stores, the guard's state and outbox, the restore policy, the
+actions and the guard's save, all given to it; it reads and writes the guard's
+public record: ``history``, ``lr_scale``, ``remedies``, ``position``,
+``resumed_step``, ``monitor``). The decisions (which action for which verdict,
+what to save) are in :mod:`jvitals.guard.rollback`; this module carries them out
+when a checkpoint is read back:
 
-- **a rollback** (:meth:`Restores._rollback`, on red): the target
+- **a rollback** (:meth:`Restorer.rollback`, on red): the target
   (:func:`jvitals.guard.target.pick_target`, a pure function of the alerts and
   the checkpoints on disk), its restore (the first candidate that restores on
   every process, :meth:`jvitals.guard.stores.Stores.restore_first`), the sick
@@ -13,32 +16,25 @@ read back:
   (:mod:`jvitals.guard.actions`, then the remedies), the record of it (history,
   alert, event) and its save; or, past ``max_rollbacks``, the limit
   (:class:`RollbackLimitError`);
-- **a resume** (:meth:`Restores.resume`): the newest healthy checkpoint, and the
-  guard's record (LR scale, history, remedies, monitor, position) read back from
-  its metadata.
-
-It reads and writes the guard's state set by ``Rollback.__init__``: the stores
-(``_disk``), the settings (``healthy_levels``, ``check_finite``, ``lr_factor``,
-``step_attr``, ``reset_optimizer``, ``remedy_table``, ``skip_data``,
-``rewind_steps``, ``max_rollbacks``, ``save_on_rollback``), the record
-(``history``, ``lr_scale``, ``remedies``, ``position``, ``monitor``) and the
-bookkeeping (``_last_healthy_check``, ``_orange_saved``, ``_resumed``,
-``_last_regular``, ``_last_snapshot``); it calls the decisions' ``_save``,
-``_update_pins``, ``_event``, ``_drain``, ``_drain_events``, ``_done``,
-``_collect_failures`` and ``_check_lr_scale``.
+- **a resume** (:meth:`Restorer.resume`): the newest healthy checkpoint, and the
+  guard's record (LR scale, history, remedies, monitor, position) and state read
+  back from its metadata;
+- **the pins** (:meth:`Restorer.update_pins`): what retention never deletes, so
+  the checkpoint a later red would restore is still on disk.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from jvitals.monitor.types import Alert, Level
-from jvitals.guard.actions import action_text, keep_step, reset_moments, scale_lr, skip_batches
+from jvitals.guard.actions import action_text, keep_step, parse_reset, reset_moments, scale_lr, skip_batches
 from jvitals.guard.checkpoints import ROLLBACK_SAVE
 from jvitals.guard.events import ROLLBACK_COUNT
 from jvitals.guard.preemption import PREEMPT
-from jvitals.guard.remedies import applied_text, apply_remedies, reapply_lr_groups
+from jvitals.guard.configs import Actions, RestorePolicy
+from jvitals.guard.remedies import applied_text, apply_remedies, parse_remedies, reapply_lr_groups
 from jvitals.guard.response import (
     Action,
     Response,
@@ -48,6 +44,7 @@ from jvitals.guard.response import (
     jsonable,
     make_alert,
 )
+from jvitals.guard.state import GuardState, Outbox
 from jvitals.guard.stores import own_position
 from jvitals.guard.target import (
     CheckpointInfo,
@@ -56,18 +53,19 @@ from jvitals.guard.target import (
     level_name,
     no_target_message,
     pick_target,
+    pins,
     restore_order,
     sick_after,
     why_not,
 )
 
-__all__ = ["Restores", "resume_order"]
+__all__ = ["Restorer", "resume_order"]
 
 _log = logging.getLogger("jvitals.guard.rollback")
 
 
 def resume_order(records: list[CheckpointInfo], healthy_levels: Iterable[int]) -> list[CheckpointInfo]:
-    """What :meth:`Restores.resume` tries, in order: a preemption checkpoint that is
+    """What :meth:`Restorer.resume` tries, in order: a preemption checkpoint that is
     the newest on disk (the run's exact continuation: its guard and monitor state
     carry any open alert, so it is taken whatever its level), then
     :func:`jvitals.guard.target.restore_order` (the healthy ones, newest first)."""
@@ -87,200 +85,202 @@ def _load_monitor(monitor: Any, d: Mapping[str, Any]) -> None:
     monitor.__dict__.update(fresh.__dict__)
 
 
-class Restores:
-    """The restores of :class:`jvitals.Rollback` (see module doc); not used on its own."""
+class Restorer:
+    """The restores of :class:`jvitals.Rollback` (see module doc).
 
-    def resume(self, state: Any, position: Any = None, monitor: Any = None) -> tuple[Any, Any]:
-        """Restores the newest healthy checkpoint, if any (after a crash or a restart).
+    Args:
+      disk: the guard's :class:`jvitals.guard.stores.Stores`.
+      state: the guard's :class:`jvitals.guard.state.GuardState`.
+      outbox: the guard's :class:`jvitals.guard.state.Outbox`.
+      saver: the guard's :class:`jvitals.guard.saver.Saver` (its waits).
+      policy: the :class:`jvitals.guard.configs.RestorePolicy`.
+      actions: the :class:`jvitals.guard.configs.Actions`.
+      save: the guard's save, ``save(step, tree, position, level, kind, restored_from)``
+        (it adds the guard's record to the metadata).
+    """
 
-        Picks, among the checkpoints and snapshots, the newest healthy one (saved
-        at a healthy level with no open ORANGE/RED alert, not quarantined, restores
-        on every process and is finite); logs which and why the newer ones were
-        skipped. Loads the monitor's state from it into ``monitor``, and the LR
-        scale and rollback history into the guard. Without a healthy checkpoint
-        a relapse suspect is used; without any, the inputs are returned.
+    def __init__(self, disk: Any, state: GuardState, outbox: Outbox, saver: Any, policy: RestorePolicy,
+                 actions: Actions, save: Callable[..., int | None]) -> None:
+        self.disk, self.state, self.outbox, self.saver = disk, state, outbox, saver
+        self.policy, self.actions, self._save = policy, actions, save
+        self.reset = parse_reset(actions.reset_optimizer)
+        self.remedy_table = parse_remedies(actions.remedies)
 
-        Args:
-          state: a train state of the right structure, shapes, dtypes and shardings
-            (the freshly initialised one): the restore target.
-          position: the data position to use when there is no checkpoint.
-          monitor: the Monitor to restore (in place) and to use from now on.
-
-        Returns:
-          ``(state, position)``: restored from the checkpoint (this process's
-          position), or the inputs unchanged when the directory has none.
-        """
-        if monitor is not None:
-            self.monitor = monitor
-        self._resumed = True
-        self._check_lr_scale(state)
-        self._settle()
-        found = self._restore_first(resume_order(self._disk.records(), self.healthy_levels), state)
-        skipped = [f"{r.step} ({why_not(r, self.healthy_levels)})" for r in self._disk.records()
+    def resume(self, guard: Any, tree: Any, position: Any) -> Response:
+        """Restores the newest healthy checkpoint (see :meth:`jvitals.Rollback.resume`)
+        into ``guard``'s record; the :class:`Response` (RESUMED, or CONTINUE with the
+        inputs when no checkpoint restores)."""
+        self.saver.settle()
+        records = self.disk.records()
+        found = self.restore_first(resume_order(records, self.policy.healthy_levels), tree)
+        skipped = [f"{r.step} ({why_not(r, self.policy.healthy_levels)})" for r in self.disk.records()
                    if found is None or r.step > found[0].step]
         if found is None:
             if skipped:
                 _log.warning("Rollback: resume found no healthy checkpoint in %s (skipped: %s); "
-                             "starting fresh.", self.directory, ", ".join(skipped))
-            self.position = position
-            self._done(Response(Action.CONTINUE, state, -1, None, None, self.lr_scale,
-                                tuple(self._drain()), self.metrics(), tuple(self._drain_events()),
-                                position))
-            return state, position
+                             "starting fresh.", self.disk.main.directory, ", ".join(skipped))
+            guard.position = position
+            return Response(Action.CONTINUE, tree, -1, None, None, guard.lr_scale,
+                            tuple(self.outbox.take_alerts(self.disk)), guard.metrics(),
+                            tuple(self.outbox.take_events()), position)
         rec, restored, meta = found
         _log.info("Rollback: resumed from %s %d (%s, %s)%s.", rec.store, rec.step, rec.kind,
                   level_name(rec.level), f"; skipped newer: {', '.join(skipped)}" if skipped else "")
-        if self.monitor is not None and meta.get("monitor") is not None:
-            _load_monitor(self.monitor, meta["monitor"])
-        self.lr_scale = float(meta.get("lr_scale", 1.0))
-        self.history = list(meta.get("rollbacks", []))
-        self.remedies = dict(meta.get("remedies") or {})
-        self.resumed_step = rec.step
-        self._load_guard_state(rec, meta.get("guard"))
-        self.position = position = own_position(meta)
-        self._update_pins(None)
-        self._event({"event": "resume", "step": rec.step, "store": rec.store, "kind": rec.kind,
-                     "skipped": skipped})
-        self._done(Response(Action.RESUMED, restored, rec.step, None, rec.step, self.lr_scale,
-                            tuple(self._drain()), self.metrics(), tuple(self._drain_events(keep=True)),
-                            position))
-        return restored, position
+        if guard.monitor is not None and meta.get("monitor") is not None:
+            _load_monitor(guard.monitor, meta["monitor"])
+        guard.lr_scale = float(meta.get("lr_scale", 1.0))
+        guard.history = list(meta.get("rollbacks", []))
+        guard.remedies = dict(meta.get("remedies") or {})
+        guard.resumed_step = rec.step
+        self.state.load(rec, meta.get("guard"), self.disk.records(), self.policy.healthy_levels)
+        guard.position = position = own_position(meta)
+        self.update_pins(guard.history, None)
+        self.outbox.event({"event": "resume", "step": rec.step, "store": rec.store, "kind": rec.kind,
+                           "skipped": skipped})
+        return Response(Action.RESUMED, restored, rec.step, None, rec.step, guard.lr_scale,
+                        tuple(self.outbox.take_alerts(self.disk)), guard.metrics(),
+                        tuple(self.outbox.take_events(keep=True)), position)
 
-    def _load_guard_state(self, rec: CheckpointInfo, saved: Mapping[str, Any] | None) -> None:
-        """The guard's own state as it was when ``rec`` was saved (``Rollback._guard_state``);
-        for a checkpoint written before it was saved, the closest guess from the disk."""
-        if saved is None:
-            checks = [r.step for r in self._disk.records() if r.step <= rec.step
-                      and r.level in self.healthy_levels and r.kind != ROLLBACK_SAVE]
-            saved = {"last_regular": rec.step, "last_snapshot": rec.step,
-                     "last_healthy_check": max(checks) if checks else None}
-        self._last_regular, self._last_snapshot = saved.get("last_regular"), saved.get("last_snapshot")
-        self._last_healthy_check = saved.get("last_healthy_check")
-        self._orange_saved = bool(saved.get("orange_saved", False))
-        self._level = int(saved.get("level", rec.level if rec.level >= 0 else Level.GREEN))
-        self._open_peak = int(saved.get("open_peak", rec.open_peak))
-        self._checks.clear()
-        self._checks.extend(int(c) for c in saved.get("checks", []))
-        self._log.load_state_dict(saved.get("alerts") or {})
+    def update_pins(self, history: Sequence[Mapping[str, Any]], verdict: Any) -> None:
+        """Sets the stores' pins (:func:`jvitals.guard.target.pins`), process 0's for all
+        (preemption checkpoints are never rollback targets: not pinned as one)."""
+        keep = pins(history, [r for r in self.disk.records() if r.kind != PREEMPT],
+                    open_alerts=self.state.alerts.open_records(verdict), checks=list(self.state.checks),
+                    onset_margin=self.policy.onset_margin, healthy_levels=self.policy.healthy_levels,
+                    rewind_steps=self.policy.rewind_steps)
+        self.disk.set_pins(keep)
 
-    def _restore_first(self, candidates: Iterable[CheckpointInfo],
-                       like: Any) -> tuple[CheckpointInfo, Any, dict] | None:
+    def restore_first(self, candidates: Iterable[CheckpointInfo],
+                      like: Any) -> tuple[CheckpointInfo, Any, dict] | None:
         """:meth:`Stores.restore_first`; the candidates skipped become alerts and events."""
-        found = self._disk.restore_first(candidates, like, finite=self.check_finite)
-        self._collect_failures()
+        found = self.disk.restore_first(candidates, like, finite=self.policy.check_finite)
+        self.outbox.collect_failures(self.disk)
         return found
 
-    def _rollback(self, step: int, state: Any, verdict: Any, position: Any, sign: int,
-                  cutoff: int, alerts: list[Alert]) -> Response:
+    def rollback(self, guard: Any, step: int, tree: Any, verdict: Any, position: Any,
+                 sign_cutoff: tuple[int, int], alerts: list[Alert]) -> Response:
         """Red: the target (:func:`jvitals.guard.target.pick_target`), its restore, the
-        sick checkpoints quarantined, the actions, the record of it, and its save."""
+        sick checkpoints quarantined, the actions, the record of it (in ``guard``'s
+        ``history``, ``lr_scale``, ``position``, ``remedies``), and its save."""
+        sign, cutoff = sign_cutoff
         verdict_alerts = list(getattr(verdict, "alerts", []) or [])
-        self._settle()
-        if self.max_rollbacks is not None and len(self.history) >= self.max_rollbacks:
-            self._limit(step, verdict_alerts, position, sign, cutoff)
-        target = pick_target([r for r in self._disk.records() if r.kind != PREEMPT], sign=sign,
-                             cutoff=cutoff, step=step, healthy_levels=self.healthy_levels,
-                             rewind_steps=self.rewind_steps, history=self.history,
-                             last_healthy_check=self._last_healthy_check)
-        self._disk.quarantine(target.suspects, str(target.relapse_reason))
+        self.saver.settle()
+        limit = self.actions.max_rollbacks
+        if limit is not None and len(guard.history) >= int(limit):
+            self._limit(guard, step, verdict_alerts, position, sign_cutoff)
+        target = pick_target([r for r in self.disk.records() if r.kind != PREEMPT], sign=sign,
+                             cutoff=cutoff, step=step, healthy_levels=self.policy.healthy_levels,
+                             rewind_steps=self.policy.rewind_steps, history=guard.history,
+                             last_healthy_check=self.state.last_healthy_check)
+        self.disk.quarantine(target.suspects, str(target.relapse_reason))
         if target.step is not None:     # on disk before the restore: a kill in it never resumes a sick one
-            self._disk.quarantine(sick_after(self._disk.records(), target.step, step),
-                                  f"sick: after rollback target {target.step}; red at step {step} "
-                                  f"(earliest sign {sign})")
-            self._disk.write_quarantine()
-        found = self._restore_first(target.candidates, state)
+            self.disk.quarantine(sick_after(self.disk.records(), target.step, step),
+                                 f"sick: after rollback target {target.step}; red at step {step} "
+                                 f"(earliest sign {sign})")
+            self.disk.write_quarantine()
+        found = self.restore_first(target.candidates, tree)
         if found is None:
             self._no_target(step, target, verdict_alerts)
         rec, restored, meta = found
-        alerts.extend(self._drain())            # corrupt candidates skipped on the way
+        alerts.extend(self.outbox.take_alerts(self.disk))   # corrupt candidates skipped on the way
         source = rec.restored_from if rec.restored_from is not None else rec.step   # whose params
-        self._disk.quarantine(sick_after(self._disk.records(), rec.step, step),
-                              f"sick: after rollback target {rec.step}; red at step {step} (earliest sign {sign})")
-        restored, new_scale, new_position, actions = self._actions(rec, restored, meta, state, verdict,
-                                                                   position)
-        self.lr_scale = new_scale
-        self.position = new_position
-        self.history.append({"step": step, "to_step": rec.step, "source_step": source,
-                             "onset_step": sign, "cutoff": cutoff,
-                             "lr_scale": new_scale, "position": jsonable(new_position),
-                             "actions": actions,
-                             "alerts": [alert_lines([a]) for a in verdict_alerts[:5]]})
-        alerts.append(self._announce(step, rec, sign, actions, verdict_alerts))
-        self._disk.write_quarantine()
-        self._orange_saved = False
+        self.disk.quarantine(sick_after(self.disk.records(), rec.step, step),
+                             f"sick: after rollback target {rec.step}; red at step {step} (earliest sign {sign})")
+        restored, new_scale, new_position, actions = self._act(guard, rec, (restored, meta, tree), verdict,
+                                                                position)
+        guard.lr_scale = new_scale
+        guard.position = new_position
+        guard.history.append({"step": step, "to_step": rec.step, "source_step": source,
+                              "onset_step": sign, "cutoff": cutoff,
+                              "lr_scale": new_scale, "position": jsonable(new_position),
+                              "actions": actions,
+                              "alerts": [alert_lines([a]) for a in verdict_alerts[:5]]})
+        alerts.append(self._announce(guard, step, rec, sign, (actions, verdict_alerts)))
+        self.disk.write_quarantine()
+        self.state.orange_saved = False
         saved = None
-        if self.save_on_rollback:
-            saved = self._save(step, restored, new_position, rec.level, ROLLBACK_SAVE, restored_from=source)
-        metrics = {**self.metrics(), "rollback/from_step": float(step), "rollback/to_step": float(rec.step)}
+        if self.actions.save_on_rollback:
+            saved = self._save(step, restored, new_position, rec.level, ROLLBACK_SAVE, source)
+        metrics = {**guard.metrics(), "rollback/from_step": float(step), "rollback/to_step": float(rec.step)}
         return Response(Action.ROLLBACK, restored, step, saved, rec.step, new_scale,
-                        tuple(alerts + self._drain()), metrics, tuple(self._drain_events()), new_position)
+                        tuple(alerts + self.outbox.take_alerts(self.disk)), metrics,
+                        tuple(self.outbox.take_events()), new_position)
 
     def _no_target(self, step: int, target: Target, verdict_alerts: list[Any]) -> None:
         """Raises :class:`RollbackError`: nothing restorable below the target's bound."""
-        self._disk.write_quarantine()
-        text = no_target_message(target, self._disk.records(), step=step, healthy_levels=self.healthy_levels,
-                                 where=f" in {str(self.directory)!r}")
+        self.disk.write_quarantine()
+        text = no_target_message(target, self.disk.records(), step=step,
+                                 healthy_levels=self.policy.healthy_levels,
+                                 where=f" in {str(self.disk.main.directory)!r}")
         raise RollbackError(
             f"Rollback: {text} Alerts: {alert_lines(verdict_alerts)}. Save earlier (a smaller "
-            "save_every, snapshots=, or a larger keep_last) or restart from an older run.")
+            "save_every, Saving(snapshots=...), or a larger Retention(keep_last=...)) or restart from an "
+            "older run.")
 
-    def _actions(self, rec: CheckpointInfo, restored: Any, meta: Mapping[str, Any], state: Any,
-                 verdict: Any, position: Any) -> tuple[Any, float, Any, list[dict[str, Any]]]:
-        """The actions after the restore (:mod:`jvitals.guard.actions`), in order:
-        ``(state, LR scale, data position, actions)``."""
+    def _act(self, guard: Any, rec: CheckpointInfo, got: tuple[Any, Mapping[str, Any], Any], verdict: Any,
+             position: Any) -> tuple[Any, float, Any, list[dict[str, Any]]]:
+        """The actions after the restore (:mod:`jvitals.guard.actions`), in order, on
+        ``got = (restored, metadata, current state)``: ``(state, LR scale, data position, actions)``."""
+        restored, meta, current = got
+        cfg = self.actions
         actions: list[dict[str, Any]] = [{"action": "restore", "to_step": rec.step, "store": rec.store}]
-        restored, new_scale, did = scale_lr(restored, self.lr_scale, self.lr_factor)
+        restored, new_scale, did = scale_lr(restored, guard.lr_scale, float(cfg.lr_factor))
         actions += did
-        restored = keep_step(restored, state, self.step_attr)
-        restored, did = reset_moments(restored, self.reset_optimizer)
+        restored = keep_step(restored, current, cfg.step_attr)
+        restored, did = reset_moments(restored, self.reset)
         actions += did
         if self.remedy_table:
-            restored = reapply_lr_groups(restored, self.remedies)
+            restored = reapply_lr_groups(restored, guard.remedies)
             seen = list(getattr(verdict, "alerts", []) or []) + list(getattr(verdict, "closed_alerts", []) or [])
-            restored, self.remedies, did = apply_remedies(restored, seen, self.remedy_table, self.remedies,
-                                                          lr_factor=self.lr_factor)
+            restored, guard.remedies, did = apply_remedies(restored, seen, self.remedy_table, guard.remedies,
+                                                           lr_factor=float(cfg.lr_factor))
             actions += did
-        new_position, did = skip_batches(position, meta, self.skip_data)
+        new_position, did = skip_batches(position, meta, cfg.skip_data)
         return restored, new_scale, new_position, actions + did
 
-    def _announce(self, step: int, rec: CheckpointInfo, sign: int, actions: list[dict[str, Any]],
-                  verdict_alerts: list[Any]) -> Alert:
-        """The rollback's alert (RED, rule ``'rollback'``) and event; tells the monitor."""
+    def _announce(self, guard: Any, step: int, rec: CheckpointInfo, sign: int,
+                  why: tuple[list[dict[str, Any]], list[Any]]) -> Alert:
+        """The rollback's alert (RED, rule ``'rollback'``) and event, for ``why = (actions,
+        the verdict's alerts)``; tells the monitor."""
+        actions, verdict_alerts = why
         note = None
-        if self.monitor is not None and hasattr(self.monitor, "note_rollback"):
-            note = self.monitor.note_rollback(step, rec.step)
+        if guard.monitor is not None and hasattr(guard.monitor, "note_rollback"):
+            note = guard.monitor.note_rollback(step, rec.step)
         did = ", ".join(action_text(a) for a in actions[1:] if a["action"] != "remedy") or "no other action"
         cure = applied_text(actions)
         did += f"; {cure}" if cure else ""
         message = (f"[RED] rolled back at step {step} (earliest sign {sign}) to the healthy {rec.store[:-1]} "
-                   f"of step {rec.step}; {did}; data position {self.position!r}; "
-                   f"{len(self.history)} rollback(s) so far; quarantined: {sorted(self.quarantined)}. "
+                   f"of step {rec.step}; {did}; data position {guard.position!r}; "
+                   f"{len(guard.history)} rollback(s) so far; quarantined: {sorted(guard.quarantined)}. "
                    f"Cause: {alert_lines(verdict_alerts, 2)}")
-        self._event({"event": "rollback", "step": step, "to_step": rec.step, "onset_step": sign,
-                     "lr_scale": self.lr_scale, "position": jsonable(self.position), "actions": actions,
-                     "remedies": [a["text"] for a in actions if a["action"] == "remedy"],
-                     "reason": alert_lines(verdict_alerts, 1)})
-        return make_alert("rollback", ROLLBACK_COUNT, Level.RED, step, len(self.history), sign,
-                           message, {"to_step": rec.step, "lr_scale": self.lr_scale, "actions": actions,
-                                     "monitor_alert_id": getattr(note, "id", None)})
+        self.outbox.event({"event": "rollback", "step": step, "to_step": rec.step, "onset_step": sign,
+                           "lr_scale": guard.lr_scale, "position": jsonable(guard.position),
+                           "actions": actions, "remedies": [a["text"] for a in actions if a["action"] == "remedy"],
+                           "reason": alert_lines(verdict_alerts, 1)})
+        return make_alert("rollback", ROLLBACK_COUNT, Level.RED, step, len(guard.history), sign,
+                          message, {"to_step": rec.step, "lr_scale": guard.lr_scale, "actions": actions,
+                                    "monitor_alert_id": getattr(note, "id", None)})
 
-    def _limit(self, step: int, verdict_alerts: list[Any], position: Any, sign: int, cutoff: int) -> None:
+    def _limit(self, guard: Any, step: int, verdict_alerts: list[Any], position: Any,
+               sign_cutoff: tuple[int, int]) -> None:
         """Raises :class:`RollbackLimitError` after quarantining what was saved since the sign."""
-        self._disk.quarantine(sick_after(self._disk.records(), cutoff - 1, step),
-                              f"sick: saved after the earliest sign {sign} of the red at step {step} "
-                              "(rollback limit reached)")
-        healthy = [r.step for r in self._disk.records() if is_healthy(r, self.healthy_levels)]
-        self._disk.write_quarantine()
-        self._update_pins(None)
-        done = ", ".join(f"{h['step']}->{h['to_step']}" for h in self.history) or "none"
-        self._event({"event": "rollback_limit", "step": step, "onset_step": sign, "healthy": healthy})
+        sign, cutoff = sign_cutoff
+        self.disk.quarantine(sick_after(self.disk.records(), cutoff - 1, step),
+                             f"sick: saved after the earliest sign {sign} of the red at step {step} "
+                             "(rollback limit reached)")
+        healthy = [r.step for r in self.disk.records() if is_healthy(r, self.policy.healthy_levels)]
+        self.disk.write_quarantine()
+        self.update_pins(guard.history, None)
+        done = ", ".join(f"{h['step']}->{h['to_step']}" for h in guard.history) or "none"
+        self.outbox.event({"event": "rollback_limit", "step": step, "onset_step": sign, "healthy": healthy})
         raise RollbackLimitError(
-            f"Rollback: {len(self.history)} rollback(s) already (steps {done}; LR scale now "
-            f"{self.lr_scale:.4g}) and the run went red again at step {step} (earliest sign "
-            f"{sign}): {alert_lines(verdict_alerts)}. max_rollbacks={self.max_rollbacks} "
+            f"Rollback: {len(guard.history)} rollback(s) already (steps {done}; LR scale now "
+            f"{guard.lr_scale:.4g}) and the run went red again at step {step} (earliest sign "
+            f"{sign}): {alert_lines(verdict_alerts)}. max_rollbacks={self.actions.max_rollbacks} "
             f"reached: lower the learning rate further or inspect the data at position "
-            f"{position!r}. Healthy checkpoints on disk in {str(self.directory)!r}, newest first: "
-            f"{healthy or 'none'}; a restart (Rollback(..., max_rollbacks=N).resume()) continues "
-            f"from {healthy[0] if healthy else 'nothing'}; quarantined: {sorted(self.quarantined)}.",
-            step=step, history=list(self.history), alerts=verdict_alerts, position=position,
+            f"{position!r}. Healthy checkpoints on disk in {str(self.disk.main.directory)!r}, newest "
+            f"first: {healthy or 'none'}; a restart (Rollback(..., actions=Actions(max_rollbacks=N))"
+            f".resume()) continues from {healthy[0] if healthy else 'nothing'}; quarantined: "
+            f"{sorted(guard.quarantined)}.",
+            step=step, history=list(guard.history), alerts=verdict_alerts, position=position,
             healthy=healthy)

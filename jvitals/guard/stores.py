@@ -40,9 +40,9 @@ class Stores:
       directory: the checkpoint directory.
       snapshots: a :class:`jvitals.Snapshots` (``every``, ``keep``, ``directory``,
         default ``<directory>/snapshots``), or None: no snapshot store.
-      healthy_levels, keep_last, keep_every, keep_green, keep_quarantined: the
-        checkpoint store's (see :class:`jvitals.Rollback`); the snapshot store
-        keeps the newest ``snapshots.keep`` and no others.
+      healthy_levels: the levels a healthy checkpoint was saved at.
+      retention: the checkpoint store's :class:`jvitals.guard.configs.Retention`; the
+        snapshot store keeps the newest ``snapshots.keep`` and no others.
 
     Attributes:
       main: the checkpoint store.
@@ -50,10 +50,10 @@ class Stores:
     """
 
     def __init__(self, directory: str | os.PathLike, snapshots: Any = None, *,
-                 healthy_levels: Collection[int], keep_last: int, keep_every: int | None,
-                 keep_green: int, keep_quarantined: int) -> None:
-        self.main = CheckpointStore(directory, keep_last=keep_last, keep_every=keep_every,
-                                    keep_green=keep_green, keep_quarantined=keep_quarantined,
+                 healthy_levels: Collection[int], retention: Any) -> None:
+        r = retention
+        self.main = CheckpointStore(directory, keep_last=r.keep_last, keep_every=r.keep_every,
+                                    keep_green=r.keep_green, keep_quarantined=r.keep_quarantined,
                                     healthy_levels=healthy_levels, name="checkpoints")
         self.snapshots: CheckpointStore | None = None
         if snapshots is not None:

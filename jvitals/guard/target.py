@@ -24,14 +24,18 @@ open alert, so the checkpoint a later red would restore is still on disk.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
-from typing import Any, Collection, Iterable, Mapping, Sequence
+import warnings
+from typing import Any, Collection, Iterable, Mapping, NamedTuple, Sequence
 
 from jvitals.monitor.types import Level
 
 __all__ = [
     "AlertRecord",
     "CheckpointInfo",
+    "Past",
+    "RestorePolicy",
     "Target",
     "choose_target",
     "cutoff_before",
@@ -50,6 +54,57 @@ __all__ = [
 ]
 
 HEALTHY_LEVELS = frozenset((int(Level.GREEN), int(Level.YELLOW)))
+
+
+def fail(config: str, field: str, expected: str, got: Any) -> None:
+    """Raises the ValueError of a config's field out of range (it names both)."""
+    raise ValueError(f"{config} expects {field} {expected}, got {got!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RestorePolicy:
+    """Which checkpoint a rollback (or a resume) restores.
+
+    Attributes:
+      healthy_levels: saved levels a rollback may restore (stored as a frozenset of ints).
+      check_finite: reject targets holding non-finite values (quarantined, the next tried).
+      onset_margin: the least margin in steps before the earliest sign (one host
+        cadence, back to the last check before it, is used when larger).
+      rewind_steps: restore a checkpoint at least this many steps before the
+        earliest sign (the guide: "roll back 10-100 steps before the spike";
+        None: the newest healthy one).
+    """
+
+    healthy_levels: frozenset[int] = frozenset((int(Level.GREEN), int(Level.YELLOW)))
+    check_finite: bool = True
+    onset_margin: int = 1
+    rewind_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        levels = self.healthy_levels
+        if isinstance(levels, (int, str)) or not isinstance(levels, collections.abc.Iterable):
+            fail("RestorePolicy", "healthy_levels", "an iterable of levels", levels)
+        object.__setattr__(self, "healthy_levels", frozenset(int(x) for x in levels))
+        if int(self.onset_margin) < 0:
+            fail("RestorePolicy", "onset_margin", ">= 0", self.onset_margin)
+        if self.rewind_steps is not None and int(self.rewind_steps) < 0:
+            fail("RestorePolicy", "rewind_steps", ">= 0 or None", self.rewind_steps)
+
+
+class Past(NamedTuple):
+    """What the guard has seen before a red (the inputs of the cutoff and of a relapse).
+
+    Attributes:
+      checks: the guard's check steps so far (this one included).
+      calm: the last check with no open alert that had reached ORANGE.
+      history: the previous rollbacks (dicts with ``step``, ``to_step``, ``source_step``).
+      last_healthy_check: the guard's last check at a healthy level.
+    """
+
+    checks: Iterable[int] = ()
+    calm: int | None = None
+    history: Sequence[Mapping[str, Any]] = ()
+    last_healthy_check: int | None = None
 
 
 @dataclasses.dataclass
@@ -341,12 +396,14 @@ def pick_target(checkpoints: Iterable[CheckpointInfo], *, sign: int, cutoff: int
     return Target(int(sign), int(cutoff), not_after, tuple(order), tuple(suspects), reason)
 
 
+_PAST = ("checks", "calm", "history", "last_healthy_check")
+_POLICY = ("onset_margin", "healthy_levels", "rewind_steps")
+
+
 def choose_target(alerts: Iterable[AlertRecord] | Mapping[int, AlertRecord],
-                  checkpoints: Iterable[CheckpointInfo], *, step: int, checks: Iterable[int] = (),
-                  calm: int | None = None, remedied: Iterable[int] = (), onset: int | None = None,
-                  onset_margin: int = 1, healthy_levels: Collection[int] = HEALTHY_LEVELS,
-                  rewind_steps: int | None = None, history: Sequence[Mapping[str, Any]] = (),
-                  last_healthy_check: int | None = None) -> Target:
+                  checkpoints: Iterable[CheckpointInfo], *, step: int, past: Past = Past(),
+                  remedied: Iterable[int] = (), onset: int | None = None,
+                  policy: RestorePolicy = RestorePolicy(), **legacy: Any) -> Target:
     """The rollback target of a red at ``step``: newest healthy checkpoint before ``E - k``.
 
     ``E`` is :func:`earliest_sign` (the earliest onset or change point of the chain
@@ -362,25 +419,34 @@ def choose_target(alerts: Iterable[AlertRecord] | Mapping[int, AlertRecord],
         ``closed`` None), or ``{id: record}``.
       checkpoints: the checkpoints and snapshots on disk (:class:`CheckpointInfo`).
       step: the red check's step.
-      checks: the guard's check steps so far (this one included).
-      calm: the last check with no open alert that had reached ORANGE.
+      past: what the guard saw before (:class:`Past`: its checks, the last calm
+        check, the previous rollbacks and its last healthy check).
       remedied: ids of the alerts whose remedy the guard applies (in the chain too).
       onset: the verdict's onset step, the sign when no alert is in the chain.
-      onset_margin: the least margin in steps before the sign.
-      healthy_levels: the levels a target may have been saved at.
-      rewind_steps: the target is at least this many steps before the sign.
-      history: the previous rollbacks (for a relapse).
-      last_healthy_check: the guard's last check at a healthy level (for a relapse).
+      policy: the :class:`RestorePolicy` (``onset_margin``, ``healthy_levels``,
+        ``rewind_steps``; ``check_finite`` is the restore's, not used here).
+      **legacy: the keywords of 0.1 (``checks=``, ``calm=``, ``history=``,
+        ``last_healthy_check=``, ``onset_margin=``, ``healthy_levels=``,
+        ``rewind_steps=``): deprecated, folded into ``past`` and ``policy``.
 
     Returns:
       A :class:`Target` (``target.step`` is None when nothing qualifies: the guard
       raises :class:`jvitals.RollbackError` with :func:`no_target_message`).
     """
-    sign = earliest_sign(alerts, step=step, calm=calm, remedied=remedied, onset=onset)
-    cutoff = cutoff_before(sign, checks, onset_margin)
-    return pick_target(checkpoints, sign=sign, cutoff=cutoff, step=step, healthy_levels=healthy_levels,
-                       rewind_steps=rewind_steps, history=history,
-                       last_healthy_check=last_healthy_check)
+    if legacy:
+        unknown = sorted(set(legacy) - set(_PAST) - set(_POLICY))
+        if unknown:
+            raise TypeError(f"choose_target() got an unexpected keyword argument {unknown[0]!r}")
+        warnings.warn(f"choose_target({', '.join(f'{k}=' for k in legacy)}) is deprecated: pass "
+                      "past=Past(checks, calm, history, last_healthy_check) and policy=RestorePolicy("
+                      "onset_margin, healthy_levels, rewind_steps).", DeprecationWarning, stacklevel=2)
+        past = past._replace(**{k: v for k, v in legacy.items() if k in _PAST})
+        policy = dataclasses.replace(policy, **{k: v for k, v in legacy.items() if k in _POLICY})
+    sign = earliest_sign(alerts, step=step, calm=past.calm, remedied=remedied, onset=onset)
+    cutoff = cutoff_before(sign, past.checks, policy.onset_margin)
+    return pick_target(checkpoints, sign=sign, cutoff=cutoff, step=step, healthy_levels=policy.healthy_levels,
+                       rewind_steps=policy.rewind_steps, history=past.history,
+                       last_healthy_check=past.last_healthy_check)
 
 
 def pins(history: Sequence[Mapping[str, Any]], checkpoints: Iterable[CheckpointInfo], *,
