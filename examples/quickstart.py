@@ -42,7 +42,6 @@ import optax  # noqa: E402
 
 import jvitals as vitals  # noqa: E402
 from jvitals import reference_model as rm  # noqa: E402
-from jvitals.guard import Retention  # noqa: E402
 
 EVENT_WIDTH = 160  # an event line, cut at a word
 COLORS = {"GREEN": "\033[32m", "YELLOW": "\033[33m", "ORANGE": "\033[38;5;208m", "RED": "\033[31m"}
@@ -179,14 +178,16 @@ def main(argv=None) -> int:
     # METRICS.md §5's windows are for runs of 10^4-10^5 steps; this one has 300,
     # so every window is scaled down (a spike must recover within 20 steps, not 300).
     monitor = vitals.Monitor(vitals.Policy(
-        warmup_steps=20, baseline_steps=60, red_after=3, clear_steps=20, event_hold_steps=30,
-        trend_halflife=20, scale_halflife=60, spike_min_samples=10, post_window=20,
-        physiological_steps=20, pathological_steps=30, periodic_min_interval=20, val_gap_window=100))
+        baselines=vitals.BaselineConfig(warmup_steps=20, steps=60),
+        spike=vitals.SpikeConfig(trend_halflife=20, scale_halflife=60, min_samples=10, post_window=20,
+                                 physiological_steps=20, pathological_steps=30, periodic_min_interval=20),
+        health=vitals.HealthConfig(red_after=3), alerts=vitals.AlertConfig(clear_steps=20),
+        system=vitals.SystemConfig(event_hold_steps=30), validation=vitals.ValidationConfig(gap_window=100)))
     writer = metric_writers.create_default_writer(str(logdir), just_logging=False)
     # The guard writes rollback/count, rollback/lr_scale and its events (save, pause,
     # rollback) through vitals.write at each of its calls.
     guard = vitals.Rollback(ckptdir, save_every=25, writer=writer,
-                            retention=Retention(keep_every=100))   # keeps the newest 5; LR x0.9, 3 rollbacks
+                            retention=vitals.Retention(keep_every=100))   # keeps the newest 5; LR x0.9, 3 rollbacks
     timer = vitals.StepTimer(tokens_per_step=args.batch * args.seq)
 
     position = 0

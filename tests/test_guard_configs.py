@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from jvitals.guard import Actions, RestorePolicy, Retention, Rollback, Saving, Snapshots
+from jvitals.guard import RollbackActions, RestorePolicy, Retention, Rollback, Saving, Snapshots
 from jvitals.guard.configs import LEGACY
 from jvitals.monitor.types import Level
 
@@ -16,8 +16,8 @@ from jvitals.monitor.types import Level
     (Retention, "keep_last", 0), (Retention, "keep_every", 0), (Retention, "keep_green", -1),
     (Retention, "keep_quarantined", -1), (RestorePolicy, "onset_margin", -1),
     (RestorePolicy, "rewind_steps", -2), (RestorePolicy, "healthy_levels", 3),
-    (Actions, "lr_factor", 0.0), (Actions, "lr_factor", 1.5), (Actions, "max_rollbacks", -1),
-    (Actions, "skip_data", -3), (Actions, "skip_data", "yes"), (Saving, "on_save_error", "ignore"),
+    (RollbackActions, "lr_factor", 0.0), (RollbackActions, "lr_factor", 1.5), (RollbackActions, "max_rollbacks", -1),
+    (RollbackActions, "skip_data", -3), (RollbackActions, "skip_data", "yes"), (Saving, "on_save_error", "ignore"),
     (Saving, "snapshots", Snapshots(every=0)),
 ])
 def test_each_config_names_its_bad_field(config, field, value):
@@ -29,11 +29,11 @@ def test_configs_are_frozen_with_the_documented_defaults():
     assert Retention() == Retention(keep_last=5, keep_every=5000, keep_green=1, keep_quarantined=3)
     assert RestorePolicy().healthy_levels == frozenset({int(Level.GREEN), int(Level.YELLOW)})
     assert RestorePolicy(healthy_levels=[Level.GREEN]).healthy_levels == frozenset({0})
-    assert Actions().lr_factor == 0.9 and Actions().max_rollbacks == 3 and Saving().snapshots is None
+    assert RollbackActions().lr_factor == 0.9 and RollbackActions().max_rollbacks == 3 and Saving().snapshots is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         Retention().keep_last = 3   # type: ignore[misc]
     with pytest.raises(ValueError, match="reset_optimizer"):
-        Actions(reset_optimizer=("adam",))
+        RollbackActions(reset_optimizer=("adam",))
 
 
 def test_the_signature_is_the_new_one():
@@ -45,7 +45,7 @@ def test_the_signature_is_the_new_one():
 def test_configs_reach_the_guard_and_its_store(tmp_path):
     guard = Rollback(tmp_path, save_every=7, retention=Retention(keep_last=2, keep_every=None),
                      restore=RestorePolicy(onset_margin=3, rewind_steps=10),
-                     actions=Actions(lr_factor=0.5, max_rollbacks=1, skip_data=4),
+                     actions=RollbackActions(lr_factor=0.5, max_rollbacks=1, skip_data=4),
                      saving=Saving(sync=True, snapshots=Snapshots(every=3, keep=1)),
                      pause="raise", preemption=False)
     try:

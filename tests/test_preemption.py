@@ -8,7 +8,6 @@ tests/test_survive.py), real orbax checkpoints on disk, real verdicts.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,9 +16,7 @@ import textwrap
 import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 

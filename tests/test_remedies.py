@@ -32,7 +32,7 @@ from jvitals.guard.remedies import (
 )
 from jvitals.report.page import remedy_texts
 from jvitals.guard.rollback import Action, Rollback
-from jvitals.guard import Actions, Retention
+from jvitals.guard import RollbackActions, Retention
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab=32, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32,
@@ -147,9 +147,9 @@ def test_user_dict_rule_ids_regexes_and_callables():
 
 def test_bad_remedies_are_value_errors_naming_the_value_and_the_allowed(tmp_path):
     with pytest.raises(ValueError, match=r"'halve_lr'.*does not exist.*group_lr.*layer_decay.*qk_clip.*z_loss"):
-        Rollback(tmp_path / "a", actions=Actions(remedies={"grad/share/embedding": "halve_lr"}))
+        Rollback(tmp_path / "a", actions=RollbackActions(remedies={"grad/share/embedding": "halve_lr"}))
     with pytest.raises(ValueError, match=r"remedies='defaults'.*'default'"):
-        Rollback(tmp_path / "b", actions=Actions(remedies="defaults"))
+        Rollback(tmp_path / "b", actions=RollbackActions(remedies="defaults"))
     with pytest.raises(ValueError, match=r"key '\(' is not a regular expression"):
         parse_remedies({"(": "z_loss"})
     with pytest.raises(ValueError, match=r"name among .*or a callable, got 3"):
@@ -172,7 +172,7 @@ def make_state(value: float) -> dict:
 def test_guard_applies_records_checkpoints_and_resumes_the_remedies(tmp_path):
     emb = alert("update/param_ratio/embedding", group="embedding", id_=1, onset=33)
     attn = alert("act/attn_logits_abs.max", "ratio", id_=2, baseline=20.0, value=90.0, onset=33)
-    guard = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=5, keep_every=None), actions=Actions(remedies="default"))
+    guard = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=5, keep_every=None), actions=RollbackActions(remedies="default"))
     for s in (0, 10, 20, 30):
         guard.act(s, make_state(s), green(s), s + 1)
     r = guard.act(40, make_state(40), red_verdict(40, emb, attn, onset=35), 41)
@@ -213,7 +213,7 @@ def test_guard_applies_records_checkpoints_and_resumes_the_remedies(tmp_path):
     # What is on disk: the flags in the newest checkpoint's metadata; resume restores them.
     _, meta = guard.restore(70, make_state(0))
     assert meta["remedies"] == {"lr_groups": {"embedding": 0.25}, "qk_clip_tau": 20.0}
-    fresh = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=5, keep_every=None), actions=Actions(remedies="default"))
+    fresh = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=5, keep_every=None), actions=RollbackActions(remedies="default"))
     state, position = fresh.resume(make_state(0), 0)
     assert fresh.resumed_step == 70 and position == 71
     assert fresh.remedies == {"lr_groups": {"embedding": 0.25}, "qk_clip_tau": 20.0}

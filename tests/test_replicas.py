@@ -281,7 +281,7 @@ def test_layout_of_a_data_expert_mesh(devices):
     assert lay.replica_of(grid[2][1].id) == 2
     both = vitals.replica_layout(mesh, ("data", "expert"))
     assert both.size == 8 and [p.devices[0] for p in both.places] == [d.id for d in grid.reshape(-1)]
-    assert both[0].hosts == vitals.metrics.replica_layout.process_hostnames()
+    assert both[0].hosts == vitals.metrics.placement.process_hostnames()
     assert vitals.ReplicaLayout.from_state_dict(json.loads(json.dumps(both.state_dict()))) == both
     one = vitals.replica_layout(jax.devices()[:3], hosts={0: "h"})
     assert one.size == 3 and one[2].devices == (jax.devices()[2].id,)
@@ -530,7 +530,7 @@ def test_report_draws_a_replica_by_step_heat_map(tmp_path):
                    texts={page.REPLICAS_TAG: [(s, json.dumps({"figures": {"loss": [1.0, 1.0, 1.0 + s, None]}}))
                                                for s in range(3)]},
                    alerts=[], events=[], hparams={}, warnings=[])
-    steps, vals = page.replica_matrices(run)["loss"]
+    steps, vals = page.plots.replica_matrices(run)["loss"]
     assert steps.tolist() == [0, 1, 2] and vals.shape == (4, 3) and np.isnan(vals[3, 0])
     assert page.plot_replica_heatmap(run, "loss") is not None
     assert page.plot_replica_heatmap(run, "grad_norm") is None

@@ -27,7 +27,7 @@ from flax.training import train_state
 
 from jvitals.optim.lr_scale import get_lr_scale, set_lr_scale, with_lr_scale
 from jvitals.monitor.monitor import Alert, Level, Monitor, Policy, Verdict
-from jvitals.guard import Actions, Retention, Saving
+from jvitals.guard import RollbackActions, Retention, Saving
 from jvitals.guard.rollback import (
     QUARANTINE_FILE,
     Action,
@@ -176,7 +176,7 @@ def test_red_restores_newest_healthy_before_onset_not_the_newest(tmp_path):
 
 
 def test_save_after_rollback_lands_on_disk_and_steps_go_forward(tmp_path):
-    guard = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=10), actions=Actions(save_on_rollback=False))
+    guard = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=10), actions=RollbackActions(save_on_rollback=False))
     drive(guard, [0, 10, 20, 30])
     # Onset 32: the target is older than the last check before it (30).
     r = guard.act(33, make_state(33), verdict(33, Level.RED, onset=32), 34)
@@ -190,7 +190,7 @@ def test_save_after_rollback_lands_on_disk_and_steps_go_forward(tmp_path):
 
 
 def test_lr_scale_compounds_and_limit_error_names_steps_and_alerts(tmp_path):
-    guard = Rollback(tmp_path, save_every=10, actions=Actions(max_rollbacks=2))
+    guard = Rollback(tmp_path, save_every=10, actions=RollbackActions(max_rollbacks=2))
     drive(guard, [0, 10, 20])
     r1 = guard.act(25, make_state(25), verdict(25, Level.RED, onset=22), 26)
     drive(guard, [30, 40])                                  # healthy checks: no relapse
@@ -254,7 +254,7 @@ def test_state_types_survive_and_lr_scale_is_required(tmp_path):
     plain = {"params": {"w": jnp.ones(3)}, "opt_state": optax.adam(1e-3).init({"w": jnp.ones(3)})}
     with pytest.raises(ValueError, match="with_lr_scale"):
         Rollback(tmp_path / "x").respond(0, plain, verdict(0, 0), 0)
-    guard = Rollback(tmp_path / "y", actions=Actions(lr_factor=1.0))          # no scale needed then
+    guard = Rollback(tmp_path / "y", actions=RollbackActions(lr_factor=1.0))          # no scale needed then
     assert guard.respond(0, plain, None, 0) is plain
     with pytest.raises(TypeError, match="JSON-serialisable"):
         guard.respond(1, plain, None, object())
@@ -730,7 +730,7 @@ def test_persistent_fault_limit_keeps_targets_and_restart_resumes_healthy(tmp_pa
     guard.close()
     # A restart with a larger max_rollbacks resumes a healthy one: the params of a
     # pre-fault step of the fault-free run, not the diverged ones.
-    guard2 = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=3, keep_every=None), actions=Actions(max_rollbacks=4))
+    guard2 = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=3, keep_every=None), actions=RollbackActions(max_rollbacks=4))
     state, position = guard2.resume(_fresh_state(), 0, Monitor(Policy(warmup_steps=5, baseline_steps=20)))
     assert guard2.resumed_step == err.healthy[0]
     rec = next(c for c in guard2.checkpoints if c.step == guard2.resumed_step)
@@ -980,9 +980,9 @@ def test_reset_optimizer_per_group_and_a_fresh_adam(tmp_path):
                if isinstance(x, optax.ScaleByAdamState)]
     assert int(adam.count) == 0 and summary["count_reset"]
     with pytest.raises(ValueError, match="moments among"):
-        Rollback(tmp_path, actions=Actions(reset_optimizer=("nu", "v")))
+        Rollback(tmp_path, actions=RollbackActions(reset_optimizer=("nu", "v")))
     with pytest.raises(TypeError, match="int data position"):
-        Rollback(tmp_path / "b", actions=Actions(skip_data=True)).act(0, make_state(0), None, {"i": 0})
+        Rollback(tmp_path / "b", actions=RollbackActions(skip_data=True)).act(0, make_state(0), None, {"i": 0})
 
 
 def test_snapshots_cut_the_lost_steps_and_are_targets(tmp_path):

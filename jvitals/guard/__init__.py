@@ -2,7 +2,7 @@
 
 ``rollback`` (the response policy: :class:`Rollback` decides to save, pause or
 roll back, composed of the parts below), ``configs`` (its settings, one frozen
-config per idea: :class:`Retention`, :class:`RestorePolicy`, :class:`Actions`,
+config per idea: :class:`Retention`, :class:`RestorePolicy`, :class:`RollbackActions`,
 :class:`Saving`, and the old keywords' map), ``state`` (its bookkeeping and
 outbox), ``saver`` (its saves), ``restore`` (its restores: a rollback's steps, a
 resume, the pins), ``target`` (the rollback target, a pure function of the alerts
@@ -19,13 +19,6 @@ writes). Imports ``jvitals.monitor`` (levels, alerts) and ``jvitals.optim`` (the
 LR scales it turns).
 """
 
-from jvitals.guard.events import (
-    EVENTS_TAG,
-    json_default,
-    ROLLBACK_COUNT,
-    ROLLBACK_LR_SCALE,
-    write_events,
-)
 from jvitals.guard.checkpoints import (
     CADENCE,
     CheckpointInfo,
@@ -33,23 +26,15 @@ from jvitals.guard.checkpoints import (
     CheckpointStore,
     MANUAL,
     ORANGE_SAVE,
-    QUARANTINE_FILE,
-    quiet_orbax,
     ROLLBACK_SAVE,
     SNAPSHOT,
 )
-from jvitals.guard.configs import Actions, RestorePolicy, Retention, Saving
+from jvitals.guard.configs import RollbackActions, RestorePolicy, Retention, Saving
 from jvitals.guard.preemption import PREEMPT, Preemption
 from jvitals.guard.remedies import (
-    applied_text,
-    apply_remedies,
     Cause,
-    causes_of,
     DEFAULT_REMEDIES,
-    parse_remedies,
-    reapply_lr_groups,
     REMEDY_NAMES,
-    RemedyTable,
 )
 from jvitals.guard.response import (
     Action,
@@ -60,41 +45,28 @@ from jvitals.guard.response import (
     TrainingPaused,
 )
 from jvitals.guard.rollback import Rollback
-from jvitals.guard.target import AlertRecord, choose_target, Past, Target
+from jvitals.guard.target import choose_target, Past, Target
 
 __all__ = [
     "Action",
-    "Actions",
-    "AlertRecord",
-    "applied_text",
-    "apply_remedies",
+    "RollbackActions",
     "CADENCE",
     "Cause",
-    "causes_of",
     "CheckpointInfo",
     "CheckpointSaveError",
     "CheckpointStore",
     "choose_target",
     "DEFAULT_REMEDIES",
-    "EVENTS_TAG",
-    "json_default",
     "MANUAL",
     "ORANGE_SAVE",
-    "parse_remedies",
     "Past",
     "PREEMPT",
     "Preemption",
-    "QUARANTINE_FILE",
-    "quiet_orbax",
-    "reapply_lr_groups",
     "REMEDY_NAMES",
-    "RemedyTable",
     "Response",
     "RestorePolicy",
     "Retention",
     "Rollback",
-    "ROLLBACK_COUNT",
-    "ROLLBACK_LR_SCALE",
     "ROLLBACK_SAVE",
     "RollbackError",
     "RollbackLimitError",
@@ -103,5 +75,4 @@ __all__ = [
     "Snapshots",
     "Target",
     "TrainingPaused",
-    "write_events",
 ]

@@ -7,7 +7,7 @@ names the config and the field):
 - :class:`Retention`: which checkpoints the store keeps (``keep_last``, ...);
 - :class:`RestorePolicy`: which checkpoint a rollback or a resume restores
   (``healthy_levels``, ``check_finite``, ``onset_margin``, ``rewind_steps``);
-- :class:`Actions`: what a rollback does after the restore (``lr_factor``,
+- :class:`RollbackActions`: what a rollback does after the restore (``lr_factor``,
   ``max_rollbacks``, ``skip_data``, ``reset_optimizer``, ``remedies``,
   ``save_on_rollback``, ``step_attr``);
 - :class:`Saving`: how checkpoints are written (``sync``, ``on_save_error``,
@@ -29,7 +29,7 @@ from jvitals.guard.remedies import parse_remedies
 from jvitals.guard.response import Snapshots
 from jvitals.guard.target import RestorePolicy, fail as _fail
 
-__all__ = ["Actions", "LEGACY", "RestorePolicy", "Retention", "Saving", "split_options"]
+__all__ = ["RollbackActions", "LEGACY", "RestorePolicy", "Retention", "Saving", "split_options"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Retention:
 
 
 @dataclasses.dataclass(frozen=True)
-class Actions:
+class RollbackActions:
     """What a rollback does after the restore, and how many it may do.
 
     Attributes:
@@ -97,12 +97,12 @@ class Actions:
 
     def __post_init__(self) -> None:
         if not 0.0 < float(self.lr_factor) <= 1.0:
-            _fail("Actions", "lr_factor", "in (0, 1]", self.lr_factor)
+            _fail("RollbackActions", "lr_factor", "in (0, 1]", self.lr_factor)
         if self.max_rollbacks is not None and int(self.max_rollbacks) < 0:
-            _fail("Actions", "max_rollbacks", ">= 0 or None", self.max_rollbacks)
+            _fail("RollbackActions", "max_rollbacks", ">= 0 or None", self.max_rollbacks)
         skip = self.skip_data
         if not (isinstance(skip, bool) or (isinstance(skip, int) and skip >= 0)):
-            _fail("Actions", "skip_data", "False, True or an int >= 0", skip)
+            _fail("RollbackActions", "skip_data", "False, True or an int >= 0", skip)
         parse_reset(self.reset_optimizer)       # raises a ValueError naming reset_optimizer
         parse_remedies(self.remedies)           # raises a ValueError naming the remedy
 
@@ -143,7 +143,7 @@ LEGACY: dict[str, tuple[str, str]] = {
 }
 """``{old Rollback keyword: (new Rollback keyword, field of its config)}``."""
 
-CONFIGS: dict[str, type] = {"retention": Retention, "restore": RestorePolicy, "actions": Actions,
+CONFIGS: dict[str, type] = {"retention": Retention, "restore": RestorePolicy, "actions": RollbackActions,
                             "saving": Saving}
 DEFAULTS: dict[str, Any] = {name: cls() for name, cls in CONFIGS.items()}
 """The default of each config keyword (``Rollback(retention=DEFAULTS['retention'])`` is "not given")."""

@@ -33,7 +33,7 @@ from jvitals.guard.actions import action_text, keep_step, parse_reset, reset_mom
 from jvitals.guard.checkpoints import ROLLBACK_SAVE
 from jvitals.guard.events import ROLLBACK_COUNT
 from jvitals.guard.preemption import PREEMPT
-from jvitals.guard.configs import Actions, RestorePolicy
+from jvitals.guard.configs import RollbackActions, RestorePolicy
 from jvitals.guard.remedies import applied_text, apply_remedies, parse_remedies, reapply_lr_groups
 from jvitals.guard.response import (
     Action,
@@ -94,13 +94,13 @@ class Restorer:
       outbox: the guard's :class:`jvitals.guard.state.Outbox`.
       saver: the guard's :class:`jvitals.guard.saver.Saver` (its waits).
       policy: the :class:`jvitals.guard.configs.RestorePolicy`.
-      actions: the :class:`jvitals.guard.configs.Actions`.
+      actions: the :class:`jvitals.guard.configs.RollbackActions`.
       save: the guard's save, ``save(step, tree, position, level, kind, restored_from)``
         (it adds the guard's record to the metadata).
     """
 
     def __init__(self, disk: Any, state: GuardState, outbox: Outbox, saver: Any, policy: RestorePolicy,
-                 actions: Actions, save: Callable[..., int | None]) -> None:
+                 actions: RollbackActions, save: Callable[..., int | None]) -> None:
         self.disk, self.state, self.outbox, self.saver = disk, state, outbox, saver
         self.policy, self.actions, self._save = policy, actions, save
         self.reset = parse_reset(actions.reset_optimizer)
@@ -279,7 +279,7 @@ class Restorer:
             f"{sign}): {alert_lines(verdict_alerts)}. max_rollbacks={self.actions.max_rollbacks} "
             f"reached: lower the learning rate further or inspect the data at position "
             f"{position!r}. Healthy checkpoints on disk in {str(self.disk.main.directory)!r}, newest "
-            f"first: {healthy or 'none'}; a restart (Rollback(..., actions=Actions(max_rollbacks=N))"
+            f"first: {healthy or 'none'}; a restart (Rollback(..., actions=RollbackActions(max_rollbacks=N))"
             f".resume()) continues from {healthy[0] if healthy else 'nothing'}; quarantined: "
             f"{sorted(guard.quarantined)}.",
             step=step, history=list(guard.history), alerts=verdict_alerts, position=position,

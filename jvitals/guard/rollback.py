@@ -4,7 +4,7 @@
 :meth:`Rollback.respond` saves (GREEN/YELLOW, on the cadence), pauses (ORANGE) or
 rolls back (RED). It is built from parts, each in a module of its own: its
 settings (:mod:`jvitals.guard.configs`: :class:`Retention`, :class:`RestorePolicy`,
-:class:`Actions`, :class:`Saving`), its state and outbox (:mod:`jvitals.guard.state`),
+:class:`RollbackActions`, :class:`Saving`), its state and outbox (:mod:`jvitals.guard.state`),
 its saves (:mod:`jvitals.guard.saver`), its restores (:mod:`jvitals.guard.restore`),
 the target (:mod:`jvitals.guard.target`), the stores (:mod:`jvitals.guard.stores`,
 :mod:`jvitals.guard.checkpoints`) and the preemption save
@@ -33,7 +33,7 @@ from jvitals.guard.checkpoints import (
     Provenance,
     allgather_ints,
 )
-from jvitals.guard.configs import DEFAULTS, Actions, RestorePolicy, Retention, Saving, split_options
+from jvitals.guard.configs import DEFAULTS, RollbackActions, RestorePolicy, Retention, Saving, split_options
 from jvitals.guard.events import ROLLBACK_COUNT, ROLLBACK_LR_SCALE, write_events
 from jvitals.guard.preemption import PREEMPT, Preemption, save_on_notice
 from jvitals.guard.remedies import remedied_ids
@@ -55,7 +55,7 @@ from jvitals.guard.target import cutoff_before
 
 __all__ = [
     "Action",
-    "Actions",
+    "RollbackActions",
     "CheckpointInfo",
     "CheckpointSaveError",
     "QUARANTINE_FILE",
@@ -88,7 +88,7 @@ class Rollback:
         ``keep_every=5000``, ``keep_green=1``, ``keep_quarantined=3``).
       restore: a :class:`RestorePolicy`: which checkpoint a rollback restores
         (``healthy_levels``, ``check_finite``, ``onset_margin``, ``rewind_steps``).
-      actions: an :class:`Actions`: what a rollback does after the restore
+      actions: an :class:`RollbackActions`: what a rollback does after the restore
         (``lr_factor=0.9``, ``max_rollbacks=3``, ``skip_data``, ``reset_optimizer``,
         ``remedies``, ``save_on_rollback``, ``step_attr``).
       **options: ``saving=`` a :class:`Saving` (``sync``, ``on_save_error``,
@@ -129,7 +129,7 @@ class Rollback:
 
     def __init__(self, directory: str | os.PathLike, *, save_every: int = 500, monitor: Any = None,
                  writer: Any = None, retention: Retention = DEFAULTS["retention"],
-                 restore: RestorePolicy = DEFAULTS["restore"], actions: Actions = DEFAULTS["actions"],
+                 restore: RestorePolicy = DEFAULTS["restore"], actions: RollbackActions = DEFAULTS["actions"],
                  **options: Any) -> None:
         parts = split_options({"retention": retention, "restore": restore, "actions": actions}, options)
         if int(save_every) < 1:
@@ -228,7 +228,7 @@ class Rollback:
         check_position(position)
         skip = self.actions.skip_data
         if skip is not False and not isinstance(position, (int, np.integer)):
-            raise TypeError(f"Rollback(actions=Actions(skip_data={skip!r})) expects an int data position "
+            raise TypeError(f"Rollback(actions=RollbackActions(skip_data={skip!r})) expects an int data position "
                             f"(batches consumed), got {type(position).__name__} {position!r}; pass "
                             "an int, or skip_data=False and skip in your loader.")
         self._state.alerts.observe(step, verdict)

@@ -11,7 +11,7 @@ through NNX Variables) and ``sown`` reads what was sown; ``activations``,
 ``record`` is the optax recorder (``chain`` reads an optax transform's structure,
 ``light`` the every-step figures, ``window`` what happens between two host reads);
 ``host`` measures step time and memory; ``replicas`` keeps a few figures per
-data-parallel replica and ``replica_layout`` maps each replica to its devices,
+data-parallel replica and ``placement`` (:func:`replica_layout`) maps each replica to its devices,
 process and host.
 
 ``__all__`` is this subpackage's public API (what docs/METRICS.md documents); the
@@ -99,7 +99,7 @@ from jvitals.metrics.replicas import (
     replica_window_update,
     ReplicaWindow,
 )
-from jvitals.metrics.replica_layout import (
+from jvitals.metrics.placement import (
     replica_layout,
     ReplicaLayout,
     ReplicaPlace,

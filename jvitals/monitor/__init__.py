@@ -58,20 +58,12 @@ from jvitals.monitor.rules import (
     TrendRule,
     ValRiseRule,
 )
-from jvitals.monitor.localize import (
-    lead_phrase,
-    localize,
-    NO_EARLIER_SIGN,
-)
 from jvitals.monitor.monitor import (
     Monitor,
 )
 from jvitals.monitor.replicas import (
     flat_replicas,
-    replica_summaries,
-    replica_vectors,
     ReplicaRule,
-    robust_z,
 )
 
 __all__ = [
@@ -89,10 +81,7 @@ __all__ = [
     "SystemConfig",
     "ValidationConfig",
     "flat_replicas",
-    "replica_summaries",
-    "replica_vectors",
     "ReplicaRule",
-    "robust_z",
     "BASELINE_KINDS",
     "BrokenModelRule",
     "Change",
@@ -102,14 +91,11 @@ __all__ = [
     "GapRule",
     "GroupRule",
     "JumpRule",
-    "lead_phrase",
     "LogitRule",
     "Level",
     "Localization",
-    "localize",
     "LossScaleRule",
     "Monitor",
-    "NO_EARLIER_SIGN",
     "NonFiniteRule",
     "Policy",
     "Prescription",
