@@ -534,7 +534,7 @@ def test_report_draws_a_replica_by_step_heat_map(tmp_path):
     assert steps.tolist() == [0, 1, 2] and vals.shape == (4, 3) and np.isnan(vals[3, 0])
     assert page.plot_replica_heatmap(run, "loss") is not None
     assert page.plot_replica_heatmap(run, "grad_norm") is None
-    html = page.build_html(run)
+    html = page.page.build_html(run)
     assert "replica/loss heat map" in html and page.REPLICAS_TAG not in html
 
 
