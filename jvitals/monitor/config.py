@@ -16,6 +16,8 @@ import re
 import types
 from typing import Any, Mapping
 
+from jvitals.monitor.flat_names import OLD_NAMES
+
 __all__ = [
     "AlertConfig",
     "BandConfig",
@@ -34,8 +36,6 @@ __all__ = [
 BASELINE_KINDS = ("drift", "fixed", "rolling", "ema")
 """Values of ``BaselineConfig.kind``."""
 
-# {config class name: {field: old flat Policy field}} where the names differ (filled by policy.py).
-OLD_NAMES: dict[str, dict[str, str]] = {}
 
 
 def _name(obj: Any, field: str) -> str:
