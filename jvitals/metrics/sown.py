@@ -13,39 +13,24 @@ from typing import Any, Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jvitals.metrics.axes import sharded_axes, varying_axes
 from jvitals.metrics.paths import natural_key
 from jvitals.metrics.probes import LogitsRows, LogitsSummary, vary_along
 from jvitals.metrics.stats import Summary, TokenSummary, reduce
+from jvitals.metrics.variables import is_state, value_of
 
 __all__ = ["Entry", "Tokens", "cat", "collect", "collect_all", "from_instrument", "plain", "red_axes", "reduce_over",
-           "stacked_layout", "token_shape", "token_stacked", "unwrap_variable"]
+           "stacked_layout", "token_shape", "token_stacked"]
 
 Entry = tuple[str, Any]  # (module path, one sown value)
 
 
 def plain(tree: Any) -> Any:
     """NNX ``State`` -> pure dict; anything else unchanged."""
-    try:
-        from flax import nnx
-    except Exception:  # pragma: no cover
-        return tree
-    if isinstance(tree, nnx.State):
-        return nnx.to_pure_dict(tree)
-    return tree
-
-
-def unwrap_variable(v: Any) -> Any:
-    """An NNX ``Variable`` leaf -> its value."""
-    try:
-        from flax import nnx
-    except Exception:  # pragma: no cover
-        return v
-    if isinstance(v, nnx.Variable):
-        return v.get_value() if hasattr(v, "get_value") else v.value
-    return v
+    return nnx.to_pure_dict(tree) if is_state(tree) else tree
 
 
 def collect_all(tree: Any, collection: str, who: str) -> dict[str, list[Entry]]:
@@ -62,7 +47,7 @@ def collect_all(tree: Any, collection: str, who: str) -> dict[str, list[Entry]]:
 
     def walk(node: Mapping, path: tuple[str, ...]) -> None:
         for key, value in node.items():
-            value = plain(unwrap_variable(value))
+            value = plain(value_of(value))
             p = path + (str(key),)
             if isinstance(value, Mapping):
                 walk(value, p)
@@ -70,7 +55,7 @@ def collect_all(tree: Any, collection: str, who: str) -> dict[str, list[Entry]]:
             items = value if type(value) in (tuple, list) else (value,)
             for j, item in enumerate(items):
                 found.setdefault(str(key), []).append(
-                    ([natural_key(c) for c in p], j, "/".join(p), unwrap_variable(item)))
+                    ([natural_key(c) for c in p], j, "/".join(p), value_of(item)))
 
     walk(tree, ())
     return {name: [(path, v) for _, _, path, v in sorted(items, key=lambda e: (e[0], e[1]))]
