@@ -39,6 +39,8 @@ family         what the step adds                                           one-
                figure
 ``skip``       ``light`` around ``skip_step(chain(clip, adamw))``: the      params + updates
                in-step skip's cost
+``ce``         ``light`` with the loss by ``vitals.cross_entropy``: the     params + updates (the logits'
+               output logits' figures from the loss's pass, every step      rows are read by the loss)
 ``opt``        ``optimizer_metrics``: Adam ``nu`` max, median, spread       Adam ``nu``
 ``moe``        ``moe_metrics`` of the sown expert counts (MoE configs)      the counts
 =============  ===========================================================  ==============================
@@ -90,7 +92,7 @@ from jvitals.metrics.stats import TokenSummary  # noqa: E402
 MB = 1e6
 HEAVY_EVERY = 500  # METRICS.md §5: per-layer figures every 500 steps (the README's cadence)
 TARGET_BYTES, TARGET_TEMP = 1.5, 1.05
-FAMILIES = ("sow", "probes", "instrument", "light", "heavy", "opt", "moe", "skip")
+FAMILIES = ("sow", "probes", "instrument", "light", "heavy", "opt", "moe", "skip", "ce")
 
 
 class TrainState(NamedTuple):
@@ -173,19 +175,36 @@ def _instrumented(tree: Any) -> Any:
 
 
 def _loss(cfg: rm.ModelConfig, fams: frozenset[str]) -> Callable:
-    """``params, batch -> (loss, sown)``: the model's loss, inside ``instrument()`` if asked."""
+    """``params, batch -> (loss, sown)``: the model's loss, inside ``instrument()`` if asked;
+    with ``ce``, the main logits' loss by ``vitals.cross_entropy`` and its figures in the sown
+    tree (``"logit_figures"``)."""
     def loss_of(params: Any, batch: dict) -> tuple[jax.Array, Any]:
         ctx = vitals.instrument() if "instrument" in fams else contextlib.nullcontext()
         with ctx:
+            if "ce" in fams:
+                return _ce_loss(params, batch, cfg)
             return rm.loss_fn(params, batch, cfg)
 
     return loss_of
 
 
+def _ce_loss(params: Any, batch: dict, cfg: rm.ModelConfig, mtp_weight: float = 0.3) -> tuple[jax.Array, Any]:
+    """``rm.loss_fn`` with the main logits' loss and figures from ``vitals.cross_entropy``."""
+    (logits, mtp), state = rm.Decoder(cfg).apply({"params": params}, batch["tokens"], mask=batch["mask"],
+                                                 return_mtp=True, mutable=["intermediates"])
+    labels, mask = batch["labels"], batch["mask"]
+    loss, figs = vitals.cross_entropy(logits, labels, mask)
+    if mtp:
+        extra = [rm.cross_entropy(lk[:, :-k], labels[:, k:], mask[:, :-k] & mask[:, k:])
+                 for k, lk in enumerate(mtp, start=1)]
+        loss = loss + mtp_weight * sum(extra) / len(extra)
+    return loss, {**state.get("intermediates", {}), "logit_figures": figs}
+
+
 def _family_metrics(cfg: rm.ModelConfig, fams: frozenset[str], inter: Any, opt_state: Any,
                     batch: dict) -> dict[str, jax.Array]:
     """The figures of the activation, MoE and optimizer families the step returns."""
-    m: dict[str, jax.Array] = {}
+    m: dict[str, jax.Array] = dict(inter.pop("logit_figures", {})) if isinstance(inter, dict) else {}
     sown = _keep(inter, lambda x: not isinstance(x, (TokenSummary, LogitsRows, ExpertChoices)))
     if fams & {"sow", "probes"}:
         m.update(vitals.activation_metrics(sown, mask=batch["mask"], labels=batch["labels"]))
@@ -251,6 +270,8 @@ def variants(cfg: rm.ModelConfig, placement: str, families: Iterable[str] = FAMI
     for fam, flag in (("light", False), ("heavy", True)):
         if fam in families:
             out[fam] = (make_step(cfg, rec, layers=flag), rec)
+    if "ce" in families and placement == "chain":     # the light step with the loss's logit figures
+        out["ce"] = (make_step(cfg, rec, ["ce"], layers=False), rec)
     if "skip" in families and placement == "chain":   # the light step with the in-step skip
         skip = vitals.record(vitals.skip_step(base_tx()), schedule=1e-3)
         out["skip"] = (make_step(cfg, skip, layers=False), skip)
@@ -278,7 +299,7 @@ def limits(cfg: rm.ModelConfig, params: Any, batch: dict, placement: str = "chai
     p = _nbytes(params)
     upd = p if placement == "chain" else 0
     return {"sow": act, "probes": act, "instrument": _instrument_reads(raw, params, batch), "light": p + upd,
-            "skip": p + upd,
+            "skip": p + upd, "ce": p + upd,
             "heavy": 2 * p + upd, "opt": p, "moe": _nbytes(counts)}
 
 

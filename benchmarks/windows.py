@@ -19,7 +19,10 @@ every ``cadence`` steps:
 - the **free per-group figures** (per-layer and per-group gradient, parameter and update
   norms, shares and update/param ratios: from the per-leaf sums the light step computes
   anyway) at every check where the stream has them, i.e. every 50 steps as recorded (at a
-  cadence of 50 that is every check; at 10, a conservative subset of what the loop sees).
+  cadence of 50 that is every check; at 10, a conservative subset of what the loop sees),
+  and the output logits' figures ``jvitals.cross_entropy`` takes from the loss's pass
+  (``act/output_layer_logits_rms.avg``, ``_abs.max``, ``act/output_layer_logsumexp.*``)
+  at the same steps.
   A scan-stacked model's per-layer *gradient* figures are kept on the heavy cadence here
   (the light step has them, per slice, at +0.8% of that step's bytes: the replay stays
   on the conservative side, as it was scored);
@@ -41,7 +44,8 @@ import fault_suite as fs
 WINDOW_FIGURES = ("loss", "grad/global_norm", "update/param_ratio")
 """The figures the recorder's window keeps (``jvitals.metrics.window.WINDOW_FIGURES``)."""
 
-_FREE = re.compile(r"^(grad/norm|grad/share|param/norm|update/param_ratio)/(layer_\d+|embedding|lm_head)$")
+_FREE = re.compile(r"^(grad/norm|grad/share|param/norm|update/param_ratio)/(layer_\d+|embedding|lm_head)$"
+                   r"|^act/output_layer_(logits_rms\.avg|logits_abs\.max|logsumexp\.mean|logsumexp\.max)$")
 _LAYER_GRAD = re.compile(r"^grad/(norm|share)/layer_\d+$")
 
 
@@ -53,7 +57,8 @@ def stacked(stream: fs.Stream) -> bool:
 
 
 def is_free(name: str, is_stacked: bool) -> bool:
-    """Whether ``name`` rides on every light step (from the per-leaf sums it computes anyway)."""
+    """Whether ``name`` rides on every light step (from the per-leaf sums it computes anyway,
+    or from the loss's pass over the logits)."""
     if not _FREE.match(name):
         return False
     return not (is_stacked and _LAYER_GRAD.match(name))

@@ -8,7 +8,7 @@ The package is laid out as the data flows (imports run the same way, never back)
   recorder :func:`record`, :class:`StepTimer`.
 - :mod:`jvitals.optim`, the optax remedies beside it: :func:`with_lr_scale` per group,
   :func:`layerwise_lr_decay`, :func:`adaptive_clip`, :func:`z_loss`, :func:`qk_clip`,
-  :func:`skip_step`.
+  :func:`skip_step`; :func:`cross_entropy` (the loss, with the output logits' figures from its pass).
 - :mod:`jvitals.monitor`, the host's judgement: :class:`Monitor` (a list of rules;
   verdicts), :class:`Policy`.
 - :mod:`jvitals.guard`, the response: :class:`Rollback` (with ``remedies="default"`` it
@@ -78,6 +78,7 @@ from jvitals.optim import (
     layer_decay_factors,
     layerwise_lr_decay,
     LRGroupScaleState,
+    cross_entropy,
     qk_clip,
     set_lr_scale,
     skip_step,
@@ -140,6 +141,7 @@ __all__ = [
     "activation_metrics",
     "adaptive_clip",
     "AdaptiveClipState",
+    "cross_entropy",
     "Alert",
     "AlertConfig",
     "assign_roles",

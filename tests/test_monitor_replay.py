@@ -5,6 +5,11 @@ whole (level, scores, every alert with every field and localization) and hashed 
 (``tests/verdict_digest.py``), against the digests recorded before the host side was
 reorganised (``tests/data/verdict_digests.json``, ``python tests/verdict_digest.py write``).
 A change of any verdict on any stream fails here and names the streams.
+
+Re-recorded once since (issue 35, deliberately): the README loop's host sees the output
+logits' figures (``jvitals.cross_entropy``) at every check; 20 streams at a check every 50
+changed their alerts' localizations (more figures to name), no level, first alert, miss or
+healthy alarm changed (``benchmarks/corpus.py score``, every split, both cadences).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ PUBLIC = {
         'Rollback', 'RollbackActions', 'RollbackError', 'RollbackLimitError', 'Saving', 'set_lr_scale',
         'skip_step', 'SkipStepState', 'Snapshots', 'sow_summary', 'Spike', 'SpikeConfig', 'StepTimer',
         'summarize', 'summarize_logits', 'Summary', 'SystemConfig', 'TrainingPaused', 'update_metrics',
-        'ValidationConfig', 'Verdict', 'with_lr_scale', 'write', 'z_loss',
+        'ValidationConfig', 'Verdict', 'with_lr_scale', 'write', 'z_loss', 'cross_entropy',
     ),
     'jvitals.metrics': (
         'activation_metrics', 'assign_roles', 'attn_logits_probe', 'bos_value_grad_metrics', 'DEFAULT_EVERY',
@@ -46,7 +46,7 @@ PUBLIC = {
     'jvitals.optim': (
         'adaptive_clip', 'AdaptiveClipState', 'get_lr_scale', 'get_lr_scales', 'has_lr_scale',
         'layer_decay_factors', 'layerwise_lr_decay', 'LR_SCALE', 'LR_SCALE_ARG', 'LRGroupScaleState',
-        'qk_clip', 'set_lr_scale', 'skip_step', 'SkipStepState', 'with_lr_scale', 'z_loss',
+        'qk_clip', 'set_lr_scale', 'skip_step', 'SkipStepState', 'with_lr_scale', 'z_loss', 'cross_entropy',
     ),
     'jvitals.monitor': (
         'Alert', 'AlertConfig', 'BandConfig', 'BASELINE_KINDS', 'BaselineConfig', 'BetweenConfig',

@@ -27,6 +27,7 @@ from jvitals.optim.qk_clip import (
     qk_clip,
 )
 from jvitals.optim.losses import (
+    cross_entropy,
     z_loss,
 )
 from jvitals.optim.skip import (
@@ -37,6 +38,7 @@ from jvitals.optim.skip import (
 __all__ = [
     "adaptive_clip",
     "AdaptiveClipState",
+    "cross_entropy",
     "get_lr_scale",
     "get_lr_scales",
     "has_lr_scale",

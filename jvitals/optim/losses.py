@@ -1,17 +1,34 @@
-"""Auxiliary losses jvitals' prescriptions name: the z-loss (PaLM).
+"""Losses: the token cross-entropy with the output logits' figures from its own pass, and
+the z-loss (PaLM) jvitals' prescriptions name.
 
 METRICS.md §6 prescribes a z-loss when the output logits drift (the log-sum-exp
 grows): it pulls ``log Z = logsumexp(logits)`` towards 0, so the softmax stays
 well conditioned without changing what it predicts.
+
+:func:`cross_entropy` takes the figures of the output logits (METRICS.md §2's
+``act/output_layer_logits_*`` and the log-sum-exp) from the reductions over the
+vocabulary the loss takes anyway, so they ride on every step instead of only on the
+heavy one.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-__all__ = ["z_loss"]
+from jvitals.metrics.axes import check_axes, pmax_over, psum_over
+
+__all__ = ["LOGIT_FIGURES", "cross_entropy", "z_loss"]
+
+_F32 = jnp.float32
+
+LOGIT_FIGURES = ("act/output_layer_logits_rms.avg", "act/output_layer_logits_abs.max",
+                 "act/output_layer_logsumexp.mean", "act/output_layer_logsumexp.max")
+"""The figures :func:`cross_entropy` returns beside the loss (the names of
+:func:`~jvitals.metrics.activations.activation_metrics`, equal values)."""
 
 
 def z_loss(logits: jax.Array, mask: jax.Array | None = None, *, weight: float = 1e-4) -> jax.Array:
@@ -56,3 +73,104 @@ def z_loss(logits: jax.Array, mask: jax.Array | None = None, *, weight: float = 
     total = jnp.sum(jnp.where(valid, jnp.square(lse), 0.0))
     n = jnp.sum(valid.astype(jnp.float32))
     return jnp.asarray(weight, jnp.float32) * total / jnp.maximum(n, 1.0)
+
+
+def _check_ce(logits: jax.Array, labels: jax.Array, mask: jax.Array | None) -> None:
+    if jnp.ndim(logits) < 1:
+        raise ValueError(f"cross_entropy: logits must have a vocabulary axis (shape [..., V]), got "
+                         f"shape {jnp.shape(logits)}")
+    want = tuple(jnp.shape(logits)[:-1])
+    if tuple(jnp.shape(labels)) != want:
+        raise ValueError(f"cross_entropy: labels have shape {tuple(jnp.shape(labels))}, expected the "
+                         f"logits' shape without the vocabulary axis, {want} (integer token ids)")
+    if mask is not None and tuple(jnp.shape(mask)) != want:
+        raise ValueError(f"cross_entropy: mask has shape {tuple(jnp.shape(mask))}, expected the "
+                         f"logits' shape without the vocabulary axis, {want} (True = a valid token)")
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None, *,
+                  z_loss_weight: float = 0.0, axes: Sequence[str] | str = ()
+                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Masked mean token cross-entropy, and the output logits' figures from the same pass.
+
+    In float32 whatever the logits' dtype; with ``x`` the logits of a valid position,
+    ``m = max_v x`` and ``lse = m + log sum_v exp(x - m)``::
+
+        loss = sum_valid (lse - x[label]) / n_valid  (+ z_loss_weight * sum_valid lse^2 / n_valid)
+        act/output_layer_logits_rms.avg  = sqrt(sum_valid sum_v x^2 / (n_valid V))
+        act/output_layer_logits_abs.max  = max_valid max(m, -min_v x)
+        act/output_layer_logsumexp.mean  = sum_valid lse / n_valid
+        act/output_layer_logsumexp.max   = max_valid lse
+
+    The figures are those of :func:`~jvitals.metrics.activations.activation_metrics`
+    on the same logits (same names, equal values), taken from the reductions over the
+    vocabulary the loss needs (the maximum and the log-sum-exp) plus a sum of squares
+    and a minimum over the same rows, which XLA fuses with them where it fuses
+    reductions over one input (GPU, TPU); so the README's light step carries them on
+    every step. A non-finite logit of a valid position makes the figures NaN (the loss
+    shows it as it is); masked positions enter neither the loss, nor its gradient, nor
+    the figures, whatever they hold. The figures carry no gradient.
+
+    Args:
+      logits: ``[..., V]`` output logits (e.g. ``[B, T, V]``).
+      labels: integer ids of shape ``logits.shape[:-1]``.
+      mask: None (every position valid), or a boolean/0-1 array of shape
+        ``logits.shape[:-1]`` (True = valid). With no valid position the loss is 0.
+      z_loss_weight: adds PaLM's z-loss (:func:`z_loss`) from the same log-sum-exp (>= 0).
+      axes: inside ``shard_map``, the mesh axes the tokens are sharded along (the
+        sums and maxima are reduced over them; the vocabulary axis must be whole).
+
+    Returns:
+      ``(loss, figures)``: a float32 scalar (the mean over the valid positions of
+      the shard's global batch) and ``{name: float32 scalar}`` of :data:`LOGIT_FIGURES`.
+
+    Raises:
+      ValueError: labels or mask not shaped ``logits.shape[:-1]``, a negative
+        ``z_loss_weight``, or an axis not bound here.
+
+    Example::
+
+      def loss_fn(params):
+          logits = model.apply({"params": params}, batch["tokens"])
+          return vitals.cross_entropy(logits, batch["labels"], batch["mask"])   # (loss, figures)
+      (loss, logit_figures), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    """
+    _check_ce(logits, labels, mask)
+    if isinstance(z_loss_weight, (int, float)) and not z_loss_weight >= 0:
+        raise ValueError(f"cross_entropy: z_loss_weight={z_loss_weight!r} must be >= 0 (PaLM uses 1e-4)")
+    axes = check_axes(axes)
+    x = jnp.asarray(logits).astype(_F32)
+    valid = jnp.ones(x.shape[:-1], bool) if mask is None else jnp.asarray(mask).astype(bool)
+    x = jnp.where(valid[..., None], x, 0.0)            # masked rows: no value, no gradient
+    m = lax.stop_gradient(jnp.max(x, axis=-1))
+    safe_m = jnp.where(jnp.isfinite(m), m, 0.0)
+    lse = jnp.log(jnp.sum(jnp.exp(x - safe_m[..., None]), axis=-1)) + safe_m
+    # The label's logit as a masked sum over the vocabulary (as MaxText's one-hot form): any
+    # sharding of the vocabulary axis works, where a gather needs it whole.
+    hit = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) == jnp.asarray(labels, jnp.int32)[..., None]
+    picked = jnp.sum(jnp.where(hit, x, 0.0), axis=-1)
+    n = psum_over(jnp.sum(valid.astype(_F32)), axes)
+    per_token = lse - picked
+    if not (isinstance(z_loss_weight, (int, float)) and z_loss_weight == 0):
+        per_token = per_token + jnp.asarray(z_loss_weight, _F32) * jnp.square(lse)
+    loss = psum_over(jnp.sum(jnp.where(valid, per_token, 0.0)), axes) / jnp.maximum(n, 1.0)
+    return loss, _logit_figures(lax.stop_gradient(x), lax.stop_gradient(lse), m, valid, n, axes)
+
+
+def _logit_figures(x: jax.Array, lse: jax.Array, m: jax.Array, valid: jax.Array, n: jax.Array,
+                   axes: tuple[str, ...]) -> dict[str, jax.Array]:
+    """:data:`LOGIT_FIGURES` from the rows' maximum ``m`` and log-sum-exp (see :func:`cross_entropy`)."""
+    neg = jnp.float32(-jnp.inf)
+    sumsq = psum_over(jnp.sum(jnp.where(valid, jnp.sum(jnp.square(x), axis=-1), 0.0)), axes)
+    absmax = pmax_over(jnp.max(jnp.where(valid, jnp.maximum(m, -jnp.min(x, axis=-1)), neg)), axes)
+    lse_sum = psum_over(jnp.sum(jnp.where(valid, lse, 0.0)), axes)
+    lse_max = pmax_over(jnp.max(jnp.where(valid, lse, neg)), axes)
+    vocab = x.shape[-1]
+    raw = {"act/output_layer_logits_rms.avg": jnp.sqrt(sumsq / jnp.maximum(n * vocab, 1.0)),
+           "act/output_layer_logits_abs.max": absmax,
+           "act/output_layer_logsumexp.mean": lse_sum / jnp.maximum(n, 1.0),
+           "act/output_layer_logsumexp.max": lse_max}
+    # A non-finite valid logit makes the sum of squares non-finite, and every figure NaN
+    # (as activation_metrics gives them); no valid position: NaN.
+    ok = jnp.isfinite(sumsq) & (n > 0.5)
+    return {k: jnp.where(ok, v, jnp.nan).astype(_F32) for k, v in raw.items()}
