@@ -1,9 +1,14 @@
-"""Pytree helpers of the checkpoint store: the restore target, and the finiteness check."""
+"""Pytree helpers of the checkpoint store: the restore target, the finiteness check, and
+a checkpoint held against the train state (:func:`fit`): what matches is restored as it
+is; a recorder state an older jvitals wrote (another figure vector, other families) is
+taken from the train state (:class:`Fit`, :func:`graft`, :func:`migration_note`); any
+other difference is a :class:`CheckpointMismatchError` naming the path, the shapes and
+the step."""
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +16,7 @@ import numpy as np
 
 from jvitals.metrics.paths import path_str
 
-__all__ = ["abstract", "all_finite"]
+__all__ = ["CheckpointMismatchError", "Fit", "abstract", "all_finite", "fit", "graft", "migration_note"]
 
 
 
@@ -40,3 +45,186 @@ def all_finite(tree: Any) -> bool:
     if not flags:
         return True
     return bool(jax.device_get(jnp.all(jnp.stack(flags))))
+
+
+# ----------------------------------------------------------------------------
+# A checkpoint against the train state: what fits, what an older recorder wrote.
+# ----------------------------------------------------------------------------
+
+RECORDER_FIELDS = ("metrics", "last_step")
+"""A recorder state's own fields (``RecordState.metrics``, the latest figures and the
+window; ``RecordState.last_step``, when each family was last computed): measurements,
+whose layout changes with the jvitals version. Its ``count`` (the update counter the
+schedule's figure and the cadences read) and ``inner_state`` (the wrapped optimizer's
+state: Adam's moments) are training state."""
+
+Path = tuple[str, ...]
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint whose arrays do not fit the train state: the model or the optimizer
+    changed since it was saved. The checkpoint is left as it is (not quarantined).
+
+    Attributes: ``directory``, ``step``, ``path`` (the first path that differs, ``/``-joined),
+    ``on_disk`` and ``expected`` (its dtype and shape there and in the train state, or
+    ``"absent"``).
+    """
+
+    def __init__(self, message: str, *, directory: str, step: int, path: str = "", on_disk: str = "",
+                 expected: str = "") -> None:
+        super().__init__(message)
+        self.directory, self.step, self.path = directory, step, path
+        self.on_disk, self.expected = on_disk, expected
+
+
+class Fit(NamedTuple):
+    """How a checkpoint whose recorder states differ from the train state's is restored.
+
+    Attributes:
+      target: the restore target, shaped like the checkpoint: the train state's leaves
+        (as :func:`abstract` gives them), NumPy arrays for the differing recorders' own
+        leaves (read, then dropped).
+      kept: the train state's paths taken from it rather than from disk (the differing
+        recorders' ``metrics`` and ``last_step``).
+      diffs: what differed, ``(path, on disk, in the train state)``.
+      where: the checkpoint, ``"<store>: checkpoint <step> in '<directory>'"``.
+    """
+
+    target: Any
+    kept: frozenset[Path]
+    diffs: tuple[tuple[Path, str, str], ...]
+    where: str
+
+
+def _key_name(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _path(keys: Any) -> Path:
+    """A pytree path as orbax names it on disk (dict keys, field names, indices as text)."""
+    return tuple(_key_name(k) for k in keys)
+
+
+def _flat(tree: Any) -> dict[Path, Any]:
+    return {_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _describe(x: Any) -> str:
+    """``float32[32, 64]`` (a leaf of the train state, or orbax's metadata of one)."""
+    shape = getattr(x, "shape", None)
+    shape = np.shape(x) if shape is None else shape
+    dtype = getattr(x, "dtype", None)
+    if dtype is None and not isinstance(x, (str, bytes)):
+        dtype = np.asarray(x).dtype
+    return f"{np.dtype(dtype).name if dtype is not None else type(x).__name__}[{', '.join(map(str, shape))}]"
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    shape = getattr(x, "shape", None)
+    return tuple(np.shape(x) if shape is None else shape)
+
+
+def _recorders(paths: Any) -> set[Path]:
+    """The paths of the recorder states in a tree with these leaf paths: the nodes with a
+    ``count``, a ``last_step`` and a ``metrics/vector`` (a ``RecordState``, or its form
+    in an ``nnx.State`` or on disk)."""
+    paths = list(paths)
+    prefixes = {p[:j] for p in paths for j in range(1, len(p) + 1)}
+    return {p[:i] for p in paths for i in range(len(p) - 1)
+            if p[i:i + 2] == ("metrics", "vector") and p[:i] + ("count",) in prefixes
+            and p[:i] + ("last_step",) in prefixes}
+
+
+def _owner(path: Path, recorders: set[Path]) -> Path | None:
+    """The recorder whose own field (:data:`RECORDER_FIELDS`) holds ``path``, or None."""
+    for i, k in enumerate(path):
+        if k in RECORDER_FIELDS and path[:i] in recorders:
+            return path[:i]
+    return None
+
+
+def _diffs(disk: Mapping[Path, Any], mine: Mapping[Path, Any]) -> list[tuple[Path, str, str]]:
+    """Every path whose leaf is absent on one side or has another shape, the train
+    state's order first (dtypes aside: orbax casts to the train state's)."""
+    out = [(p, "absent" if p not in disk else _describe(disk[p]), _describe(x)) for p, x in mine.items()
+           if p not in disk or tuple(getattr(disk[p], "shape", ())) != _shape(x)]
+    return out + [(p, _describe(m), "absent") for p, m in disk.items() if p not in mine]
+
+
+def fit(disk_tree: Any, like: Any, *, step: int, directory: str, store: str = "checkpoints") -> Fit | None:
+    """Compares the tree of checkpoint ``step`` (orbax's metadata of it, in ``directory``
+    of the store named ``store``) with the train state ``like``.
+
+    Returns:
+      None when every path and shape matches (restore onto ``like`` as it is); a
+      :class:`Fit` when the only differences lie in recorder states' own fields (a
+      checkpoint of an older jvitals recorder).
+
+    Raises:
+      CheckpointMismatchError: a difference anywhere else (it names the first).
+      ValueError: the checkpoint's tree is empty (unreadable metadata: corrupt).
+    """
+    where = f"{store}: checkpoint {int(step)} in {str(directory)!r}"
+    disk = _flat(disk_tree)
+    if not disk:
+        raise ValueError(f"{where}: its tree metadata lists no arrays")
+    mine = _flat(like)
+    diffs = _diffs(disk, mine)
+    if not diffs:
+        return None
+    recorders = _recorders(mine)
+    outside = [d for d in diffs if _owner(d[0], recorders) is None]
+    if outside:
+        raise _mismatch(outside, where, (int(step), str(directory)))
+    changed = {_owner(d[0], recorders) for d in diffs}
+
+    def leaf(keys: Any, m: Any) -> Any:
+        p = _path(keys)
+        if _owner(p, changed) is not None:
+            return np.zeros(tuple(getattr(m, "shape", ()) or ()), getattr(m, "dtype", None) or np.float32)
+        return abstract(mine[p])
+
+    target = jax.tree_util.tree_map_with_path(leaf, disk_tree)
+    return Fit(target, frozenset(p for p in mine if _owner(p, changed) is not None), tuple(diffs), where)
+
+
+def _mismatch(diffs: list[tuple[Path, str, str]], where: str,
+              step_dir: tuple[int, str]) -> CheckpointMismatchError:
+    (path, on_disk, expected), rest = diffs[0], diffs[1:]
+    step, directory = step_dir
+    name = "/".join(path)
+    more = (f" ({len(rest)} more path(s) differ: {', '.join('/'.join(d[0]) for d in rest[:3])}"
+            f"{', ...' if len(rest) > 3 else ''})") if rest else ""
+    return CheckpointMismatchError(
+        f"{where} does not fit the train state: {name} is {on_disk} on disk but {expected} in the "
+        f"train state{more}. The model or the optimizer changed since checkpoint {step} was saved; jvitals "
+        "does not patch a model's arrays, and the checkpoint is left as it is (not quarantined). "
+        "Resume with the model and optimizer it was saved with, or start the changed model in a new "
+        "checkpoint directory (or move this run's checkpoints away).",
+        directory=directory, step=int(step), path=name, on_disk=on_disk, expected=expected)
+
+
+def graft(restored: Any, like: Any, kept: frozenset[Path]) -> Any:
+    """``like``'s structure with its leaves from ``restored`` (the checkpoint's tree, read
+    through :attr:`Fit.target`), the ``kept`` paths from ``like`` itself (copies)."""
+    got = _flat(restored)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
+    out = []
+    for keys, x in leaves:
+        p = _path(keys)
+        out.append((x.copy() if isinstance(x, jax.Array) else x) if p in kept else got[p])
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def migration_note(fitted: Fit) -> str:
+    """The one warning line of a checkpoint an older jvitals recorder wrote."""
+    shown = "; ".join(f"{'/'.join(p)}: {d} on disk, {e} now" for p, d, e in fitted.diffs[:4])
+    shown += "; ..." if len(fitted.diffs) > 4 else ""
+    kept = ", ".join(sorted("/".join(p) for p in fitted.kept))
+    return (f"{fitted.where} was written by an older jvitals recorder ({shown}): restored every other "
+            f"array from disk, and kept the recorder's figures from the current train state ({kept}). "
+            "They hold only the latest figures and the window since the last read, nothing the run "
+            "needs; the next update refills them.")

@@ -153,9 +153,10 @@ class Restorer:
     def restore_first(self, candidates: Iterable[CheckpointInfo],
                       like: Any) -> tuple[CheckpointInfo, Any, dict] | None:
         """:meth:`Stores.restore_first`; the candidates skipped become alerts and events."""
-        found = self.disk.restore_first(candidates, like, finite=self.policy.check_finite)
-        self.outbox.collect_failures(self.disk)
-        return found
+        try:
+            return self.disk.restore_first(candidates, like, finite=self.policy.check_finite)
+        finally:    # a CheckpointMismatchError too: the candidates skipped before it are reported
+            self.outbox.collect_failures(self.disk)
 
     def rollback(self, guard: Any, step: int, tree: Any, verdict: Any, position: Any,
                  sign_cutoff: tuple[int, int], alerts: list[Alert]) -> Response:

@@ -273,6 +273,9 @@ class Rollback:
 
         Returns:
           ``(state, metadata)``.
+
+        Raises:
+          CheckpointMismatchError: its arrays do not fit ``state`` (see :meth:`resume`).
         """
         return self._disk.holding(int(step)).restore(int(step), state)
 
@@ -295,6 +298,14 @@ class Rollback:
         Returns:
           ``(state, position)``: restored from the checkpoint (this process's
           position), or the inputs unchanged when the directory has none.
+
+        Raises:
+          CheckpointMismatchError: the newest healthy checkpoint's arrays do not fit
+            ``state`` (another shape, a path absent on one side: the model or the
+            optimizer changed); the message names the first path, both shapes and
+            the step; nothing is quarantined. (A checkpoint an older jvitals recorder
+            wrote is not one: its recorder's figures are taken from ``state``, with
+            one warning line.)
         """
         if monitor is not None:
             self.monitor = monitor
