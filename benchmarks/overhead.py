@@ -41,6 +41,8 @@ family         what the step adds                                           one-
                in-step skip's cost
 ``ce``         ``light`` with the loss by ``vitals.cross_entropy``: the     params + updates (the logits'
                output logits' figures from the loss's pass, every step      rows are read by the loss)
+``attn``       ``light`` with ``act/attn_logits_abs.max`` from the sown        params + updates (the
+               attention scores (the README's Linen loop, every step)       scores are the model's)
 ``opt``        ``optimizer_metrics``: Adam ``nu`` max, median, spread       Adam ``nu``
 ``moe``        ``moe_metrics`` of the sown expert counts (MoE configs)      the counts
 =============  ===========================================================  ==============================
@@ -92,7 +94,7 @@ from jvitals.metrics.stats import TokenSummary  # noqa: E402
 MB = 1e6
 HEAVY_EVERY = 500  # METRICS.md §5: per-layer figures every 500 steps (the README's cadence)
 TARGET_BYTES, TARGET_TEMP = 1.5, 1.05
-FAMILIES = ("sow", "probes", "instrument", "light", "heavy", "opt", "moe", "skip", "ce")
+FAMILIES = ("sow", "probes", "instrument", "light", "heavy", "opt", "moe", "skip", "ce", "attn")
 
 
 class TrainState(NamedTuple):
@@ -215,6 +217,8 @@ def _family_metrics(cfg: rm.ModelConfig, fams: frozenset[str], inter: Any, opt_s
         m.update(vitals.moe_metrics(_counts(inter), top_k=cfg.top_k))
     if "opt" in fams:
         m.update(vitals.optimizer_metrics(opt_state))
+    if "attn" in fams and "sow" not in fams:
+        m.update(vitals.activation_metrics(sown, mask=batch["mask"], names=("attn_logits",)))
     return m
 
 
@@ -272,6 +276,8 @@ def variants(cfg: rm.ModelConfig, placement: str, families: Iterable[str] = FAMI
             out[fam] = (make_step(cfg, rec, layers=flag), rec)
     if "ce" in families and placement == "chain":     # the light step with the loss's logit figures
         out["ce"] = (make_step(cfg, rec, ["ce"], layers=False), rec)
+    if "attn" in families and placement == "chain":   # ... and with the largest attention logit
+        out["attn"] = (make_step(cfg, rec, ["attn"], layers=False), rec)
     if "skip" in families and placement == "chain":   # the light step with the in-step skip
         skip = vitals.record(vitals.skip_step(base_tx()), schedule=1e-3)
         out["skip"] = (make_step(cfg, skip, layers=False), skip)
@@ -299,7 +305,7 @@ def limits(cfg: rm.ModelConfig, params: Any, batch: dict, placement: str = "chai
     p = _nbytes(params)
     upd = p if placement == "chain" else 0
     return {"sow": act, "probes": act, "instrument": _instrument_reads(raw, params, batch), "light": p + upd,
-            "skip": p + upd, "ce": p + upd,
+            "skip": p + upd, "ce": p + upd, "attn": p + upd,
             "heavy": 2 * p + upd, "opt": p, "moe": _nbytes(counts)}
 
 

@@ -22,7 +22,8 @@ every ``cadence`` steps:
   cadence of 50 that is every check; at 10, a conservative subset of what the loop sees),
   and the output logits' figures ``jvitals.cross_entropy`` takes from the loss's pass
   (``act/output_layer_logits_rms.avg``, ``_abs.max``, ``act/output_layer_logsumexp.*``)
-  at the same steps.
+  and the largest attention logit the README's Linen loop reads every step
+  (``act/attn_logits_abs.max`` and per layer) at the same steps.
   A scan-stacked model's per-layer *gradient* figures are kept on the heavy cadence here
   (the light step has them, per slice, at +0.8% of that step's bytes: the replay stays
   on the conservative side, as it was scored);
@@ -45,7 +46,8 @@ WINDOW_FIGURES = ("loss", "grad/global_norm", "update/param_ratio")
 """The figures the recorder's window keeps (``jvitals.metrics.window.WINDOW_FIGURES``)."""
 
 _FREE = re.compile(r"^(grad/norm|grad/share|param/norm|update/param_ratio)/(layer_\d+|embedding|lm_head)$"
-                   r"|^act/output_layer_(logits_rms\.avg|logits_abs\.max|logsumexp\.mean|logsumexp\.max)$")
+                   r"|^act/output_layer_(logits_rms\.avg|logits_abs\.max|logsumexp\.mean|logsumexp\.max)$"
+                   r"|^act/attn_logits_abs\.max(/layer_\d+)?$")
 _LAYER_GRAD = re.compile(r"^grad/(norm|share)/layer_\d+$")
 
 

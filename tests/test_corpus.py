@@ -186,9 +186,10 @@ def test_an_unmistakable_update_jump_alerts_at_its_check(split, cadence, heavy):
 # Issue 35's target: at most 1 of 21 faults missed at checks every 50 (heavy 500) and every 10,
 # with the README loop's windows and free per-group figures (the scorer's default). Scored once
 # after the rules were set on the TUNING part: met on BLIND, not on HELD-OUT (5 and 2 missed;
-# docs/DIAGNOSIS.md says which and why): an expected failure there while it is not met, and no
-# more than the 5 and 2 found (a change that misses more fails).
-HELDOUT_MISSED = {50: 5, 10: 2}
+# docs/DIAGNOSIS.md says which and why); 4 and 2 once the loop read the largest attention logit
+# every step (no rule changed): an expected failure there while it is not met, and no more than
+# the 4 and 2 found (a change that misses more fails).
+HELDOUT_MISSED = {50: 4, 10: 2}
 
 
 @pytest.mark.parametrize("split", SPLITS)

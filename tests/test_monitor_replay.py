@@ -9,7 +9,11 @@ A change of any verdict on any stream fails here and names the streams.
 Re-recorded once since (issue 35, deliberately): the README loop's host sees the output
 logits' figures (``jvitals.cross_entropy``) at every check; 20 streams at a check every 50
 changed their alerts' localizations (more figures to name), no level, first alert, miss or
-healthy alarm changed (``benchmarks/corpus.py score``, every split, both cadences).
+healthy alarm changed (``benchmarks/corpus.py score``, every split, both cadences). And once
+more when the README's Linen loop read the largest attention logit every step (the replay
+gives ``act/attn_logits_abs.max`` at every check): 18 streams at a check every 50 changed,
+among them the held-out Llama attention-logit growth, caught at 1450 (missed before), and
+one healthy blind YELLOW (the ``logits`` rule, the one the cadence of 10 already had).
 """
 
 from __future__ import annotations
