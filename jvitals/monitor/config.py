@@ -333,7 +333,8 @@ class ValidationConfig:
       gap_z: the growth excess must exceed this many of its standard deviations.
       gap_confirm: consecutive samples meeting a rule before the YELLOW.
       rise_window, rise_min_samples, rise_z, rise_min: the val-rise rule (Mann-Kendall
-        z > ``rise_z`` and a Theil-Sen rise >= ``rise_min`` while the loss falls).
+        z > ``rise_z`` and a Theil-Sen rise >= ``rise_min`` while the loss falls, over the
+        last ``rise_window`` steps, reaching back to hold ``rise_min_samples`` samples).
     """
 
     gap_window: int = 1000

@@ -155,8 +155,11 @@ class GapRule(RuleBase):
 class ValRiseRule(RuleBase):
     """Val loss rising while the train loss falls (METRICS.md §6, fourth row).
 
-    Over the ``val_rise_window`` steps before each ``val/loss`` sample (at
-    least ``val_rise_min_samples`` samples, after the baseline start)::
+    Over the ``val_rise_window`` steps before each ``val/loss`` sample, extended back to
+    hold ``val_rise_min_samples`` samples where they are sparser (``val/loss`` every 500
+    steps, as at the README's heavy cadence: the last 8 samples, 3,500 steps; a fixed
+    500-step window would never hold 8 of them, and the rule would never fire), after
+    the baseline start::
 
         YELLOW when Mann-Kendall z(val) > val_rise_z, the val loss's Theil-Sen
                rise over the window >= val_rise_min (relative), and the loss
@@ -191,7 +194,8 @@ class ValRiseRule(RuleBase):
         self.ts.append(t)
         self.val.append(v)
         self.trend.append(trend)
-        while self.ts and self.ts[0] < t - p.validation.rise_window:
+        while (self.ts and self.ts[0] < t - p.validation.rise_window
+               and len(self.ts) > p.validation.rise_min_samples):
             self.ts.popleft()
             self.val.popleft()
             self.trend.popleft()
