@@ -9,7 +9,7 @@ every ``cadence`` steps:
 - the step's own light figures (as :func:`fault_suite.replay` gives them);
 - the **window** over the steps since the previous check, as
   :mod:`jvitals.metrics.window` keeps it on the device: for ``loss``,
-  ``grad/global_norm`` and ``update/param_ratio`` the max, min, mean, std of the finite
+  ``grad/global_norm`` (before and after the clip) and ``update/param_ratio`` the max, min, mean, std of the finite
   values and how many updates before the check the max was (``window/{f}.max_ago``); the
   number of updates (``window/steps``), of updates with a non-finite loss or gradient
   (``window/nonfinite_steps``) and how long ago the first was
@@ -42,7 +42,7 @@ import numpy as np
 
 import fault_suite as fs
 
-WINDOW_FIGURES = ("loss", "grad/global_norm", "update/param_ratio")
+WINDOW_FIGURES = ("loss", "grad/global_norm", "grad/global_norm_post_clip", "update/param_ratio")
 """The figures the recorder's window keeps (``jvitals.metrics.window.WINDOW_FIGURES``)."""
 
 _FREE = re.compile(r"^(grad/norm|grad/share|param/norm|update/param_ratio)/(layer_\d+|embedding|lm_head)$"

@@ -108,7 +108,7 @@ def train(steps: int, cadence: int, *, skip: bool = False, finite: bool = False,
 
 
 def test_window_names_are_the_monitor_and_the_corpus_contract():
-    names = W.window_names(["loss", "grad/global_norm", "update/param_ratio"])
+    names = W.window_names(["loss", "grad/global_norm", "grad/global_norm_post_clip", "update/param_ratio"])
     assert tuple(bench_windows.WINDOW_FIGURES) == W.WINDOW_FIGURES
     got = bench_windows.window({f: np.arange(5.0) + 1 for f in W.WINDOW_FIGURES}, np.zeros(5, bool), 0, 4)
     # the corpus' trainers revert the recorder with their loss-scale skip: no skip reaches a window there
@@ -162,7 +162,7 @@ def test_without_vitals_read_each_update_is_its_own_window():
 
 def test_update_window_against_a_numpy_loop():
     rng = np.random.default_rng(3)
-    xs = rng.normal(size=(30, 3)).astype(np.float32)
+    xs = rng.normal(size=(30, len(W.WINDOW_FIGURES))).astype(np.float32)
     xs[5, 0] = np.nan
     xs[11, 1] = np.inf
     names = W.window_names(list(W.WINDOW_FIGURES))

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 __all__ = ["WINDOW_FIGURES", "WINDOW_PREFIX", "empty_window", "update_window", "window_names"]
 
 WINDOW_PREFIX = "window/"
-WINDOW_FIGURES = ("loss", "grad/global_norm", "update/param_ratio")
+WINDOW_FIGURES = ("loss", "grad/global_norm", "grad/global_norm_post_clip", "update/param_ratio")
 """The figures a window keeps extremes, mean and spread of (those the step has)."""
 
 _PER_FIGURE = ("max", "min", "max_ago", "mean", "std", "n")
