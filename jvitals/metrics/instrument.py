@@ -27,9 +27,10 @@ NAME                     what                                             found 
                          (:class:`~jvitals.metrics.probes.LogitsRows`)            GPT-2's tied head), or ``Embed.attend``
 ``mtp_logits``           further calls of the same head in one apply      (the reference model's MTP depths)
 ``expert_counts``        top-k experts of each token (needs ``top_k``)    role ``router``
-``attn_logits``          per query, the max |pre-softmax score| over      ``flax.linen``'s ``dot_product_attention_
-                         valid keys (``attn_logits=True`` only)           weights`` (``nn.MultiHeadDotProduct
-                                                                          Attention``; HF-Flax GPT-2, Llama, ...)
+``attn_logits``          per query, the max |pre-softmax score| over      flax's ``dot_product_attention_weights``
+                         valid keys (``attn_logits=True`` only)           (Linen's and NNX's: HF-Flax GPT-2, Llama,
+                                                                          ...) and ``jax.nn.dot_product_attention``
+                                                                          (``nnx.MultiHeadAttention``)
 ======================== ================================================ =========================================
 
 Padding: every value is sown **per token** (a :class:`~jvitals.metrics.stats.TokenSummary`
@@ -62,7 +63,9 @@ when it is open (the State it returns), else as ``nnx.Intermediate`` attributes 
 modules that ``nnx.pop(model, nnx.Intermediate)`` takes. A block that returns a tuple
 (tunix's ``(cache, x)``) is read at the element shaped like its input; a tied head's
 ``Embedder.decode`` / ``nnx.Embed.attend`` gives the logits. Eager or inside ``nnx.jit``
-and ``nnx.grad`` (trace time). ``attn_logits=True`` reads flax.linen's attention only.
+and ``nnx.grad`` (trace time). ``attn_logits=True`` reads attention computed by flax's
+``dot_product_attention_weights`` or ``jax.nn.dot_product_attention``; attention written
+out by hand (tunix's einsums) is not seen.
 """
 
 from __future__ import annotations
@@ -525,60 +528,110 @@ def _check_sown(state: _State) -> None:
 
 
 # ----------------------------------------------------------------------------------
-# Attention logits: flax.linen's dot_product_attention_weights, wherever it was imported.
+# Attention logits: flax's dot_product_attention_weights (Linen's and NNX's) and
+# jax.nn.dot_product_attention (NNX's MultiHeadAttention without dropout), wherever imported.
+
+
+def _scores(query: Any, key: Any, bias: Any, mask: Any, scale: float | None = None) -> tuple[Any, Any]:
+    """``(s, valid)``, both ``[..., H, Tq, Tk]``: the pre-softmax scores of ``[..., T, H, D]``
+    queries and keys (K/V heads repeated for grouped queries) and where they count."""
+    q = lax.stop_gradient(query).astype(_F32)
+    k = lax.stop_gradient(key).astype(_F32)
+    if k.shape[-2] != q.shape[-2]:
+        k = jnp.repeat(k, q.shape[-2] // k.shape[-2], axis=-2)
+    sc = 1.0 / jnp.sqrt(jnp.float32(q.shape[-1])) if scale is None else jnp.float32(scale)
+    s = jnp.einsum("...qhd,...khd->...hqk", q * sc, k)
+    valid = jnp.ones((), bool)
+    if bias is not None:
+        b = lax.stop_gradient(jnp.asarray(bias)).astype(_F32)
+        s = s + b
+        # Masking by bias: HF-Flax adds finfo.min where a key is masked.
+        valid = valid & (b > jnp.finfo(jnp.asarray(bias).dtype).min / 2)
+    if mask is not None:
+        valid = valid & jnp.asarray(mask, bool)
+    return s, jnp.broadcast_to(valid, s.shape)
+
+
+def _sow_scores(state: _State, s: Any, valid: Any) -> None:
+    """Sows ``attn_logits`` for the module being called: per query position, the max over
+    heads and valid keys of ``[..., H, Tq, Tk]`` scores."""
+    frame = state.stack[-1]
+    s = jnp.moveaxis(s, -2, -3)            # [..., Tq, H, Tk]
+    valid = jnp.moveaxis(valid, -2, -3)
+    _sow(state, frame.module, frame.path, "attn_logits",
+         summarize_tokens(s, valid, token_ndim=s.ndim - 2, max_only=True))
 
 
 def _attn_wrapper(state: _State, orig: Callable[..., Any]) -> Callable[..., Any]:
     def dot_product_attention_weights(query, key, bias=None, mask=None, *args, **kwargs):
         if state.stack and state.want("attn_logits"):
-            frame = state.stack[-1]
-            q = lax.stop_gradient(query).astype(_F32)
-            k = lax.stop_gradient(key).astype(_F32)
-            s = jnp.einsum("...qhd,...khd->...hqk", q / jnp.sqrt(jnp.float32(q.shape[-1])), k)
-            valid = jnp.ones((), bool)
-            if bias is not None:
-                b = lax.stop_gradient(jnp.asarray(bias)).astype(_F32)
-                s = s + b
-                # Masking by bias: HF-Flax adds finfo.min where a key is masked.
-                valid = valid & (b > jnp.finfo(jnp.asarray(bias).dtype).min / 2)
-            if mask is not None:
-                valid = valid & jnp.asarray(mask, bool)
-            valid = jnp.broadcast_to(valid, s.shape)
-            # [..., H, Tq, Tk] -> [..., Tq, H, Tk]: per query position, the max over heads and keys.
-            s = jnp.moveaxis(s, -2, -3)
-            valid = jnp.moveaxis(valid, -2, -3)
-            _sow(state, frame.module, frame.path, "attn_logits",
-                 summarize_tokens(s, valid, token_ndim=s.ndim - 2, max_only=True))
+            _sow_scores(state, *_scores(query, key, bias, mask))
         return orig(query, key, bias, mask, *args, **kwargs)
 
     dot_product_attention_weights.__wrapped__ = orig  # type: ignore[attr-defined]
     return dot_product_attention_weights
 
 
+def _jax_attn_wrapper(state: _State, orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``jax.nn.dot_product_attention``'s scores: ``scale``, ``is_causal``, the sequence
+    lengths and ``local_window_size`` as it applies them (``[B, T, N, H]`` or ``[T, N, H]``)."""
+    def dot_product_attention(query, key, value, bias=None, mask=None, *args, **kw):
+        if state.stack and state.want("attn_logits") and not args:
+            s, valid = _scores(query, key, bias, mask, kw.get("scale"))
+            tq, tk = s.shape[-2], s.shape[-1]
+            i = jnp.arange(tq)[:, None]
+            j = jnp.arange(tk)[None, :]
+            ok = jnp.ones((tq, tk), bool)
+            if kw.get("is_causal"):
+                ok = ok & (j <= i)
+            win = kw.get("local_window_size")
+            if win is not None:
+                left, right = (win, win) if isinstance(win, int) else win
+                ok = ok & (j >= i - left) & (j <= i + right)
+            valid = valid & jnp.broadcast_to(ok.reshape((1,) * (valid.ndim - 2) + ok.shape), valid.shape)
+            for name, ax in (("query_seq_lengths", i), ("key_value_seq_lengths", j)):
+                if kw.get(name) is not None:       # [B] lengths: batch first, [B, N, T, S] scores
+                    lens = jnp.asarray(kw[name]).reshape((-1,) + (1,) * (valid.ndim - 1))
+                    pos = jnp.broadcast_to(ax, (tq, tk)).reshape((1,) * (valid.ndim - 2) + (tq, tk))
+                    valid = valid & jnp.broadcast_to(pos < lens, valid.shape)
+            _sow_scores(state, s, valid)
+        return orig(query, key, value, bias, mask, *args, **kw)
+
+    dot_product_attention.__wrapped__ = orig  # type: ignore[attr-defined]
+    return dot_product_attention
+
+
 @contextlib.contextmanager
 def _patched_attention(state: _State) -> Iterator[list[str]]:
-    """Replace ``dot_product_attention_weights`` in every loaded module that holds
-    flax's own (``flax.linen.attention`` itself and HF-Flax's modeling modules)."""
+    """Replace flax's ``dot_product_attention_weights`` (Linen's and NNX's) and
+    ``jax.nn.dot_product_attention`` in every loaded module that holds them
+    (``flax.linen.attention``, ``flax.nnx.nn.attention``, ``jax.nn``, HF-Flax's modeling
+    modules, a user's ``from jax.nn import dot_product_attention``)."""
     import flax.linen.attention as fla
+    import flax.nnx.nn.attention as nxa
 
-    orig = fla.dot_product_attention_weights
-    wrapped = _attn_wrapper(state, orig)
-    patched = []
+    swaps = {fla.dot_product_attention_weights: _attn_wrapper(state, fla.dot_product_attention_weights),
+             nxa.dot_product_attention_weights: _attn_wrapper(state, nxa.dot_product_attention_weights),
+             jax.nn.dot_product_attention: _jax_attn_wrapper(state, jax.nn.dot_product_attention)}
+    names = ("dot_product_attention_weights", "dot_product_attention")
+    patched: list[tuple[Any, str, Any]] = []
     for mod in list(sys.modules.values()):
         d = getattr(mod, "__dict__", None)
         if d is None:
             continue
         try:
-            if d.get("dot_product_attention_weights") is orig:
-                d["dot_product_attention_weights"] = wrapped
-                patched.append(mod)
+            for n in names:
+                orig = d.get(n)
+                if orig is not None and any(orig is o for o in swaps):
+                    d[n] = swaps[orig]
+                    patched.append((mod, n, orig))
         except Exception:  # pragma: no cover - exotic module objects
             continue
     try:
-        yield [m.__name__ for m in patched]
+        yield [m.__name__ for m, _, _ in patched]
     finally:
-        for mod in patched:
-            mod.__dict__["dot_product_attention_weights"] = orig
+        for mod, n, orig in patched:
+            mod.__dict__[n] = orig
 
 
 @contextlib.contextmanager
@@ -596,9 +649,10 @@ def instrument(roles: Roles | None = None, *, probes: bool = True, attn_logits: 
         ``hidden_states`` / ``attn_out_before_proj`` / ``gate_scores`` tensors
         (for debugging; the logits are always summarised, never sown whole).
       attn_logits: also sow ``attn_logits``: wraps flax's
-        ``dot_product_attention_weights`` (used by ``nn.MultiHeadDotProductAttention``
-        and HF-Flax GPT-2, GPT-J, GPT-Neo, Llama, Mistral, Gemma, Bloom, OPT...)
-        while the context is open. It recomputes ``q.k`` beside the model's own
+        ``dot_product_attention_weights`` (Linen's, used by ``nn.MultiHeadDotProductAttention``
+        and HF-Flax GPT-2, GPT-J, GPT-Neo, Llama, Mistral, Gemma, Bloom, OPT...; NNX's)
+        and ``jax.nn.dot_product_attention`` (``nnx.MultiHeadAttention`` without dropout,
+        with its causal flag, sequence lengths and local window) while the context is open. It recomputes ``q.k`` beside the model's own
         and reduces ``[B, H, T, T]`` once per layer. The function is swapped in
         the modules' globals while the context is open (trace time only; do not
         trace in several threads at once).
