@@ -96,16 +96,11 @@ class Fit(NamedTuple):
     where: str
 
 
-def _key_name(k: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
 def _path(keys: Any) -> Path:
-    """A pytree path as orbax names it on disk (dict keys, field names, indices as text)."""
-    return tuple(_key_name(k) for k in keys)
+    """A pytree path as orbax names it on disk (dict keys, field names, indices as text),
+    one name per level (``keystr``'s simple form; a Variable's ``value`` level kept, unlike
+    :func:`~jvitals.metrics.paths.path_str`, since orbax's tree keeps it too)."""
+    return tuple(jax.tree_util.keystr((k,), simple=True, separator="/") for k in keys)
 
 
 def _flat(tree: Any) -> dict[Path, Any]:
