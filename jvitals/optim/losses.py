@@ -57,15 +57,10 @@ def z_loss(logits: jax.Array, mask: jax.Array | None = None, *, weight: float = 
     """
     if isinstance(weight, (int, float)) and not weight >= 0:
         raise ValueError(f"z_loss: weight={weight!r} must be >= 0 (PaLM uses 1e-4)")
-    if jnp.ndim(logits) < 1:
-        raise ValueError(f"z_loss: logits must have a vocabulary axis (shape [..., V]), got shape "
-                         f"{jnp.shape(logits)}")
+    _check_rows("z_loss", logits, mask=mask)
     x = jnp.asarray(logits).astype(jnp.float32)
     if mask is None:
         return jnp.asarray(weight, jnp.float32) * jnp.mean(jnp.square(jax.nn.logsumexp(x, axis=-1)))
-    if tuple(jnp.shape(mask)) != tuple(x.shape[:-1]):
-        raise ValueError(f"z_loss: mask has shape {tuple(jnp.shape(mask))}, expected the logits' "
-                         f"shape without the vocabulary axis, {tuple(x.shape[:-1])}")
     valid = jnp.asarray(mask).astype(bool)
     # Masked rows are zeroed before the log-sum-exp, so garbage there (inf, NaN)
     # reaches neither the value nor the gradient.
@@ -75,17 +70,21 @@ def z_loss(logits: jax.Array, mask: jax.Array | None = None, *, weight: float = 
     return jnp.asarray(weight, jnp.float32) * total / jnp.maximum(n, 1.0)
 
 
-def _check_ce(logits: jax.Array, labels: jax.Array, mask: jax.Array | None) -> None:
+_ROWS = {"labels": ("labels have", "integer token ids"), "mask": ("mask has", "True = a valid token")}
+
+
+def _check_rows(fn: str, logits: jax.Array, **rows: jax.Array | None) -> None:
+    """Raises a ValueError naming ``fn`` unless ``logits`` has a vocabulary axis and each
+    given row array (``labels``, ``mask``) is shaped ``logits.shape[:-1]``."""
     if jnp.ndim(logits) < 1:
-        raise ValueError(f"cross_entropy: logits must have a vocabulary axis (shape [..., V]), got "
-                         f"shape {jnp.shape(logits)}")
+        raise ValueError(f"{fn}: logits must have a vocabulary axis (shape [..., V]), got shape "
+                         f"{jnp.shape(logits)}")
     want = tuple(jnp.shape(logits)[:-1])
-    if tuple(jnp.shape(labels)) != want:
-        raise ValueError(f"cross_entropy: labels have shape {tuple(jnp.shape(labels))}, expected the "
-                         f"logits' shape without the vocabulary axis, {want} (integer token ids)")
-    if mask is not None and tuple(jnp.shape(mask)) != want:
-        raise ValueError(f"cross_entropy: mask has shape {tuple(jnp.shape(mask))}, expected the "
-                         f"logits' shape without the vocabulary axis, {want} (True = a valid token)")
+    for name, x in rows.items():
+        if x is not None and tuple(jnp.shape(x)) != want:
+            has, what = _ROWS[name]
+            raise ValueError(f"{fn}: {has} shape {tuple(jnp.shape(x))}, expected the logits' shape "
+                             f"without the vocabulary axis, {want} ({what})")
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None, *,
@@ -137,7 +136,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array | None =
           return vitals.cross_entropy(logits, batch["labels"], batch["mask"])   # (loss, figures)
       (loss, logit_figures), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     """
-    _check_ce(logits, labels, mask)
+    _check_rows("cross_entropy", logits, labels=labels, mask=mask)
     if isinstance(z_loss_weight, (int, float)) and not z_loss_weight >= 0:
         raise ValueError(f"cross_entropy: z_loss_weight={z_loss_weight!r} must be >= 0 (PaLM uses 1e-4)")
     axes = check_axes(axes)
