@@ -460,7 +460,7 @@ RULE_POLICY: dict[str, str] = {
     "window_spikes": "spike_z, window_min_steps, rolling_window",
     "loss_scale": "loss_scale_metric, loss_scale_drop",
     "val_gap": "val_gap_ratio, val_gap_min_growth, val_gap_window, gap_z, gap_confirm",
-    "val_rise": "val_rise_z, val_rise_min, val_rise_window",
+    "val_rise": "val_rise_z, val_rise_min, val_rise_window, val_rise_sparse_run",
     "broken_model": "broken_chance_frac, broken_param_jump, broken_steps, broken_loss_steps",
     "divergence": "red_after, red_min_steps, divergence_loss_ratio",
     "replica": "replica_z, replica_min_ratio, replica_rel_floor, replica_confirm",

@@ -13,7 +13,11 @@ healthy alarm changed (``benchmarks/corpus.py score``, every split, both cadence
 more when the README's Linen loop read the largest attention logit every step (the replay
 gives ``act/attn_logits_abs.max`` at every check): 18 streams at a check every 50 changed,
 among them the held-out Llama attention-logit growth, caught at 1450 (missed before), and
-one healthy blind YELLOW (the ``logits`` rule, the one the cadence of 10 already had).
+one healthy blind YELLOW (the ``logits`` rule, the one the cadence of 10 already had). And
+once more when the val-rise rule gained its sparse form (two rises running where ``val/loss``
+comes every 500 steps): 9 overfit and repeated-shard streams at a check every 50 changed, each
+caught earlier or where it was missed (held-out overfitting on Llama at 2000, the repeated
+shard on GPT-2 at 2500); no healthy stream and nothing at a check every 10 changed.
 """
 
 from __future__ import annotations

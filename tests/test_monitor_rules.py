@@ -411,29 +411,40 @@ def test_val_loss_rising_while_train_falls_is_a_yellow_within_a_few_hundred_step
 
 
 def test_val_loss_every_500_steps_still_reaches_the_val_rise_rule():
-    """At the README's heavy cadence (``val/loss`` every 500 steps) the window holds the last
-    ``rise_min_samples`` samples: a val loss rising over 8 samples while the train loss falls is
-    a YELLOW; a healthy one (falling, noisy) never is."""
-    for overfit in (True, False):
+    """At the README's heavy cadence (``val/loss`` every 500 steps): a val loss rising at two
+    samples running while the train loss falls is a YELLOW at the second (the sparse form);
+    with that form off, the window holds the last ``rise_min_samples`` samples and
+    Mann-Kendall's test fires later; a healthy val loss (falling, noisy) or one on a noisy
+    plateau never is."""
+    def run(kind, policy):
         rng = np.random.default_rng(21)
         base = warmup_stream(21, warm=200)
 
-        def stream(s, overfit=overfit):
+        def stream(s):
             d = base(s)
             if s % 500 == 0 and s > 0:
-                over = 0.2 * max(0, s - 2000) / 500 if overfit else 0.0   # net rise from 2000
-                d["val/loss"] = power_loss(s) + 0.1 + over + 0.005 * rng.standard_normal()
+                over = 0.2 * max(0, s - 2000) / 500 if kind == "overfit" else 0.0   # net rise from 2000
+                level = power_loss(min(s, 2000)) if kind == "plateau" else power_loss(s)
+                noise = 0.01 if kind == "plateau" else 0.005
+                d["val/loss"] = level + 0.1 + over + noise * rng.standard_normal()
             return d
 
-        vs = feed(Monitor(), stream, range(0, 9050, 50))
-        hits = [a for v in vs for a in v.new_alerts if a.rule == "val_rise"]
-        if not overfit:
-            assert hits == [], [(a.rule, a.opened_step) for a in hits]
-            continue
-        assert len(hits) == 1, hits
-        # The val loss turns up after 2000: 8 rising samples of 500 steps (z > 3 needs nearly
-        # all 28 pairs rising) and a second one to confirm.
-        assert 5500 <= hits[0].opened_step <= 7000, hits[0].opened_step
+        vs = feed(Monitor(policy), stream, range(0, 9050, 50))
+        return [a for v in vs for a in v.new_alerts if a.rule == "val_rise"]
+
+    for kind in ("healthy", "plateau"):
+        hits = run(kind, Policy())
+        assert hits == [], (kind, [(a.rule, a.opened_step) for a in hits])
+    # The val loss turns up after 2000: it rose at 2500 and at 3000, by 0.4 nats (> 2%).
+    hits = run("overfit", Policy())
+    assert [a.opened_step for a in hits] == [3000], hits
+    assert hits[0].details["samples"] == 3 and 0.02 <= hits[0].details["rise"]
+    assert "early stop" in hits[0].prescription
+    # Without the sparse form: 8 rising samples of 500 steps (z > 3 needs nearly all 28 pairs
+    # rising) and a second one to confirm.
+    hits = run("overfit", Policy(validation=C.ValidationConfig(rise_sparse_run=0)))
+    assert len(hits) == 1, hits
+    assert 5500 <= hits[0].opened_step <= 7000, hits[0].opened_step
 
 
 def test_router_collapse_is_a_yellow():

@@ -335,6 +335,10 @@ class ValidationConfig:
       rise_window, rise_min_samples, rise_z, rise_min: the val-rise rule (Mann-Kendall
         z > ``rise_z`` and a Theil-Sen rise >= ``rise_min`` while the loss falls, over the
         last ``rise_window`` steps, reaching back to hold ``rise_min_samples`` samples).
+      rise_sparse_run: where ``val/loss`` is sparse (its last ``rise_sparse_run`` intervals
+        span ``rise_window`` steps or more, as at the README's heavy cadence of 500), a val
+        loss that rose at each of its last ``rise_sparse_run`` samples, by ``rise_min``
+        (relative) in all, while the loss falls, is the rise (0: off).
     """
 
     gap_window: int = 1000
@@ -347,9 +351,11 @@ class ValidationConfig:
     rise_min_samples: int = 8
     rise_z: float = 3.0
     rise_min: float = 0.02
+    rise_sparse_run: int = 2
 
     def __post_init__(self) -> None:
         _ints(self, ("gap_window", "gap_confirm", "rise_window", "rise_min_samples"), 1)
+        _ints(self, ("rise_sparse_run",), 0)
         if not self.gap_halflife >= 0:
             raise ValueError(f"{_name(self, 'gap_halflife')} expects a half-life >= 0 steps, got "
                              f"{self.gap_halflife!r}")

@@ -167,8 +167,18 @@ class ValRiseRule(RuleBase):
                Theil-Sen slope
 
     at ``gap_confirm`` consecutive val samples. Quicker than the gap rule's
-    two 1000-step windows, which an early overfit outruns. Released when the
-    condition fails.
+    two 1000-step windows, which an early overfit outruns.
+
+    Where the samples are sparse (the last ``k = val_rise_sparse_run`` intervals span
+    ``val_rise_window`` steps or more: ``val/loss`` every 500 steps), Mann-Kendall's z
+    > 3 would need 7 rising samples (3,000 steps after the turn), so there::
+
+        YELLOW when v[-k-1] < ... < v[-2] < v[-1] (a rise at each of the last k samples),
+               (v[-1] - v[-k-1]) / |v[-k-1]| >= val_rise_min, and the loss trend at
+               those k + 1 samples has a negative Theil-Sen slope
+
+    at once (the k consecutive rises are the confirmation). Released when neither
+    condition holds.
     """
 
     name = "val_rise"
@@ -194,20 +204,31 @@ class ValRiseRule(RuleBase):
         self.ts.append(t)
         self.val.append(v)
         self.trend.append(trend)
-        while (self.ts and self.ts[0] < t - p.validation.rise_window
-               and len(self.ts) > p.validation.rise_min_samples):
+        k = p.validation.rise_sparse_run
+        keep = max(p.validation.rise_min_samples, k + 1)
+        while self.ts and self.ts[0] < t - p.validation.rise_window and len(self.ts) > keep:
             self.ts.popleft()
             self.val.popleft()
             self.trend.popleft()
         n = len(self.ts)
+        is_open = ("val_rise", "val/loss") in f.open
+        sparse = self._sparse_rise(k)
+        if sparse is not None:
+            self.run = 0
+            rise, span, v0 = sparse
+            if not is_open:
+                self.onset = s
+            return [set_("val_rise", "val/loss", Level.YELLOW, Reading(v, v0, v / v0),
+                         f"val/loss rose at each of its last {k} samples ({100 * rise:.1f}% over "
+                         f"{span} steps) while the train loss still falls.", "val/loss started rising",
+                         onset=self.onset, details={"rise": rise, "samples": k + 1})]
         if n < p.validation.rise_min_samples:
-            return []
+            return [release("val_rise", "val/loss")] if is_open else []
         u = np.fromiter(self.ts, np.float64, n)
         y = np.fromiter(self.val, np.float64, n)
         z = mann_kendall_z(y)
         rise = theil_sen(u, y) * (u[-1] - u[0]) / abs(float(np.median(y)))
         lslope = theil_sen(u, np.fromiter(self.trend, np.float64, n))
-        is_open = ("val_rise", "val/loss") in f.open
         active = f.active("val_rise", "val/loss") is not None
         if z > p.validation.rise_z and rise >= p.validation.rise_min and lslope < 0:
             self.run += 1
@@ -222,6 +243,22 @@ class ValRiseRule(RuleBase):
                          details={"mann_kendall_z": z, "rise": rise})]
         self.run = 0
         return [release("val_rise", "val/loss")] if is_open else []
+
+    def _sparse_rise(self, k: int) -> tuple[float, int, float] | None:
+        """``(relative rise, span in steps, first value)`` where the last ``k`` intervals are
+        sparse (span ``>= val_rise_window``) and the val loss rose at each of them by
+        ``val_rise_min`` in all while the loss trend fell (the class doc); else None."""
+        p = self.p.validation
+        if k < 1 or len(self.ts) < k + 1:
+            return None
+        ts, val, trend = (list(d)[-(k + 1):] for d in (self.ts, self.val, self.trend))
+        span = ts[-1] - ts[0]
+        if span < p.rise_window or any(b <= a for a, b in zip(val, val[1:])):
+            return None
+        rise = (val[-1] - val[0]) / abs(val[0]) if val[0] else math.inf
+        if rise < p.rise_min or theil_sen(np.asarray(ts, np.float64), np.asarray(trend, np.float64)) >= 0:
+            return None
+        return rise, span, val[0]
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         while self.ts and self.ts[-1] > t_to:
