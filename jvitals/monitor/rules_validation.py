@@ -5,6 +5,7 @@ loss while the train loss falls (:class:`ValRiseRule`).
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 
 import numpy as np
@@ -253,7 +254,7 @@ class ValRiseRule(RuleBase):
             return None
         ts, val, trend = (list(d)[-(k + 1):] for d in (self.ts, self.val, self.trend))
         span = ts[-1] - ts[0]
-        if span < p.rise_window or any(b <= a for a, b in zip(val, val[1:])):
+        if span < p.rise_window or any(b <= a for a, b in itertools.pairwise(val)):
             return None
         rise = (val[-1] - val[0]) / abs(val[0]) if val[0] else math.inf
         if rise < p.rise_min or theil_sen(np.asarray(ts, np.float64), np.asarray(trend, np.float64)) >= 0:
