@@ -288,6 +288,13 @@ FAULT_PLAN: dict[str, list[tuple[str, int]]] = {
     "loss_scale_collapse": [(_T[3], 1200), (_H[6], 1200)],
     "data_degrade": [(_T[0], 1200), (_T[5], 1200)],
 }
+#: More TUNING runs of a fault, with their own seeds (4-9: no other run's), added after the
+#: held-out part was scored to tune a rule on setups of its own (issue 35: the slow
+#: embedding and LM-head faults on Lion and at step 1200): fault -> [(setup, fault step, seed)].
+TUNING_EXTRA: dict[str, list[tuple[str, int, int]]] = {
+    "emb_wd_creep": [(_T[7], 1200, 4), (_T[1], 1200, 5)],
+    "logit_drift": [(_T[0], 1200, 6), (_T[1], 1200, 7)],
+}
 #: Faults kept in the TUNING part only (added to tune a rule; the held-out and blind parts
 #: were scored as they were).
 TUNING_ONLY = ("data_degrade",)
@@ -322,6 +329,8 @@ def _fault_runs() -> list[CorpusRun]:
         for j, (setup, fstep) in enumerate(where):
             base = 30 if SETUP_BY_NAME[setup].split == "tuning" else 1100
             out.append(fault_run(template, setup, base + 4 * k + j, fstep))
+    for template, extra in TUNING_EXTRA.items():
+        out += [fault_run(template, setup, seed, fstep) for setup, fstep, seed in extra]
     for template, where in BLIND_FAULT_PLAN.items():
         k = _SEED_ORDER.index(template)
         out += [fault_run(template, setup, 2100 + 4 * k + j, fstep) for j, (setup, fstep) in enumerate(where)]

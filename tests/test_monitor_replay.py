@@ -1,5 +1,5 @@
 """The host side's verdicts, bit for bit: ``Policy()``'s defaults on the whole calibration
-corpus (every split and the fault suite's streams, 114 streams) at the README's cadence (a
+corpus (every split and the fault suite's streams, 118 streams) at the README's cadence (a
 check every 50 steps, the heavy family every 500) and at every 10, each verdict written out
 whole (level, scores, every alert with every field and localization) and hashed per stream
 (``tests/verdict_digest.py``), against the digests recorded before the host side was
@@ -17,7 +17,12 @@ one healthy blind YELLOW (the ``logits`` rule, the one the cadence of 10 already
 once more when the val-rise rule gained its sparse form (two rises running where ``val/loss``
 comes every 500 steps): 9 overfit and repeated-shard streams at a check every 50 changed, each
 caught earlier or where it was missed (held-out overfitting on Llama at 2000, the repeated
-shard on GPT-2 at 2500); no healthy stream and nothing at a check every 10 changed.
+shard on GPT-2 at 2500); no healthy stream and nothing at a check every 10 changed. And once
+more when the group rule judged a parameter norm's growth that does not slow (``group_growth``),
+with 4 new TUNING streams (114 -> 118): at both cadences 6 streams changed, each an LM-head drift
+or embedding creep caught earlier or where it was missed (held-out: the GPT-2 + Lion embedding
+creep at 1900, the Llama head drift at 1500) and the fault suite's ``lr_x100`` gaining a group
+YELLOW 400 steps after its fault; no healthy stream changed.
 """
 
 from __future__ import annotations

@@ -249,6 +249,70 @@ def test_a_schedule_moving_every_group_together_is_not_a_group_alert():
     assert all(not v.alerts for v in vs), {a.rule for v in vs for a in v.alerts}
 
 
+def _tied_embedding_stream(seed, creep_at=None):
+    """:func:`warmup_stream` with a tied embedding that is most of the parameters (a small
+    GPT-2's): its norm grows 6x and slows, 4.2x over the first 500 steps and 1.1x from 1000
+    to 1500 (healthy, as a real run's embedding); from ``creep_at`` on it compounds,
+    ``x exp(1e-6 (s - creep_at)^2)`` (a weight decay turning negative, ramping to -2e-3 a
+    step over 1000 steps: the corpus' ``emb_wd_creep``). ``param/global_norm`` is the
+    root sum of squares of the groups."""
+    base = warmup_stream(seed, warm=200)
+    rng = np.random.default_rng(seed + 1)
+
+    def stream(s):
+        d = base(s)
+        if "param/norm/embedding" not in d:
+            return d
+        emb = 10.0 * (1.0 + 5.0 * (1.0 - math.exp(-s / 500.0))) * (1 + 0.005 * rng.standard_normal())
+        if creep_at is not None and s > creep_at:
+            emb *= math.exp(1e-6 * min(s - creep_at, 1000) ** 2)
+        d["param/norm/embedding"] = emb
+        layers = [d[f"param/norm/layer_{i}"] for i in range(4)]
+        d["param/global_norm"] = math.sqrt(emb ** 2 + sum(x * x for x in layers))
+        return d
+
+    return stream
+
+
+def test_a_compounding_creep_of_a_tied_embedding_is_a_group_growth_yellow():
+    """The embedding's norm, relative to the trunk, rising more than 1.5x (``group_bands``)
+    over 500 steps without slowing is the group rule's ``growth`` YELLOW; a healthy growth
+    that slows (6x over the run, 4.2x in its first 500 steps) is none; without
+    ``group_growth`` the drift test alone sees it later (here by 50 steps; in the corpus'
+    runs, where the early growth set a larger drift of its own, not at all)."""
+    from jvitals.monitor.config import BandConfig
+
+    steps = range(0, 3001, 10)
+    healthy = feed(Monitor(), _tied_embedding_stream(8), steps)
+    assert not [a for v in healthy for a in v.new_alerts], [(a.rule, a.metric) for v in healthy for a in v.new_alerts]
+
+    creep = _tied_embedding_stream(8, creep_at=1500)
+    vs = feed(Monitor(), creep, steps)
+    group = [a for v in vs for a in v.new_alerts if a.rule == "group"]
+    assert len(group) == 1, [(a.rule, a.metric, a.opened_step) for a in group]
+    (a,) = group
+    assert a.metric == "param/norm/embedding" and a.details["kind"] == "growth", a.details
+    # NumPy on the same stream: y = log(embedding / the layers' median) every 50 steps; the
+    # first t with y(t) - y(t-500) > log(1.5) and >= y(t-500) - y(t-1000) opens, the sample
+    # after it confirms (group_confirm = 2).
+    ref = _tied_embedding_stream(8, creep_at=1500)
+    ts = np.arange(0, 3001, 50)
+    rows = {}
+    for s_ in range(0, 3001, 10):
+        d = ref(s_)
+        if s_ % 50 == 0:
+            rows[s_] = d
+    y = np.array([_group_y(rows[t], "param/norm", "embedding") for t in ts])
+    first = next(int(ts[j]) for j in range(20, len(ts))
+                 if y[j] - y[j - 10] > math.log(1.5) and y[j] - y[j - 10] >= y[j - 10] - y[j - 20])
+    assert a.onset_step == first and a.opened_step == first + 50, (a.onset_step, a.opened_step, first)
+    assert 1500 < first <= 2300
+    # Without the growth departure: no growth alert; the drift test, if it sees it, not sooner.
+    off = feed(Monitor(Policy(bands=BandConfig(group_growth=()))), _tied_embedding_stream(8, creep_at=1500), steps)
+    late = [b for v in off for b in v.new_alerts if b.rule == "group"]
+    assert all(b.details["kind"] != "growth" and b.opened_step > a.opened_step for b in late), late
+
+
 # --------------------------------------------------------------------------
 # Trend rule (robust statistics against plain references).
 # --------------------------------------------------------------------------

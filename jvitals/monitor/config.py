@@ -425,6 +425,8 @@ class BandConfig:
       group_confirm: samples a step or drift departure must hold.
       group_min_share: ``grad/share`` figures below this share are not judged.
       group_global_ratio: fires only while the global norms stay below this x baseline.
+      group_growth: families also judged for a growth that does not slow
+        (:class:`~jvitals.monitor.bands.DriftBand`'s growth departure).
       logit_bands: metric -> band ratio of the logits rule (rises only).
       router_bands, router_z, router_steps: metric -> least excess over its baseline;
         YELLOW when beyond ``max(router_z * 1.4826 MAD, excess)`` for ``router_steps``.
@@ -440,6 +442,7 @@ class BandConfig:
     group_confirm: int = 2
     group_min_share: float = 0.01
     group_global_ratio: float = 1.5
+    group_growth: tuple[str, ...] = ("param/norm",)
     logit_bands: Mapping[str, float] = _mapping(
         lambda: {"act/attn_logits_abs.max": 2.0, "act/output_layer_logits_abs.max": 2.0})
     router_bands: Mapping[str, float] = _mapping(lambda: {"moe/maxvio.max": 0.5, "moe/dead_expert_ratio": 0.2})
@@ -448,6 +451,7 @@ class BandConfig:
 
     def __post_init__(self) -> None:
         _bands(self, "group_bands", "family name -> ratio", 1)
+        _names(self, ("group_growth",))
         _bands(self, "router_bands", "metric name -> excess", 0)
         _bands(self, "logit_bands", "metric name -> ratio", 1)
         _ints(self, ("group_window", "group_confirm"), 1)

@@ -61,6 +61,7 @@ FLAT: Mapping[str, tuple[str, str]] = {
     "group_window": ("bands", "group_window"), "group_drift_k": ("bands", "group_drift_k"),
     "drift_memory": ("bands", "drift_memory"), "group_confirm": ("bands", "group_confirm"),
     "group_min_share": ("bands", "group_min_share"), "group_global_ratio": ("bands", "group_global_ratio"),
+    "group_growth": ("bands", "group_growth"),
     "logit_bands": ("bands", "logit_bands"), "router_bands": ("bands", "router_bands"),
     "router_z": ("bands", "router_z"), "router_steps": ("bands", "router_steps"),
     "vocab_size": ("health", "vocab_size"), "vocab_metric": ("health", "vocab_metric"),

@@ -37,6 +37,8 @@ class GroupRule(RuleBase):
         step   |y - y_prev| >  max(log(band), group_z * noise)           2 samples
         drift  |y - y(t - W)| > max(log(band), group_drift_k * D_W)      2 samples
                for W = group_window or 4 x group_window
+        growth y - y(t - W) > log(band) and >= y(t - W) - y(t - 2W)      2 samples
+               (the families of group_growth: a rise that does not slow)
 
     (``noise``: the RMS of its one-sample changes; ``D_W``: the largest change over
     ``W`` steps it showed earlier in the run, up to ``W`` steps ago, fading with
@@ -113,7 +115,8 @@ class GroupRule(RuleBase):
                 if b.observe(s, f.t, y, BandSettings(band, p.bands.group_jump, p.bands.group_z,
                                                      p.bands.group_drift_k, windows, p.bands.drift_memory,
                                                      p.bands.group_confirm, p.alerts.hysteresis,
-                                                     abrupt=fam != "grad/share")):
+                                                     abrupt=fam != "grad/share",
+                                                     growth=fam in p.bands.group_growth)):
                     if max(v, norm * math.exp(b.anchor)) < floor:
                         continue   # a share below group_min_share before and after: noise
                     size = abs(y - b.anchor) / math.log(band)
@@ -126,7 +129,13 @@ class GroupRule(RuleBase):
                   b: DriftBand, rel: str) -> str:
         p = self.p
         band = p.bands.group_bands[fam]
-        if b.kind == "drift":
+        if b.kind == "growth":
+            before = b.prior_change(b.window)
+            was = f"{math.exp(before):.2f}x" if before is not None else "less"
+            why = (f"it grew {math.exp(b.stat):.2f}x over the last {b.window} steps, beyond its band "
+                   f"group_bands[{fam!r}] = {band:g}x, and did not slow: {was} over the {b.window} "
+                   f"steps before (group_growth); a healthy group's growth slows as training settles")
+        elif b.kind == "drift":
             i = 0 if b.window == p.bands.group_window else 1
             nat = b.natural(i, (p.bands.group_window, 4 * p.bands.group_window), b.last_t) or 0.0
             why = (f"it changed {math.exp(abs(b.stat)):.2f}x over the last {b.window} steps, "
