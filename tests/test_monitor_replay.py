@@ -22,7 +22,10 @@ more when the group rule judged a parameter norm's growth that does not slow (``
 with 4 new TUNING streams (114 -> 118): at both cadences 6 streams changed, each an LM-head drift
 or embedding creep caught earlier or where it was missed (held-out: the GPT-2 + Lion embedding
 creep at 1900, the Llama head drift at 1500) and the fault suite's ``lr_x100`` gaining a group
-YELLOW 400 steps after its fault; no healthy stream changed.
+YELLOW 400 steps after its fault; no healthy stream changed. Then, at both cadences, the same
+9 growth-alert streams' message text only: the growth YELLOW quoted the rise at its opening
+beside the rise before as of the latest check (a stale "1.63x over the last 500 steps" at
+every later check); both are now the latest check's.
 """
 
 from __future__ import annotations

@@ -260,18 +260,21 @@ class DriftBand(LegacyDict):
         self._keep(t, y, max(windows))
         return self.anchor is not None and self.run >= confirm
 
+    def _rise(self, t: int, y: float, w: int) -> tuple[float, float] | None:
+        """``(y - y(t - w), y(t - w) - y(t - 2w))``: the change over the last ``w`` steps and
+        over the ``w`` before (None before ``2w`` of history)."""
+        y1, y2 = self._at(t - w), self._at(t - 2 * w)
+        return None if y1 is None or y2 is None else (y - y1, y1 - y2)
+
     def _grows(self, t: int, y: float, w: int, lband: float) -> bool:
         """The **growth** departure (the class doc): ``y`` rose by more than ``lband`` over the
         last ``w`` steps, not less than over the ``w`` before."""
-        y1, y2 = self._at(t - w), self._at(t - 2 * w)
-        return y1 is not None and y2 is not None and y - y1 > lband and y - y1 >= y1 - y2
+        r = self._rise(t, y, w)
+        return r is not None and r[0] > lband and r[0] >= r[1]
 
-    def prior_change(self, w: int) -> float | None:
-        """``y(t - w) - y(t - 2w)`` at the latest sample ``t`` (a growth departure's "before")."""
-        if self.last_t is None:
-            return None
-        y1, y2 = self._at(self.last_t - w), self._at(self.last_t - 2 * w)
-        return None if y1 is None or y2 is None else y1 - y2
+    def last_rise(self, w: int) -> tuple[float, float] | None:
+        """:meth:`_rise` at the latest sample (what a growth departure's message quotes)."""
+        return None if self.last_t is None else self._rise(self.last_t, self.last_y, w)
 
     def _learn_drift(self, i: int, t: int, c: float, window: int, memory: float) -> None:
         fresh = self.fresh[i]

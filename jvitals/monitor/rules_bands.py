@@ -130,11 +130,11 @@ class GroupRule(RuleBase):
         p = self.p
         band = p.bands.group_bands[fam]
         if b.kind == "growth":
-            before = b.prior_change(b.window)
-            was = f"{math.exp(before):.2f}x" if before is not None else "less"
-            why = (f"it grew {math.exp(b.stat):.2f}x over the last {b.window} steps, beyond its band "
-                   f"group_bands[{fam!r}] = {band:g}x, and did not slow: {was} over the {b.window} "
-                   f"steps before (group_growth); a healthy group's growth slows as training settles")
+            rise, before = b.last_rise(b.window) or (b.stat, math.nan)
+            why = (f"it grew {math.exp(rise):.2f}x over the last {b.window} steps, beyond its band "
+                   f"group_bands[{fam!r}] = {band:g}x, and did not slow: {math.exp(before):.2f}x over "
+                   f"the {b.window} steps before (group_growth); a healthy group's growth slows as "
+                   "training settles")
         elif b.kind == "drift":
             i = 0 if b.window == p.bands.group_window else 1
             nat = b.natural(i, (p.bands.group_window, 4 * p.bands.group_window), b.last_t) or 0.0
