@@ -21,6 +21,14 @@ clip's own sum of the stacked gradient: on the scan-stacked MoE benchmark config
 light step's extra bytes go from 39.9 to 43.5 MB (+0.8% of the step's), the one place
 where the per-layer figures are not free.
 
+The update figures on the CPU (``lax.platform_dependent``; leaves not scan-stacked) come
+from the change the step applies, ``(p + u) - p`` with ``p + u`` as ``optax.apply_updates``
+writes it: XLA computes the step's new parameters once for both, and two plain sums over
+arrays the step holds anyway replace the one-read kernel that, on XLA:CPU, recomputes the
+optimizer's last step in a serial loop (d256 at 256 tokens: the light step 1.068 -> 1.029 of
+the step without vitals, docs/COST.md). Equal to ``||u||`` up to float32's rounding of
+``p + u``. GPUs and TPUs keep the one-read kernel, fused with the optimizer.
+
 Inside ``shard_map`` (or for other dtypes) every tree is read by one variadic reduction
 per leaf (:func:`~jvitals.metrics.gradients.tree_stats`), which gives every group's sums
 from the same read, stacked leaves per layer included.
