@@ -7,14 +7,19 @@ tensor it measures. This benchmark compiles the reference model's training step
 family of vitals, each compiled apart (no ``lax.cond`` holds two of them), and reports:
 
 - **bytes**: ``compiled.cost_analysis()["bytes accessed"]`` of the step with the
-  family minus the step without, beside the family's one-read limit (below). XLA
+  family minus the step without, beside the family's one-read limit (below), for the
+  one-read form every statistic takes on a GPU or TPU (compiled here inside
+  ``fold.one_read()``); beside it, column "cpu form", the bytes of the form this backend
+  compiles and runs (on the CPU its own forms: plain reductions XLA:CPU vectorises, a
+  sampled Adam-``nu`` median; more bytes or fewer, less time: docs/COST.md). XLA
   counts a ``while`` loop's body once; the loops left (the CPU's Adam-``nu``
   histogram, in chunks of 2^18) are counted here with their trip counts, read from
   the HLO (column "loops"); a ``conditional`` is counted as its dearest branch, and
   the only ones left here are non-finite counts, which run only on a step with a NaN
   or Inf, so their dear branch is taken out of "extra" (column "non-finite branch":
   what such a step reads besides).
-- **temp**: compiled temporary memory (``memory_analysis()``), against the step's.
+- **temp**: compiled temporary memory (``memory_analysis()``) of the form run here, against
+  the step's.
 - **time**: the steps run interleaved in a random order each round, each timed to
   ``block_until_ready``; the median of the per-round ratios to the step without
   vitals (paired: load on a shared machine hits both sides alike).
@@ -87,6 +92,7 @@ import optax  # noqa: E402
 
 import jvitals as vitals  # noqa: E402
 from jvitals import reference_model as rm  # noqa: E402
+from jvitals.metrics import fold  # noqa: E402
 from jvitals.metrics.instrument import ExpertChoices  # noqa: E402
 from jvitals.metrics.probes import LogitsRows  # noqa: E402
 from jvitals.metrics.stats import TokenSummary  # noqa: E402
@@ -451,6 +457,7 @@ class Variant:
     loops: float
     temp: int
     branches: float = 0.0
+    here: float = float("nan")   # healthy bytes of the form this backend compiles (the CPU's forms)
     times: list = dataclasses.field(default_factory=list)
 
     @property
@@ -468,14 +475,24 @@ def inputs(cfg: rm.ModelConfig, batch_shape: tuple[int, int]) -> tuple[Any, list
     return params, batches
 
 
-def compile_variant(name: str, step: Callable, tx: optax.GradientTransformation, params: Any,
-                    batches: list[dict]) -> Variant:
-    """One step compiled (its bytes, loops, non-finite branches, temp) and a ``run`` that
-    takes the next step, alternating the batches."""
-    state = jax.device_put(TrainState(jnp.zeros([], jnp.int32), params, tx.init(params)), jax.devices()[0])
-    compiled = jax.jit(step).lower(state, batches[0]).compile()
+def _bytes(compiled: Any) -> tuple[float, float, float]:
+    """``(XLA's bytes accessed, the loops' bytes it leaves out, the non-finite branches')``."""
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    hlo = compiled.as_text()
+    return float(ca["bytes accessed"]), float(loop_bytes(hlo)), float(branch_bytes(hlo))
+
+
+def compile_variant(name: str, step: Callable, tx: optax.GradientTransformation, params: Any,
+                    batches: list[dict]) -> Variant:
+    """One step compiled twice: in the one-read form every statistic takes on a GPU or TPU
+    (``fold.one_read()``: its bytes, loops, non-finite branches) and as this backend
+    compiles it (the CPU's forms on the CPU: its bytes, temp, and a ``run`` that takes the
+    next step, alternating the batches)."""
+    state = jax.device_put(TrainState(jnp.zeros([], jnp.int32), params, tx.init(params)), jax.devices()[0])
+    with fold.one_read():   # a fresh function: jit's trace cache does not see the context
+        one = jax.jit(lambda s, b: step(s, b)).lower(state, batches[0]).compile()
+    compiled = jax.jit(step).lower(state, batches[0]).compile()
     box = {"state": state, "i": 0}
 
     def run() -> None:
@@ -483,9 +500,10 @@ def compile_variant(name: str, step: Callable, tx: optax.GradientTransformation,
         box["i"] += 1
         jax.block_until_ready((box["state"], m))
 
-    hlo = compiled.as_text()
-    return Variant(name, run, float(ca["bytes accessed"]), float(loop_bytes(hlo)),
-                   int(compiled.memory_analysis().temp_size_in_bytes), float(branch_bytes(hlo)))
+    b, lp, br = _bytes(one)
+    here = _bytes(compiled)
+    return Variant(name, run, b, lp, int(compiled.memory_analysis().temp_size_in_bytes), br,
+                   here=here[0] + here[1] - here[2])
 
 
 def build(size: Size, batch_shape: tuple[int, int], placement: str,
@@ -539,6 +557,7 @@ class Row:
     limit_mb: float | None
     temp: float
     time: float
+    here_mb: float = float("nan")
 
     @property
     def x_limit(self) -> float:
@@ -554,7 +573,8 @@ def rows_of(desc: str, tokens: int, vs: list[Variant], lim: dict[str, int]) -> l
             continue
         limit = lim.get(v.name)
         out.append(Row(desc, tokens, v.name, (v.healthy - a.healthy) / MB,
-                       None if limit is None else limit / MB, v.temp / max(a.temp, 1), paired(v, a)))
+                       None if limit is None else limit / MB, v.temp / max(a.temp, 1), paired(v, a),
+                       (v.here - a.here) / MB))
     if "light" in by and "all" in by:
         light, full = by["light"], by["all"]
         cadence = paired(light, a) + (paired(full, a) - paired(light, a)) / HEAVY_EVERY
@@ -569,8 +589,8 @@ def print_config(desc: str, tokens: int, vs: list[Variant], rows: list[Row], n: 
     print(f"\n### {desc}, {tokens} tokens a step: step without vitals {a.bytes / MB:,.1f} MB accessed, "
           f"temp {a.temp / MB:.2f} MB, {ms:.1f} ms ({n} timed rounds, load {load()})\n")
     print("| family | extra MB | of which loops | non-finite branch MB | one-read limit MB | x limit | temp x "
-          "| time x |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          f"| {jax.devices()[0].platform} form: extra MB | time x |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     loops = {v.name: (v.loops - a.loops) / MB for v in vs}
     branches = {v.name: (v.branches - a.branches) / MB for v in vs}
     for r in rows:
@@ -579,7 +599,9 @@ def print_config(desc: str, tokens: int, vs: list[Variant], rows: list[Row], n: 
         extra = "" if math.isnan(r.extra_mb) else f"{r.extra_mb:,.2f}"
         lp = f"{loops[r.family]:,.2f}" if r.family in loops else ""
         br = f"{branches[r.family]:,.2f}" if r.family in branches else ""
-        print(f"| {r.family} | {extra} | {lp} | {br} | {lim} | {xl} | {r.temp:.3f} | {r.time:.3f} |", flush=True)
+        here = "" if math.isnan(r.here_mb) else f"{r.here_mb:,.2f}"
+        print(f"| {r.family} | {extra} | {lp} | {br} | {lim} | {xl} | {r.temp:.3f} | {here} | {r.time:.3f} |",
+              flush=True)
 
 
 def print_summary(rows: list[Row]) -> None:

@@ -34,13 +34,13 @@ def test_overhead_quick_prints_bytes_limits_memory_and_time_per_family():
         assert bench.main(["--quick"]) == 0
     text = out.getvalue()
     header = next(ln for ln in text.splitlines() if ln.startswith("| family |"))
-    assert len(header.strip("|").split("|")) == 8
+    assert len(header.strip("|").split("|")) == 9 and "cpu form: extra MB" in header
     rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.strip("|").split("|")]
             for ln in text.splitlines() if re.match(r"\| (sow|instrument|light|opt) \|", ln)}
     assert set(rows) == {"sow", "instrument", "light", "opt"}, text
     for fam, cells in rows.items():
-        extra, loops, branch, limit, x, temp, t = (float(c) for c in cells[1:])
-        assert extra > 0 and limit > 0 and loops >= 0 and branch >= 0, (fam, cells)
+        extra, loops, branch, limit, x, temp, here, t = (float(c) for c in cells[1:])
+        assert extra > 0 and limit > 0 and loops >= 0 and branch >= 0 and here > 0, (fam, cells)
         # the printed MB are rounded to 0.01: on the tiny config that moves their ratio by 5%
         assert math.isclose(x, extra / limit, rel_tol=0.02, abs_tol=0.01 + 0.006 * x / limit), (fam, cells)
         assert temp > 0 and t > 0 and math.isfinite(t), (fam, cells)

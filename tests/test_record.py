@@ -227,13 +227,13 @@ def test_cadence_values_and_last_steps():
 def test_off_cadence_steps_do_not_compute_the_heavy_family(monkeypatch):
     """A test-only build: a host callback counts how often the per-layer family runs."""
     calls = []
-    original = record_module._gradients.gradient_metrics
+    original = record_module._heavy_figures
 
     def counting(*args, **kwargs):
         jax.debug.callback(lambda: calls.append(1))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(record_module._gradients, "gradient_metrics", counting)
+    monkeypatch.setattr(record_module, "_heavy_figures", counting)
     params = tree(0)
     tx = vitals.record(every={"layers": 4})
     state = tx.init(params)

@@ -35,14 +35,16 @@ import contextlib
 import contextvars
 import functools
 import math
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["FULL", "LANES", "MAX", "ROW", "SUMSQ", "cpu_plain", "fold", "fold_map", "fold_summaries", "kinds",
-           "one_read", "summary_ops"]
+__all__ = ["FULL", "LANES", "MAX", "ROW", "SUMSQ", "cpu_plain", "fastest", "fold", "fold_map", "fold_summaries",
+           "kinds", "on_cpu", "one_read", "summary_ops"]
+
+_T = TypeVar("_T")
 
 ROW = 1024
 """Elements a first-level partial covers at most when one long axis is split in rows."""
@@ -83,6 +85,7 @@ def _kinds(names: tuple[str, ...]) -> tuple[tuple[float, ...], Combine]:
 
 
 _CPU_PLAIN: contextvars.ContextVar[bool] = contextvars.ContextVar("jvitals_fold_cpu_plain", default=False)
+_ONE_READ: contextvars.ContextVar[bool] = contextvars.ContextVar("jvitals_fold_one_read", default=False)
 
 
 @contextlib.contextmanager
@@ -93,11 +96,10 @@ def cpu_plain(on: bool = True) -> Iterator[None]:
     there each operand of a ``sum``/``max``/``min`` fold becomes its own plain reduction
     (the inputs read once per operand); other backends keep the one-read form (the
     choice is ``lax.platform_dependent``'s: the backend compiling the step decides).
-    Faster on the CPU where the inputs are materialised anyway (the activation summaries:
-    1.113x against 1.144x of the d256 step at 256 tokens); slower where the one-read
-    form fuses with the inputs' producers (the recorder's per-layer pass, the optimizer
-    statistics: 1.21x and 1.19x against 1.12x), which keep it. ``on=False``: the one-read
-    form on every backend inside.
+    Faster on the CPU where the inputs are materialised anyway (the activation summaries,
+    the logits' row statistics); the recorder's heavy step, the light step's update
+    figures and the optimizer statistics have CPU forms of their own (:func:`on_cpu`).
+    ``on=False``: the one-read form on every backend inside.
     """
     token = _CPU_PLAIN.set(on)
     try:
@@ -106,9 +108,36 @@ def cpu_plain(on: bool = True) -> Iterator[None]:
         _CPU_PLAIN.reset(token)
 
 
-def one_read() -> contextlib.AbstractContextManager[None]:
-    """The one-read (variadic) form on every backend inside (``cpu_plain(False)``)."""
-    return cpu_plain(False)
+def on_cpu(plain: Callable[[], _T], one: Callable[[], _T]) -> _T:
+    """``plain()`` where the step compiles for the CPU, ``one()`` (the one-read form)
+    elsewhere (``lax.platform_dependent``: the backend compiling the step decides), and
+    ``one()`` everywhere inside :func:`one_read`. The caller writes both forms, with one
+    output type (a pytree of the same structure, shapes and dtypes)."""
+    if _ONE_READ.get():
+        return one()
+    return lax.platform_dependent(cpu=plain, default=one)
+
+
+def fastest(plain: Callable[[], _T], one: Callable[[], _T]) -> _T:
+    """:func:`on_cpu` inside :func:`cpu_plain`, ``one()`` outside it.
+
+    For statistics whose one-read form is not a :func:`kinds` fold (the logits' row
+    statistics, their argmax): the caller writes both forms, with one output type."""
+    if not _CPU_PLAIN.get():
+        return one()
+    return on_cpu(plain, one)
+
+
+@contextlib.contextmanager
+def one_read() -> Iterator[None]:
+    """The one-read form of every statistic on every backend inside, the CPU's forms
+    (:func:`cpu_plain`, :func:`on_cpu`) included: what a GPU or TPU compiles, for reading
+    its bytes on the CPU (``benchmarks/overhead.py``)."""
+    token = _ONE_READ.set(True)
+    try:
+        yield
+    finally:
+        _ONE_READ.reset(token)
 
 
 LANES = 4
@@ -191,12 +220,11 @@ def fold_map(make: Make, arrays: Sequence[jax.Array], inits: Sequence[float | in
     if not red:
         return tuple(make(*arrays))
     names = getattr(combine, "kinds", None)
-    if names is None or not _CPU_PLAIN.get():
+    if names is None:
         return _variadic(make, arrays, inits, combine, red)
     # Inside cpu_plain(): the fastest form per backend (see cpu_plain).
-    return tuple(lax.platform_dependent(
-        cpu=lambda: _plain(make, arrays, inits, names, red),
-        default=lambda: _variadic(make, arrays, inits, combine, red)))
+    return tuple(fastest(lambda: _plain(make, arrays, inits, names, red),
+                         lambda: _variadic(make, arrays, inits, combine, red)))
 
 
 def _plain(make: Make, arrays: tuple[jax.Array, ...], inits: Sequence[float | int], names: Sequence[str],

@@ -51,6 +51,7 @@ from jax.sharding import PartitionSpec
 from jvitals.metrics.qkv import _attn_module, _global_shape, _o_sizes, _qkv_pieces  # fused QKV: jvitals/metrics/qkv.py
 from jvitals.metrics.roles import LeafRole, Roles, assign_roles
 from jvitals.metrics import fold
+from jvitals.metrics import cpu_forms
 from jvitals.metrics.stats import Summary, reduce, summarize_fields
 from jvitals.metrics.axes import check_axes, reduction_axes
 
@@ -223,7 +224,7 @@ def _pieces(x: jax.Array, leaf: _Leaf, roles: Roles, axes: tuple[str, ...], o_si
 
 
 def _tree_stats(trees: Mapping[str, Any], *, role_tree: str | None, layered: Sequence[str], roles: Roles | None,
-                specs: Any, axes: Sequence[str] | str, what: str) -> dict[str, _TreeStats]:
+                specs: Any, axes: Sequence[str] | str, what: str, plain: bool = False) -> dict[str, _TreeStats]:
     """:class:`_TreeStats` of each tree of ``trees`` (same structure), in one read of each leaf.
 
     For every leaf position, the leaf of each tree is measured by one variadic
@@ -239,6 +240,8 @@ def _tree_stats(trees: Mapping[str, Any], *, role_tree: str | None, layered: Seq
       role_tree: the tree measured per role, or None.
       layered: the trees with per-layer and per-group figures.
       roles, specs, axes, what: as :func:`gradient_metrics` takes them.
+      plain: measure each piece by plain reductions (:func:`~jvitals.metrics.cpu_forms.plain_summaries`:
+        XLA:CPU's fastest form) instead of one variadic reduction per leaf; under ``jit`` only.
 
     Returns:
       ``{name: _TreeStats}``.
@@ -257,14 +260,14 @@ def _tree_stats(trees: Mapping[str, Any], *, role_tree: str | None, layered: Seq
             x = flat[n][leaf.index]
             if _skip(x):
                 continue
-            fields = fold.FULL if n == role_tree else fold.SUMSQ
+            fields = ROLE_FIELDS if n == role_tree else fold.SUMSQ
             parts = _pieces(x, leaf, roles, axes, o_sizes, split and n == role_tree)
             red = reduction_axes(x, axes, leaf.spec, has_specs)
             owners.append((n, leaf, red, [name for name, *_ in parts]))
             # One kernel per leaf position (its gradient, parameter and update):
             # kernels over several leaves would keep them all live at once.
             items.extend((px, pm, pa, fields, leaf.index) for _, px, pm, pa in parts)
-    summaries = iter(summarize_fields(items))
+    summaries = iter(cpu_forms.plain_summaries(items) if plain else summarize_fields(items))
     accs = {n: Accumulator() for n in names}
     stack_first: dict[str, int] = {}
     for n, leaf, red, part_names in owners:
@@ -273,6 +276,10 @@ def _tree_stats(trees: Mapping[str, Any], *, role_tree: str | None, layered: Seq
             stack_first[leaf.role.stack] = leaf.role.first_layer
         _add_leaf(accs[n], red, leaf.role, pieces, layered=n in layered, by_role=n == role_tree)
     return {n: _TreeStats(accs[n].result(), stack_first) for n in names}
+
+
+ROLE_FIELDS = ("sumsq", "abs_max", "nonfinite")
+"""What the role tree's pieces are measured for: no figure reads their plain sum."""
 
 
 def _add_leaf(acc: Accumulator, red: tuple[str, ...], lr: LeafRole | None,
@@ -319,6 +326,16 @@ def tree_stats(trees: Mapping[str, Any], *, role_tree: str | None = None, layere
         out.update(_tree_stats(group, role_tree=rt, layered=[n for n in layered if n in group], roles=roles,
                                specs=specs, axes=axes, what=what))
     return out
+
+
+def plain_grad_figures(grads: Any, *, roles: Roles | None = None, prefix: str = "grad") -> dict[str, jax.Array]:
+    """:func:`gradient_metrics`' gradient figures (per layer, group and role) under ``jit``,
+    each piece measured by plain reductions (:func:`~jvitals.metrics.cpu_forms.plain_summaries`): XLA:CPU's fastest
+    form, the recorder's heavy step there. Same names and values as ``gradient_metrics(grads,
+    roles=roles)`` (float32 rounding apart); no mesh axes."""
+    t = _tree_stats({"grads": grads}, role_tree="grads", layered=["grads"], roles=roles, specs=None, axes=(),
+                    what="grads", plain=True)["grads"]
+    return _grad_figures(t, prefix, per_layer=True, per_role=True)
 
 
 def _put(d: dict, k: Any, s: Summary) -> None:

@@ -41,8 +41,8 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
+from jvitals.metrics import fold
 from jvitals.metrics import gradients as G
 from jvitals.metrics.roles import Roles
 from jvitals.metrics.axes import check_axes
@@ -174,9 +174,8 @@ def _under_jit(grads: Any, params: Any, updates: Any, roles: Roles) -> dict[str,
         if sliced:
             out.update(shipped())
         else:   # the CPU's fastest form (module docstring); the one-read form elsewhere
-            out.update(lax.platform_dependent(
-                cpu=lambda: _applied_groups(updates, params, plan, out["param/global_norm"], pn),
-                default=shipped))
+            out.update(fold.on_cpu(lambda: _applied_groups(updates, params, plan, out["param/global_norm"], pn),
+                                   shipped))
     return out
 
 

@@ -35,7 +35,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from jvitals.metrics import fold
+from jvitals.metrics import cpu_forms, fold
 from jvitals.metrics.stats import Summary, _nan_rule, eager_jit, reduce, summarize, summarize_max
 from jvitals.metrics.axes import make_varying, pmax_over
 
@@ -150,15 +150,23 @@ def _first_nan_or(first: jax.Array, first_nan: jax.Array) -> jax.Array:
     return jnp.where(first_nan < jnp.iinfo(jnp.int32).max, first_nan, first).astype(jnp.int32)
 
 
-def row_argmax(x: jax.Array) -> jax.Array:
-    """``jnp.argmax(x, -1)`` as int32 in one read of ``x`` (a reduction of the values,
-    their indices and the first NaN; the first NaN, else the first maximum)."""
-    x = jnp.asarray(x)
+def _row_argmax_one_read(x: jax.Array) -> jax.Array:
     iota = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     big = jnp.iinfo(jnp.int32).max
     _, first, first_nan = fold.fold_map(lambda a, i: _keys(a.astype(_F32), i), (x, iota), (-jnp.inf, big, big),
                                         _argmax_combine, (x.ndim - 1,))
     return _first_nan_or(first, first_nan)
+
+
+def row_argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, -1)`` as int32 in one read of ``x`` (a reduction of the values,
+    their indices and the first NaN; the first NaN, else the first maximum). Inside
+    :func:`~jvitals.metrics.fold.cpu_plain` on the CPU: two plain reductions instead
+    (:func:`~jvitals.metrics.cpu_forms.plain_keys`; XLA:CPU runs the one-read reduction as a serial loop)."""
+    x = jnp.asarray(x)
+    if x.shape[-1] >= cpu_forms.EXACT_IOTA:
+        return _row_argmax_one_read(x)
+    return fold.fastest(lambda: cpu_forms.plain_keys(x).argmax, lambda: _row_argmax_one_read(x))
 
 
 def _logits_combine(a: tuple, b: tuple) -> tuple:
@@ -185,6 +193,15 @@ def _logits_combine(a: tuple, b: tuple) -> tuple:
 
 
 def _row_stats(x: jax.Array) -> tuple[jax.Array, ...]:
+    """:func:`_row_stats_one_read`, or inside :func:`~jvitals.metrics.fold.cpu_plain` on
+    the CPU :func:`~jvitals.metrics.cpu_forms.row_stats` (the same figures)."""
+    x = jnp.asarray(x)
+    if x.shape[-1] >= cpu_forms.EXACT_IOTA:
+        return _row_stats_one_read(x)
+    return fold.fastest(lambda: cpu_forms.row_stats(x), lambda: _row_stats_one_read(x))
+
+
+def _row_stats_one_read(x: jax.Array) -> tuple[jax.Array, ...]:
     """Per-row (last axis) statistics of ``[..., V]`` logits in one read; each ``[...]``.
 
     Returns ``(top1, top2, lse, sum, sumsq, abs_max, nonfinite, argmax)``, for

@@ -554,9 +554,10 @@ def summarize_max(x: jax.Array | Sequence[jax.Array], mask: jax.Array | None = N
         xs = [jnp.asarray(a) for a in x]
         if not xs:
             return Summary.empty()
-        got = _fold_groups([(a, None, None, fold.MAX) for a in xs])
-        amax = functools.reduce(jnp.maximum, [g["abs_max"] for g in got])
-        nonfinite = functools.reduce(jnp.add, [g["nonfinite"] for g in got])
+        if any(fold._varying(a) for a in xs):   # inside shard_map: the one-read form
+            amax, nonfinite = _max_one_read(xs)
+        else:
+            amax, nonfinite = fold.on_cpu(lambda: _max_plain(xs), lambda: _max_one_read(xs))
         count = jnp.full((), float(sum(a.size for a in xs)), _F32)
     else:
         xf = jnp.asarray(x)
@@ -568,6 +569,27 @@ def summarize_max(x: jax.Array | Sequence[jax.Array], mask: jax.Array | None = N
     nan = jnp.full_like(amax, jnp.nan)
     return Summary(count=count, sum=nan, sumsq=nan, abs_max=_nan_rule(amax, count, nonfinite),
                    nonfinite=nonfinite)
+
+
+def _max_one_read(xs: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """``(max |x| over the finite elements, #non-finite)`` of arrays, one read each (``fold.py``)."""
+    got = _fold_groups([(a, None, None, fold.MAX) for a in xs])
+    return (functools.reduce(jnp.maximum, [g["abs_max"] for g in got]),
+            functools.reduce(jnp.add, [g["nonfinite"] for g in got]))
+
+
+def _max_plain(xs: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """:func:`_max_one_read` in XLA:CPU's fastest form: a plain ``max |x|`` per array (NaN
+    where one is NaN; the caller's NaN rule reads the count), the non-finite count only where
+    that maximum is not finite (a ``lax.cond``: a healthy step reads nothing for it). On the
+    d256 benchmark's Adam ``nu`` (4.9M values): 1.4 ms against 4.8 ms."""
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(a.astype(_F32))) for a in xs])
+
+    def count() -> jax.Array:
+        return functools.reduce(jnp.add, [jnp.sum(jnp.where(jnp.isfinite(a.astype(_F32)), 0.0, 1.0)) for a in xs])
+
+    nonfinite = lax.cond(jnp.isfinite(amax), lambda: jnp.zeros((), _F32), count)
+    return amax, nonfinite
 
 
 def _reduce_summary(s: Summary, axes: tuple[str, ...], spec: Any) -> Summary:
