@@ -48,7 +48,7 @@ def test_adam_nu_median_is_a_histogram_on_the_cpu_only():
 
 @pytest.mark.parametrize("fn", [
     lambda x: stats.summarize_sumsq([x, x[0]]),
-    lambda x: stats.summarize_max([x, x[0]]),
+    lambda x: stats.summarize_max(x),
     lambda x: stats.summarize(x, x[:, 0] > 0, axis=1),
     lambda x: stats.summarize_many([(x, None, None), (x[0], None, None)]),
 ], ids=["sumsq", "max", "summarize", "many"])
@@ -58,6 +58,16 @@ def test_nonfinite_counts_need_no_conditional_anywhere(fn):
     for platform in ("cpu",) + ACCELERATORS:
         text = lowered(fn, x, platform=platform)
         assert "stablehlo.case" not in text and "stablehlo.while" not in text, platform
+
+
+def test_the_maximum_of_many_arrays_counts_under_a_conditional_on_the_cpu_only():
+    """summarize_max of a list (Adam nu): on the CPU a plain maximum and the count under a
+    lax.cond (stats._max_plain); elsewhere one reduction with the count as an operand."""
+    x = jnp.ones((8, 64))
+    on_cpu = lowered(lambda a: stats.summarize_max([a, a[0]]), x, platform="cpu").count("stablehlo.case")
+    for platform in ACCELERATORS:
+        text = lowered(lambda a: stats.summarize_max([a, a[0]]), x, platform=platform)
+        assert text.count("stablehlo.case") == on_cpu - 1 and "stablehlo.while" not in text, platform
 
 
 def test_light_step_nonfinite_count_is_a_conditional_on_the_cpu_only():

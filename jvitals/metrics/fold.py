@@ -27,6 +27,11 @@ run long enough that the partials (written once, read once) add at most
 Combiners are associative and commutative (XLA may reorder partials; GPUs and TPUs
 combine them as a tree). :func:`kinds` builds one from ``"sum"``/``"max"``/``"min"``
 names; the logits probe passes its own (top-2, first argmax, online log-sum-exp).
+
+The CPU's forms: where the step compiles for the CPU, :func:`cpu_plain` (the activation
+summaries) and :func:`on_cpu` (the recorder's heavy step and update figures, the maximum of
+many arrays, the Adam-``nu`` median, the logits' row statistics: :mod:`jvitals.metrics.cpu_forms`)
+take plain reductions instead; :func:`one_read` forces the one-read form everywhere.
 """
 
 from __future__ import annotations

@@ -35,6 +35,10 @@ once):
   only when the norm is not finite (see :func:`norm_metrics`).
 * :func:`update_metrics`: ``update/global_norm`` and ``update/param_ratio``.
 * :func:`gradient_metrics`: everything, per role and per layer (heavier cadence).
+
+On the CPU the recorder's heavy step takes :func:`plain_grad_figures` instead (the same
+figures by plain reductions, :mod:`jvitals.metrics.cpu_forms`), beside the light step's
+parameter and update figures: XLA:CPU runs the variadic reductions as serial loops.
 """
 
 from __future__ import annotations

@@ -70,6 +70,13 @@ def light_metrics(grads: Any, params: Any = None, updates: Any = None, *, roles:
     roles = Roles() if roles is None else roles
     if G._optax_form(grads, axes) and (params is None or G._optax_form(params, axes)):
         return _under_jit(grads, params, updates, roles)
+    return _joint(grads, params, updates, roles, specs, axes)
+
+
+def _joint(grads: Any, params: Any, updates: Any, roles: Roles, specs: Any = None,
+           axes: tuple[str, ...] = ()) -> dict[str, jax.Array]:
+    """Every figure from one variadic reduction per leaf over its gradient, parameter and
+    update (:func:`~jvitals.metrics.gradients.tree_stats`; a stacked leaf per slice)."""
     trees = {"grads": grads, "params": params, "updates": updates}
     present = [n for n, t in trees.items() if t is not None]
     t = G.tree_stats(trees, layered=present, roles=roles, specs=specs, axes=axes, what="grads")
@@ -132,6 +139,13 @@ def _under_jit(grads: Any, params: Any, updates: Any, roles: Roles) -> dict[str,
     plan, _, _ = G._plan(grads, roles=roles, specs=None, axes=(), need_roles=True, split_qkv=False,
                          what="grads")
     stacked = [leaf.role is not None and leaf.role.stack is not None and bool(_keys(leaf.role)) for leaf in plan]
+    if any(stacked) and params is not None:
+        # Per-slice sums of a stacked leaf need a read of their own beside the clip's: the
+        # joint kernel of the heavy step reads gradient, parameter and update once each
+        # (the scan-stacked MoE config: 39.9 MB extra against 43.5 for per-slice kernels
+        # beside the plain sums); the global gradient norm stays the clip's expression.
+        out.update({k: v for k, v in _joint(grads, params, updates, roles).items() if k not in out})
+        return out
     gl = jax.tree.leaves(grads)
     gg, pg = _Groups(), _Groups()
     for leaf, st in zip(plan, stacked):

@@ -399,7 +399,11 @@ def _median(groups: Mapping[tuple[str, ...], Sequence[jax.Array]], median: str) 
         return search_quantile(groups, 0.5)
     if median == "sample":
         return _histogram_median(systematic_sample(groups))
-    return fold.on_cpu(lambda: _histogram_median(systematic_sample(groups)), lambda: search_quantile(groups, 0.5))
+    # Inside fold.one_read() on the CPU: the histogram of every value (XLA:CPU materialises
+    # the search's compares: its bytes say nothing of a GPU's).
+    return fold.on_cpu(lambda: _histogram_median(systematic_sample(groups)),
+                       lambda: lax.platform_dependent(cpu=lambda: _histogram_median(groups),
+                                                      default=lambda: search_quantile(groups, 0.5)))
 
 
 def _nu_figures(adam: Sequence[Any], *, specs: Any, axes: tuple[str, ...], median: str,
