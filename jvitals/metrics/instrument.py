@@ -83,6 +83,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax import lax
 
+from jvitals.metrics import fold
 from jvitals.metrics.nnx_intercept import intercept_methods as intercept_nnx
 from jvitals.metrics.probes import logits_rows
 from jvitals.metrics.roles import Roles
@@ -348,7 +349,8 @@ def _token_summary(state: _State, x: jax.Array) -> Any:
         return x
     t = state.tokens  # NNX: the root call's [B, T]; per-head [B, T, H, Dh] values keep it
     nd = len(t) if t is not None and tuple(x.shape[:len(t)]) == t and x.ndim > len(t) else max(x.ndim - 1, 1)
-    return summarize_tokens(x, token_ndim=nd)
+    with fold.cpu_plain():   # the CPU's fastest form (fold.cpu_plain)
+        return summarize_tokens(x, token_ndim=nd)
 
 
 def _find_top_k(state: _State, module: Any) -> int | None:
@@ -412,7 +414,9 @@ def _handle(state: _State, kind: str, module: Any, path: str, args: tuple, kwarg
         state.heads[path] = calls + 1
         name = "logits" if sum(state.heads.values()) == 1 else "mtp_logits"
         if state.want(name):
-            _sow(state, module, path, name, logits_rows(z))
+            with fold.cpu_plain():   # the CPU's plain row statistics (cpu_forms.row_stats)
+                rows = logits_rows(z)
+            _sow(state, module, path, name, rows)
     elif kind == "expert_counts":
         z = _first_array(out)
         if z is None or not state.want(kind):
@@ -558,8 +562,9 @@ def _sow_scores(state: _State, s: Any, valid: Any) -> None:
     frame = state.stack[-1]
     s = jnp.moveaxis(s, -2, -3)            # [..., Tq, H, Tk]
     valid = jnp.moveaxis(valid, -2, -3)
-    _sow(state, frame.module, frame.path, "attn_logits",
-         summarize_tokens(s, valid, token_ndim=s.ndim - 2, max_only=True))
+    with fold.cpu_plain():
+        summary = summarize_tokens(s, valid, token_ndim=s.ndim - 2, max_only=True)
+    _sow(state, frame.module, frame.path, "attn_logits", summary)
 
 
 def _attn_wrapper(state: _State, orig: Callable[..., Any]) -> Callable[..., Any]:
