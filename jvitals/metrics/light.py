@@ -15,11 +15,12 @@ with the leaves' roles from :func:`~jvitals.metrics.roles.assign_roles` (decided
 time). The per-role figures (``grad/Wq_abs.max``, ``grad/W_up_rms``...) need a read of
 their own (a maximum, a fused QKV kernel's parts) and stay on the heavy step.
 
-Scan-stacked leaves (``nn.scan``): their gradient, parameter and update are read per slice
-along the layer axis by one kernel per leaf (as the heavy step reads them), beside the
-clip's own sum of the stacked gradient: on the scan-stacked MoE benchmark config the
-light step's extra bytes go from 39.9 to 43.5 MB (+0.8% of the step's), the one place
-where the per-layer figures are not free.
+Scan-stacked leaves (``nn.scan``): a tree holding one takes every figure from the heavy
+step's joint kernel, a gradient, its parameter and its update read once per leaf (a stacked
+leaf per slice along the layer axis), the global gradient norm still the clip's expression:
+on the scan-stacked MoE benchmark config the light step's extra bytes are 39.90 MB, as
+they were before the per-layer figures (39.91; per-slice kernels beside the plain sums
+took 43.54).
 
 The update figures on the CPU (``lax.platform_dependent``; leaves not scan-stacked) come
 from the change the step applies, ``(p + u) - p`` with ``p + u`` as ``optax.apply_updates``
