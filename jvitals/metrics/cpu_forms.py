@@ -9,7 +9,7 @@ does not run:
 
 - :func:`plain_summaries`: the recorder's heavy step's per-piece gradient summaries
   (``sum x^2`` as optax writes it, ``max |x|``; the non-finite counts under the ``cond``);
-- :func:`row_stats` and :func:`plain_keys`: the logits' row statistics (top-1, top-2,
+- :func:`row_stats` and :func:`argmax`: the logits' row statistics (top-1, top-2,
   argmax, log-sum-exp, sums) and their argmax.
 
 Each is chosen by ``lax.platform_dependent`` (:func:`~jvitals.metrics.fold.on_cpu`), beside
@@ -28,7 +28,7 @@ from jax import lax
 
 from jvitals.metrics.stats import Summary, _nan_rule
 
-__all__ = ["EXACT_IOTA", "PlainKeys", "plain_keys", "plain_summaries", "row_stats"]
+__all__ = ["EXACT_IOTA", "PlainKeys", "argmax", "plain_keys", "plain_summaries", "row_stats"]
 
 _F32 = jnp.float32
 
@@ -94,8 +94,8 @@ def plain_keys(x: jax.Array) -> PlainKeys:
     """The pieces both plain forms use, each a plain reduction XLA:CPU vectorises (the
     column index as float32: its integer reductions it does not). ``argmax`` is
     ``jnp.argmax``'s: the first NaN of a row holding one (found below ``-V``), else the
-    first maximum. Written once for both plain forms, so XLA computes them once where both
-    run."""
+    first maximum. Any rows, NaN and Inf included (the masked branch of :func:`row_stats`
+    and :func:`argmax`)."""
     xf = x.astype(_F32)
     v = x.shape[-1]
     nan = jnp.isnan(xf)
@@ -130,14 +130,32 @@ def _finite_rows(xf: jax.Array) -> tuple[jax.Array, ...]:
     logits shares it: XLA computes it once); plain sums, max ``|x|``, no non-finite entry."""
     shape, v = xf.shape, xf.shape[-1]
     x2 = xf.reshape(-1, v)
-    top1 = jnp.max(x2, axis=-1)
-    col = lax.broadcasted_iota(_F32, x2.shape, 1)
-    argmax = jnp.min(jnp.where(x2 == top1[:, None], col, jnp.inf), axis=-1).astype(jnp.int32)
+    top1, argmax, col = _finite_argmax(x2)
     top2 = jnp.max(jnp.where(col == argmax[:, None].astype(_F32), -jnp.inf, x2), axis=-1)   # no copy of x
     rows = shape[:-1]
     out = (top1, top2, jax.nn.logsumexp(x2, axis=-1), jnp.sum(x2, axis=-1), jnp.sum(x2 * x2, axis=-1),
            jnp.max(jnp.abs(x2), axis=-1), jnp.zeros_like(top1))
     return tuple(o.reshape(rows) for o in out) + (argmax.reshape(rows),)
+
+
+def _finite_argmax(x2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(max, first column holding it, the column index as float32)`` of finite ``[R, V]`` rows."""
+    top1 = jnp.max(x2, axis=-1)
+    col = lax.broadcasted_iota(_F32, x2.shape, 1)
+    return top1, jnp.min(jnp.where(x2 == top1[:, None], col, jnp.inf), axis=-1).astype(jnp.int32), col
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, -1)`` as int32 by plain reductions: finite logits (``sum(x * 0) == 0``)
+    take the maximum and its first column, others :func:`plain_keys` (a ``lax.cond``, as
+    :func:`row_stats`)."""
+    xf = x.astype(_F32)
+    v = xf.shape[-1]
+
+    def finite(xf: jax.Array) -> jax.Array:
+        return _finite_argmax(xf.reshape(-1, v))[1].reshape(xf.shape[:-1])
+
+    return lax.cond(jnp.isnan(jnp.sum(xf * 0.0)), lambda xf: plain_keys(xf).argmax, finite, xf)
 
 
 def _masked_rows(xf: jax.Array) -> tuple[jax.Array, ...]:

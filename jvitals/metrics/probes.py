@@ -162,11 +162,11 @@ def row_argmax(x: jax.Array) -> jax.Array:
     """``jnp.argmax(x, -1)`` as int32 in one read of ``x`` (a reduction of the values,
     their indices and the first NaN; the first NaN, else the first maximum). Inside
     :func:`~jvitals.metrics.fold.cpu_plain` on the CPU: two plain reductions instead
-    (:func:`~jvitals.metrics.cpu_forms.plain_keys`; XLA:CPU runs the one-read reduction as a serial loop)."""
+    (:func:`~jvitals.metrics.cpu_forms.argmax`; XLA:CPU runs the one-read reduction as a serial loop)."""
     x = jnp.asarray(x)
     if x.shape[-1] >= cpu_forms.EXACT_IOTA:
         return _row_argmax_one_read(x)
-    return fold.fastest(lambda: cpu_forms.plain_keys(x).argmax, lambda: _row_argmax_one_read(x))
+    return fold.fastest(lambda: cpu_forms.argmax(x), lambda: _row_argmax_one_read(x))
 
 
 def _logits_combine(a: tuple, b: tuple) -> tuple:
