@@ -161,6 +161,7 @@ def run_arm(directory: str | Path, *, remedies: Any, mult: float, steps: int = 4
     out["losses"] = losses
     out["wall_s"] = time.perf_counter() - t0
     out["relapses"] = max(0, len(out["rollbacks"]) - 1) + (1 if out["limit"] is not None else 0)
+    out["open_at_end"] = [f"{a.level.name} {a.rule}:{a.metric}" for a in verdict.alerts]
     out["emb_scale"] = vitals.get_lr_scale(state["opt_state"], "embedding")
     out["global_scale"] = vitals.get_lr_scale(state["opt_state"])
     pre = [losses[s] for s in range(max(0, fault_step - 20), fault_step)]

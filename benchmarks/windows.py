@@ -28,7 +28,9 @@ every ``cadence`` steps:
   (the light step has them, per slice, at +0.8% of that step's bytes: the replay stays
   on the conservative side, as it was scored);
 - the rest of the heavy family (per-role gradient figures, activations, the optimizer's
-  statistics, ``val/loss``) only at multiples of ``heavy_every``.
+  statistics, ``val/loss``) only at multiples of ``heavy_every``;
+- ``update/rms``, the light step's per-element RMS of the update, from ``update/global_norm``
+  and the stream's parameter count (streams recorded before the recorder had it).
 
 Pure NumPy: the scorer and its tests need no JAX.
 """
@@ -115,11 +117,23 @@ def window(dense: dict[str, np.ndarray], bad: np.ndarray, a: int, b: int) -> dic
     return out
 
 
+def n_params(stream: fs.Stream) -> int | None:
+    """The stream's parameter count (its generator's facts), if recorded."""
+    n = (stream.meta.get("facts") or {}).get("n_params") or stream.meta.get("n_params")
+    return int(n) if n else None
+
+
 def replay(stream: fs.Stream, cadence: int = 50) -> Iterator[tuple[int, dict[str, float]]]:
-    """:func:`fault_suite.replay`'s checks, each with the window since the previous one."""
+    """:func:`fault_suite.replay`'s checks, each with the window since the previous one, and the
+    light step's ``update/rms`` (``update/global_norm / sqrt(parameter count)``, the recorder's
+    own arithmetic) where the stream records its parameter count."""
     dense = {f: stream.dense(f) for f in WINDOW_FIGURES if f in stream.series}
     bad = _nonfinite(stream)
+    n = n_params(stream)
     prev = -1
     for s, m in fs.replay(stream, cadence):
-        yield s, {**m, **window(dense, bad, prev + 1, s)}
+        out = {**m, **window(dense, bad, prev + 1, s)}
+        if n and "update/global_norm" in m and "update/rms" not in m:
+            out["update/rms"] = float(m["update/global_norm"]) / float(np.sqrt(n))
+        yield s, out
         prev = s

@@ -65,9 +65,16 @@ def make_run(cfg: rm.ModelConfig):
 
 
 def as_recorder_0_1(opt_state: Any) -> Any:
-    """The recorder's state as jvitals 0.1 kept it: ``last_step`` without ``"read"``, a
-    figure vector without the window's entries (their flags too)."""
+    """The optimizer state as jvitals 0.1 kept it: the recorder's ``last_step`` without
+    ``"read"``, its figure vector without the window's entries (their flags too), and
+    ``with_lr_scale``'s hyperparameters without the remedies' settings (``lr_scale`` alone)."""
     def old(node: Any) -> Any:
+        if hasattr(node, "hyperparams") and hasattr(node, "inner_state"):
+            return node._replace(hyperparams={k: v for k, v in node.hyperparams.items()
+                                              if k not in vitals.optim.REMEDY_SETTINGS},
+                                 inner_state=jax.tree.map(old, node.inner_state, is_leaf=_node),
+                                 hyperparams_states={k: v for k, v in node.hyperparams_states.items()
+                                                     if k not in vitals.optim.REMEDY_SETTINGS})
         if not isinstance(node, RecordState):
             return node
         m = node.metrics
@@ -77,12 +84,18 @@ def as_recorder_0_1(opt_state: Any) -> Any:
         vector = jnp.concatenate([m.vector[np.array(keep)], m.vector[len(m.names) + np.array(flags)]])
         return node._replace(metrics=PackedMetrics([m.names[i] for i in keep], vector, families),
                              last_step={k: v for k, v in node.last_step.items() if k != "read"})
-    return jax.tree.map(old, opt_state, is_leaf=lambda x: isinstance(x, RecordState))
+    return jax.tree.map(old, opt_state, is_leaf=_node)
+
+
+def _node(x: Any) -> bool:
+    return isinstance(x, RecordState) or (hasattr(x, "hyperparams") and hasattr(x, "inner_state"))
 
 
 def recorder_own(name: str) -> bool:
-    """The recorder's figures (its ``metrics`` and ``last_step``): from today's state."""
-    return "/metrics/vector" in name or "/last_step/" in name
+    """The recorder's figures (its ``metrics`` and ``last_step``) and the remedies' settings
+    0.1 did not have: from today's state."""
+    return ("/metrics/vector" in name or "/last_step/" in name
+            or name.endswith(("hyperparams/qk_clip_tau", "hyperparams/z_loss")))
 
 
 def recorder(opt_state: Any) -> RecordState:
@@ -156,7 +169,8 @@ def test_a_checkpoint_of_jvitals_0_1_resumes_at_its_step_with_one_warning(tmp_pa
     warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warned) == 1, [r.getMessage() for r in warned]
     msg = warned[0].getMessage()
-    assert "checkpoint 5" in msg and str(tmp_path) in msg and "older jvitals recorder" in msg
+    assert "checkpoint 5" in msg and str(tmp_path) in msg and "older jvitals" in msg
+    assert "opt_state/hyperparams/qk_clip_tau" not in saved and vitals.get_remedy(restored, "z_loss") == 0.0
     assert vector in msg and read in msg and "\n" not in msg
     assert guard.quarantined == {} and quarantine_on_file(tmp_path) == {}
     assert "5" in os.listdir(tmp_path)

@@ -22,6 +22,7 @@ LR scales it turns).
 from jvitals.guard.checkpoints import (
     CADENCE,
     CheckpointInfo,
+    CheckpointMismatchError,
     CheckpointSaveError,
     CheckpointStore,
     MANUAL,
@@ -53,6 +54,7 @@ __all__ = [
     "CADENCE",
     "Cause",
     "CheckpointInfo",
+    "CheckpointMismatchError",
     "CheckpointSaveError",
     "CheckpointStore",
     "choose_target",

@@ -81,6 +81,8 @@ from jvitals.guard.pytrees import (  # noqa: F401 - re-exported
     CheckpointMismatchError,
     Fit,
     abstract,
+    check_dtypes,
+    float_dtypes,
     all_finite,
     fit,
     graft,
@@ -349,6 +351,7 @@ class CheckpointStore:
             "pins": {str(s): r for s, r in sorted(self.pins.items())},
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "process_count": jax.process_count(),
+            "float_dtypes": float_dtypes(state),
         })
         json.dumps(full, default=json_default)  # fail here, not in orbax's thread
         self.records[step] = rec
@@ -488,9 +491,17 @@ class CheckpointStore:
             with quiet_orbax():
                 out = self._mngr.restore(int(step), args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract(like)), meta=ocp.args.JsonRestore()))
-            return out["state"], dict(out["meta"])
         except Exception as e:  # noqa: BLE001 - held against the tree on disk
             fitted = _refit(self, step, like, e)
+        else:
+            saved = dict(out["meta"]).get("float_dtypes")
+            if saved is not None and saved != float_dtypes(like):
+                # orbax cast some floating array to the train state's dtype: name it (the
+                # saved tree is read only then).
+                with quiet_orbax():
+                    check_dtypes(_saved_tree(self.directory, step), like, step=int(step),
+                                 directory=str(self.directory), store=self.name)
+            return out["state"], dict(out["meta"])
         with quiet_orbax():
             out = self._mngr.restore(int(step), args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(fitted.target), meta=ocp.args.JsonRestore()))

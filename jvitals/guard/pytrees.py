@@ -15,8 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jvitals.metrics.paths import path_str
+from jvitals.optim.lr_scale import REMEDY_SETTINGS
 
-__all__ = ["CheckpointMismatchError", "Fit", "abstract", "all_finite", "fit", "graft", "migration_note"]
+__all__ = ["CheckpointMismatchError", "Fit", "abstract", "all_finite", "check_dtypes", "fit", "float_dtypes", "graft",
+           "migration_note"]
 
 
 
@@ -167,14 +169,16 @@ def fit(disk_tree: Any, like: Any, *, step: int, directory: str, store: str = "c
     if not disk:
         raise ValueError(f"{where}: its tree metadata lists no arrays")
     mine = _flat(like)
+    _check_dtypes(disk, mine, where, (int(step), str(directory)))
     diffs = _diffs(disk, mine)
     if not diffs:
         return None
     recorders = _recorders(mine)
-    outside = [d for d in diffs if _owner(d[0], recorders) is None]
+    settings = {d[0] for d in diffs if _new_setting(d)}
+    outside = [d for d in diffs if _owner(d[0], recorders) is None and d[0] not in settings]
     if outside:
         raise _mismatch(outside, where, (int(step), str(directory)))
-    changed = {_owner(d[0], recorders) for d in diffs}
+    changed = {_owner(d[0], recorders) for d in diffs} - {None}
 
     def leaf(keys: Any, m: Any) -> Any:
         p = _path(keys)
@@ -183,7 +187,61 @@ def fit(disk_tree: Any, like: Any, *, step: int, directory: str, store: str = "c
         return abstract(mine[p])
 
     target = jax.tree_util.tree_map_with_path(leaf, disk_tree)
-    return Fit(target, frozenset(p for p in mine if _owner(p, changed) is not None), tuple(diffs), where)
+    kept = frozenset(p for p in mine if _owner(p, changed) is not None) | frozenset(settings)
+    return Fit(target, kept, tuple(diffs), where)
+
+
+def _new_setting(diff: tuple[Path, str, str]) -> bool:
+    """A remedy setting :func:`jvitals.with_lr_scale` holds today that the checkpoint's older
+    jvitals did not (``hyperparams/qk_clip_tau``, ``hyperparams/z_loss``): taken at its off
+    value from the train state."""
+    path, on_disk, _ = diff
+    return on_disk == "absent" and len(path) >= 2 and path[-2] == "hyperparams" and path[-1] in REMEDY_SETTINGS
+
+
+def float_dtypes(tree: Any) -> dict[str, int]:
+    """``{dtype name: count}`` of the floating-point leaves of ``tree`` (a checkpoint's
+    signature: a restore whose train state differs has cast some of them)."""
+    out: dict[str, int] = {}
+    for x in jax.tree.leaves(tree):
+        d = _float_dtype(x)
+        if d is not None:
+            out[d.name] = out.get(d.name, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def check_dtypes(disk_tree: Any, like: Any, *, step: int, directory: str, store: str = "checkpoints") -> None:
+    """Raises :class:`CheckpointMismatchError` for the first floating-point array whose dtype
+    on disk differs from the train state's."""
+    _check_dtypes(_flat(disk_tree), _flat(like), f"{store}: checkpoint {int(step)} in {str(directory)!r}",
+                  (int(step), str(directory)))
+
+
+def _float_dtype(x: Any) -> np.dtype | None:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return None
+    dtype = np.dtype(dtype)
+    return dtype if jnp.issubdtype(dtype, jnp.floating) else None
+
+
+def _check_dtypes(disk: Mapping[Path, Any], mine: Mapping[Path, Any], where: str, step_dir: tuple[int, str]) -> None:
+    """A floating-point leaf saved in one dtype and restored into another (orbax would cast it:
+    a float32 run resumed in bfloat16, Adam's moments too, without a word) is an error naming
+    the first such path and how many there are."""
+    diffs = [(p, d, m) for p, x in mine.items() if p in disk
+             for d, m in [(_float_dtype(disk[p]), _float_dtype(x))] if d is not None and m is not None and d != m]
+    if not diffs:
+        return
+    (path, d, m), rest = diffs[0], diffs[1:]
+    step, directory = step_dir
+    name = "/".join(path)
+    raise CheckpointMismatchError(
+        f"{where} holds {name} as {d.name} but the train state has {m.name}"
+        f"{f' ({len(rest)} more floating-point arrays differ in dtype)' if rest else ''}: restoring would cast "
+        f"every such array silently. Restore into a train state of the checkpoint's dtypes (the run's own "
+        f"model and optimizer), then cast deliberately (jax.tree.map(lambda x: x.astype(jnp.{m.name}), ...)) "
+        "if the change is wanted.", directory=directory, step=int(step), path=name, on_disk=d.name, expected=m.name)
 
 
 def _mismatch(diffs: list[tuple[Path, str, str]], where: str,
@@ -219,7 +277,7 @@ def migration_note(fitted: Fit) -> str:
     shown = "; ".join(f"{'/'.join(p)}: {d} on disk, {e} now" for p, d, e in fitted.diffs[:4])
     shown += "; ..." if len(fitted.diffs) > 4 else ""
     kept = ", ".join(sorted("/".join(p) for p in fitted.kept))
-    return (f"{fitted.where} was written by an older jvitals recorder ({shown}): restored every other "
-            f"array from disk, and kept the recorder's figures from the current train state ({kept}). "
-            "They hold only the latest figures and the window since the last read, nothing the run "
-            "needs; the next update refills them.")
+    return (f"{fitted.where} was written by an older jvitals ({shown}): restored every other "
+            f"array from disk, and kept from the current train state {kept}: the recorder's figures "
+            "(the latest figures and the window since the last read, which the next update refills) "
+            "and the remedies' settings the older version did not have (off).")

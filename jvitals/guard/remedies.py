@@ -64,7 +64,7 @@ import re
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, Union
 
 from jvitals.monitor.types import split_group
-from jvitals.optim.lr_scale import get_lr_scales, set_lr_scale
+from jvitals.optim.lr_scale import REMEDY_SETTINGS, get_lr_scales, has_remedy, set_lr_scale, set_remedy
 
 __all__ = [
     "DEFAULT_REMEDIES",
@@ -75,7 +75,7 @@ __all__ = [
     "applied_text",
     "causes_of",
     "parse_remedies",
-    "reapply_lr_groups",
+    "reapply_remedies",
     "remedied_ids",
     "restart_without",
 ]
@@ -193,6 +193,10 @@ def _float(x: Any) -> float:
         return math.nan
 
 
+_SUMMARIES = ("divergence", "rollback")
+"""Rules whose alert summarizes others (it names the lead alert's metric)."""
+
+
 def causes_of(alerts: Iterable[Any]) -> list[Cause]:
     """The alerts (``Alert`` objects or their dict form: ``state_dict()``, ``to_dict()``) as :class:`Cause` s.
 
@@ -201,9 +205,11 @@ def causes_of(alerts: Iterable[Any]) -> list[Cause]:
 
     Returns:
       One cause per alert with a metric, in the given order, duplicates (same
-      alert id) dropped.
+      alert id) dropped; the divergence rule's alerts last (a RED that names its lead's
+      metric: the lead's own alert carries the remedy's details, e.g. the QK-clip tau).
     """
     out, seen = [], set()
+    alerts = sorted(alerts, key=lambda a: str(_get(a, "rule", "")) in _SUMMARIES)
     for a in alerts:
         metric = str(_get(a, "metric", "") or "")
         if not metric:
@@ -295,20 +301,24 @@ def _remedy_name(remedy: Remedy) -> str:
     return remedy if isinstance(remedy, str) else getattr(remedy, "__name__", type(remedy).__name__)
 
 
-def reapply_lr_groups(state: Any, flags: Mapping[str, Any]) -> Any:
-    """Sets the group LR scales the guard chose (``flags["lr_groups"]``) on ``state``.
+def reapply_remedies(state: Any, flags: Mapping[str, Any]) -> Any:
+    """Sets what the guard's remedies chose on ``state``: the group LR scales
+    (``flags["lr_groups"]``) and the in-flight settings (``flags["qk_clip_tau"]``,
+    ``flags["z_loss"]``).
 
-    A restore brings back a checkpoint's own group scales, which may predate a
+    A restore brings back a checkpoint's own scales and settings, which may predate a
     remedy; the guard calls this after each restore so the remedies stay in force.
 
     Args:
-      state: a train state whose optimizer was built with ``with_lr_scale(groups=...)``.
+      state: a train state whose optimizer was built with ``with_lr_scale``.
       flags: the guard's remedies dict.
 
     Returns:
-      ``state`` with ``lr_scale[g] = flags["lr_groups"][g]`` for each listed group
-      the state holds (others untouched).
+      ``state`` with each listed group scale and setting the state holds set (others untouched).
     """
+    for name in REMEDY_SETTINGS:
+        if flags.get(name) is not None and has_remedy(state, name):
+            state = set_remedy(state, name, float(flags[name]))
     groups = flags.get("lr_groups") or {}
     if not groups:
         return state
@@ -369,9 +379,20 @@ def _layer_decay(state: Any, cause: Cause, flags: dict[str, Any], lr_factor: flo
                           factors=factors)
 
 
+def _in_flight(state: Any, name: str, value: float) -> tuple[Any, str]:
+    """Sets the remedy setting ``name`` in the optimizer state when it holds one (the step
+    reads it with ``vitals.remedy``); says where it went."""
+    if has_remedy(state, name):
+        return set_remedy(state, name, value), f"in flight: the step reads vitals.remedy(opt_state, {name!r})"
+    return state, (f"flag {name} for the loop (the optimizer state holds no remedy settings: build it "
+                   "with jvitals.with_lr_scale(tx) to have it applied in flight)")
+
+
 def _qk_clip(state: Any, cause: Cause, flags: dict[str, Any], lr_factor: float
              ) -> tuple[Any, dict[str, Any]]:
-    tau = cause.baseline
+    details = cause.details or {}
+    tau = _float(details.get("qk_clip_tau", cause.baseline))
+    what = "the alert's" if "qk_clip_tau" in details else f"the pre-fault max of {cause.metric}"
     if not (math.isfinite(tau) and tau > 0):
         return state, _action("qk_clip", cause, f"QK-clip not set (no finite pre-fault value of "
                               f"{cause.metric})", applied=False)
@@ -379,8 +400,9 @@ def _qk_clip(state: Any, cause: Cause, flags: dict[str, Any], lr_factor: float
     if old is not None:
         tau = min(float(old), tau)
     flags["qk_clip_tau"] = tau
-    return state, _action("qk_clip", cause, f"QK-clip at tau={tau:.4g} (the pre-fault max of "
-                          f"{cause.metric}; flag qk_clip_tau for the loop)", applied=True, tau=tau)
+    state, where = _in_flight(state, "qk_clip_tau", tau)
+    return state, _action("qk_clip", cause, f"QK-clip at tau={tau:.4g} ({what}; {where})", applied=True,
+                          tau=tau)
 
 
 def _z_loss(state: Any, cause: Cause, flags: dict[str, Any], lr_factor: float
@@ -389,8 +411,9 @@ def _z_loss(state: Any, cause: Cause, flags: dict[str, Any], lr_factor: float
         return state, _action("z_loss", cause, f"z-loss already on (weight {flags['z_loss']:g})",
                               applied=False)
     flags["z_loss"] = Z_LOSS_WEIGHT
-    return state, _action("z_loss", cause, f"z-loss on (weight {Z_LOSS_WEIGHT:g}; flag z_loss for "
-                          "the loop)", applied=True, weight=Z_LOSS_WEIGHT)
+    state, where = _in_flight(state, "z_loss", Z_LOSS_WEIGHT)
+    return state, _action("z_loss", cause, f"z-loss on (weight {Z_LOSS_WEIGHT:g}; {where})", applied=True,
+                          weight=Z_LOSS_WEIGHT)
 
 
 def _lr_factor(state: Any, cause: Cause, flags: dict[str, Any], lr_factor: float

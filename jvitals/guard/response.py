@@ -28,6 +28,7 @@ __all__ = [
     "TrainingPaused",
     "alert_lines",
     "check_position",
+    "check_verdict",
     "jsonable",
     "make_alert",
     "save_failed_alert",
@@ -177,6 +178,19 @@ def check_position(position: Any) -> Any:
         raise TypeError(
             "Rollback: the data position must be JSON-serialisable (an int, or a dict/list of "
             f"ints, floats and strings), got {type(position).__name__}: {e}") from e
+
+
+def check_verdict(verdict: Any) -> None:
+    """``verdict`` is None (GREEN) or has what the guard reads of ``Monitor.update``'s result
+    (``level``, ``alerts``); else a TypeError naming what came instead."""
+    if verdict is None or (hasattr(verdict, "level") and hasattr(verdict, "alerts")):
+        return
+    what = f"{type(verdict).__name__} {verdict!r}"[:120]
+    hint = (" (the verdict's level alone: a RED would be handled as GREEN)"
+            if isinstance(verdict, (int, float, str)) else "")
+    raise TypeError(f"Rollback.respond/act expects the Verdict that monitor.update(step, figures) returned "
+                    f"(or None for GREEN), got {what}{hint}; pass the verdict itself: "
+                    "guard.respond(step, state, verdict, position)")
 
 
 def make_alert(rule: str, metric: str, level: Level, step: int, value: float, onset: int,

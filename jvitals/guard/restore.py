@@ -34,7 +34,7 @@ from jvitals.guard.checkpoints import ROLLBACK_SAVE
 from jvitals.guard.events import ROLLBACK_COUNT
 from jvitals.guard.preemption import PREEMPT
 from jvitals.guard.configs import RollbackActions, RestorePolicy
-from jvitals.guard.remedies import applied_text, apply_remedies, parse_remedies, reapply_lr_groups
+from jvitals.guard.remedies import applied_text, apply_remedies, parse_remedies, reapply_remedies
 from jvitals.guard.response import (
     Action,
     Response,
@@ -231,7 +231,7 @@ class Restorer:
         restored, did = reset_moments(restored, self.reset)
         actions += did
         if self.remedy_table:
-            restored = reapply_lr_groups(restored, guard.remedies)
+            restored = reapply_remedies(restored, guard.remedies)
             seen = list(getattr(verdict, "alerts", []) or []) + list(getattr(verdict, "closed_alerts", []) or [])
             restored, guard.remedies, did = apply_remedies(restored, seen, self.remedy_table, guard.remedies,
                                                            lr_factor=float(cfg.lr_factor))

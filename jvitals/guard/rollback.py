@@ -46,6 +46,7 @@ from jvitals.guard.response import (
     Snapshots,
     TrainingPaused,
     check_position,
+    check_verdict,
 )
 from jvitals.guard.restore import Restorer
 from jvitals.guard.saver import Saver
@@ -218,6 +219,8 @@ class Rollback:
           A :class:`Response`; its ``state`` is the restored one on ROLLBACK.
 
         Raises:
+          TypeError: ``verdict`` is not what ``Monitor.update`` returns (a level, an alert, a
+            dict: a RED handed over as its level alone would be handled as GREEN).
           RollbackLimitError: red after ``max_rollbacks`` rollbacks.
           RollbackError: red and no healthy checkpoint before the earliest sign.
           TrainingPaused: orange with ``pause='raise'`` (after the save).
@@ -225,6 +228,7 @@ class Rollback:
             is untouched; by default the failure is one error line and an alert).
         """
         step = int(step)
+        check_verdict(verdict)
         check_position(position)
         skip = self.actions.skip_data
         if skip is not False and not isinstance(position, (int, np.integer)):

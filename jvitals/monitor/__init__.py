@@ -29,6 +29,7 @@ from jvitals.monitor.config import (
     LocalizeConfig,
     RatioConfig,
     ReplicaConfig,
+    ScaleConfig,
     SpikeConfig,
     SystemConfig,
     ValidationConfig,
@@ -38,6 +39,7 @@ from jvitals.monitor.policy import (
     Policy,
 )
 from jvitals.monitor.rules import (
+    AttnLogitRule,
     BrokenModelRule,
     Change,
     default_rules,
@@ -50,14 +52,17 @@ from jvitals.monitor.rules import (
     LogitRule,
     LossScaleRule,
     NonFiniteRule,
+    OutputLogitRule,
     RatioRule,
     RouterRule,
     Rule,
     SpikeRule,
     ThroughputRule,
     TrendRule,
+    UpdateSizeRule,
     ValRiseRule,
 )
+from jvitals.monitor.coverage import Coverage
 from jvitals.monitor.monitor import (
     Monitor,
 )
@@ -77,13 +82,16 @@ __all__ = [
     "Notes",
     "RatioConfig",
     "ReplicaConfig",
+    "ScaleConfig",
     "SpikeConfig",
     "SystemConfig",
     "ValidationConfig",
     "flat_replicas",
     "ReplicaRule",
     "BASELINE_KINDS",
+    "AttnLogitRule",
     "BrokenModelRule",
+    "Coverage",
     "Change",
     "default_rules",
     "DivergenceRule",
@@ -97,6 +105,7 @@ __all__ = [
     "LossScaleRule",
     "Monitor",
     "NonFiniteRule",
+    "OutputLogitRule",
     "Policy",
     "Prescription",
     "PRESCRIPTIONS",
@@ -108,6 +117,7 @@ __all__ = [
     "SpikeRule",
     "ThroughputRule",
     "TrendRule",
+    "UpdateSizeRule",
     "ValRiseRule",
     "Verdict",
 ]

@@ -14,6 +14,8 @@ and judge what a sparse cadence needs judged its own way::
                                            ``skip_orange_checks`` checks running
     EarlyRule        early       ORANGE    before the baselines are armed: the loss x2 or the
                                            grad norm x10 the median of the last checks
+    RepeatRule       repeat      YELLOW    the loss collapsing 3x below its recent median after
+                                           the baselines are armed: the data repeats
     DataRule         data        YELLOW    the loss rising while the update, gradient and
                                            parameter figures stay in their bands: the data,
                                            not the optimizer (the loss-spike alert and its
@@ -282,6 +284,69 @@ class EarlyRule(RuleBase):
         self.anchor = {}
         for h in self.hist.values():
             h[:] = [x for x in h if x[0] <= t_to]
+        return []
+
+
+class RepeatRule(RuleBase):
+    """The train loss collapsing: the data repeats.
+
+    A model trained on fresh batches lowers its loss by percents per thousand steps once
+    past its first steps; a loss that falls ``repeat_collapse`` (3) x below the median of the
+    checks of the last ``repeat_window`` (200) steps, after the baselines are armed, is the
+    loss of batches the model has seen before (a shard on a loop, a broken shuffle, an epoch
+    of a tiny set: it memorises them) and will not hold on fresh data. The sample is the
+    window's mean loss (the check's loss without a window)::
+
+        YELLOW  sample <= median(samples over the last repeat_window steps) / repeat_collapse
+
+    held while the sample stays below ``hysteresis`` x that reference, then released (the
+    loss jumps back up when the stream resumes: the spike rule sees that).
+    """
+
+    name = "repeat"
+    alert_ids = ("repeat",)   # the alerts' ``rule`` (docs/MONITOR.md)
+    levels = (Level.YELLOW,)
+    state_fields = ("hist", "ref")
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.hist: list[list[float]] = []   # [t, sample]
+        self.ref = _NAN                     # the open alert's reference
+
+    def check(self, f: Figures) -> list[Change]:
+        p, m = self.p, "loss"
+        x = f.get(WINDOW + "loss.mean") if (f.get(WINDOW + "loss.n") or 0) >= 1 else None
+        x = f.get(m) if x is None else x
+        if x is None or not (math.isfinite(x) and x > 0):
+            return []
+        armed = f.start is not None and f.t >= f.start + p.baselines.steps
+        past = [v for t, v in self.hist if t >= f.t - p.between.repeat_window]
+        self.hist.append([f.t, x])
+        self.hist = [r for r in self.hist if r[0] >= f.t - p.between.repeat_window]
+        if self.ref == self.ref:               # open: held while far below its reference
+            if x <= self.ref / p.between.repeat_collapse / p.alerts.hysteresis:
+                return [self._set(f, x)]
+            self.ref = _NAN
+            return [release(self.name, m)]
+        if not armed or len(past) < 3:
+            return []
+        ref = median(past)
+        if x > ref / p.between.repeat_collapse:
+            return []
+        self.ref = ref
+        return [self._set(f, x)]
+
+    def _set(self, f: Figures, x: float) -> Change:
+        p = self.p
+        return set_(self.name, "loss", Level.YELLOW, Reading(x, self.ref, x / self.ref),
+                    f"loss = {x:.4g} is {self.ref / x:.1f}x below its median over the last "
+                    f"{p.between.repeat_window} steps ({self.ref:.4g}; >= BetweenConfig.repeat_collapse = "
+                    f"{p.between.repeat_collapse:g}x): a model does not learn that fast from fresh batches; it "
+                    "is memorising batches it has seen.", "the loss collapsed", key="loss")
+
+    def rollback(self, step: int, t_to: int) -> list[Spike]:
+        self.hist = [r for r in self.hist if r[0] <= t_to]
+        self.ref = _NAN
         return []
 
 

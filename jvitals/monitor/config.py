@@ -28,6 +28,7 @@ __all__ = [
     "LocalizeConfig",
     "RatioConfig",
     "ReplicaConfig",
+    "ScaleConfig",
     "SpikeConfig",
     "SystemConfig",
     "ValidationConfig",
@@ -101,6 +102,31 @@ def _regex(obj: Any, field: str) -> None:
         re.compile(pattern)
     except (re.error, TypeError) as e:
         raise ValueError(f"{_name(obj, field)} expects a regular expression, got {pattern!r}: {e}") from None
+
+
+KNOWN_FIGURES: tuple[str, ...] = (
+    "loss", "val/loss", "grad/global_norm", "grad/global_norm_post_clip", "grad/clip_ratio",
+    "grad/nonfinite_count", "param/global_norm", "update/global_norm", "update/param_ratio", "update/rms",
+    "opt/learning_rate", "opt/loss_scale", "opt/skipped_steps", "opt/adam_nu_abs.max",
+    "opt/adam_nu_log10_spread", "act/attn_logits_abs.max", "act/output_layer_logits_abs.max",
+    "act/output_layer_logits_rms.avg", "act/output_layer_logsumexp.mean", "act/hidden_states_abs.max",
+    "moe/maxvio.max", "moe/dead_expert_ratio", "sys/tokens_per_sec", "sys/steps_per_sec")
+"""The figures the recorder and ``activation_metrics`` give that the configs name (a name
+within a typo of one of these, but not one of them, is an error)."""
+
+
+def _metric_names(obj: Any, field: str, names: Any) -> None:
+    """Raises a ValueError for a metric name one typo from a known figure (``grad/gloabl_norm``):
+    the rule would read a figure nobody logs and stay silent."""
+    import difflib
+
+    for n in names:
+        if n in KNOWN_FIGURES or not isinstance(n, str):
+            continue
+        close = difflib.get_close_matches(n, KNOWN_FIGURES, n=1, cutoff=0.85)
+        if close:
+            raise ValueError(f"{_name(obj, field)} names {n!r}, which no figure is called; did you mean "
+                             f"{close[0]!r}? (a name nobody logs leaves its rule without input)")
 
 
 def _mapping(factory: Any) -> Any:
@@ -203,6 +229,8 @@ class RatioConfig:
     trend_drift_k: float = 3.0
 
     def __post_init__(self) -> None:
+        for f in ("thresholds", "schedule_metrics", "jump_metrics", "trend_metrics"):
+            _metric_names(self, f, getattr(self, f))
         rules = {}
         for name, thr in dict(self.thresholds).items():
             if not isinstance(name, str):
@@ -299,6 +327,8 @@ class BetweenConfig:
       window_min_steps: steps of pooled windows before a window's maximum is judged.
       data_window, data_rise, data_z, data_band, data_confirm: the data rule (the loss
         rising while the optimizer's figures stay within ``data_band`` of their levels).
+      repeat_window, repeat_collapse: the repeat rule (the loss this many times below its
+        median over this many steps: repeated batches).
     """
 
     early_jumps: Mapping[str, float] = _mapping(lambda: {"loss": 2.0, "grad/global_norm": 10.0})
@@ -311,9 +341,13 @@ class BetweenConfig:
     data_z: float = 3.0
     data_band: float = 2.0
     data_confirm: int = 2
+    repeat_window: int = 200
+    repeat_collapse: float = 3.0
 
     def __post_init__(self) -> None:
         _bands(self, "early_jumps", "metric name -> ratio", 1)
+        _above(self, ("repeat_collapse",), 1, "a ratio")
+        _ints(self, ("repeat_window",), 1)
         _above(self, ("data_rise", "data_band"), 1, "a ratio")
         _above(self, ("data_z",), 0, "a positive z-score")
         _ints(self, ("early_min_samples", "skip_orange_checks", "data_window", "window_min_steps",
@@ -470,7 +504,8 @@ class HealthConfig:
         the chance level ``log(vocab_size)``.
       broken_chance_frac: the loss is "at chance" at this fraction of the chance level.
       broken_param_jump, broken_jump_window: the param norm jumped by this ratio over
-        this many steps.
+        this many steps ...
+      broken_param_loss: ... while the loss is at least this x what it was then.
       broken_steps, broken_loss_steps: RED when a param jump (a chance-level loss) has
         not recovered after this many steps.
       divergence_loss_ratio: "far above its pre-spike trend".
@@ -483,6 +518,7 @@ class HealthConfig:
     broken_chance_frac: float = 0.9
     broken_param_jump: float = 1.5
     broken_jump_window: int = 100
+    broken_param_loss: float = 1.0
     broken_steps: int = 50
     broken_loss_steps: int = 100
     divergence_loss_ratio: float = 1.25
@@ -494,6 +530,7 @@ class HealthConfig:
         _ints(self, ("red_after", "broken_jump_window"), 1)
         _ints(self, ("broken_steps", "broken_loss_steps", "red_min_steps"), 0)
         _above(self, ("broken_param_jump",), 1, "a ratio")
+        _above(self, ("broken_param_loss",), 0, "a ratio")
         _within(self, "broken_chance_frac", 0, 1, "hi", "a fraction")
 
 
@@ -559,3 +596,60 @@ class ReplicaConfig:
             raise ValueError(f"{_name(self, 'min_replicas')} expects an integer >= 3 (a median of fewer than 3 "
                              f"replicas names no outlier), got {self.min_replicas!r}")
         _above(self, ("spread_halflife",), 0, "a number of checks")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleConfig:
+    """Figures judged against what their scale means on its own (``Policy.scale``).
+
+    Args:
+      attn_metric: the largest attention logit (per-layer figures: ``{attn_metric}/layer_{i}``).
+      attn_level: a logit at which a softmax row is one-hot (every other key below
+        ``e^-attn_level``, under float32's precision, 2^-23 = e^-15.9).
+      attn_growth, attn_window: rising at least this many times its minimum over this
+        many steps.
+      attn_orange: ORANGE past this (MuonClip's QK-clip threshold, tau = 100).
+      qk_clip_tau: the tau the guard's ``qk_clip`` remedy applies for this alert: below
+        ``hysteresis x attn_level``, so a clipped attention (whose largest logit overshoots tau
+        by a step's update before the next clip) neither reopens nor holds the alert.
+      out_metric, out_level, out_growth, out_window: the output logits' largest value rising
+        this many times within this many steps into the level where bfloat16's spacing is
+        half a nat.
+      update_level: one update's ``update/param_ratio`` at which the update rule fires.
+      update_hold: steps the update rule holds after the last such update.
+      warmup_frac: "no warm-up" when the learning rate at the first check was at least this
+        x its peak so far.
+      vanish_level, vanish_checks: Adam's update per element and per unit learning rate
+        (``update/rms / opt/learning_rate``) below this at this many checks running: its
+        epsilon sets the step.
+    """
+
+    attn_metric: str = "act/attn_logits_abs.max"
+    attn_level: float = 20.0
+    attn_growth: float = 3.0
+    attn_window: int = 200
+    attn_orange: float = 100.0
+    qk_clip_tau: float = 15.0
+    out_metric: str = "act/output_layer_logits_abs.max"
+    out_level: float = 100.0
+    out_growth: float = 3.0
+    out_window: int = 500
+    update_level: float = 0.1
+    update_hold: int = 200
+    warmup_frac: float = 0.5
+    vanish_level: float = 0.05
+    vanish_checks: int = 1
+
+    def __post_init__(self) -> None:
+        _above(self, ("update_level",), 0, "a ratio")
+        _ints(self, ("update_hold",), 0)
+        _ints(self, ("vanish_checks",), 1)
+        _above(self, ("vanish_level",), 0, "an update per unit learning rate")
+        _within(self, "warmup_frac", 0, 1, "hi", "a fraction")
+        _above(self, ("attn_level", "qk_clip_tau"), 0, "a logit")
+        _above(self, ("attn_growth", "out_growth"), 1, "a ratio")
+        _above(self, ("out_level",), 0, "a logit")
+        _ints(self, ("attn_window", "out_window"), 1)
+        if not self.attn_orange >= self.attn_level:
+            raise ValueError(f"{_name(self, 'attn_orange')} expects a logit >= attn_level = {self.attn_level!r}, "
+                             f"got {self.attn_orange!r}")

@@ -39,6 +39,7 @@ FLAT: Mapping[str, tuple[str, str]] = {
     "window_min_steps": ("between", "window_min_steps"), "data_window": ("between", "data_window"),
     "data_rise": ("between", "data_rise"), "data_z": ("between", "data_z"),
     "data_band": ("between", "data_band"), "data_confirm": ("between", "data_confirm"),
+    "repeat_window": ("between", "repeat_window"), "repeat_collapse": ("between", "repeat_collapse"),
     "loss_scale_metric": ("system", "loss_scale_metric"), "loss_scale_drop": ("system", "loss_scale_drop"),
     "event_hold_steps": ("system", "event_hold_steps"), "val_gap_window": ("validation", "gap_window"),
     "val_gap_ratio": ("validation", "gap_ratio"), "val_gap_min_growth": ("validation", "gap_min_growth"),
@@ -67,7 +68,8 @@ FLAT: Mapping[str, tuple[str, str]] = {
     "vocab_size": ("health", "vocab_size"), "vocab_metric": ("health", "vocab_metric"),
     "broken_chance_frac": ("health", "broken_chance_frac"),
     "broken_param_jump": ("health", "broken_param_jump"),
-    "broken_jump_window": ("health", "broken_jump_window"), "broken_steps": ("health", "broken_steps"),
+    "broken_jump_window": ("health", "broken_jump_window"),
+    "broken_param_loss": ("health", "broken_param_loss"), "broken_steps": ("health", "broken_steps"),
     "broken_loss_steps": ("health", "broken_loss_steps"), "gap_z": ("validation", "gap_z"),
     "gap_confirm": ("validation", "gap_confirm"), "val_rise_window": ("validation", "rise_window"),
     "val_rise_min_samples": ("validation", "rise_min_samples"), "val_rise_z": ("validation", "rise_z"),
@@ -84,12 +86,21 @@ FLAT: Mapping[str, tuple[str, str]] = {
     "replica_min_ratio": ("replica", "min_ratio"), "replica_rel_floor": ("replica", "rel_floor"),
     "replica_spread_halflife": ("replica", "spread_halflife"), "replica_confirm": ("replica", "confirm"),
     "replica_min_replicas": ("replica", "min_replicas"),
+    "attn_metric": ("scale", "attn_metric"), "attn_level": ("scale", "attn_level"),
+    "attn_growth": ("scale", "attn_growth"), "attn_window": ("scale", "attn_window"),
+    "attn_orange": ("scale", "attn_orange"), "qk_clip_tau": ("scale", "qk_clip_tau"),
+    "update_level": ("scale", "update_level"), "update_hold": ("scale", "update_hold"),
+    "warmup_frac": ("scale", "warmup_frac"), "out_metric": ("scale", "out_metric"),
+    "out_level": ("scale", "out_level"), "out_growth": ("scale", "out_growth"),
+    "out_window": ("scale", "out_window"), "vanish_level": ("scale", "vanish_level"),
+    "vanish_checks": ("scale", "vanish_checks"),
 }
 
 _CLASS_OF: Mapping[str, str] = {
     "baselines": "BaselineConfig", "ratio": "RatioConfig", "alerts": "AlertConfig", "system": "SystemConfig",
     "between": "BetweenConfig", "validation": "ValidationConfig", "spike": "SpikeConfig", "bands": "BandConfig",
     "health": "HealthConfig", "localize": "LocalizeConfig", "replica": "ReplicaConfig",
+    "scale": "ScaleConfig",
 }
 
 OLD_NAMES: Mapping[str, Mapping[str, str]] = {

@@ -44,12 +44,15 @@ optional), e.g. ``Monitor(rules=default_rules(policy) + [MyRule()])``.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import operator
 import re
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+
+from jvitals.monitor.coverage import Coverage, coverage
 
 from jvitals.monitor.localize import group_of, lead_phrase, localize
 from jvitals.monitor.policy import Policy
@@ -88,6 +91,38 @@ __all__ = [
 
 _FORMAT_VERSION = 3
 _PLANS = 8  # key sets remembered (a loop alternates a few: per-layer families every N steps)
+
+
+_log = logging.getLogger("jvitals.monitor")
+
+
+def _check_names(names: Mapping[str, str] | None) -> dict[str, str]:
+    """``Monitor(names=)``: ``{name your loop logs: name the rules read}``."""
+    if names is None:
+        return {}
+    if not isinstance(names, Mapping):
+        raise TypeError(f"Monitor(names=...) expects a mapping {{name your loop logs: jvitals name}}, e.g. "
+                        f"{{'train/loss': 'loss'}}; got {type(names).__name__}")
+    for k, v in names.items():
+        if not (isinstance(k, str) and isinstance(v, str) and k and v):
+            raise TypeError(f"Monitor(names=...) maps names to names (non-empty str -> str); got {k!r}: {v!r}")
+    targets = list(names.values())
+    twice = sorted({v for v in targets if targets.count(v) > 1})
+    if twice:
+        raise ValueError(f"Monitor(names=...) maps several of your names onto {twice}; map one name to each")
+    return dict(names)
+
+
+def _renamed(metrics: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        n = names.get(k, k)
+        if n in out or (n != k and n in metrics):
+            src = k if n != k else next(a for a, b in names.items() if b == n and a in metrics)
+            raise ValueError(f"Monitor.update: {src!r} maps to {n!r} (Monitor(names=...)), which the figures "
+                             f"hold already; drop one of the two")
+        out[n] = v
+    return out
 
 
 def _as_step(step: Any, what: str = "step") -> int:
@@ -147,10 +182,18 @@ class Monitor:
       policy: the :class:`Policy` (default: METRICS.md §5).
       rules: the rule objects, run in this order (default:
         ``default_rules(policy)``); names must be unique.
+      names: ``{name your loop logs: name the rules read}``, applied to every check's
+        figures (``{"train/loss": "loss", "grad_norm": "grad/global_norm"}``): a loop's own
+        names, unmapped, leave the rules that read them blind. The first check says, once
+        (a WARNING of ``jvitals.monitor``), which rules a missing ``loss`` or
+        ``grad/global_norm`` leaves without input and which of the loop's names look like
+        them.
 
     Attributes:
       policy: the :class:`Policy`.
       rules: the rule objects.
+      coverage: what the first check's figures let the rules watch (a
+        :class:`~jvitals.monitor.coverage.Coverage`; None before it).
       alerts: the open alerts (most severe first).
       history: closed alerts, oldest first (``Policy.alerts.history_size`` kept).
       spikes: completed :class:`Spike` records (``Policy.alerts.spikes_size``).
@@ -159,9 +202,12 @@ class Monitor:
         before), and :attr:`baseline_start_reason`.
     """
 
-    def __init__(self, policy: Policy | None = None, rules: Sequence[Any] | None = None) -> None:
+    def __init__(self, policy: Policy | None = None, rules: Sequence[Any] | None = None,
+                 names: Mapping[str, str] | None = None) -> None:
         if policy is None:
             policy = Policy()
+        self.names = _check_names(names)
+        self.coverage: Coverage | None = None
         if not isinstance(policy, Policy):
             raise TypeError(f"Monitor expects a jvitals Policy, got {type(policy).__name__}")
         p = self.policy = policy
@@ -403,12 +449,19 @@ class Monitor:
           ValueError: ``step`` does not increase.
         """
         s = _as_step(step)
+        if self.names:
+            metrics = _renamed(metrics, self.names)
         if self._last_step is not None and s <= self._last_step:
             raise ValueError(f"Monitor.update expects increasing steps: got step {s} after step "
                              f"{self._last_step}. Merge metrics of one step into one dict; after a "
                              "restart restore the monitor saved with the checkpoint "
                              "(Monitor.from_state_dict).")
         plan, vals = self._read(metrics)
+        if self.coverage is None:
+            self.coverage = coverage(plan.keys, [getattr(r, "name", "") for r in self.rules])
+            said = self.coverage.summary(s)
+            if said:
+                _log.warning(said)
         p = self.policy
         t = s - self._offset
         named = plan.named

@@ -30,6 +30,7 @@ from jvitals.monitor.config import (
     LocalizeConfig,
     RatioConfig,
     ReplicaConfig,
+    ScaleConfig,
     SpikeConfig,
     SystemConfig,
     ValidationConfig,
@@ -44,7 +45,7 @@ _MOVED: Mapping[str, tuple[str, str]] = {"settle_span": ("baselines", "settle_sp
 _CONFIGS: Mapping[str, type] = {
     "baselines": BaselineConfig, "ratio": RatioConfig, "alerts": AlertConfig, "system": SystemConfig,
     "between": BetweenConfig, "validation": ValidationConfig, "spike": SpikeConfig, "bands": BandConfig,
-    "health": HealthConfig, "localize": LocalizeConfig, "replica": ReplicaConfig,
+    "health": HealthConfig, "localize": LocalizeConfig, "replica": ReplicaConfig, "scale": ScaleConfig,
 }
 
 
@@ -94,6 +95,7 @@ class Policy(LegacyDict):
       health: the broken-model and divergence rules.
       localize: localization of the earliest sign.
       replica: the per-replica rule.
+      scale: figures whose scale means something on their own (the attention logits).
     """
 
     baselines: BaselineConfig = dataclasses.field(default_factory=BaselineConfig)
@@ -107,6 +109,7 @@ class Policy(LegacyDict):
     health: HealthConfig = dataclasses.field(default_factory=HealthConfig)
     localize: LocalizeConfig = dataclasses.field(default_factory=LocalizeConfig)
     replica: ReplicaConfig = dataclasses.field(default_factory=ReplicaConfig)
+    scale: ScaleConfig = dataclasses.field(default_factory=ScaleConfig)
 
     def __post_init__(self) -> None:
         for sub, cls in _CONFIGS.items():

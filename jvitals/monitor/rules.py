@@ -15,7 +15,8 @@ list[Change]``; ``state_dict``/``load_state_dict``/``rollback`` are optional.
 The rules, their order, alert ids and levels: the table in docs/MONITOR.md (checked
 against :func:`default_rules` by tests/test_monitor_docs.py). The rule classes live in
 ``rules_ratio`` (ratio, trend, jump), ``rules_bands`` (group, logits, router),
-``rules_health`` (spike, loss scale, broken model, divergence), ``rules_validation`` (val
+``rules_health`` (spike, loss scale, broken model, divergence), ``rules_scale`` (the
+attention logits' absolute scale), ``rules_validation`` (val
 gap, val rise), ``between`` (the window rules) and ``replicas``; this module re-exports them.
 """
 
@@ -23,17 +24,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from jvitals.monitor.between import (DataRule, EarlyRule, NonFiniteRule, SkipRule, ThroughputRule, WindowSpikes)
+from jvitals.monitor.between import (DataRule, EarlyRule, NonFiniteRule, RepeatRule, SkipRule, ThroughputRule,
+                                     WindowSpikes)
 from jvitals.monitor.policy import Policy
 from jvitals.monitor.replicas import ReplicaRule
 from jvitals.monitor.rules_bands import GroupRule, LogitRule, RouterRule
 from jvitals.monitor.rules_base import NOTE_WRITERS, Figures, Notes, Plan, Rule, schedule_factor  # noqa: F401  (Plan, schedule_factor: re-exported)
 from jvitals.monitor.rules_health import BrokenModelRule, DivergenceRule, LossScaleRule, SpikeRule
 from jvitals.monitor.rules_ratio import JumpRule, RatioRule, TrendRule
+from jvitals.monitor.rules_scale import AttnLogitRule, OutputLogitRule, UpdateSizeRule
 from jvitals.monitor.rules_validation import GapRule, ValRiseRule
 from jvitals.monitor.types import Change, set_  # noqa: F401  (set_: re-exported)
 
 __all__ = [
+    "AttnLogitRule",
     "BrokenModelRule",
     "Change",
     "DataRule",
@@ -47,13 +51,16 @@ __all__ = [
     "LogitRule",
     "LossScaleRule",
     "NonFiniteRule",
+    "OutputLogitRule",
     "RatioRule",
+    "RepeatRule",
     "RouterRule",
     "Rule",
     "SkipRule",
     "SpikeRule",
     "ThroughputRule",
     "TrendRule",
+    "UpdateSizeRule",
     "ValRiseRule",
     "WindowSpikes",
     "check_order",
@@ -81,9 +88,11 @@ def default_rules(policy: Policy) -> list[Any]:
     ``divergence``), and the divergence rule sees the divergent alerts of the rules before
     it. The table: docs/MONITOR.md.
     """
-    rules = [NonFiniteRule(policy), EarlyRule(policy), DataRule(policy), WindowSpikes(policy), SpikeRule(policy),
+    rules = [NonFiniteRule(policy), EarlyRule(policy), RepeatRule(policy), DataRule(policy), WindowSpikes(policy),
+             SpikeRule(policy),
              RatioRule(policy),
-             TrendRule(policy), JumpRule(policy), GroupRule(policy), LogitRule(policy), RouterRule(policy),
+             TrendRule(policy), JumpRule(policy), GroupRule(policy), LogitRule(policy), AttnLogitRule(policy),
+             OutputLogitRule(policy), UpdateSizeRule(policy), RouterRule(policy),
              ThroughputRule(policy), SkipRule(policy), LossScaleRule(policy), GapRule(policy), ValRiseRule(policy),
              BrokenModelRule(policy), DivergenceRule(policy), ReplicaRule(policy)]
     check_order(rules)

@@ -185,7 +185,11 @@ class BrokenModelRule(RuleBase):
       scratch starts at chance; a resumed one at its starting point, which a
       broken model also falls back to); or
     - the param norm jumped: ``>= broken_param_jump`` x its value
-      ``broken_jump_window`` steps earlier.
+      ``broken_jump_window`` steps earlier, while the loss (the window's mean where there
+      is one) is at least ``broken_param_loss`` x what it was then (the weights moved and
+      the model got no better), or with 3/4 of that rise's log since the previous check (a
+      jump, not a growth). A param norm growing that fast, steadily, while the loss falls is
+      the warm-up or a high learning rate early in a run, not a broken model.
 
     A param-norm jump is ORANGE at once and RED once it has held at every
     check for ``broken_steps`` steps; a chance-level loss alone is YELLOW at
@@ -206,7 +210,7 @@ class BrokenModelRule(RuleBase):
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
-        self.pn: collections.deque[tuple[int, float]] = collections.deque()
+        self.pn: collections.deque[tuple[int, float, float]] = collections.deque()
         self.vocab = _NAN
         self.first_loss = _NAN
         self.state: dict[str, Any] | None = None  # {"since", "checks", "pn_ref", "kind"}
@@ -219,6 +223,8 @@ class BrokenModelRule(RuleBase):
                 self.vocab = v
         vocab = float(p.health.vocab_size) if p.health.vocab_size is not None else self.vocab
         loss, pn = f.get("loss"), f.get("param/global_norm")
+        wl = f.get("window/loss.mean") if (f.get("window/loss.n") or 0) >= 1 else None
+        level = wl if wl is not None and math.isfinite(wl) else loss   # the loss over the window
         if loss is not None and math.isfinite(loss) and self.first_loss != self.first_loss:
             self.first_loss = loss
         if f.warm:
@@ -230,18 +236,7 @@ class BrokenModelRule(RuleBase):
         if loss is not None and math.isfinite(loss) and chance == chance and chance > 0:
             loss_bad = (loss >= p.health.broken_chance_frac * chance
                         and pre < p.health.broken_chance_frac ** 2 * chance)
-        pn_bad, pn_ref = None, _NAN
-        if pn is not None and math.isfinite(pn) and pn > 0:
-            if st is not None and st["pn_ref"] is not None:
-                pn_bad = pn >= (1.0 + 0.5 * (p.health.broken_param_jump - 1.0)) * st["pn_ref"]
-            else:
-                q = self.pn
-                while len(q) > 1 and q[1][0] <= s - p.health.broken_jump_window:
-                    q.popleft()
-                if q:
-                    pn_ref = q[0][1]
-                    pn_bad = pn >= p.health.broken_param_jump * pn_ref
-                q.append((s, pn))
+        pn_bad, pn_ref = self._param_jump(s, pn, level, st)
         if st is None:
             if not (loss_bad or pn_bad):
                 return [release("broken_model", "")] if ("broken_model", "") in f.open else []
@@ -289,6 +284,31 @@ class BrokenModelRule(RuleBase):
         return [set_("broken_model", metric, lvl, Reading(value, ref, ratio), f"{what}; {tail}",
                      f"{metric} broke", key="", onset=st["since"], diverging=False,
                      details={"since": st["since"], "kind": st["kind"]})]
+
+    def _param_jump(self, s: int, pn: float | None, level: float | None, st: dict[str, Any] | None
+                    ) -> tuple[bool | None, float]:
+        """``(jumped, the reference it jumped from)``: None when the check has no param norm."""
+        p = self.p
+        if pn is None or not (math.isfinite(pn) and pn > 0):
+            return None, _NAN
+        if st is not None and st["pn_ref"] is not None:     # open: holds until half the jump is undone
+            return pn >= (1.0 + 0.5 * (p.health.broken_param_jump - 1.0)) * st["pn_ref"], _NAN
+        q, bad, ref = self.pn, None, _NAN
+        while len(q) > 1 and q[1][0] <= s - p.health.broken_jump_window:
+            q.popleft()
+        if q:
+            ref = q[0][1]
+            ref_loss = q[0][2] if len(q[0]) > 2 else _NAN
+            # Broken, not grown: the loss no better than where the jump began (a warm-up's or
+            # a high LR's early growth comes with a falling loss), or the rise concentrated
+            # since the previous check (a jump, not a growth: 3/4 of the jump's log in one
+            # interval).
+            worse = (level is None or not math.isfinite(level) or ref_loss != ref_loss
+                     or level >= p.health.broken_param_loss * ref_loss)
+            sudden = pn >= p.health.broken_param_jump ** 0.75 * q[-1][1]
+            bad = pn >= p.health.broken_param_jump * ref and (worse or sudden)
+        q.append((s, pn, _NAN if level is None or not math.isfinite(level) else level))
+        return bad, ref
 
     def rollback(self, step: int, t_to: int) -> list[Spike]:
         self.pn.clear()

@@ -128,10 +128,35 @@ PRESCRIPTIONS: Mapping[str, Prescription] = types.MappingProxyType({
         "and loss alerts that follow say whether it did damage"),
     # METRICS.md §2 activation rows (no §6 row): logits growing.
     "attn_logit_growth": Prescription(
-        "the attention logits growing beyond their own drift",
-        "the query/key weights growing unchecked: their LR too high, no QK-norm",
-        "clip the attention logits (QK-clip at the pre-growth maximum) or add QK-norm; lower "
-        "the LR of Wq/Wk"),
+        "the attention logits growing into softmax saturation (the attention entropy collapses)",
+        "the query/key weights growing unchecked: no qk-layernorm at a high learning rate "
+        "(attention logit growth, Dehghani et al. 2023; Wortsman et al. 2023), or their LR too high",
+        "add qk-layernorm (an RMSNorm on each head's queries and keys), or QK-clip (MuonClip: "
+        "scale Wq, Wk so the largest logit stays at tau; vitals.qk_clip, applied in flight by "
+        "the guard's default remedies); lower the LR of Wq/Wk"),
+    "logit_divergence": Prescription(
+        "the output logits growing out of the range their precision holds",
+        "the normalizer log Z drifting unchecked (no z-loss, no weight decay on the LM head) at "
+        "a high learning rate: output-logit divergence (Chowdhery et al. 2022; Wortsman et al. 2023)",
+        "add the z-loss (1e-4 x mean log Z^2; vitals.z_loss, turned on in flight by the guard's "
+        "default remedies) or a logit soft-cap (c * tanh(logits / c)); weight decay on the head"),
+    "no_warmup": Prescription(
+        "one update moved the weights by a large fraction of their norm, at the run's start",
+        "no warm-up (or one too short) at this learning rate: Adam's first updates are sign-like "
+        "and move every weight by the full learning rate",
+        "add a linear warm-up of the learning rate (a few hundred to a few thousand steps; "
+        "Wortsman et al. 2023: warm-up lowers the sensitivity to the learning rate), or lower the "
+        "peak learning rate"),
+    "adam_epsilon": Prescription(
+        "Adam's update per unit learning rate far below Adam's own scale: the updates vanish",
+        "Adam's epsilon too large for the gradients' scale (it sets the step where sqrt(v) "
+        "falls to it: Wortsman et al. 2023, section 3.4)",
+        "lower Adam's epsilon well below the gradients' RMS (1e-8, or 1e-15 at scale); check "
+        "that the loss is not scaled down (a mean over too many tokens, a loss scale left in)"),
+    "lr_too_high": Prescription(
+        "one update moved the weights by a large fraction of their norm",
+        "a learning rate too high for the weights' scale (or an update the clip did not bound)",
+        "lower the learning rate (or the group's whose update is that large); check the clip"),
     "logit_drift": Prescription(
         "the output logits growing beyond their own drift",
         "the LM head's weights growing unchecked (its LR or weight decay)",
@@ -178,6 +203,12 @@ PRESCRIPTIONS: Mapping[str, Prescription] = types.MappingProxyType({
         "the optimizer",
         "inspect the recent batches and the data pipeline (sources, shuffling, tokenization); a "
         "rollback does not help while the data stays bad: fix the data, then resume"),
+    "data_repeat": Prescription(
+        "the train loss collapsing far below its recent level",
+        "the data repeats: a shard on a loop, a broken shuffle, an epoch of a tiny set; the model "
+        "memorises those batches (the loss jumps back when fresh data resumes)",
+        "inspect the loader's order and shard boundaries (the batches since the alert's onset); "
+        "a rollback does not help while the data repeats"),
     "skipped_update": Prescription(
         "an update skipped in the step (loss or gradient norm far outside the recent history, "
         "or non-finite)",
@@ -203,6 +234,9 @@ RULE_PRESCRIPTION: Mapping[str, str] = types.MappingProxyType({
     "group": "group_embedding_lr",
     "jump": "update_jump",
     "logits": "attn_logit_growth",
+    "attn_logits": "attn_logit_growth",
+    "update_size": "no_warmup",
+    "output_logits": "logit_divergence",
     "broken_model": "broken_model",
     "router": "router_collapse",
     "param_norm": "param_norm_jump",
@@ -218,6 +252,7 @@ RULE_PRESCRIPTION: Mapping[str, str] = types.MappingProxyType({
     "rollback": "divergence",
     "replica": "replica_unknown",
     "data": "data_quality",
+    "repeat": "data_repeat",
     "skip": "skipped_update",
     "early": "early_jump",
 })

@@ -114,7 +114,9 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array | None =
 
     Args:
       logits: ``[..., V]`` output logits (e.g. ``[B, T, V]``).
-      labels: integer ids of shape ``logits.shape[:-1]``.
+      labels: integer ids of shape ``logits.shape[:-1]``; a negative id (the ignore index
+        -100 of PyTorch and Hugging Face loaders) marks a position as padding, as ``mask``
+        does. An id ``>= V`` is a data error the loss shows as NaN.
       mask: None (every position valid), or a boolean/0-1 array of shape
         ``logits.shape[:-1]`` (True = valid). With no valid position the loss is 0.
       z_loss_weight: adds PaLM's z-loss (:func:`z_loss`) from the same log-sum-exp (>= 0).
@@ -141,11 +143,13 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array | None =
         raise ValueError(f"cross_entropy: z_loss_weight={z_loss_weight!r} must be >= 0 (PaLM uses 1e-4)")
     axes = check_axes(axes)
     x = jnp.asarray(logits).astype(_F32)
+    labels = jnp.asarray(labels, jnp.int32)
     valid = jnp.ones(x.shape[:-1], bool) if mask is None else jnp.asarray(mask).astype(bool)
+    valid = valid & (labels >= 0)       # a negative label (the ignore index -100) is padding
     m = lax.stop_gradient(jnp.max(x, axis=-1))
     safe_m = jnp.where(jnp.isfinite(m), m, 0.0)
     lse = jnp.log(jnp.sum(jnp.exp(x - safe_m[..., None]), axis=-1)) + safe_m
-    picked = _label_logit(x, jnp.asarray(labels, jnp.int32))
+    picked = _label_logit(x, jnp.maximum(labels, 0))
     n = psum_over(jnp.sum(valid.astype(_F32)), axes)
     per_token = lse - picked
     if not (isinstance(z_loss_weight, (int, float)) and z_loss_weight == 0):

@@ -62,15 +62,26 @@ __all__ = [
     "LR_SCALE",
     "LR_SCALE_ARG",
     "LRGroupScaleState",
+    "REMEDY_SETTINGS",
     "get_lr_scale",
     "get_lr_scales",
+    "get_remedy",
     "has_lr_scale",
+    "has_remedy",
     "leaf_groups",
+    "remedy",
     "set_lr_scale",
+    "set_remedy",
     "with_lr_scale",
 ]
 
 T = TypeVar("T")
+
+REMEDY_SETTINGS: Mapping[str, float] = {"qk_clip_tau": 0.0, "z_loss": 0.0}
+"""The remedies' settings :func:`with_lr_scale` holds beside the LR scale, as stored when
+off: QK-clip's tau (0 stored: no clip; :func:`remedy` reads it as ``+inf``, so a checkpoint
+holds only finite values whatever dtype it is cast to) and the z-loss weight (0). The guard's
+remedies set them (:func:`set_remedy`); the train step reads them (:func:`remedy`)."""
 
 GroupsArg = Union[None, str, Callable[[Any], Any], Mapping[str, float]]
 """``None``, ``"roles"``, a function ``params -> pytree of group names``, or a
@@ -217,7 +228,9 @@ def with_lr_scale(tx: optax.GradientTransformation, lr_scale: float = 1.0, *,
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is an
       ``InjectStatefulHyperparamsState`` with ``hyperparams['lr_scale']`` a float32
-      scalar; with ``groups`` its ``inner_state`` also holds an
+      scalar, beside the remedies' settings the guard turns on mid-run
+      (:data:`REMEDY_SETTINGS`: ``qk_clip_tau``, ``z_loss``; read by the step with
+      :func:`remedy`, never by the update); with ``groups`` its ``inner_state`` also holds an
       :class:`LRGroupScaleState`. Extra update arguments (``loss=``, ...) are
       forwarded to ``tx``, plus ``vitals_lr_scale=`` (the global scale in force).
 
@@ -229,6 +242,11 @@ def with_lr_scale(tx: optax.GradientTransformation, lr_scale: float = 1.0, *,
       tx = with_lr_scale(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched)))
       tx = with_lr_scale(optax.adamw(sched), groups={"embedding": 0.5, "lm_head": 0.5})
     """
+    if not callable(getattr(tx, "update", None)) or not callable(getattr(tx, "init", None)):
+        hint = " (a factory: call it, e.g. optax.adamw(lr))" if callable(tx) else ""
+        raise TypeError(f"with_lr_scale expects an optax GradientTransformation, got {type(tx).__name__}{hint}")
+    if not (float(lr_scale) > 0 and float(lr_scale) < float("inf")):
+        raise ValueError(f"with_lr_scale(lr_scale={lr_scale!r}): the initial scale must be a finite number > 0")
     if groups is None:
         members: tuple[optax.GradientTransformation, ...] = ()
     else:
@@ -240,11 +258,12 @@ def with_lr_scale(tx: optax.GradientTransformation, lr_scale: float = 1.0, *,
             leaf_groups({}, groups, roles)  # raises: names what is allowed
         members = (_scale_by_group(groups, roles, init),)
 
-    def factory(lr_scale):
+    def factory(lr_scale, qk_clip_tau, z_loss):
+        del qk_clip_tau, z_loss    # the step reads them (remedy()); the update does not
         return optax.chain(tx, *members, optax.scale(lr_scale))
 
     injected = optax.inject_hyperparams(factory, hyperparam_dtype=jnp.float32)(
-        lr_scale=float(lr_scale))
+        lr_scale=float(lr_scale), **REMEDY_SETTINGS)
 
     def update_fn(updates, state, params=None, **extra):
         outer = extra.pop(LR_SCALE_ARG, None)
@@ -402,13 +421,95 @@ def set_lr_scale(tree: T, value: float, group: str | None = None) -> T:
       A copy of ``tree`` with the scale replaced; the input is not modified.
 
     Raises:
-      ValueError: if ``tree`` holds no such scale (naming the groups there are).
+      ValueError: if ``value`` is not a finite number > 0, or ``tree`` holds no such scale
+        (naming the groups there are).
     """
     value = float(value)
+    if not (value > 0 and value < float("inf")):
+        raise ValueError(f"set_lr_scale(value={value!r}{'' if group is None else f', group={group!r}'}): a "
+                         "learning-rate scale must be a finite number > 0 (a negative one ascends the "
+                         "loss, NaN or inf breaks the weights); 0.9 * get_lr_scale(tree) is a 10% cut")
     if group is not None:
         _check_group(tree, group, "set_lr_scale")
     elif not has_lr_scale(tree):
         get_lr_scale(tree)  # raises the explanatory error
     targets = {s.path for s in _slots(tree) if s.group == group}
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: _like(x, value) if path_str(p) in targets else x, tree)
+
+
+# ----------------------------------------------------------------------------------
+# The remedies' settings (QK-clip's tau, the z-loss weight): set by the guard, read by the step.
+
+
+def _check_remedy_name(name: str, what: str) -> None:
+    if name not in REMEDY_SETTINGS:
+        raise ValueError(f"{what}: unknown remedy setting {name!r}; the settings are "
+                         f"{sorted(REMEDY_SETTINGS)}")
+
+
+def _remedy_paths(tree: Any, name: str) -> list[str]:
+    suffix = f"hyperparams/{name}"
+    return [p for p in leaves_by_path(tree) if p == suffix or p.endswith("/" + suffix)]
+
+
+def has_remedy(tree: Any, name: str) -> bool:
+    """True if ``tree`` holds the remedy setting ``name`` (built with :func:`with_lr_scale`)."""
+    _check_remedy_name(name, "has_remedy")
+    return bool(_remedy_paths(tree, name))
+
+
+def remedy(tree: Any, name: str) -> jax.Array:
+    """The remedy setting ``name`` as the train step reads it (a traced float32 under ``jit``).
+
+    ``qk_clip_tau`` (``+inf`` until the guard turns QK-clip on) and ``z_loss`` (0 until it
+    turns the z-loss on); a state without them (an optimizer not wrapped with
+    :func:`with_lr_scale`) reads as off.
+
+    Args:
+      tree: the optimizer state (or a train state, an ``nnx.Optimizer``'s ``opt_state``).
+      name: ``"qk_clip_tau"`` or ``"z_loss"``.
+
+    Returns:
+      A float32 scalar.
+
+    Example::
+
+      loss = loss + vitals.z_loss(logits, mask, weight=vitals.remedy(state.opt_state, "z_loss"))
+      params = vitals.qk_clip(params, metrics, vitals.remedy(opt_state, "qk_clip_tau"))
+    """
+    _check_remedy_name(name, "remedy")
+    paths = _remedy_paths(tree, name)
+    v = (jnp.float32(REMEDY_SETTINGS[name]) if not paths
+         else jnp.asarray(value_of(leaves_by_path(tree)[paths[0]]), jnp.float32))
+    if name == "qk_clip_tau":
+        v = jnp.where(v > 0, v, jnp.float32(jnp.inf))      # stored 0: off
+    return v
+
+
+def get_remedy(tree: Any, name: str) -> float:
+    """The remedy setting ``name`` on the host (one read); its off value where ``tree`` has none."""
+    return _host(remedy(tree, name))
+
+
+def set_remedy(tree: T, name: str, value: float) -> T:
+    """Sets the remedy setting ``name`` everywhere in ``tree`` (no retrace: dtype, shape and
+    sharding kept, as :func:`set_lr_scale`).
+
+    Raises:
+      ValueError: an unknown name, a value out of range (tau must be > 0, the z-loss weight
+        >= 0; both may not be NaN), or a ``tree`` without the setting.
+    """
+    _check_remedy_name(name, "set_remedy")
+    value = float(value)
+    if value != value or (name == "qk_clip_tau" and not value > 0) or (name == "z_loss" and not 0 <= value < np.inf):
+        raise ValueError(f"set_remedy({name!r}, {value!r}): qk_clip_tau must be > 0 (+inf: off), z_loss a "
+                         "finite number >= 0 (0: off)")
+    if name == "qk_clip_tau" and value == np.inf:
+        value = 0.0                                          # stored as off
+    targets = set(_remedy_paths(tree, name))
+    if not targets:
+        raise ValueError(f"set_remedy({name!r}): the {type(tree).__name__} holds no remedy settings; build "
+                         "the optimizer with tx = jvitals.with_lr_scale(tx)")
     return jax.tree_util.tree_map_with_path(
         lambda p, x: _like(x, value) if path_str(p) in targets else x, tree)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -74,9 +74,9 @@ def _check_tau(tau: Any) -> None:
     except (TypeError, ValueError):
         raise ValueError(f"qk_clip: tau={tau!r} must be a positive number (the largest attention "
                          "logit allowed, e.g. 100)") from None
-    if not (t > 0 and math.isfinite(t)):
-        raise ValueError(f"qk_clip: tau={tau!r} must be a positive finite number (the largest "
-                         "attention logit allowed, e.g. 100); a negative or zero tau would zero "
+    if not t > 0:
+        raise ValueError(f"qk_clip: tau={tau!r} must be a positive number (the largest attention "
+                         "logit allowed, e.g. 100; +inf: no clip); a negative or zero tau would zero "
                          "or flip the attention")
 
 
@@ -109,12 +109,19 @@ def qk_clip(params: Any, attn_logits_max: Any, tau: Any, *, roles: Roles | None 
     so the layer's logits shrink by ``tau / m_i`` (see the module docstring for
     fused QKV, Q-only layers and the per-head form).
 
+    The weights are read and written only at a step where some layer exceeds ``tau``
+    (a ``lax.cond``): with ``tau = +inf`` (the guard's setting before a remedy turns it on,
+    :func:`jvitals.remedy`) the step pays one comparison per layer.
+
     Args:
       params: the parameter pytree (after the optimizer step).
       attn_logits_max: the max |pre-softmax attention logit| per layer, ``[L]``
         (the ``act/attn_logits_abs.max/layer_{i}`` figures in layer order), or per
-        layer and query head, ``[L, H]``. May be a traced array.
-      tau: the largest logit allowed (> 0; e.g. 100 as in MuonClip).
+        layer and query head, ``[L, H]``; or the step's metrics dict, from which the
+        ``act/attn_logits_abs.max/layer_{i}`` figures are taken (the whole model's
+        ``act/attn_logits_abs.max`` for every layer where there are none). May be traced.
+      tau: the largest logit allowed (> 0; e.g. 100 as in MuonClip; ``+inf``: no clip);
+        a traced scalar too (``vitals.remedy(opt_state, "qk_clip_tau")``).
       roles: the :class:`~jvitals.metrics.roles.Roles` finding Q, K and the layers.
 
     Returns:
@@ -127,18 +134,50 @@ def qk_clip(params: Any, attn_logits_max: Any, tau: Any, *, roles: Roles | None 
 
     Example::
 
-      m = jnp.stack([metrics[f"act/attn_logits_abs.max/layer_{i}"] for i in range(L)])
-      params = vitals.qk_clip(params, m, tau=100.0)
+      params = vitals.qk_clip(params, metrics, tau=100.0)   # metrics: activation_metrics' dict
+      params = vitals.qk_clip(params, metrics, vitals.remedy(opt_state, "qk_clip_tau"))  # the guard's
     """
     roles = Roles() if roles is None else roles
     _check_tau(tau)
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     infos = assign_roles(params, roles)
     layers = [i for lr in infos for i in lr.layers]
-    gamma, per_head = layer_gammas(attn_logits_max, tau, max(layers) + 1 if layers else 0)
+    n_layers = max(layers) + 1 if layers else 0
+    if isinstance(attn_logits_max, Mapping):
+        attn_logits_max = _from_metrics(attn_logits_max, n_layers)
+    gamma, per_head = layer_gammas(attn_logits_max, tau, n_layers)
     plan = _QKPlan.build(infos, roles)
+
+    def clip(leaves: list[jax.Array]) -> list[jax.Array]:
+        return _clip_leaves(leaves, infos, plan, gamma, per_head)
+
+    leaves = [x for _, x in flat]
+    if any(plan.kernel_of(lr) is not None for lr in infos):
+        leaves = jax.lax.cond(jnp.any(gamma < 1.0), clip, lambda xs: list(xs), leaves)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _from_metrics(metrics: Mapping[str, Any], n_layers: int, metric: str = "act/attn_logits_abs.max"
+                  ) -> jax.Array:
+    """``[L]`` per-layer maxima from a metrics dict (the whole model's where a layer has none)."""
+    per = [metrics.get(f"{metric}/layer_{i}") for i in range(n_layers)]
+    if all(v is None for v in per):
+        if metric not in metrics:
+            raise ValueError(f"qk_clip: the metrics dict has no {metric!r} figure (per layer: "
+                             f"{metric}/layer_{{i}}); compute vitals.activation_metrics(sown, "
+                             "names=('attn_logits',)) in the step and pass its dict")
+        per = [metrics[metric]] * n_layers
+    elif any(v is None for v in per):
+        missing = [i for i, v in enumerate(per) if v is None]
+        raise ValueError(f"qk_clip: the metrics dict has {metric}/layer_{{i}} for some layers but not "
+                         f"for {missing} of the {n_layers} the params hold")
+    return jnp.stack([jnp.asarray(v, _F32) for v in per])
+
+
+def _clip_leaves(leaves: Sequence[jax.Array], infos: Sequence[LeafRole], plan: "_QKPlan", gamma: jax.Array,
+                 per_head: bool) -> list[jax.Array]:
     out = []
-    for (_, x), lr in zip(flat, infos):
+    for x, lr in zip(leaves, infos):
         kl = plan.kernel_of(lr)
         if kl is None:
             out.append(x)
@@ -152,7 +191,7 @@ def qk_clip(params: Any, attn_logits_max: Any, tau: Any, *, roles: Roles | None 
         else:
             out.append(_scale_leaf(x, lr, qf if kl.role in _Q_ROLES else kf, per_head,
                                    _out_axes(lr, plan.is_bias(lr), plan.d_model)))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return out
 
 
 def layer_gammas(attn_logits_max: Any, tau: Any, n_layers: int) -> tuple[jax.Array, bool]:
