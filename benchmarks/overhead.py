@@ -259,6 +259,8 @@ def make_step(cfg: rm.ModelConfig, tx: optax.GradientTransformation, fams: Itera
 def _counts(inter: Any) -> dict:
     """The model's ``expert_counts`` sows, as a nested dict by module path."""
     nested: dict = {}
+    if isinstance(inter, dict):   # the loss's logit figures (family ce) are no sown values
+        inter = {k: v for k, v in inter.items() if k != "logit_figures"}
     for p, v in jax.tree_util.tree_flatten_with_path(_keep(inter, lambda x: not isinstance(x, ExpertChoices)))[0]:
         s = jax.tree_util.keystr(p, simple=True, separator="/")
         if "expert_counts" in s:
