@@ -261,7 +261,8 @@ def attach_runner(cost: Cost, compiled: Any, tx: optax.GradientTransformation, p
                   batches: list[dict]) -> None:
     """``cost.run``: one step on the machine's own device (a fresh state, donated each step)."""
     dev = jax.devices()[0]
-    box = {"state": jax.device_put(oh.TrainState(jnp.zeros([], jnp.int32), params, tx.init(params)), dev), "i": 0}
+    own = jax.tree.map(jnp.copy, params)   # each variant's own: its steps donate them
+    box = {"state": jax.device_put(oh.TrainState(jnp.zeros([], jnp.int32), own, tx.init(own)), dev), "i": 0}
 
     def run() -> None:
         box["state"], m = compiled(box["state"], batches[box["i"] % len(batches)])
@@ -373,9 +374,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default="256", help="tokens a step of the bench configs (256 = 4 x 64, ...)")
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--install", action="store_true", help="install libtpu into $JVITALS_LIBTPU_DIR if absent")
+    ap.add_argument("--install-only", action="store_true",
+                    help="only make sure libtpu is there (installing it if absent); exit 1 if it is not")
     ap.add_argument("--time", type=float, default=0.0, help="--platform local: time each config S seconds")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
+    if args.install_only:
+        path = use_libtpu(install=True)
+        print(path or f"libtpu not installed in {libtpu_dir()}")
+        return 0 if path else 1
     table = sizes()
     names = args.configs.split(",")
     unknown = [n for n in names if n not in table]
