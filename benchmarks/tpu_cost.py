@@ -20,7 +20,7 @@ family         what the step adds                                           one-
 =============  ===========================================================  ==============================
 ``attn``       ``act/attn_logits_abs.max`` of the sown attention scores     the scores
 ``replicas``   ``replica_metrics`` of the sown hidden states and logits     those tensors
-               (``R`` = 4 replicas of the batch, the global view)
+               (``R`` = 4 replicas of the batch or fewer, the global view)
 ``readme``     the README's light step: ``light`` with the loss by          ``light`` + the logits + the
                ``vitals.cross_entropy`` and the largest attention logit     scores (+ the expert counts)
                (+ ``moe_metrics`` on an MoE config)
@@ -51,6 +51,7 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import re
@@ -156,7 +157,8 @@ def sizes() -> dict[str, oh.Size]:
 
 def _replica_metrics(inter: Any, batch: dict) -> dict[str, jax.Array]:
     sown = {k: v for k, v in inter.items() if k != "logit_figures"} if isinstance(inter, dict) else inter
-    return vitals.replica_metrics(mask=batch["mask"], intermediates=sown, replicas=REPLICAS)
+    replicas = math.gcd(batch["mask"].shape[0], REPLICAS)   # R divides the batch
+    return vitals.replica_metrics(mask=batch["mask"], intermediates=sown, replicas=replicas)
 
 
 def make_batches(cfg: rm.ModelConfig, bt: tuple[int, int], n: int = 2) -> list[dict]:
