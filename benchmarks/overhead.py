@@ -229,9 +229,10 @@ def _family_metrics(cfg: rm.ModelConfig, fams: frozenset[str], inter: Any, opt_s
 
 
 def make_step(cfg: rm.ModelConfig, tx: optax.GradientTransformation, fams: Iterable[str] = (),
-              layers: bool | None = None) -> Callable:
+              layers: bool | None = None, extra: Callable[[Any, dict], dict] | None = None) -> Callable:
     """A train step with the families ``fams``; ``layers`` is the recorder's ``vitals_layers``
-    (None: not passed). Without families it returns the loss only (the sown tensors are dead)."""
+    (None: not passed); ``extra(sown, batch)``: more figures. Without families it returns the
+    loss only (the sown tensors are dead)."""
     fams = frozenset(fams)
     cfg = dataclasses.replace(cfg, use_probes="probes" in fams)
     loss_of = _loss(cfg, fams)
@@ -240,14 +241,16 @@ def make_step(cfg: rm.ModelConfig, tx: optax.GradientTransformation, fams: Itera
         (loss, inter), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params, batch)
         # As the README's loop calls it: the loss (into the recorder's window, or judged by
         # skip_step) and whether the host reads after this step (traced: no recompile).
-        extra = {"loss": loss, "vitals_read": state.step % 50 == 0}
+        args = {"loss": loss, "vitals_read": state.step % 50 == 0}
         if layers is not None:
-            extra["vitals_layers"] = layers
-        updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
+            args["vitals_layers"] = layers
+        updates, opt_state = tx.update(grads, state.opt_state, state.params, **args)
         params = optax.apply_updates(state.params, updates)
         if cfg.moe:  # aux-loss-free balancing: training, not vitals; every step does it
             params = rm.update_expert_bias(params, _counts(inter), rate=1e-3)
         metrics = {"loss": loss, **_family_metrics(cfg, fams, inter, opt_state, batch)}
+        if extra is not None:
+            metrics.update(extra(inter, batch))
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return step
@@ -256,6 +259,8 @@ def make_step(cfg: rm.ModelConfig, tx: optax.GradientTransformation, fams: Itera
 def _counts(inter: Any) -> dict:
     """The model's ``expert_counts`` sows, as a nested dict by module path."""
     nested: dict = {}
+    if isinstance(inter, dict):   # the loss's logit figures (family ce) are no sown values
+        inter = {k: v for k, v in inter.items() if k != "logit_figures"}
     for p, v in jax.tree_util.tree_flatten_with_path(_keep(inter, lambda x: not isinstance(x, ExpertChoices)))[0]:
         s = jax.tree_util.keystr(p, simple=True, separator="/")
         if "expert_counts" in s:
@@ -298,6 +303,15 @@ def variants(cfg: rm.ModelConfig, placement: str, families: Iterable[str] = FAMI
 
 def _nbytes(tree: Any) -> int:
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _by_name(sown: Any) -> dict[str, list]:
+    """The sown values by their leaf NAME (``hidden_states``, ``logits``, ...)."""
+    out: dict[str, list] = {}
+    for p, v in jax.tree_util.tree_flatten_with_path(sown)[0]:
+        name = next((k.key for k in reversed(p) if isinstance(k, jax.tree_util.DictKey)), "")
+        out.setdefault(str(name), []).append(v)
+    return out
 
 
 def limits(cfg: rm.ModelConfig, params: Any, batch: dict, placement: str = "chain") -> dict[str, int]:

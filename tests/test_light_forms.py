@@ -1,8 +1,7 @@
-"""The light step's two forms of the update figures, each against NumPy: the one-read form
-(one variadic kernel per leaf, fused with the optimizer's last step: GPUs and TPUs) and the
-CPU's (plain sums of the change the step applies, ``(p + u) - p``, beside the parameters the
-step holds anyway), called directly under ``jit`` so that both run here; and the CPU form's
-figures against the one-read form's where the updates are far above float32's resolution."""
+"""The light step's update figures (plain sums of the change the step applies, ``(p + u) - p``,
+beside the parameters the step holds anyway: every backend) against NumPy, and against the
+figures of the updates themselves (``light._update_groups``, where the step gives no
+parameters) where the updates are far above float32's resolution."""
 
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ def _forms(params, updates):
     pn = {g: jnp.asarray(np_norm(params[k]), jnp.float32)
           for g, k in (("layer_0", "layers_0"), ("layer_1", "layers_1"), ("embedding", "embed_tokens"),
                        ("lm_head", "lm_head"))}
-    one_read = jax.jit(lambda u: L._update_groups(u, None, Roles(), p_norm, pn)[0])(updates)
+    one_read = jax.jit(lambda u: L._update_groups(u, Roles(), p_norm, pn))(updates)
     cpu = jax.jit(lambda u, p: L._applied_groups(u, p, plan, p_norm, pn))(updates, params)   # p: not a constant
     return jax.device_get(one_read), jax.device_get(cpu), pn
 

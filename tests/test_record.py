@@ -374,13 +374,13 @@ def test_packed_metrics_reads_as_a_flat_dict_and_is_one_leaf():
 def test_static_vitals_layers_flag_picks_the_family_at_trace_time(monkeypatch):
     """``vitals_layers`` as a Python bool: no per-layer pass traced when False; values as NumPy says."""
     traced = []
-    original = record_module._gradients.gradient_metrics
+    original = record_module._gradients.plain_grad_figures   # the per-role pass under jit (float32)
 
     def counting(*args, **kwargs):
         traced.append(1)  # at trace time only
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(record_module._gradients, "gradient_metrics", counting)
+    monkeypatch.setattr(record_module._gradients, "plain_grad_figures", counting)
     params = tree(0)
     tx = optax.chain(vitals.record(optax.clip_by_global_norm(1.0)), optax.adamw(1e-3))
     step = jax.jit(lambda g, s, p, full: tx.update(g, s, p, vitals_layers=full), static_argnames="full")

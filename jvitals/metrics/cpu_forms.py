@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jvitals.metrics import fold
 from jvitals.metrics.stats import Summary, _nan_rule
 
 __all__ = ["EXACT_IOTA", "PlainKeys", "argmax", "plain_keys", "plain_summaries", "row_stats"]
@@ -64,12 +65,14 @@ def plain_summaries(items: Sequence[tuple]) -> list[Summary]:
     bad = ~jnp.isfinite(sum((jnp.sum(s) for s in sumsq), jnp.zeros((), _F32)))
 
     def count() -> list[jax.Array]:
-        return [jnp.sum(jnp.where(jnp.isfinite(x), 0.0, 1.0), axis=dims(x, it[2])) for x, it in zip(xs, items)]
+        return [jnp.sum(fold.finite_parts(x)[1], axis=dims(x, it[2])) for x, it in zip(xs, items)]
 
     def zero() -> list[jax.Array]:
         return [jnp.zeros(s.shape, _F32) for s in sumsq]
 
-    nonfinite = lax.cond(bad, count, zero) if items else []
+    # The CPU counts under a cond a healthy step skips; GPUs and TPUs beside the sums (a
+    # sibling reduction they fuse with them; a GPU conditional waits on the host).
+    nonfinite = fold.on_cpu(lambda: lax.cond(bad, count, zero), count) if items else []
     out = []
     for x, it, sq, am, nf in zip(xs, items, sumsq, amax, nonfinite):
         n = jnp.full(sq.shape, float(x.size // max(int(np.prod(sq.shape)), 1)), _F32)

@@ -1,37 +1,50 @@
-"""One read per tensor: every statistic of an array from a single variadic reduction.
+"""One read per tensor: every statistic of an array from reductions the compiler fuses.
 
 On an accelerator the statistics jvitals takes are bandwidth-bound: what they cost is
-the bytes they read. ``jnp.sum(x)``, ``jnp.sum(x * x)`` and ``jnp.max(jnp.abs(x))``
-are three reductions, and XLA:CPU (which has no multi-output fusion) reads ``x``
-three times for them. :func:`fold` takes the statistics as the operands of **one**
-``lax.reduce``::
+the bytes they read. The sum, sum of squares, ``max |x|`` and non-finite count of a
+tensor are written as plain sibling reductions of elementwise operands::
 
-    fold((x, x * x, |x|, bad), (0, 0, 0, 0), combine, axes)
-      = (sum x, sum x^2, max |x|, sum bad)              # x read once
+    (sum x, sum x^2, max |x|, sum bad)             # x read once on GPUs and TPUs
 
-XLA fuses the elementwise producers of the operands into the reduction, so the
-fusion's only parameter is ``x``: its bytes are read once, on every backend, and
-XLA's cost analysis counts them once. The same holds for several arrays of one
-shape (a gradient, its parameter and its update: one kernel, each read once).
+which XLA:GPU and XLA:TPU fuse into one kernel reading ``x`` once (multi-output
+fusion of sibling reductions), and often into the kernel that produces ``x`` or that
+reads it anyway (the softmax's row maximum, a norm's sum of squares): read off the TPU
+compiler, the activation summaries of a step cost 0.0-0.3x of one read of what they
+measure (``benchmarks/tpu_cost.py``, docs/COST.md). Two rules keep it so:
 
-Speed and accuracy: XLA:CPU runs a variadic reduction as a serial loop (not
-vectorised: each step waits for the previous accumulation), which is slow and loses
-float32 precision over long inputs (4e-4 relative on 2^20 squares). So over a
-trailing block of reduced axes, groups of :data:`LANES` neighbours along the last
-axis are first combined elementwise (strided slices in the same fused loop: 2.6x
-faster on the CPU), and a long block is reduced in two levels: a trailing run of its
-axes (or the last axis split in rows of at most :data:`ROW`), then the partials, the
-run long enough that the partials (written once, read once) add at most
-:data:`PARTIALS` to the bytes read.
+- **Finiteness by arithmetic** (:func:`finite_parts`): a non-finite element is found from
+  its exponent bits, ``e = (bits >> 23) & 255``, ``bad = (e + 1) >> 8`` (1 when all eight
+  are set: Inf or NaN), and read as 0 by ``bits & (bad - 1)``: no comparison. The TPU
+  compiler materialises a boolean of the measured tensor (``isfinite(x)``, ``x == m``)
+  that feeds a reduction as a bit-packed mask in a pass of its own, which reads the tensor
+  again (2-6x of one read, measured).
+- **Token masks after the token's own reduction** (:func:`~jvitals.metrics.stats.summarize_fields`):
+  a ``[B, T]`` mask broadcast over ``[B, T, D]`` activations is applied to the ``[B, T]``
+  partials, not inside the reduction over ``D``: a mask inside made the TPU compiler lay
+  out the model's tensor anew (up to 3.8x of one read).
+
+XLA:CPU has no multi-output fusion: there every plain reduction reads its input again.
+It runs a variadic reduction (the statistics as the operands of **one** ``lax.reduce``,
+whose elementwise producers it fuses: one read) as a serial loop, so the CPU's variadic
+form first combines groups of :data:`LANES` neighbours along the last axis elementwise
+(strided slices in the same fused loop: 2.6x faster there) and reduces a long block in
+two levels: a trailing run of its axes (or the last axis split in rows of at most
+:data:`ROW`), then the partials, the run long enough that the partials (written once,
+read once) add at most :data:`PARTIALS` to the bytes read. On the TPU those strided
+slices cost a relayout of the tensor (10-15x of one read), so the accelerators take the
+plain form, and a custom combiner (the logits' top-2, first argmax and online
+log-sum-exp: no plain form) one variadic reduction without lanes or levels.
 
 Combiners are associative and commutative (XLA may reorder partials; GPUs and TPUs
 combine them as a tree). :func:`kinds` builds one from ``"sum"``/``"max"``/``"min"``
-names; the logits probe passes its own (top-2, first argmax, online log-sum-exp).
+names; the logits probe passes its own.
 
-The CPU's forms: where the step compiles for the CPU, :func:`cpu_plain` (the activation
-summaries) and :func:`on_cpu` (the recorder's heavy step and update figures, the maximum of
-many arrays, the Adam-``nu`` median, the logits' row statistics: :mod:`jvitals.metrics.cpu_forms`)
-take plain reductions instead; :func:`one_read` forces the one-read form everywhere.
+Which form runs where (``lax.platform_dependent``: the backend compiling the step decides):
+inside :func:`cpu_plain` (the activation summaries, whose tensors are materialised anyway)
+the plain form on every backend; elsewhere the plain form on GPUs and TPUs and the
+variadic one on the CPU (:func:`on_cpu`; the recorder's, the optimizer statistics' and the
+logits' CPU forms: :mod:`jvitals.metrics.cpu_forms`). :func:`one_read` forces what GPUs
+and TPUs compile, on the CPU too.
 """
 
 from __future__ import annotations
@@ -46,8 +59,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["FULL", "LANES", "MAX", "ROW", "SUMSQ", "cpu_plain", "fastest", "fold", "fold_map", "fold_summaries",
-           "kinds", "on_cpu", "one_read", "summary_ops"]
+__all__ = ["FULL", "LANES", "MAX", "ROW", "SUMSQ", "cpu_plain", "fastest", "finite_parts", "fold", "fold_map",
+           "fold_summaries", "kinds", "on_cpu", "one_read", "summary_ops"]
 
 _T = TypeVar("_T")
 
@@ -95,16 +108,13 @@ _ONE_READ: contextvars.ContextVar[bool] = contextvars.ContextVar("jvitals_fold_o
 
 @contextlib.contextmanager
 def cpu_plain(on: bool = True) -> Iterator[None]:
-    """Folds traced inside take the CPU's fastest form when the step compiles for the CPU.
+    """Folds traced inside take the plain form on every backend, the CPU included.
 
     XLA:CPU runs a variadic reduction as a serial loop and vectorises a plain one, so
-    there each operand of a ``sum``/``max``/``min`` fold becomes its own plain reduction
-    (the inputs read once per operand); other backends keep the one-read form (the
-    choice is ``lax.platform_dependent``'s: the backend compiling the step decides).
-    Faster on the CPU where the inputs are materialised anyway (the activation summaries,
-    the logits' row statistics); the recorder's heavy step, the light step's update
-    figures and the optimizer statistics have CPU forms of their own (:func:`on_cpu`).
-    ``on=False``: the one-read form on every backend inside.
+    where the inputs are materialised anyway (the activation summaries) each operand of a
+    ``sum``/``max``/``min`` fold is its own plain reduction there as on GPUs and TPUs (one
+    form); the logits' row statistics take the CPU's plain forms
+    (:mod:`jvitals.metrics.cpu_forms`, :func:`fastest`). ``on=False``: the form outside.
     """
     token = _CPU_PLAIN.set(on)
     try:
@@ -114,10 +124,10 @@ def cpu_plain(on: bool = True) -> Iterator[None]:
 
 
 def on_cpu(plain: Callable[[], _T], one: Callable[[], _T]) -> _T:
-    """``plain()`` where the step compiles for the CPU, ``one()`` (the one-read form)
-    elsewhere (``lax.platform_dependent``: the backend compiling the step decides), and
-    ``one()`` everywhere inside :func:`one_read`. The caller writes both forms, with one
-    output type (a pytree of the same structure, shapes and dtypes)."""
+    """``plain()`` (the CPU's form) where the step compiles for the CPU, ``one()`` (what GPUs
+    and TPUs read once) elsewhere (``lax.platform_dependent``: the backend compiling the
+    step decides), and ``one()`` everywhere inside :func:`one_read`. The caller writes both
+    forms, with one output type (a pytree of the same structure, shapes and dtypes)."""
     if _ONE_READ.get():
         return one()
     return lax.platform_dependent(cpu=plain, default=one)
@@ -135,9 +145,10 @@ def fastest(plain: Callable[[], _T], one: Callable[[], _T]) -> _T:
 
 @contextlib.contextmanager
 def one_read() -> Iterator[None]:
-    """The one-read form of every statistic on every backend inside, the CPU's forms
-    (:func:`cpu_plain`, :func:`on_cpu`) included: what a GPU or TPU compiles, for reading
-    its bytes on the CPU (``benchmarks/overhead.py``)."""
+    """What GPUs and TPUs compile (the ``one()`` form of every :func:`on_cpu` choice), on
+    every backend inside, the CPU included: to test those forms' figures here. Their bytes
+    on the TPU are read off its compiler (``benchmarks/tpu_cost.py``); XLA:CPU, without
+    multi-output fusion, reads a tensor once per plain reduction of it."""
     token = _ONE_READ.set(True)
     try:
         yield
@@ -203,10 +214,11 @@ def fold_map(make: Make, arrays: Sequence[jax.Array], inits: Sequence[float | in
     ``out[i]`` is the ``combine``-reduction of operand ``i`` from ``inits[i]`` (its
     identity), the combiner seeing every operand of one position together; ``make``
     builds the operands elementwise from the inputs (it is called on slices of them).
-    Over a trailing block of axes, neighbours along the last one are combined in
-    groups of :data:`LANES` first and a long block runs in two levels (see the
-    module docstring). The inputs are ``stop_gradient``-ed (statistics are never
-    differentiated).
+    A :func:`kinds` combiner: one plain reduction per operand on GPUs and TPUs, which they
+    fuse into one read (and inside :func:`cpu_plain` on the CPU too); the CPU's variadic
+    form elsewhere (lanes, two levels: the module docstring). A custom combiner: one
+    variadic reduction (the CPU's with lanes and levels). The inputs are
+    ``stop_gradient``-ed (statistics are never differentiated).
 
     Args:
       make: ``(*arrays) -> tuple of operands``, elementwise.
@@ -225,16 +237,19 @@ def fold_map(make: Make, arrays: Sequence[jax.Array], inits: Sequence[float | in
     if not red:
         return tuple(make(*arrays))
     names = getattr(combine, "kinds", None)
-    if names is None:
-        return _variadic(make, arrays, inits, combine, red)
-    # Inside cpu_plain(): the fastest form per backend (see cpu_plain).
-    return tuple(fastest(lambda: _plain(make, arrays, inits, names, red),
-                         lambda: _variadic(make, arrays, inits, combine, red)))
+    if names is None:   # a custom combiner: no plain form
+        return tuple(on_cpu(lambda: _variadic(make, arrays, inits, combine, red),
+                            lambda: _single(make, arrays, inits, combine, red)))
+    if _CPU_PLAIN.get():
+        return _plain(make, arrays, inits, names, red)
+    return tuple(on_cpu(lambda: _variadic(make, arrays, inits, combine, red),
+                        lambda: _plain(make, arrays, inits, names, red)))
 
 
 def _plain(make: Make, arrays: tuple[jax.Array, ...], inits: Sequence[float | int], names: Sequence[str],
            red: tuple[int, ...]) -> tuple[jax.Array, ...]:
-    """:func:`fold_map`'s CPU form: one plain ``lax.reduce`` per operand (sum, max, min)."""
+    """:func:`fold_map`'s plain form: one plain ``lax.reduce`` per operand (sum, max, min),
+    siblings GPUs and TPUs fuse into one read."""
     ops = tuple(make(*arrays))
     out = tuple(lax.reduce(o, jnp.asarray(v, o.dtype), _OPS[n], red) for o, v, n in zip(ops, inits, names))
     # Inside shard_map every output varies along what any input does, as a variadic
@@ -257,9 +272,16 @@ def _as_varying(x: jax.Array, axes: frozenset[str]) -> jax.Array:
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
+def _single(make: Make, arrays: tuple[jax.Array, ...], inits: Sequence[float | int], combine: Combine,
+            red: tuple[int, ...]) -> tuple[jax.Array, ...]:
+    """A custom combiner's form on GPUs and TPUs: one variadic ``lax.reduce``, no lanes."""
+    ops = tuple(make(*arrays))
+    return tuple(lax.reduce(ops, _init(inits, ops), combine, red))
+
+
 def _variadic(make: Make, arrays: tuple[jax.Array, ...], inits: Sequence[float | int], combine: Combine,
               red: tuple[int, ...]) -> tuple[jax.Array, ...]:
-    """:func:`fold_map`'s one-read form: one variadic ``lax.reduce`` (see the module docstring)."""
+    """:func:`fold_map`'s CPU form: one variadic ``lax.reduce`` over lanes, in levels (module docstring)."""
     shape = tuple(arrays[0].shape)
     if not _trailing(shape, red):
         ops = tuple(make(*arrays))
@@ -288,24 +310,36 @@ MAX = ("abs_max", "nonfinite")
 _KIND = {"sum": "sum", "sumsq": "sum", "abs_max": "max", "nonfinite": "sum"}
 
 
+def finite_parts(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(xg, bad)``: ``x`` in float32 with its NaN and Inf read as 0, and 1.0 where they were
+    (0.0 elsewhere), by arithmetic on the bits, no comparison (module docstring)::
+
+        e = (bits >> 23) & 255;  bad = (e + 1) >> 8;  xg = bits & (bad - 1)
+
+    (``e = 255`` exactly for Inf and NaN; ``bad - 1`` is all ones for a finite element.)
+    bf16/fp16 are upcast first (an upcast keeps Inf and NaN)."""
+    xf = jnp.asarray(x).astype(_F32)
+    bits = lax.bitcast_convert_type(xf, jnp.int32)
+    bad = (((bits >> 23) & 255) + 1) >> 8
+    return lax.bitcast_convert_type(bits & (bad - 1), _F32), bad.astype(_F32)
+
+
 def summary_ops(x: jax.Array, valid: jax.Array | None, fields: Sequence[str]) -> tuple[jax.Array, ...]:
     """The fold operands of :class:`~jvitals.metrics.stats.Summary` ``fields`` of ``x``.
 
     ``x`` is cast to float32 first (bf16/fp16 give their upcast's figures). With
-    ``good = valid & isfinite(x)`` and ``xg = where(good, x, 0)``: ``sum = xg``,
-    ``sumsq = xg^2``, ``abs_max = |xg|`` (a maximum from 0: that of the valid
-    finite values; the caller makes it NaN where any is non-finite),
-    ``nonfinite = valid & ~isfinite(x)``. All are reduced from 0.
+    ``(xf, bad) = finite_parts(x)`` (the finite values, NaN and Inf read as 0) and ``xg``
+    that where ``valid`` (else 0): ``sum = xg``, ``sumsq = xg^2``, ``abs_max = |xg|`` (a
+    maximum from 0: that of the valid finite values; the caller makes it NaN where any is
+    non-finite), ``nonfinite = bad`` where ``valid``. All are reduced from 0.
     """
-    xf = jnp.asarray(x).astype(_F32)
-    fin = jnp.isfinite(xf)
-    good = fin if valid is None else valid & fin
-    xg = jnp.where(good, xf, 0.0)
+    xf, bad = finite_parts(x)
+    xg = xf if valid is None else jnp.where(valid, xf, 0.0)
     make = {
         "sum": lambda: xg,
         "sumsq": lambda: xg * xg,
         "abs_max": lambda: jnp.abs(xg),
-        "nonfinite": lambda: jnp.where(fin if valid is None else ~valid | fin, 0.0, 1.0).astype(_F32),
+        "nonfinite": lambda: bad if valid is None else jnp.where(valid, bad, 0.0),
     }
     return tuple(make[f]() for f in fields)
 

@@ -462,8 +462,7 @@ def _nonfinite_where(bad: jax.Array, tree: Any) -> jax.Array:
     """``#(x is NaN or Inf)`` over ``tree`` where ``bad``, else 0 (see :func:`norm_metrics`:
     a ``lax.cond`` on the CPU, computed and selected elsewhere)."""
     def count() -> jax.Array:  # counted in float32, as the fold counts (XLA:CPU splits an int sum)
-        n = sum((jnp.sum(jnp.where(jnp.isfinite(x), 0.0, 1.0)) for x in jax.tree.leaves(tree)),
-                jnp.zeros((), _F32))
+        n = sum((jnp.sum(fold.finite_parts(x)[1]) for x in jax.tree.leaves(tree)), jnp.zeros((), _F32))
         return n.astype(jnp.int32)
 
     def zero() -> jax.Array:

@@ -15,20 +15,16 @@ with the leaves' roles from :func:`~jvitals.metrics.roles.assign_roles` (decided
 time). The per-role figures (``grad/Wq_abs.max``, ``grad/W_up_rms``...) need a read of
 their own (a maximum, a fused QKV kernel's parts) and stay on the heavy step.
 
-Scan-stacked leaves (``nn.scan``): a tree holding one takes every figure from the heavy
-step's joint kernel, a gradient, its parameter and its update read once per leaf (a stacked
-leaf per slice along the layer axis), the global gradient norm still the clip's expression:
-on the scan-stacked MoE benchmark config the light step's extra bytes are 39.90 MB, as
-they were before the per-layer figures (39.91; per-slice kernels beside the plain sums
-took 43.54).
+Scan-stacked leaves (``nn.scan``): each sum per slice along the layer axis (the global
+gradient norm still the clip's expression).
 
-The update figures on the CPU (``lax.platform_dependent``; leaves not scan-stacked) come
-from the change the step applies, ``(p + u) - p`` with ``p + u`` as ``optax.apply_updates``
-writes it: XLA computes the step's new parameters once for both, and two plain sums over
-arrays the step holds anyway replace the one-read kernel that, on XLA:CPU, recomputes the
-optimizer's last step in a serial loop (d256 at 256 tokens: the light step 1.068 -> 1.029 of
-the step without vitals, docs/COST.md). Equal to ``||u||`` up to float32's rounding of
-``p + u``. GPUs and TPUs keep the one-read kernel, fused with the optimizer.
+The update figures come from the change the step applies, ``(p + u) - p`` with ``p + u``
+as ``optax.apply_updates`` writes it: XLA computes the step's new parameters once for both,
+and two plain sums over arrays the step holds anyway take the figures. On XLA:CPU that
+replaces a kernel that recomputes the optimizer's last step in a serial loop (d256 at 256
+tokens: the light step 1.068 -> 1.029 of the step without vitals); the TPU compiler fuses
+the sums into the kernel that applies the update (0.09x of the light step's one-read
+limit, docs/COST.md). Equal to ``||u||`` up to float32's rounding of ``p + u``.
 
 Inside ``shard_map`` (or for other dtypes) every tree is read by one variadic reduction
 per leaf (:func:`~jvitals.metrics.gradients.tree_stats`), which gives every group's sums
@@ -134,73 +130,53 @@ def _keys(lr: Any) -> list[tuple[str, int | None]]:
 
 def _under_jit(grads: Any, params: Any, updates: Any, roles: Roles) -> dict[str, jax.Array]:
     """:func:`light_metrics` under ``jit`` for float32 gradients and parameters: each tree's
-    per-leaf (per-slice) sums once, the global figures and the groups' from them."""
+    per-leaf sums (a stacked leaf's per slice) once, the global figures and the groups' from
+    them."""
     g_norm, g_count = G._norm_and_count(grads)        # the clip's expression: computed once
     out = {"grad/global_norm": g_norm, "grad/nonfinite_count": g_count}
     plan, _, _ = G._plan(grads, roles=roles, specs=None, axes=(), need_roles=True, split_qkv=False,
                          what="grads")
-    stacked = [leaf.role is not None and leaf.role.stack is not None and bool(_keys(leaf.role)) for leaf in plan]
-    if any(stacked) and params is not None:
-        # Per-slice sums of a stacked leaf need a read of their own beside the clip's: the
-        # joint kernel of the heavy step reads gradient, parameter and update once each
-        # (the scan-stacked MoE config: 39.9 MB extra against 43.5 for per-slice kernels
-        # beside the plain sums); the global gradient norm stays the clip's expression.
-        out.update({k: v for k, v in _joint(grads, params, updates, roles).items() if k not in out})
-        return out
     gl = jax.tree.leaves(grads)
     gg, pg = _Groups(), _Groups()
-    for leaf, st in zip(plan, stacked):
-        if not st:                         # a stacked leaf's: per slice, with its parameter (below)
-            g = _leaf_sums(gl[leaf.index], None)
-            for k, _ in _keys(leaf.role):
-                gg.add(k, g)
+    for leaf in plan:
+        if _keys(leaf.role):
+            _add(gg, leaf.role, gl[leaf.index])
     if params is None:
         _grad_groups(out, gg, g_norm)
         if updates is not None:
-            out.update(_update_groups(updates, None, roles, None, {})[0])
+            out.update(_update_groups(updates, roles))
         return out
-    # Parameters: a plain sum per leaf (vectorised on XLA:CPU); a stacked leaf's gradient,
-    # parameter and update slices in one kernel (with the optimizer's last step).
     pl = jax.tree.leaves(params)
     p_total = jnp.zeros((), _F32)
-    for leaf, st in zip(plan, stacked):
-        if not st:
-            p = _leaf_sums(pl[leaf.index], None)
-            p_total = p_total + p
-            for k, _ in _keys(leaf.role):
-                pg.add(k, p)
-    flags = _flags(pl, plan, stacked)
-    sliced = {"params": _only(params, flags), "grads": _only(grads, flags)} if any(stacked) else None
-    ts = _update_groups(updates, sliced, roles, None, {})[1] if sliced else None
-    if ts is not None:
-        p_total = p_total + ts["params"].all.sumsq
-        for i, sl in ts["params"].layers.items():
-            pg.add(f"layer_{i}", sl.sumsq)
-        for i, sl in ts["grads"].layers.items():
-            gg.add(f"layer_{i}", jnp.where(sl.nonfinite > 0, jnp.nan, sl.sumsq))
+    for leaf in plan:
+        p_total = p_total + _add(pg, leaf.role, pl[leaf.index])
     _grad_groups(out, gg, g_norm)
     out["param/global_norm"] = _nan_if_not_finite(jnp.sqrt(p_total))
     pn = pg.norms()
     out.update({f"param/norm/{k}": v for k, v in pn.items()})
-    if updates is not None:
-        def shipped() -> dict[str, jax.Array]:
-            return _update_groups(updates, sliced, roles, out["param/global_norm"], pn)[0]
-
-        if sliced:
-            out.update(shipped())
-        else:   # the CPU's fastest form (module docstring); the one-read form elsewhere
-            out.update(fold.on_cpu(lambda: _applied_groups(updates, params, plan, out["param/global_norm"], pn),
-                                   shipped))
+    if updates is not None:   # the change applied (module docstring)
+        out.update(_applied_groups(updates, params, plan, out["param/global_norm"], pn))
     return out
+
+
+def _add(groups: _Groups, lr: Any, x: jax.Array) -> jax.Array:
+    """``x``'s sums of squares into the groups it counts in (a stacked leaf's per slice,
+    along its layer axis); the whole leaf's sum."""
+    axis = lr.stack_axis if lr is not None and lr.stack is not None else None
+    s = _leaf_sums(x, axis)
+    total = s if axis is None else jnp.sum(s)
+    for k, j in _keys(lr):
+        groups.add(k, total if j is None else s[j])
+    return total
 
 
 def _applied_groups(updates: Any, params: Any, plan: Sequence[Any], p_norm: jax.Array,
                     pn: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     """:func:`_update_groups`' figures from the change the step applies, ``(p + u) - p`` with
     ``p + u`` as ``optax.apply_updates`` writes it (XLA computes the step's own new
-    parameters once for both): a plain sum per leaf of two arrays the step holds anyway
-    (the parameters, and the new ones it writes out), where the one-read form recomputes
-    the optimizer's last step in a serial loop on XLA:CPU. Equal to ``||u||`` up to the
+    parameters once for both, and the TPU compiler fuses these sums with that kernel): a
+    plain sum per leaf (a stacked leaf's per slice) of two arrays the step holds anyway
+    (the parameters, and the new ones it writes out). Equal to ``||u||`` up to the
     rounding of ``p + u`` in float32 (an update below half an ulp of ``p`` is not applied,
     and not counted). The non-finite count reads ``u`` where the norm is not finite."""
     new = optax.apply_updates(params, updates)
@@ -208,10 +184,7 @@ def _applied_groups(updates: Any, params: Any, plan: Sequence[Any], p_norm: jax.
     ug = _Groups()
     total = jnp.zeros((), _F32)
     for leaf in plan:
-        s = _leaf_sums(diff[leaf.index], None)
-        total = total + s
-        for k, _ in _keys(leaf.role):
-            ug.add(k, s)
+        total = total + _add(ug, leaf.role, diff[leaf.index])
     norm = _nan_if_not_finite(jnp.sqrt(total))
     out = {"update/global_norm": norm,
            "update/nonfinite_count": G._nonfinite_where(~jnp.isfinite(norm), updates),
@@ -229,51 +202,16 @@ def _grad_groups(out: dict[str, jax.Array], gg: _Groups, g_norm: jax.Array) -> N
         out[f"grad/share/{k}"] = _nan_if_not_finite(v / jnp.square(g_norm))
 
 
-def _only(tree: Any, flags: list[bool]) -> Any:
-    """``tree`` with the leaves not flagged replaced by a placeholder tree_stats skips."""
-    leaves = jax.tree.leaves(tree)
-    return jax.tree.unflatten(jax.tree.structure(tree), [x if f else _NOT_MEASURED for x, f in zip(leaves, flags)])
-
-
-class _NotMeasured:
-    """A leaf :func:`~jvitals.metrics.gradients.tree_stats` skips (no ``dtype``)."""
-
-
-_NOT_MEASURED = _NotMeasured()
-
-
-def _flags(leaves: list[Any], plan: list[Any], stacked: list[bool]) -> list[bool]:
-    """Per leaf of the flattened tree: a stacked leaf measured per slice."""
-    on = [False] * len(leaves)
-    for leaf, st in zip(plan, stacked):
-        on[leaf.index] = st
-    return on
-
-
-def _update_groups(updates: Any, sliced: Mapping[str, Any] | None, roles: Roles, p_norm: jax.Array | None,
-                   pn: Mapping[str, jax.Array]) -> tuple[dict[str, jax.Array], Any]:
-    """The update figures from one variadic read per leaf of the updates (per slice for a
-    stacked leaf, with that leaf's parameter and gradient, ``sliced``, in the same kernel),
-    fused by XLA with the optimizer's last elementwise step: ``update/global_norm``,
-    ``update/nonfinite_count``, and with the parameters' norms ``update/param_ratio`` and
-    ``update/param_ratio/{G}``. XLA computes the same kernel once when called twice.
-
-    Returns:
-      ``(figures, {"params": ..., "grads": ...} stats of the stacked leaves, or None)``.
-    """
-    trees = dict(sliced or {})
-    if updates is not None:
-        trees = {"updates": updates, **trees}
-    if not trees:
-        return {}, None
-    t = G.tree_stats(trees, layered=list(trees), roles=roles, what="updates")
-    ts = {k: t[k] for k in ("params", "grads")} if sliced else None
-    if updates is None:
-        return {}, ts
-    tu = t["updates"]
+def _update_groups(updates: Any, roles: Roles, p_norm: jax.Array | None = None,
+                   pn: Mapping[str, jax.Array] | None = None) -> dict[str, jax.Array]:
+    """The update figures from the updates themselves (one reduction per leaf of them; where
+    the step gives no parameters): ``update/global_norm``, ``update/nonfinite_count``, and
+    with the parameters' norms ``update/param_ratio`` and ``update/param_ratio/{G}``."""
+    tu = G.tree_stats({"updates": updates}, layered=["updates"], roles=roles, what="updates")["updates"]
     out = {"update/global_norm": tu.all.norm, "update/nonfinite_count": G._nonfinite(tu.all)}
     if p_norm is None:
-        return out, ts
+        return out
+    pn = pn or {}
     out["update/param_ratio"] = (tu.all.norm / p_norm).astype(_F32)
     for i, s in tu.layers.items():
         if f"layer_{i}" in pn:
@@ -281,4 +219,4 @@ def _update_groups(updates: Any, sliced: Mapping[str, Any] | None, roles: Roles,
     for g, s in tu.groups.items():
         if g in pn:
             out[f"update/param_ratio/{g}"] = (s.norm / pn[g]).astype(_F32)
-    return out, ts
+    return out

@@ -388,31 +388,28 @@ def _fill(step: _Step, axes: tuple[str, ...], m: Mapping[str, jax.Array], base: 
 
 def _heavy_figures(cfg: _Config, step: _Step) -> dict[str, jax.Array]:
     """Every family: :func:`jvitals.gradient_metrics` of the gradients, params and (the
-    final) updates, in one pass over their leaves; update figures times ``outer``.
+    final) updates; update figures times ``outer``.
 
-    On the CPU under ``jit`` (float32, no mesh axes; ``lax.platform_dependent``) the same
-    figures in XLA:CPU's fastest form: the light step's (:mod:`jvitals.metrics.light`:
-    global and group norms from the per-leaf sums the clip and the step take anyway, the
-    update figures from the change applied) and the per-role gradient figures by plain
-    reductions (:func:`jvitals.metrics.gradients.plain_grad_figures`), where the one-read
-    form runs every leaf's variadic reduction as a serial loop (docs/COST.md).
+    Under ``jit`` (float32, no mesh axes) on every backend: the light step's figures
+    (:mod:`jvitals.metrics.light`: global and group norms from the per-leaf sums the clip
+    and the step take anyway, the update figures from the change applied, which the TPU
+    compiler fuses with ``optax.apply_updates``) and the per-role gradient figures by plain
+    reductions (:func:`jvitals.metrics.gradients.plain_grad_figures`), which XLA:CPU
+    vectorises and GPUs and TPUs fuse with the clip's read of the gradients
+    (docs/COST.md). Otherwise (``shard_map``, other dtypes) one pass over the leaves of
+    the three trees (:func:`jvitals.metrics.gradients.gradient_metrics`).
     """
     upd = step.out if step.with_updates else None
-
-    def one_read() -> dict[str, jax.Array]:
-        return _gradients.gradient_metrics(step.grads, params=step.params, updates=upd, roles=cfg.roles,
-                                           specs=cfg.specs, axes=cfg.axes)
-
-    def cpu() -> dict[str, jax.Array]:
+    plain = (not cfg.axes and _gradients._optax_form(step.grads, ())
+             and (step.params is None or _gradients._optax_form(step.params, ())))
+    if plain:
         m = _gradients.plain_grad_figures(step.grads, roles=cfg.roles)
         light = _light.light_metrics(step.grads, step.params, upd, roles=cfg.roles)
         m.update({k: v for k, v in light.items() if k.startswith(("param/", "update/"))
                   and k != "update/nonfinite_count"})
-        return m
-
-    plain = (not cfg.axes and _gradients._optax_form(step.grads, ())
-             and (step.params is None or _gradients._optax_form(step.params, ())))
-    m = _fold.on_cpu(cpu, one_read) if plain else one_read()
+    else:
+        m = _gradients.gradient_metrics(step.grads, params=step.params, updates=upd, roles=cfg.roles,
+                                        specs=cfg.specs, axes=cfg.axes)
     if step.outer is not None:  # the updates applied are outer * out (jvitals.with_lr_scale)
         m = {k: v * step.outer if k.startswith("update/") else v for k, v in m.items()}
     return m

@@ -455,11 +455,11 @@ def summarize_fields(items: Sequence[tuple[jax.Array, jax.Array | None, int | No
         x = jnp.asarray(x)
         shape = tuple(x.shape)
         red, axis = _reduced_axes(shape, axis)
-        count, valid = _count_and_valid(mask, shape, red, axis)
+        count, m = _count_and_mask(mask, shape, red, axis)
         counts.append(count)
-        folds.append((x, valid, red, tuple(fields), tag[0] if tag else None))
+        folds.append((x, m, red, tuple(fields), tag[0] if tag else None))
     out = []
-    for count, f in zip(counts, _fold_groups(folds)):
+    for count, f in zip(counts, _masked_groups(folds)):
         nan = jnp.full_like(count, jnp.nan)
         nonfinite = f["nonfinite"]
         amax = _nan_rule(f["abs_max"], count, nonfinite) if "abs_max" in f else nan
@@ -468,9 +468,10 @@ def summarize_fields(items: Sequence[tuple[jax.Array, jax.Array | None, int | No
     return out
 
 
-def _count_and_valid(mask: jax.Array | None, shape: tuple[int, ...], red: tuple[int, ...] | None,
-                     axis: int | None) -> tuple[jax.Array, jax.Array | None]:
-    """The number of valid elements per kept entry, and the broadcast mask (None: all valid).
+def _count_and_mask(mask: jax.Array | None, shape: tuple[int, ...], red: tuple[int, ...] | None,
+                    axis: int | None) -> tuple[jax.Array, jax.Array | None]:
+    """The number of valid elements per kept entry, and the mask aligned with ``shape``
+    (size 1 where it broadcasts, :func:`_align_mask`; None: all valid).
 
     The count is taken over the mask at its own size (times the broadcast
     factor), never over its broadcast to ``shape``.
@@ -480,7 +481,57 @@ def _count_and_valid(mask: jax.Array | None, shape: tuple[int, ...], red: tuple[
         n = float(np.prod([shape[d] for d in dims]))
         return jnp.full(() if axis is None else (shape[axis],), n, _F32), None
     m = _align_mask(jnp.asarray(mask, bool), shape, axis)
-    return _broadcast_count(m, shape, red, axis), jnp.broadcast_to(m, shape)
+    return _broadcast_count(m, shape, red, axis), m
+
+
+def _constant_tail(shape: tuple[int, ...], mask: jax.Array, red: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The trailing axes of ``shape``, all reduced, along which the aligned ``mask`` is
+    constant (size 1 there): the feature axes of ``[B, T, D]`` activations under a ``[B, T]``
+    token mask."""
+    dims = set(range(len(shape)) if red is None else red)
+    tail: list[int] = []
+    for d in reversed(range(len(shape))):
+        if d not in dims or mask.shape[d] != 1:
+            break
+        tail.append(d)
+    return tuple(sorted(tail))
+
+
+def _masked_groups(items: Sequence[tuple]) -> list[dict[str, jax.Array]]:
+    """:func:`_fold_groups` of items ``(x, mask, red, fields, tag)`` with the mask aligned
+    (:func:`_count_and_mask`), which is applied after the axes it is constant along.
+
+    A ``[B, T]`` token mask over ``[B, T, D]`` activations: each token's statistics over
+    ``D`` first, unmasked, then the masked sums and maximum of those ``[B, T]`` partials.
+    The same figures (every element of a token shares its mask), and the reduction over
+    the tensor holds no mask: inside it, the TPU compiler laid the model's tensor out anew
+    for it (up to 3.8x of one read of it, ``benchmarks/tpu_cost.py``); outside, 0.1x. A
+    mask that varies along the last axis (the attention scores' causal mask) is applied
+    inside the reduction.
+    """
+    folds, post = [], []
+    for x, m, red, fields, tag in items:
+        shape = tuple(jnp.shape(x))
+        tail = () if m is None else _constant_tail(shape, m, red)
+        if tail:
+            folds.append((x, None, tail, fields, tag))
+            post.append((m, tail, red))
+        else:
+            folds.append((x, None if m is None else jnp.broadcast_to(m, shape), red, fields, tag))
+            post.append(None)
+    out = []
+    for got, (x, *_), after in zip(_fold_groups(folds), items, post):
+        if after is None:
+            out.append(got)
+            continue
+        m, tail, red = after
+        keep = [d for d in range(jnp.ndim(x)) if d not in tail]
+        dims = set(range(jnp.ndim(x)) if red is None else red)
+        m1 = m.reshape(tuple(m.shape[d] for d in keep))
+        red2 = tuple(i for i, d in enumerate(keep) if d in dims)
+        out.append({f: (jnp.max if f == "abs_max" else jnp.sum)(jnp.where(m1, v, 0.0), axis=red2)
+                    for f, v in got.items()})
+    return out
 
 
 @eager_jit(static_argnames=("axis",))
@@ -563,8 +614,8 @@ def summarize_max(x: jax.Array | Sequence[jax.Array], mask: jax.Array | None = N
         xf = jnp.asarray(x)
         shape = tuple(xf.shape)
         red, axis = _reduced_axes(shape, axis)
-        count, valid = _count_and_valid(mask, shape, red, axis)
-        got = _fold_one(xf, valid, red, fold.MAX)
+        count, m = _count_and_mask(mask, shape, red, axis)
+        got = _masked_groups([(xf, m, red, fold.MAX, None)])[0]
         amax, nonfinite = got["abs_max"], got["nonfinite"]
     nan = jnp.full_like(amax, jnp.nan)
     return Summary(count=count, sum=nan, sumsq=nan, abs_max=_nan_rule(amax, count, nonfinite),

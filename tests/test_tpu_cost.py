@@ -1,0 +1,67 @@
+"""What a TPU pays, read off the TPU compiler here (ahead of time; no TPU needed): the README's
+steps and each family compiled for a TPU v5e chip, their extra bytes against their one-read
+limits (benchmarks/tpu_cost.py). Skipped where libtpu is absent: it is found on ``sys.path``,
+through ``$TPU_LIBRARY_PATH``, or in ``$JVITALS_LIBTPU_DIR`` (default ``~/.cache/jvitals/libtpu``;
+``python benchmarks/tpu_cost.py --install`` puts it there, ``.ci/run`` too)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "tpu_cost.py"
+TOPOLOGY = "v5e:2x2"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("jvitals_bench_tpu_cost", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def bench():
+    mod = _load()
+    if mod.use_libtpu() is None:
+        pytest.skip(f"no libtpu (python benchmarks/tpu_cost.py --install puts it in {mod.libtpu_dir()})")
+    return mod
+
+
+@pytest.fixture(scope="module")
+def rows(bench):
+    """The families of the issue's table on a Llama-like step (d256, 4 layers, vocabulary
+    4096, 4 x 64 tokens, full tensors sown), compiled for one v5e chip."""
+    families = ("sow", "attn", "light", "heavy", "readme", "full")
+    got = bench.measure(TOPOLOGY, bench.sizes()["d256mha"], (4, 64), families, bench.tpu_sharding(TOPOLOGY))
+    return {r.family: r for r in got}
+
+
+@pytest.mark.parametrize("family", ["sow", "attn", "light", "heavy"])
+def test_every_family_within_one_and_a_half_reads_of_its_limit(rows, family):
+    r = rows[family]
+    assert r.extra_mb <= 1.5 * r.limit_mb, (family, r.extra_mb, r.limit_mb)
+
+
+def test_the_readme_light_step_is_nearly_free(rows):
+    r = rows["readme"]
+    assert r.extra_mb <= 0.2 * r.limit_mb, (r.extra_mb, r.limit_mb)
+    assert r.step_x <= 1.02 and r.memory_x <= 1.05, (r.step_x, r.memory_x)
+
+
+def test_the_readme_heavy_step_as_a_whole(rows):
+    """The heavy step (every family: per-role gradients, every activation, the optimizer
+    statistics) as a whole; the Adam-``nu`` median's search passes are most of it."""
+    r = rows["full"]
+    assert r.step_x <= 1.4, r.step_x
+
+
+def test_libtpu_pin_follows_jax(bench):
+    import importlib.metadata
+
+    pin = bench.libtpu_pin()
+    assert pin.startswith("libtpu") and any(pin in req.replace(" ", "") for req in importlib.metadata.requires("jax"))
