@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
@@ -56,15 +57,18 @@ import jax
 from jvitals.metrics.paths import path_str
 
 __all__ = [
+    "DEFAULT_FUSED_AXES",
     "DEFAULT_LAYER_PATTERNS",
     "DEFAULT_PATTERNS",
     "DEFAULT_QKV_LAYOUTS",
     "DEFAULT_STACKS",
+    "FUSED_PARTS",
     "LeafRole",
     "QKVSplit",
     "ROLE_METRIC_NAMES",
     "Roles",
     "assign_roles",
+    "scope_of",
 ]
 
 # ----------------------------------------------------------------------------------
@@ -76,7 +80,7 @@ __all__ = [
 _W = r"(?:/(?:kernel|weight|w))?$"
 # Ancestor contexts.
 _ATT = r"(?:^|/)[^/]*(?:attn|attention)[^/]*(?:/[^/]+)*?"
-_MLP = r"(?:^|/)[^/]*(?:mlp|ffn|feed_?forward|moe|experts?|dense_?block|mlpblock)[^/]*(?:/[^/]+)*?"
+_MLP = r"(?:^|/)[^/]*(?:mlp|ffn|feed_?forward|moe|experts?|dense_?block|mlpblock|densereludense)[^/]*(?:/[^/]+)*?"
 _MOE = r"(?:^|/)[^/]*(?:moe|router|mlp|feed_?forward|ffn)[^/]*"
 
 
@@ -88,41 +92,62 @@ DEFAULT_PATTERNS: tuple[tuple[str, str], ...] = (
     # Embeddings and output layer.
     ("position_embedding", r"(?:^|/)(?:wpe|position_embeddings?|pos_?embed\w*|posembed\w*|"
                            r"position_embedder|embed_positions)(?:/(?:embedding|weight|kernel|pos_embedding))?$"),
+    # T5's relative position buckets (T5X/Flaxformer relpos_bias, HF T5 relative_attention_bias).
+    ("rel_pos_bias", r"(?:^|/)(?:relpos_bias/rel_embedding|relative_attention_bias(?:/(?:embedding|weight))?)$"),
+    # Gemma 3n/4 per-layer embeddings (PLE): a second token-indexed table [V, L, P] and its projections.
+    ("ple_embedding", r"(?:^|/)(?:per_layer_input_embedding|per_layer_embeddings)$"),
+    ("ple_model_projection", r"(?:^|/)per_layer_model_projection" + _W),
+    ("ple_input_gate", r"(?:^|/)per_layer_input_gate" + _W),
+    ("ple_projection", r"(?:^|/)per_layer_projection" + _W),
     ("embedding", r"(?:^|/)(?:embed|wte|embed_tokens|token_embedder|tok_embeddings|word_embeddings|"
                   r"shared|shared_embedding|embedder|embeddings|embedding|Embed_\d+|token_embedding|tok_emb)"
                   r"/(?:embedding|weight|kernel|input_embedding)$"),
     ("lm_head", _any(r"lm_head", r"logits_dense", r"logitdense", r"output_layer", r"unembed\w*",
                      r"embed_out", r"output_projection", r"logits_proj")),
     ("lm_head", r"^(?:params/)?(?:model/|transformer/|decoder/)?(?:output|head)" + _W),
+    # OLMo / LLaDA: ff_out at the top level (under transformer/) is the output layer; inside a
+    # block it is the MLP's down projection (below). OLMo-core: lm_head/w_out.
+    ("lm_head", r"^(?:params/)?(?:model/)?(?:transformer/)?ff_out" + _W),
+    ("lm_head", r"(?:^|/)lm_head/w_out" + _W),
     # Multi-token prediction projections.
     ("mtp_proj", r"(?:^|/)mtp_?\d+/(?:[^/]+/)*?(?:proj|eh_proj)" + _W),
     # Attention: fused QKV, MLA low-rank projections, Q/K/V/O, output gate.
     ("qkv", _any(r"qkv", r"c_attn", r"query_key_value", r"wqkv", r"qkv_proj", r"in_proj",
-                 r"w_pack", r"to_qkv", r"fused_qkv", r"qkv_einsum")),
+                 r"w_pack", r"to_qkv", r"fused_qkv", r"qkv_einsum", r"att_proj", r"qkv_fused", r"w_qkv")),
     ("q_down", _any(r"q_down", r"q_a_proj", r"wq_a", r"q_down_proj", r"q_a")),
     ("q_up", _any(r"q_up", r"q_b_proj", r"wq_b", r"q_up_proj", r"q_b")),
     ("kv_down", _any(r"kv_down", r"kv_a_proj_with_mqa", r"kv_a_proj", r"wkv_a", r"kv_down_proj", r"kv_a")),
     ("kv_up", _any(r"kv_up", r"kv_b_proj", r"wkv_b", r"kv_up_proj", r"kv_b")),
-    # K and V in one kernel: stacked on an axis of 2 (Gemma's kv_einsum [2, KVH, D, Dh]) or [K | V].
-    ("kv", _any(r"kv_einsum", r"kv_proj", r"to_kv", r"key_value", r"kv")),
-    ("q", _any(r"q_proj", r"query", r"wq", r"q", r"to_q", r"query_proj", r"q_einsum")),
-    ("k", _any(r"k_proj", r"key", r"wk", r"k", r"to_k", r"key_proj")),
-    ("v", _any(r"v_proj", r"value", r"wv", r"v", r"to_v", r"value_proj")),
-    ("o", _any(r"o_proj", r"out_proj", r"attn_vec_einsum", r"output_proj")),
-    ("o", _ATT + r"/(?:out|o|wo|c_proj|proj|dense|output|to_out)" + _W),
-    ("attn_gate", _ATT + r"/(?:gate|g_proj|gate_proj|output_gate|gate_score)" + _W),
+    # K and V in one kernel: stacked on an axis of 2 (Gemma's kv_einsum [2, KVH, D, Dh],
+    # Flaxformer's kv_fused [D, 2, H, Dh]) or [K | V].
+    ("kv", _any(r"kv_einsum", r"kv_proj", r"to_kv", r"key_value", r"kv", r"kv_fused")),
+    # One projection read as both K and V: Gemma 4's k_einsum exists only when k_eq_v.
+    ("kv_shared", _any(r"k_einsum")),
+    ("q", _any(r"q_proj", r"query", r"wq", r"q", r"to_q", r"query_proj", r"q_einsum", r"w_q")),
+    ("k", _any(r"k_proj", r"key", r"wk", r"k", r"to_k", r"key_proj", r"w_k")),
+    ("v", _any(r"v_proj", r"value", r"wv", r"v", r"to_v", r"value_proj", r"w_v")),
+    ("o", _any(r"o_proj", r"out_proj", r"attn_vec_einsum", r"output_proj", r"attn_out")),
+    ("o", _ATT + r"/(?:out|o|wo|c_proj|proj|dense|output|to_out|w_out)" + _W),
+    ("attn_gate", _ATT + r"/(?:gate|g_proj|gate_proj|output_gate|gate_score|w_g)" + _W),
     # MoE router and expert-selection bias.
     ("expert_bias", r"(?:^|/)(?:expert_bias|e_score_correction_bias|score_correction_bias|"
                     r"router_bias|routed_bias|expert_score_bias)$"),
-    ("expert_bias", r"(?:^|/)[^/]*moe[^/]*/(?:gate|router)/bias$"),
-    ("router", _any(r"router", r"moe_gate", r"gate_network", r"switch_gate", r"router_gate", r"wg")),
+    ("expert_bias", _MOE + r"/(?:gate|router)/bias$"),
+    ("router", _any(r"router", r"moe_gate", r"gate_network", r"switch_gate", r"router_gate", r"wg",
+                    r"router_logits")),
     ("router", _MOE + r"/gate" + _W),
-    # MLP (dense, shared experts and routed experts alike).
+    # MLP (dense, shared experts and routed experts alike). Gate and up in one kernel
+    # (gate_up: [gate | up] or stacked [2, ...] gate first; up_gate: OLMo's ff_proj, [up | gate])
+    # are split before any statistic; a candidate that holds as many entries as its block's
+    # down projection is a plain up projection, one beside a separate up projection is the
+    # gate (assign_roles).
+    ("gate_up", _any(r"gating_einsum", r"gate_up_proj", r"wi_fused", r"wi", r"dense_h_to_4h")),
+    ("up_gate", _any(r"ff_proj")),
     ("gate", _any(r"gate_proj", r"wi_0", r"w1", r"fc_gate", r"gate_linear", r"w_gate")),
-    ("up", _any(r"up_proj", r"wi_1", r"w3", r"c_fc", r"wi", r"fc1", r"fc_in", r"dense_h_to_4h",
-                r"up", r"w_up", r"linear_in")),
-    ("down", _any(r"down_proj", r"w2", r"fc2", r"fc_out", r"dense_4h_to_h", r"down", r"w_down", r"linear_out")),
-    ("down", _MLP + r"/(?:wo|c_proj|out|proj|output)" + _W),
+    ("up", _any(r"up_proj", r"wi_1", r"w3", r"c_fc", r"fc1", r"fc_in", r"up", r"w_up", r"linear_in")),
+    ("down", _any(r"down_proj", r"w2", r"fc2", r"fc_out", r"dense_4h_to_h", r"down", r"w_down", r"linear_out",
+                  r"ff_out")),
+    ("down", _MLP + r"/(?:wo|c_proj|out|proj|output|linear)" + _W),
     ("up", r"(?:^|/)[^/]*mlp[^/]*/Dense_0" + _W),
     ("down", r"(?:^|/)[^/]*mlp[^/]*/Dense_1" + _W),
     # Norm scales (Linen/NNX ``scale``; ``weight``/``gamma``/``w`` under a *norm*/ln* module).
@@ -159,6 +184,28 @@ DEFAULT_QKV_LAYOUTS: tuple[tuple[str, str], ...] = (
 """``(regex, layout)``: fused-QKV kernels laid out per head; every other is
 ``[Q | K | V]`` (see :class:`QKVSplit`)."""
 
+DEFAULT_FUSED_AXES: tuple[tuple[str, int], ...] = (
+    # Gemma (google-deepmind/gemma gm/nn): dense gating_einsum [2, F, D]; Gemma 4's MoE
+    # gating_einsum [E, 2, F, D] (gm/nn/gemma4/_moe.py): gate is [0], up is [1].
+    (r"(?:^|/)gating_einsum(?:/w)?$", -3),
+    # Gemma: kv_einsum [2, KVH, D, Dh]: K is [0], V is [1].
+    (r"(?:^|/)kv_einsum(?:/w)?$", -4),
+    # Flaxformer dense_attention.py: qkv_fused [D, 3, H, Dh], kv_fused [D, 2, H, Dh].
+    (r"(?:^|/)(?:qkv_fused|kv_fused)(?:/kernel)?$", -3),
+    # MaxText linears.py fused_mlp / Flaxformer dense.py wi_fused: [D, 2, F] (gate, up).
+    (r"(?:^|/)(?:wi|wi_fused)/kernel$", -2),
+    # MaxText moe.py prefuse_moe_weights: wi [E, D, 2F] = [gate | up].
+    (r"(?:^|/)[^/]*moe[^/]*/wi$", -1),
+    # MaxText attentions.py fused_qkv: qkv_proj [D, H + 2 KVH, Dh], heads [Q | K | V].
+    (r"(?:^|/)qkv_proj/kernel$", -2),
+    # HF Llama 4 experts: gate_up_proj [E, D, 2F] = [gate | up].
+    (r"(?:^|/)gate_up_proj$", -1),
+)
+"""``(regex, axis)``: the split axis of a fused kernel (roles ``qkv``, ``kv``, ``gate_up``,
+``up_gate``) of rank > 2 per layer whose path matches; negative axes count from the end of
+one layer's shape (a scan axis is not counted). Without a rule the axis comes from the
+shape (:func:`~jvitals.metrics.qkv.pair_layout`, :class:`QKVSplit`)."""
+
 ROLE_METRIC_NAMES: Mapping[str, str] = {
     "embedding": "word_embeddings",
     "position_embedding": "position_embeddings",
@@ -178,10 +225,28 @@ ROLE_METRIC_NAMES: Mapping[str, str] = {
     "router": "router",
     "expert_bias": "expert_bias",
     "mtp_proj": "mtp_proj",
+    "kv_shared": "Wkv_shared",
+    "rel_pos_bias": "relative_attention_bias",
+    "ple_embedding": "per_layer_embeddings",
+    "ple_model_projection": "per_layer_model_projection",
+    "ple_input_gate": "per_layer_input_gate",
+    "ple_projection": "per_layer_projection",
 }
 """Role -> the metric base name (``grad/{base}_rms``). Roles not listed (user
 roles) use their own name; ``norm`` uses the norm's module name; ``qkv`` reports
-under ``Wq``/``Wk``/``Wv`` after the split, ``kv`` under ``Wk``/``Wv``."""
+under ``Wq``/``Wk``/``Wv`` after the split, ``kv`` under ``Wk``/``Wv``, ``gate_up`` and
+``up_gate`` under ``W_gate``/``W_up`` (:data:`FUSED_PARTS`)."""
+
+FUSED_PARTS: Mapping[str, tuple[str, ...]] = {
+    "qkv": ("Wq", "Wk", "Wv"),
+    "kv": ("Wk", "Wv"),
+    "gate_up": ("W_gate", "W_up"),
+    "up_gate": ("W_up", "W_gate"),
+}
+"""Fused roles -> the metric names of their parts, in the order they lie along the split
+axis: ``qkv`` ``[Q | K | V]`` (or per head, :class:`QKVSplit`), ``kv`` ``[K | V]``,
+``gate_up`` ``[gate | up]`` (Gemma's ``gating_einsum``, MaxText's fused ``wi``, Phi-3's
+``gate_up_proj``), ``up_gate`` ``[up | gate]`` (OLMo's ``ff_proj``: ``x, gate = x.chunk(2)``)."""
 
 # Words each role is usually spelled with, to rank "nearest paths" in errors.
 _HINTS: Mapping[str, tuple[str, ...]] = {
@@ -194,6 +259,7 @@ _HINTS: Mapping[str, tuple[str, ...]] = {
     "gate": ("gate_proj", "wi_0", "w1"), "up": ("up_proj", "wi_1", "w3", "c_fc"),
     "down": ("down_proj", "wo", "w2", "c_proj"), "router": ("router", "gate"),
     "expert_bias": ("expert_bias", "e_score_correction_bias"), "norm": ("norm", "layernorm", "scale"),
+    "gate_up": ("gating_einsum", "gate_up_proj", "wi"), "up_gate": ("ff_proj",), "kv_shared": ("k_einsum",),
 }
 
 
@@ -328,8 +394,12 @@ class Roles:
       qkv_layouts: ``(regex, layout)``: the layout of a fused kernel whose path
         matches, when ``qkv_split.layout`` is None (:data:`DEFAULT_QKV_LAYOUTS`;
         no match: ``"contiguous"``).
+      fused_axes: ``(regex, axis)``: the split axis of a fused kernel of rank > 2
+        whose path matches (:data:`DEFAULT_FUSED_AXES`; negative: from the end of one
+        layer's shape). ``QKVSplit(axis=...)`` wins for ``qkv``.
       required: roles that must match at least one leaf (``ValueError`` if not).
-        ``q``/``k``/``v`` are satisfied by a fused ``qkv``.
+        ``q``/``k``/``v`` are satisfied by a fused ``qkv``, ``gate``/``up`` by a fused
+        ``gate_up``/``up_gate``.
       norm_prefixes: ``(regex, prefix)``: a norm whose path matches ``regex`` is
         named ``prefix + name`` (MTP blocks' norms become ``mtp_input_layernorm``,
         kept apart from the trunk's ``input_layernorm``).
@@ -345,6 +415,7 @@ class Roles:
     stacked_axis: int | None = None
     qkv_split: QKVSplit = QKVSplit()
     qkv_layouts: tuple[tuple[str, str], ...] = DEFAULT_QKV_LAYOUTS
+    fused_axes: tuple[tuple[str, int], ...] = DEFAULT_FUSED_AXES
     required: tuple[str, ...] = ()
     norm_prefixes: tuple[tuple[str, str], ...] = ((r"(?:^|/)mtp_?\d+/", "mtp_"),)
 
@@ -364,6 +435,11 @@ class Roles:
             _compile(rx, "stack pattern")
             if not isinstance(axis, int):
                 raise ValueError(f"stack rule ({rx!r}, {axis!r}): axis must be an int")
+        for rx, axis in self.fused_axes:
+            _compile(rx, "fused axis rule")
+            if not isinstance(axis, int):
+                raise ValueError(f"fused axis rule ({rx!r}, {axis!r}): axis must be an int (negative: from "
+                                 f"the end of one layer's shape)")
         if isinstance(self.required, str):
             object.__setattr__(self, "required", (self.required,))
 
@@ -429,6 +505,27 @@ class Roles:
                 return layout
         return "contiguous"
 
+    def fused_axis_of(self, path: str, layer_shape: Sequence[int]) -> int | None:
+        """The split axis (non-negative) of the fused kernel at ``path`` of one layer's
+        ``layer_shape`` given by the first :attr:`fused_axes` rule that matches, or None
+        (no rule, or a kernel of rank <= 2: its axis comes from its shape).
+
+        Raises:
+          ValueError: if the rule's axis is out of range for ``layer_shape``.
+        """
+        nd = len(layer_shape)
+        if nd <= 2:
+            return None
+        for rx, axis in self.fused_axes:
+            if _compile(rx, "fused axis rule").search(path):
+                if not -nd <= axis < nd:
+                    raise ValueError(
+                        f"fused kernel {path!r} of per-layer shape {tuple(layer_shape)}: the fused axis rule "
+                        f"({rx!r}, {axis}) is out of range. Pass Roles(fused_axes=((r'...', AXIS),) + "
+                        f"DEFAULT_FUSED_AXES) with the axis its parts are stacked or concatenated on.")
+                return axis % nd
+        return None
+
     def layer_of(self, path: str) -> int | None:
         """Index of the Python-list layer ``path`` lies in, or None."""
         for rx in self.layer_patterns:
@@ -477,6 +574,20 @@ class LeafRole(NamedTuple):
         if self.stack is not None:
             return tuple(range(self.first_layer, self.first_layer + self.num_layers))
         return () if self.layer is None else (self.layer,)
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        """One layer's shape: the shape without the stacked layer axis (if any)."""
+        if self.stack_axis is None:
+            return self.shape
+        return self.shape[: self.stack_axis] + self.shape[self.stack_axis + 1:]
+
+    @property
+    def is_matrix(self) -> bool:
+        """Whether the leaf is a weight matrix: rank >= 2 per layer and not a bias (scales,
+        biases and norm weights are vectors). Only matrices are reported when no role names
+        them (:func:`~jvitals.metrics.explain.roles_summary`)."""
+        return len(self.layer_shape) >= 2 and "bias" not in self.path.rsplit("/", 1)[-1].lower()
 
 
 # ----------------------------------------------------------------------------------
@@ -543,9 +654,52 @@ def assign_roles(tree: Any, roles: Roles | None = None) -> tuple[LeafRole, ...]:
             out.append(LeafRole(path, shape, role, name, None, stack[0], axis, offsets[stack[0]], n))
         else:
             out.append(LeafRole(path, shape, role, name, roles.layer_of(path)))
-    out = tuple(out)
+    out = _by_context(out)
     _check_required(out, roles)
     return out
+
+
+def scope_of(path: str) -> str:
+    """The module holding a weight's module: ``layers_0/mlp`` for ``layers_0/mlp/wi/kernel``,
+    ``layers/0/moe`` for a bare ``layers/0/moe/linear``. Leaves of one scope are siblings
+    (one attention, one MLP, one block): :func:`assign_roles` reads a fused kernel's
+    siblings to tell what it is."""
+    parts = path.split("/")
+    if len(parts) > 1 and parts[-1] in ("kernel", "weight", "w"):
+        parts = parts[:-1]
+    return "/".join(parts[:-1])
+
+
+def _by_context(leaves: Sequence[LeafRole]) -> tuple[LeafRole, ...]:
+    """The roles a path cannot decide alone, from each leaf's siblings (:func:`scope_of`).
+
+    * A fused gate/up candidate (``gate_up``, ``up_gate``) beside a separate up
+      projection is the gate (LLaDA's ``ff_proj`` beside ``up_proj``); one that holds as
+      many entries as its down projection is a plain up projection (T5's ``wi`` beside
+      ``wo``, OLMo's ``ff_proj`` with a GELU MLP); otherwise it stays fused (split into
+      ``W_gate`` and ``W_up``: twice the down projection's entries).
+    * A ``k`` with no V projection beside it, in a model whose other attention layers
+      have one, is read as K and V (``kv_shared``: MaxText's ``share_kv_projections``
+      keeps ``key`` alone) -- unless a weight matrix no role names sits beside it (that
+      may be the V projection: it is reported, nothing is assumed).
+    """
+    scopes: dict[str, list[int]] = {}
+    for i, lr in enumerate(leaves):
+        scopes.setdefault(scope_of(lr.path), []).append(i)
+    v_roles = ("v", "kv", "qkv", "kv_shared")
+    has_v = any(lr.role in ("v", "kv", "qkv") for lr in leaves)
+    out = list(leaves)
+    for i, lr in enumerate(leaves):
+        sib = [leaves[j] for j in scopes[scope_of(lr.path)] if j != i]
+        if lr.role in ("gate_up", "up_gate"):
+            if any(s.role == "up" for s in sib):
+                out[i] = lr._replace(role="gate", name=ROLE_METRIC_NAMES["gate"])
+            elif any(s.role == "down" and math.prod(s.shape) == math.prod(lr.shape) for s in sib):
+                out[i] = lr._replace(role="up", name=ROLE_METRIC_NAMES["up"])
+        elif (lr.role == "k" and has_v and not any(s.role in v_roles for s in sib)
+              and not any(s.role is None and s.is_matrix for s in sib)):
+            out[i] = lr._replace(role="kv_shared", name=ROLE_METRIC_NAMES["kv_shared"])
+    return tuple(out)
 
 
 def _stack_axis(prefix: str, members: list, want: int) -> tuple[int, int]:
@@ -577,8 +731,10 @@ def _check_required(leaves: Sequence[LeafRole], roles: Roles) -> None:
     found = {lr.role for lr in leaves}
     if "qkv" in found:
         found |= {"q", "k", "v"}
-    if "kv" in found:
+    if found & {"kv", "kv_shared"}:
         found |= {"k", "v"}
+    if found & {"gate_up", "up_gate"}:
+        found |= {"gate", "up"}
     for role in roles.required:
         if role in found:
             continue
