@@ -464,6 +464,15 @@ def test_fused_and_shared_kernels_are_split_or_named_as_their_source_says():
     assert roles("gemma4_linen")["params/layer_1/attn/k_einsum/w"] == "kv_shared"
     assert roles("maxtext_shared_kv")["params/decoder/layers_1/self_attention/key/kernel"] == "kv_shared"
     assert roles("maxtext_shared_kv")["params/decoder/layers_0/self_attention/key/kernel"] == "k"
+    # A name fused in every family that uses it stays fused whatever the sizes (inside
+    # shard_map they are a shard's); a pattern of one's own is taken as it is.
+    gemma = FAMILIES["gemma4_linen"].build()
+    half = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // 2,) + x.shape[1:], x.dtype)
+                        if x.ndim == 4 and x.shape[1] == 2 else x, gemma)      # experts sharded in two
+    assert {lr.path: lr.role for lr in vitals.assign_roles(half)}["params/layer_0/mlp/gating_einsum/w"] == "gate_up"
+    own = vitals.Roles().extend(gate_up=r"(^|/)mlp/wi/kernel$")
+    t5 = {lr.path: lr.role for lr in vitals.assign_roles(FAMILIES["t5x_relu"].build(), own)}
+    assert t5["params/encoder/layers_0/mlp/wi/kernel"] == "gate_up"
     # A model with no V projection anywhere keeps its K: nothing says it doubles as V.
     qk = {"layers_0": {"attn": {n: {"kernel": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
                                 for n in ("q_proj", "k_proj", "o_proj")}}}
@@ -647,3 +656,35 @@ def test_fused_axis_rules_and_errors_name_the_path_and_the_fix():
     gemma = FAMILIES["gemma4_linen"].build()
     with pytest.raises(ValueError, match=r"'params/layer_0/mlp/gating_einsum/w'.*out of range.*fused_axes"):
         vitals.gradient_metrics(gemma, roles=bad)
+
+
+def test_fused_gate_up_sharded_inside_shard_map(devices):
+    """Gemma 4's MoE gating_einsum [E, 2, F, D] sharded over its experts, the dense
+    gating_einsum [2, F, D] and kv_einsum [2, KVH, D, Dh] sharded along the axis that holds
+    their parts (each shard holds one part), inside shard_map: every per-role and per-layer
+    figure equals NumPy's on the unsharded arrays."""
+    import functools
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    fam = FAMILIES["gemma4_linen"]
+    grads = random_grads(fam.build(), seed=5)
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def spec_of(path, _):
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        return P("x") if re.search(r"(?:mlp/gating_einsum/w|mlp2/gating_einsum|kv_einsum/w)$", name) else P()
+
+    specs = jax.tree_util.tree_map_with_path(spec_of, grads)
+    assert sum(s == P("x") for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))) == 5
+    sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), grads, specs)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs,), out_specs=P())
+    def f(g):
+        return vitals.gradient_metrics(g, specs=specs, axes=("x",))
+
+    got = jax.device_get(f(sharded))
+    want = reference(fam, flat(grads))
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=2e-4, atol=1e-12, err_msg=k)
+    assert _role_keys(got) == _role_keys(want)

@@ -19,6 +19,7 @@ __all__ = [
     "DEFAULT_STACKS",
     "FUSED_PARTS",
     "ROLE_METRIC_NAMES",
+    "UP_OR_FUSED",
 ]
 
 # A weight leaf: the module name is followed by its kernel (Linen ``kernel``,
@@ -183,6 +184,14 @@ ROLE_METRIC_NAMES: Mapping[str, str] = {
 roles) use their own name; ``norm`` uses the norm's module name; ``qkv`` reports
 under ``Wq``/``Wk``/``Wv`` after the split, ``kv`` under ``Wk``/``Wv``, ``gate_up`` and
 ``up_gate`` under ``W_gate``/``W_up`` (:data:`FUSED_PARTS`)."""
+
+UP_OR_FUSED = r"(?:^|/)(?:wi|ff_proj|dense_h_to_4h)" + _W
+"""Names that are a fused gate/up kernel in one family and a plain up projection in
+another (T5's ``wi`` and MaxText's fused ``wi``; OLMo's ``ff_proj`` with SwiGLU or GELU;
+ChatGLM's and GPT-NeoX's ``dense_h_to_4h``): :func:`~jvitals.metrics.roles.assign_roles`
+reads one as the up projection when it holds as many entries as the down projection
+beside it. Every other fused name (``gating_einsum``, ``gate_up_proj``, ``wi_fused``) is
+fused in every family that uses it."""
 
 FUSED_PARTS: Mapping[str, tuple[str, ...]] = {
     "qkv": ("Wq", "Wk", "Wv"),

@@ -82,6 +82,7 @@ from jvitals.metrics.role_patterns import (  # noqa: F401 (the default tables, r
     DEFAULT_STACKS,
     FUSED_PARTS,
     ROLE_METRIC_NAMES,
+    UP_OR_FUSED,
 )
 
 __all__ = [
@@ -496,7 +497,7 @@ def assign_roles(tree: Any, roles: Roles | None = None) -> tuple[LeafRole, ...]:
             out.append(LeafRole(path, shape, role, name, None, stack[0], axis, offsets[stack[0]], n))
         else:
             out.append(LeafRole(path, shape, role, name, roles.layer_of(path)))
-    out = _by_context(out)
+    out = _by_context(out, roles)
     _check_required(out, roles)
     return out
 
@@ -512,14 +513,18 @@ def scope_of(path: str) -> str:
     return "/".join(parts[:-1])
 
 
-def _by_context(leaves: Sequence[LeafRole]) -> tuple[LeafRole, ...]:
+def _by_context(leaves: Sequence[LeafRole], roles: Roles) -> tuple[LeafRole, ...]:
     """The roles a path cannot decide alone, from each leaf's siblings (:func:`scope_of`).
 
     * A fused gate/up candidate (``gate_up``, ``up_gate``) beside a separate up
-      projection is the gate (LLaDA's ``ff_proj`` beside ``up_proj``); one that holds as
-      many entries as its down projection is a plain up projection (T5's ``wi`` beside
-      ``wo``, OLMo's ``ff_proj`` with a GELU MLP); otherwise it stays fused (split into
-      ``W_gate`` and ``W_up``: twice the down projection's entries).
+      projection is the gate (LLaDA's ``ff_proj`` beside ``up_proj``); one whose name is
+      fused in some families only (:data:`~jvitals.metrics.role_patterns.UP_OR_FUSED`)
+      and that holds as many entries as its down projection is a plain up projection
+      (T5's ``wi`` beside ``wo``, OLMo's ``ff_proj`` with a GELU MLP); otherwise it stays
+      fused (split into ``W_gate`` and ``W_up``: twice the down projection's entries).
+      Inside ``shard_map`` the sizes are a shard's (a kernel and its down projection
+      sharded by different factors compare wrongly): a pattern of your own
+      (``Roles().extend(gate_up=...)``) is taken as it is.
     * A ``k`` with no V projection beside it, in a model whose other attention layers
       have one, is read as K and V (``kv_shared``: MaxText's ``share_kv_projections``
       keeps ``key`` alone) -- unless a weight matrix no role names sits beside it (that
@@ -536,12 +541,21 @@ def _by_context(leaves: Sequence[LeafRole]) -> tuple[LeafRole, ...]:
         if lr.role in ("gate_up", "up_gate"):
             if any(s.role == "up" for s in sib):
                 out[i] = lr._replace(role="gate", name=ROLE_METRIC_NAMES["gate"])
-            elif any(s.role == "down" and math.prod(s.shape) == math.prod(lr.shape) for s in sib):
+            elif (_compile(UP_OR_FUSED, "up or fused").search(lr.path) and _by_default(roles, lr.path)
+                  and any(s.role == "down" and math.prod(s.shape) == math.prod(lr.shape) for s in sib)):
                 out[i] = lr._replace(role="up", name=ROLE_METRIC_NAMES["up"])
         elif (lr.role == "k" and has_v and not any(s.role in v_roles for s in sib)
               and not any(s.role is None and s.is_matrix for s in sib)):
             out[i] = lr._replace(role="kv_shared", name=ROLE_METRIC_NAMES["kv_shared"])
     return tuple(out)
+
+
+def _by_default(roles: Roles, path: str) -> bool:
+    """Whether ``path``'s role comes from a default pattern (not one the user added)."""
+    for role, rx in roles.patterns:
+        if _compile(rx, role).search(path):
+            return (role, rx) in DEFAULT_PATTERNS
+    return False
 
 
 def _stack_axis(prefix: str, members: list, want: int) -> tuple[int, int]:
