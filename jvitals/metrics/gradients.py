@@ -53,7 +53,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jvitals.metrics.qkv import _attn_module, _global_shape, _o_sizes, _qkv_pieces  # fused QKV: jvitals/metrics/qkv.py
-from jvitals.metrics.roles import LeafRole, Roles, assign_roles
+from jvitals.metrics.roles import FUSED_PARTS, LeafRole, Roles, assign_roles
 from jvitals.metrics import fold
 from jvitals.metrics import cpu_forms
 from jvitals.metrics.stats import Summary, reduce, summarize_fields
@@ -222,7 +222,7 @@ def _pieces(x: jax.Array, leaf: _Leaf, roles: Roles, axes: tuple[str, ...], o_si
     lr = leaf.role
     if lr is None:
         return [(None, x, None, None)]
-    if split_qkv and lr.role in ("qkv", "kv"):
+    if split_qkv and lr.role in FUSED_PARTS:  # qkv, kv, gate_up, up_gate: split first
         return _qkv_pieces(x, lr, roles, leaf.spec, axes, o_sizes.get(_attn_module(lr.path)))
     return [(lr.name, x, None, lr.stack_axis)]
 

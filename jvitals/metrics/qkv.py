@@ -36,7 +36,8 @@ from jax import lax
 if TYPE_CHECKING:
     from jvitals.metrics.roles import LeafRole, QKVSplit, Roles
 
-__all__ = ["LAYOUTS", "QKVLayout", "kv_layout", "merge_qkv", "qkv_layout", "qkv_part_ids", "split_qkv"]
+__all__ = ["LAYOUTS", "QKVLayout", "kv_layout", "merge_qkv", "pair_layout", "qkv_layout", "qkv_part_ids",
+           "split_qkv"]
 
 LAYOUTS = ("contiguous", "interleaved")
 """The fused-QKV layouts :class:`~jvitals.metrics.roles.QKVSplit` can name (module docstring)."""
@@ -318,63 +319,106 @@ def _o_sizes(infos: Sequence[LeafRole], gshapes: Sequence[tuple[int, ...]]) -> d
     return out
 
 
-def kv_layout(shape: Sequence[int], path: str = "kv") -> QKVLayout:
+def _pair_axis(shape: tuple[int, ...], axis: int | None) -> int:
+    """The split axis of a two-way fused kernel: ``axis`` if given, else the first axis of
+    size 2 of a kernel of rank > 2 (not the last), else the larger axis of a 2-D kernel
+    (the last on a tie), else the last."""
+    if axis is not None:
+        return axis
+    if len(shape) > 2 and 2 in shape[:-1]:
+        return shape.index(2)
+    if len(shape) == 2 and shape[0] > shape[1]:
+        return 0
+    return len(shape) - 1
+
+
+def kv_layout(shape: Sequence[int], path: str = "kv", axis: int | None = None) -> QKVLayout:
     """Where K and V lie in one layer's K/V kernel (role ``kv``): a :class:`QKVLayout`
-    with no Q part.
+    with no Q part (sizes ``(0, n / 2, n / 2)``).
 
     K and V are stacked on the first axis of size 2 of a kernel of rank > 2 (Gemma's
     ``kv_einsum`` ``[2, KVH, D, Dh]``: ``[0]`` is K, ``[1]`` is V), or are the two
     halves ``[K | V]`` of the larger axis of a 2-D kernel (``[D, 2 * KVH * Dh]``; the
-    last axis on a tie).
+    last axis on a tie). ``axis`` (a :attr:`~jvitals.metrics.roles.Roles.fused_axes`
+    rule's) overrides the shape's guess.
+
+    Raises:
+      ValueError: if the axis does not split into two equal halves.
+    """
+    lay = pair_layout(shape, path, axis, role="kv")
+    return QKVLayout(lay.axis, "contiguous", (0,) + lay.sizes[:2])
+
+
+_PAIR_WORDS = {"kv": ("K/V", "K and V", "[2, KVH, D, Dh]", "[K | V]"),
+               "gate_up": ("gate/up", "gate and up", "[2, F, D]", "[gate | up]"),
+               "up_gate": ("up/gate", "up and gate", "[2, F, D]", "[up | gate]")}
+
+
+def pair_layout(shape: Sequence[int], path: str = "fused", axis: int | None = None,
+                role: str = "gate_up") -> QKVLayout:
+    """Where the two parts of one layer's two-way fused kernel lie (roles ``kv``,
+    ``gate_up``, ``up_gate``; :data:`~jvitals.metrics.roles.FUSED_PARTS` names them):
+    sizes ``(n / 2, n / 2, 0)`` along the split axis, first part first.
+
+    The parts are stacked on an axis of size 2 (Gemma's ``gating_einsum`` ``[2, F, D]``,
+    ``[E, 2, F, D]`` for its experts; MaxText's fused ``wi`` ``[D, 2, F]``) or are the two
+    halves of one axis (OLMo's ``ff_proj`` ``[2F, D]``, Phi-3's ``gate_up_proj``). The
+    axis: ``axis`` if given (a :attr:`~jvitals.metrics.roles.Roles.fused_axes` rule's),
+    else the first axis of size 2 of a kernel of rank > 2, else the larger axis of a 2-D
+    kernel (the last on a tie), else the last.
 
     Raises:
       ValueError: if the axis does not split into two equal halves.
     """
     shape = tuple(int(d) for d in shape)
-    if len(shape) > 2 and 2 in shape[:-1]:
-        a = shape.index(2)
-    elif len(shape) == 2 and shape[0] > shape[1]:
-        a = 0
-    else:
-        a = len(shape) - 1
+    a = _pair_axis(shape, axis)
     n = shape[a] if shape else 0
     if n < 2 or n % 2:
+        what, parts, stacked, halves = _PAIR_WORDS.get(role, ("fused", "its two parts", "[2, ...]", "halves"))
         raise ValueError(
-            f"K/V kernel {path!r} of shape {shape}: expected K and V stacked on an axis of size 2 "
-            f"([2, KVH, D, Dh]) or two equal halves [K | V] of its larger axis, got {n} entries on "
-            f"axis {a}. If it is not a fused K/V kernel, give it its own role: "
-            f"Roles().override(kv=r'...') or Roles().extend(k=r'(^|/)your_module/w$').")
-    return QKVLayout(a, "contiguous", (0, n // 2, n // 2))
+            f"{what} kernel {path!r} of shape {shape}: expected {parts} stacked on an axis of size 2 "
+            f"({stacked}) or two equal halves {halves} of one axis, got {n} entries on axis {a}. If it is "
+            f"not a fused {what} kernel, give it its own role, e.g. Roles().extend(up=r'(^|/)your_module/w$'); "
+            f"if its parts lie on another axis, Roles(fused_axes=((r'(^|/)your_module', AXIS),) + "
+            f"DEFAULT_FUSED_AXES).")
+    return QKVLayout(a, "contiguous", (n // 2, n // 2, 0))
 
 
 def _qkv_pieces(x: jax.Array, lr: LeafRole, roles: Roles, spec: Any, axes: tuple[str, ...],
                 o_numel: int | None = None) -> list[tuple[str, jax.Array, jax.Array | None, int | None]]:
-    """Q, K and V parts of a fused QKV kernel (role ``qkv``; K and V of role ``kv``), as
-    ``(name, x, mask, axis)`` to summarise (per layer if stacked), in the layout
-    ``roles`` gives its path."""
+    """The parts of a fused kernel (a role of :data:`~jvitals.metrics.roles.FUSED_PARTS`:
+    Q, K and V of ``qkv``; K and V of ``kv``; gate and up of ``gate_up``/``up_gate``), as
+    ``(name, x, mask, axis)`` to summarise (per layer if stacked), in the layout ``roles``
+    gives its path."""
+    from jvitals.metrics.roles import FUSED_PARTS
     shape = tuple(x.shape)  # local (per-shard) inside shard_map
     gshape = _global_shape(shape, spec, axes)
     layer_shape = _layer_shape(gshape, lr)
-    if lr.role == "kv":
-        lay = kv_layout(layer_shape, lr.path)
-    else:
-        split, q_size = resolve_fused(layer_shape, roles.qkv_split, o_numel)
+    rule = roles.fused_axis_of(lr.path, layer_shape)
+    if lr.role == "qkv":
+        split = roles.qkv_split
+        if rule is not None and split.axis is None:
+            split = dataclasses.replace(split, axis=rule)
+        split, q_size = resolve_fused(layer_shape, split, o_numel)
         lay = qkv_layout(layer_shape, split, path=lr.path, layout=roles.qkv_layout_of(lr.path),
                          q_size=q_size)
-    return [p for p, size in zip(_layout_pieces(x, lr, lay, spec, axes), lay.sizes) if size]
+    else:
+        lay = pair_layout(layer_shape, lr.path, rule, role=lr.role)
+    names = FUSED_PARTS[lr.role] + ("",) * (3 - len(FUSED_PARTS[lr.role]))
+    return [p for p, size in zip(_layout_pieces(x, lr, lay, spec, axes, names), lay.sizes) if size]
 
 
-def _layout_pieces(x: jax.Array, lr: LeafRole, lay: QKVLayout, spec: Any,
-                   axes: tuple[str, ...]) -> list[tuple[str, jax.Array, jax.Array | None, int | None]]:
-    """The ``Wq``, ``Wk``, ``Wv`` parts of ``x`` in ``lay`` (a slice each, or the whole
-    shard with a mask where the split axis is sharded)."""
+def _layout_pieces(x: jax.Array, lr: LeafRole, lay: QKVLayout, spec: Any, axes: tuple[str, ...],
+                   names: tuple[str, str, str] = ("Wq", "Wk", "Wv"),
+                   ) -> list[tuple[str, jax.Array, jax.Array | None, int | None]]:
+    """The three parts of ``x`` in ``lay`` named ``names`` (``Wq``, ``Wk``, ``Wv``; a slice
+    each, or the whole shard with a mask where the split axis is sharded)."""
     shape = tuple(x.shape)
     a, n = lay.axis, lay.n
     dim = a + 1 if lr.stack_axis is not None and a >= lr.stack_axis else a
     local_n = shape[dim]
     mesh = _spec_axes_at(spec, dim, len(shape), axes)
     ax = lr.stack_axis
-    names = ("Wq", "Wk", "Wv")
     out = []
     if not mesh:
         if lay.layout == "contiguous":

@@ -123,6 +123,7 @@ from jvitals.metrics import axes as _axes
 from jvitals.metrics import window as _window
 from jvitals.metrics.chain import (SKIP_FIELD, _at, _clip_max_norm, _closure, _has_threshold, _is_optax_fn,  # noqa: F401
                                    _leading_clip, _max_norm_of, _skipped, _unwrap)
+from jvitals.metrics.explain import log_roles_summary
 from jvitals.metrics.optimizer import LR_SCALE, LR_SCALE_ARG, injected_hyperparams
 from jvitals.metrics.packed import PackedMetrics
 from jvitals.metrics.roles import Roles
@@ -236,6 +237,7 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
     inner = optax.with_extra_args_support(inner) if inner is not None else None
 
     def init_fn(params: Any) -> RecordState:
+        log_roles_summary(params, roles)  # once per tree: the weight matrices no per-role figure reads
         inner_state = inner.init(params) if inner is not None else optax.EmptyState()
         return RecordState(jnp.zeros([], jnp.int32), _empty_metrics(params, _plan(cfg, inner, inner_state), roles),
                            {f: jnp.full((), -1, jnp.int32) for f in _FAMILIES + (_READ,)}, inner_state)

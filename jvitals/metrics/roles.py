@@ -6,15 +6,25 @@ jvitals' gradient and parameter metrics are reported per *role* (METRICS.md §2:
 simple=True, separator='/')``, e.g. ``params/layers_3/attn/qkv/kernel``) to both:
 
 * **role**: the first ``(role, regex)`` of :attr:`Roles.patterns` whose regex
-  ``re.search``-es the path (case-insensitive). The defaults recognise the jvitals
+  ``re.search``-es the path (case-insensitive), then, for what a path alone cannot
+  decide, the leaf's siblings (:func:`assign_roles`). The defaults recognise the jvitals
   reference model, the Flax examples (``Embed_0``, ``MultiHeadDotProductAttention_0``,
   ``MlpBlock_0/Dense_0``), MaxText (``token_embedder``, ``self_attention/query``,
-  ``mlp/wi_0``, ``logits_dense``, ``decoder_norm``), HuggingFace-Flax GPT-2
-  (``wte``, ``c_attn``, ``c_proj``, ``c_fc``, ``ln_1``, ``ln_f``), Llama/Mistral
+  ``mlp/wi_0``, fused ``mlp/wi``, ``MoeBlock_0/gate``, MLA ``wq_a``..., ``logits_dense``,
+  ``decoder_norm``), T5X and Flaxformer (``attention/query``, ``mlp/wi``, ``wi_0``,
+  ``wo``, ``qkv_fused``, ``kv_fused``, ``wi_fused``, ``relpos_bias``), HuggingFace-Flax
+  GPT-2 (``wte``, ``c_attn``, ``c_proj``, ``c_fc``, ``ln_1``, ``ln_f``), Llama/Mistral
   (``embed_tokens``, ``q_proj``..., ``gate_proj``, ``input_layernorm``, ``norm``,
-  ``lm_head``), Mixtral (``block_sparse_moe/gate``, ``experts/0/w1``) and DeepSeek
-  (``q_a_proj``, ``kv_a_proj_with_mqa``, ``mlp/gate``, ``e_score_correction_bias``).
-  See :data:`DEFAULT_PATTERNS` for the table.
+  ``lm_head``), Mixtral (``block_sparse_moe/gate``, ``experts/0/w1``), DeepSeek (HF's
+  ``q_a_proj``, ``kv_a_proj_with_mqa``, ``mlp/gate``, ``e_score_correction_bias``; the
+  reference code's ``wq_a``, ``wkv_b``, ``ffn/gate``, ``head``), OLMo and LLaDA
+  (``att_proj``, ``attn_out``, ``ff_proj``, ``ff_out``: the MLP's down projection in a
+  block, the output layer at the top), OLMo-core (``w_q``, ``w_out``, ``w_g``,
+  ``feed_forward/w1``, ``lm_head/w_out``) and Gemma (``q_einsum``, ``kv_einsum``,
+  ``attn_vec_einsum``, ``gating_einsum``, ``linear``; Gemma 4's ``router_logits``,
+  ``k_einsum`` and per-layer embeddings). ``docs/MODELS.md`` has the table of families;
+  :mod:`jvitals.metrics.role_patterns` holds the patterns (:data:`DEFAULT_PATTERNS`)
+  and the other default tables.
 * **layer**: for Python-list layers, the first :attr:`Roles.layer_patterns` regex
   whose group 1 captures the index (``layers_3``, ``layers/3``, ``h/3``,
   ``layer_3``, ``block_3``, ``encoderdecoderblock_3``...); for ``nn.scan``-stacked
@@ -22,20 +32,28 @@ simple=True, separator='/')``, e.g. ``params/layers_3/attn/qkv/kernel``) to both
   (``params/layers/...`` at axis 0, MaxText's ``decoder/layers/...`` at its default
   ``param_scan_axis=1``) and layer ``i`` is index ``i`` along that axis.
 
-Three roles are special: ``qkv`` (a fused QKV kernel, split into Q, K and V by
-:class:`QKVSplit` before any statistic is taken, in the layout of its family:
-:data:`DEFAULT_QKV_LAYOUTS`; a leading axis of 3, Gemma's ``qkv_einsum [3, H, D, Dh]``,
-holds the three parts), ``kv`` (K and V in one kernel: stacked on an axis of 2,
-Gemma's ``kv_einsum [2, KVH, D, Dh]``, or ``[K | V]`` halves; split into Wk and
-Wv) and ``norm`` (a LayerNorm/RMSNorm scale, reported
-under its own module name: ``grad/input_layernorm_rms``; a module named just
-``norm``, Llama's final norm, becomes ``final_norm`` outside the layers and
-``block_norm`` inside, so that ``grad/final_norm_rms`` cannot be read as the
-gradient-norm family ``grad/norm/layer_{i}``).
+Some roles are special. The fused ones (:data:`FUSED_PARTS`) are split into their
+parts before any statistic is taken: ``qkv`` (a fused QKV kernel, split into Q, K and V
+by :class:`QKVSplit`, in the layout of its family: :data:`DEFAULT_QKV_LAYOUTS`; a leading
+axis of 3, Gemma's ``qkv_einsum [3, H, D, Dh]``, holds the three parts), ``kv`` (K and V
+in one kernel: stacked on an axis of 2, Gemma's ``kv_einsum [2, KVH, D, Dh]``, or
+``[K | V]`` halves; split into Wk and Wv), ``gate_up`` and ``up_gate`` (the MLP's gate
+and up projections in one kernel, in that order or the other: Gemma's
+``gating_einsum [2, F, D]`` and its experts' ``[E, 2, F, D]``, MaxText's fused ``wi``,
+OLMo's ``ff_proj``; split into W_gate and W_up). The split axis of a per-head or
+expert-stacked kernel comes from :attr:`Roles.fused_axes`. ``kv_shared`` is one
+projection read as both K and V (Gemma 4's ``k_einsum``): it cannot be split, and is
+reported as ``Wkv_shared`` so that ``Wk`` and ``Wv`` claim only separate projections.
+``norm`` is a LayerNorm/RMSNorm scale, reported under its own module name
+(``grad/input_layernorm_rms``; a module named just ``norm``, Llama's final norm, becomes
+``final_norm`` outside the layers and ``block_norm`` inside, so that
+``grad/final_norm_rms`` cannot be read as the gradient-norm family ``grad/norm/layer_{i}``).
 
 Leaves no pattern matches keep their layer and still count in every norm; only
 per-role figures skip them (never defaulted to a role). :func:`explain_roles` shows
-what matched.
+what matched, and lists the weight matrices no role names under the family (attention,
+MLP) whose figures therefore do not include them; :func:`jvitals.record` logs that
+summary once (:func:`~jvitals.metrics.explain.roles_summary`).
 
 Flax NNX: an ``nnx.State`` (``nnx.state(model, nnx.Param)``, what ``nnx.grad`` and
 ``nnx.split`` return) is taken as it is; its leaves' paths are the module paths
@@ -48,153 +66,39 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import jax
 
 from jvitals.metrics.paths import path_str
+from jvitals.metrics.role_patterns import (  # noqa: F401 (the default tables, re-exported here)
+    _HINTS,
+    DEFAULT_FUSED_AXES,
+    DEFAULT_LAYER_PATTERNS,
+    DEFAULT_PATTERNS,
+    DEFAULT_QKV_LAYOUTS,
+    DEFAULT_STACKS,
+    FUSED_PARTS,
+    ROLE_METRIC_NAMES,
+    UP_OR_FUSED,
+)
 
 __all__ = [
+    "DEFAULT_FUSED_AXES",
     "DEFAULT_LAYER_PATTERNS",
     "DEFAULT_PATTERNS",
     "DEFAULT_QKV_LAYOUTS",
     "DEFAULT_STACKS",
+    "FUSED_PARTS",
     "LeafRole",
     "QKVSplit",
     "ROLE_METRIC_NAMES",
     "Roles",
     "assign_roles",
+    "scope_of",
 ]
-
-# ----------------------------------------------------------------------------------
-# Default patterns.
-
-# A weight leaf: the module name is followed by its kernel (Linen ``kernel``,
-# HF/NNX ``weight``, Gemma ``w``) or is the leaf itself (the reference model's
-# ``moe/experts/gate_proj``). Biases are deliberately not matched.
-_W = r"(?:/(?:kernel|weight|w))?$"
-# Ancestor contexts.
-_ATT = r"(?:^|/)[^/]*(?:attn|attention)[^/]*(?:/[^/]+)*?"
-_MLP = r"(?:^|/)[^/]*(?:mlp|ffn|feed_?forward|moe|experts?|dense_?block|mlpblock)[^/]*(?:/[^/]+)*?"
-_MOE = r"(?:^|/)[^/]*(?:moe|router|mlp|feed_?forward|ffn)[^/]*"
-
-
-def _any(*names: str) -> str:
-    return r"(?:^|/)(?:" + "|".join(names) + r")" + _W
-
-
-DEFAULT_PATTERNS: tuple[tuple[str, str], ...] = (
-    # Embeddings and output layer.
-    ("position_embedding", r"(?:^|/)(?:wpe|position_embeddings?|pos_?embed\w*|posembed\w*|"
-                           r"position_embedder|embed_positions)(?:/(?:embedding|weight|kernel|pos_embedding))?$"),
-    ("embedding", r"(?:^|/)(?:embed|wte|embed_tokens|token_embedder|tok_embeddings|word_embeddings|"
-                  r"shared|shared_embedding|embedder|embeddings|embedding|Embed_\d+|token_embedding|tok_emb)"
-                  r"/(?:embedding|weight|kernel|input_embedding)$"),
-    ("lm_head", _any(r"lm_head", r"logits_dense", r"logitdense", r"output_layer", r"unembed\w*",
-                     r"embed_out", r"output_projection", r"logits_proj")),
-    ("lm_head", r"^(?:params/)?(?:model/|transformer/|decoder/)?(?:output|head)" + _W),
-    # Multi-token prediction projections.
-    ("mtp_proj", r"(?:^|/)mtp_?\d+/(?:[^/]+/)*?(?:proj|eh_proj)" + _W),
-    # Attention: fused QKV, MLA low-rank projections, Q/K/V/O, output gate.
-    ("qkv", _any(r"qkv", r"c_attn", r"query_key_value", r"wqkv", r"qkv_proj", r"in_proj",
-                 r"w_pack", r"to_qkv", r"fused_qkv", r"qkv_einsum")),
-    ("q_down", _any(r"q_down", r"q_a_proj", r"wq_a", r"q_down_proj", r"q_a")),
-    ("q_up", _any(r"q_up", r"q_b_proj", r"wq_b", r"q_up_proj", r"q_b")),
-    ("kv_down", _any(r"kv_down", r"kv_a_proj_with_mqa", r"kv_a_proj", r"wkv_a", r"kv_down_proj", r"kv_a")),
-    ("kv_up", _any(r"kv_up", r"kv_b_proj", r"wkv_b", r"kv_up_proj", r"kv_b")),
-    # K and V in one kernel: stacked on an axis of 2 (Gemma's kv_einsum [2, KVH, D, Dh]) or [K | V].
-    ("kv", _any(r"kv_einsum", r"kv_proj", r"to_kv", r"key_value", r"kv")),
-    ("q", _any(r"q_proj", r"query", r"wq", r"q", r"to_q", r"query_proj", r"q_einsum")),
-    ("k", _any(r"k_proj", r"key", r"wk", r"k", r"to_k", r"key_proj")),
-    ("v", _any(r"v_proj", r"value", r"wv", r"v", r"to_v", r"value_proj")),
-    ("o", _any(r"o_proj", r"out_proj", r"attn_vec_einsum", r"output_proj")),
-    ("o", _ATT + r"/(?:out|o|wo|c_proj|proj|dense|output|to_out)" + _W),
-    ("attn_gate", _ATT + r"/(?:gate|g_proj|gate_proj|output_gate|gate_score)" + _W),
-    # MoE router and expert-selection bias.
-    ("expert_bias", r"(?:^|/)(?:expert_bias|e_score_correction_bias|score_correction_bias|"
-                    r"router_bias|routed_bias|expert_score_bias)$"),
-    ("expert_bias", r"(?:^|/)[^/]*moe[^/]*/(?:gate|router)/bias$"),
-    ("router", _any(r"router", r"moe_gate", r"gate_network", r"switch_gate", r"router_gate", r"wg")),
-    ("router", _MOE + r"/gate" + _W),
-    # MLP (dense, shared experts and routed experts alike).
-    ("gate", _any(r"gate_proj", r"wi_0", r"w1", r"fc_gate", r"gate_linear", r"w_gate")),
-    ("up", _any(r"up_proj", r"wi_1", r"w3", r"c_fc", r"wi", r"fc1", r"fc_in", r"dense_h_to_4h",
-                r"up", r"w_up", r"linear_in")),
-    ("down", _any(r"down_proj", r"w2", r"fc2", r"fc_out", r"dense_4h_to_h", r"down", r"w_down", r"linear_out")),
-    ("down", _MLP + r"/(?:wo|c_proj|out|proj|output)" + _W),
-    ("up", r"(?:^|/)[^/]*mlp[^/]*/Dense_0" + _W),
-    ("down", r"(?:^|/)[^/]*mlp[^/]*/Dense_1" + _W),
-    # Norm scales (Linen/NNX ``scale``; ``weight``/``gamma``/``w`` under a *norm*/ln* module).
-    ("norm", r"(?:^|/)(?P<name>[^/]+)/scale$"),
-    ("norm", r"(?:^|/)(?P<name>[^/]*norm[^/]*|ln_?[^/]*)/(?:weight|gamma|w)$"),
-)
-"""``(role, regex)`` pairs, tried in order; the first whose regex ``re.search``-es
-the leaf path (case-insensitive) gives the role. A ``name`` group names a norm."""
-
-DEFAULT_LAYER_PATTERNS: tuple[str, ...] = (
-    # layers/3, h/3, blocks/3 (Python lists, HF FrozenDicts, NNX lists)
-    r"(?:^|/)(?:layers|layer|h|blocks|block|decoder_layers|encoder_layers|transformer_blocks|"
-    r"resblocks|res_blocks)/(\d+)(?:/|$)",
-    # layers_3, layer_3, block_3, Block_3, encoderdecoderblock_3, DecoderLayer_3
-    r"(?:^|/)(?![^/]*(?:mlp|ffn|norm|attn|attention|moe|scan|expert))[a-z0-9_]*?(?:layers?|blocks?)_?(\d+)(?:/|$)",
-    r"(?:^|/)h_(\d+)(?:/|$)",
-)
-"""Regexes whose group 1 is a Python-list layer's index; the first that matches wins."""
-
-_NOT_INDEX = r"(?!/\d+(?:/|$))"
-DEFAULT_STACKS: tuple[tuple[str, int], ...] = (
-    # MaxText scans with param_scan_axis=1 by default.
-    (r"^(?:params/)?decoder/(?:layers|dense_layers|moe_layers)(?=/)" + _NOT_INDEX, 1),
-    # nn.scan(Block, variable_axes={'params': 0}, name='layers') and alike.
-    (r"(?:^|/)(?:layers|blocks|scan_?\w*|\w*_layers|ScanBlock\w*|ScanLayer\w*|stacked\w*)(?=/)" + _NOT_INDEX, 0),
-)
-"""``(regex, axis)``: a path matching ``regex`` lies in the ``nn.scan``-stacked
-subtree ending where the match ends, with the layer axis at ``axis``."""
-
-DEFAULT_QKV_LAYOUTS: tuple[tuple[str, str], ...] = (
-    # HF Bloom, GPT-NeoX, Falcon and Megatron checkpoints: per head (or per KV group).
-    (r"(?:^|/)query_key_value(?:/|$)", "interleaved"),
-)
-"""``(regex, layout)``: fused-QKV kernels laid out per head; every other is
-``[Q | K | V]`` (see :class:`QKVSplit`)."""
-
-ROLE_METRIC_NAMES: Mapping[str, str] = {
-    "embedding": "word_embeddings",
-    "position_embedding": "position_embeddings",
-    "lm_head": "output_layer",
-    "q": "Wq",
-    "k": "Wk",
-    "v": "Wv",
-    "o": "Wo",
-    "q_down": "mla_Q_down",
-    "q_up": "mla_Q_up",
-    "kv_down": "mla_KV_down",
-    "kv_up": "mla_KV_up",
-    "attn_gate": "attn_gate",
-    "gate": "W_gate",
-    "up": "W_up",
-    "down": "W_down",
-    "router": "router",
-    "expert_bias": "expert_bias",
-    "mtp_proj": "mtp_proj",
-}
-"""Role -> the metric base name (``grad/{base}_rms``). Roles not listed (user
-roles) use their own name; ``norm`` uses the norm's module name; ``qkv`` reports
-under ``Wq``/``Wk``/``Wv`` after the split, ``kv`` under ``Wk``/``Wv``."""
-
-# Words each role is usually spelled with, to rank "nearest paths" in errors.
-_HINTS: Mapping[str, tuple[str, ...]] = {
-    "embedding": ("embed", "embedding", "wte", "embed_tokens", "token_embedder"),
-    "lm_head": ("lm_head", "logits_dense", "output", "unembed"),
-    "q": ("q_proj", "query", "wq"), "k": ("k_proj", "key", "wk"), "v": ("v_proj", "value", "wv"),
-    "o": ("o_proj", "out", "wo", "c_proj"), "qkv": ("qkv", "c_attn", "query_key_value"),
-    "q_down": ("q_down", "q_a_proj"), "q_up": ("q_up", "q_b_proj"), "kv": ("kv_einsum", "kv_proj", "to_kv"),
-    "kv_down": ("kv_down", "kv_a_proj"), "kv_up": ("kv_up", "kv_b_proj"),
-    "gate": ("gate_proj", "wi_0", "w1"), "up": ("up_proj", "wi_1", "w3", "c_fc"),
-    "down": ("down_proj", "wo", "w2", "c_proj"), "router": ("router", "gate"),
-    "expert_bias": ("expert_bias", "e_score_correction_bias"), "norm": ("norm", "layernorm", "scale"),
-}
 
 
 # ----------------------------------------------------------------------------------
@@ -328,8 +232,12 @@ class Roles:
       qkv_layouts: ``(regex, layout)``: the layout of a fused kernel whose path
         matches, when ``qkv_split.layout`` is None (:data:`DEFAULT_QKV_LAYOUTS`;
         no match: ``"contiguous"``).
+      fused_axes: ``(regex, axis)``: the split axis of a fused kernel of rank > 2
+        whose path matches (:data:`DEFAULT_FUSED_AXES`; negative: from the end of one
+        layer's shape). ``QKVSplit(axis=...)`` wins for ``qkv``.
       required: roles that must match at least one leaf (``ValueError`` if not).
-        ``q``/``k``/``v`` are satisfied by a fused ``qkv``.
+        ``q``/``k``/``v`` are satisfied by a fused ``qkv``, ``gate``/``up`` by a fused
+        ``gate_up``/``up_gate``.
       norm_prefixes: ``(regex, prefix)``: a norm whose path matches ``regex`` is
         named ``prefix + name`` (MTP blocks' norms become ``mtp_input_layernorm``,
         kept apart from the trunk's ``input_layernorm``).
@@ -345,6 +253,7 @@ class Roles:
     stacked_axis: int | None = None
     qkv_split: QKVSplit = QKVSplit()
     qkv_layouts: tuple[tuple[str, str], ...] = DEFAULT_QKV_LAYOUTS
+    fused_axes: tuple[tuple[str, int], ...] = DEFAULT_FUSED_AXES
     required: tuple[str, ...] = ()
     norm_prefixes: tuple[tuple[str, str], ...] = ((r"(?:^|/)mtp_?\d+/", "mtp_"),)
 
@@ -364,6 +273,11 @@ class Roles:
             _compile(rx, "stack pattern")
             if not isinstance(axis, int):
                 raise ValueError(f"stack rule ({rx!r}, {axis!r}): axis must be an int")
+        for rx, axis in self.fused_axes:
+            _compile(rx, "fused axis rule")
+            if not isinstance(axis, int):
+                raise ValueError(f"fused axis rule ({rx!r}, {axis!r}): axis must be an int (negative: from "
+                                 f"the end of one layer's shape)")
         if isinstance(self.required, str):
             object.__setattr__(self, "required", (self.required,))
 
@@ -429,6 +343,27 @@ class Roles:
                 return layout
         return "contiguous"
 
+    def fused_axis_of(self, path: str, layer_shape: Sequence[int]) -> int | None:
+        """The split axis (non-negative) of the fused kernel at ``path`` of one layer's
+        ``layer_shape`` given by the first :attr:`fused_axes` rule that matches, or None
+        (no rule, or a kernel of rank <= 2: its axis comes from its shape).
+
+        Raises:
+          ValueError: if the rule's axis is out of range for ``layer_shape``.
+        """
+        nd = len(layer_shape)
+        if nd <= 2:
+            return None
+        for rx, axis in self.fused_axes:
+            if _compile(rx, "fused axis rule").search(path):
+                if not -nd <= axis < nd:
+                    raise ValueError(
+                        f"fused kernel {path!r} of per-layer shape {tuple(layer_shape)}: the fused axis rule "
+                        f"({rx!r}, {axis}) is out of range. Pass Roles(fused_axes=((r'...', AXIS),) + "
+                        f"DEFAULT_FUSED_AXES) with the axis its parts are stacked or concatenated on.")
+                return axis % nd
+        return None
+
     def layer_of(self, path: str) -> int | None:
         """Index of the Python-list layer ``path`` lies in, or None."""
         for rx in self.layer_patterns:
@@ -478,6 +413,20 @@ class LeafRole(NamedTuple):
             return tuple(range(self.first_layer, self.first_layer + self.num_layers))
         return () if self.layer is None else (self.layer,)
 
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        """One layer's shape: the shape without the stacked layer axis (if any)."""
+        if self.stack_axis is None:
+            return self.shape
+        return self.shape[: self.stack_axis] + self.shape[self.stack_axis + 1:]
+
+    @property
+    def is_matrix(self) -> bool:
+        """Whether the leaf is a weight matrix: rank >= 2 per layer and not a bias (scales,
+        biases and norm weights are vectors). Only matrices are reported when no role names
+        them (:func:`~jvitals.metrics.explain.roles_summary`)."""
+        return len(self.layer_shape) >= 2 and "bias" not in self.path.rsplit("/", 1)[-1].lower()
+
 
 # ----------------------------------------------------------------------------------
 # Resolution.
@@ -492,6 +441,11 @@ def assign_roles(tree: Any, roles: Roles | None = None) -> tuple[LeafRole, ...]:
 
     Works on arrays, ``jax.ShapeDtypeStruct``\\ s or tracers (only shapes are read),
     so it runs at trace time at no device cost.
+
+    Roles: the first pattern that matches each path, then what the siblings of a leaf
+    say (the leaves of the same module, :func:`scope_of`): a fused gate/up candidate
+    beside an up projection is the gate, one as large as its down projection is the up
+    projection; a K alone, where other layers have a V, is K and V (``kv_shared``).
 
     Layers: a Python-list leaf takes the index its path names; a scan-stacked
     subtree contributes ``size along stack axis`` layers. Several stacked subtrees
@@ -543,9 +497,65 @@ def assign_roles(tree: Any, roles: Roles | None = None) -> tuple[LeafRole, ...]:
             out.append(LeafRole(path, shape, role, name, None, stack[0], axis, offsets[stack[0]], n))
         else:
             out.append(LeafRole(path, shape, role, name, roles.layer_of(path)))
-    out = tuple(out)
+    out = _by_context(out, roles)
     _check_required(out, roles)
     return out
+
+
+def scope_of(path: str) -> str:
+    """The module holding a weight's module: ``layers_0/mlp`` for ``layers_0/mlp/wi/kernel``,
+    ``layers/0/moe`` for a bare ``layers/0/moe/linear``. Leaves of one scope are siblings
+    (one attention, one MLP, one block): :func:`assign_roles` reads a fused kernel's
+    siblings to tell what it is."""
+    parts = path.split("/")
+    if len(parts) > 1 and parts[-1] in ("kernel", "weight", "w"):
+        parts = parts[:-1]
+    return "/".join(parts[:-1])
+
+
+def _by_context(leaves: Sequence[LeafRole], roles: Roles) -> tuple[LeafRole, ...]:
+    """The roles a path cannot decide alone, from each leaf's siblings (:func:`scope_of`).
+
+    * A fused gate/up candidate (``gate_up``, ``up_gate``) beside a separate up
+      projection is the gate (LLaDA's ``ff_proj`` beside ``up_proj``); one whose name is
+      fused in some families only (:data:`~jvitals.metrics.role_patterns.UP_OR_FUSED`)
+      and that holds as many entries as its down projection is a plain up projection
+      (T5's ``wi`` beside ``wo``, OLMo's ``ff_proj`` with a GELU MLP); otherwise it stays
+      fused (split into ``W_gate`` and ``W_up``: twice the down projection's entries).
+      Inside ``shard_map`` the sizes are a shard's (a kernel and its down projection
+      sharded by different factors compare wrongly): a pattern of your own
+      (``Roles().extend(gate_up=...)``) is taken as it is.
+    * A ``k`` with no V projection beside it, in a model whose other attention layers
+      have one, is read as K and V (``kv_shared``: MaxText's ``share_kv_projections``
+      keeps ``key`` alone) -- unless a weight matrix no role names sits beside it (that
+      may be the V projection: it is reported, nothing is assumed).
+    """
+    scopes: dict[str, list[int]] = {}
+    for i, lr in enumerate(leaves):
+        scopes.setdefault(scope_of(lr.path), []).append(i)
+    v_roles = ("v", "kv", "qkv", "kv_shared")
+    has_v = any(lr.role in ("v", "kv", "qkv") for lr in leaves)
+    out = list(leaves)
+    for i, lr in enumerate(leaves):
+        sib = [leaves[j] for j in scopes[scope_of(lr.path)] if j != i]
+        if lr.role in ("gate_up", "up_gate"):
+            if any(s.role == "up" for s in sib):
+                out[i] = lr._replace(role="gate", name=ROLE_METRIC_NAMES["gate"])
+            elif (_compile(UP_OR_FUSED, "up or fused").search(lr.path) and _by_default(roles, lr.path)
+                  and any(s.role == "down" and math.prod(s.shape) == math.prod(lr.shape) for s in sib)):
+                out[i] = lr._replace(role="up", name=ROLE_METRIC_NAMES["up"])
+        elif (lr.role == "k" and has_v and not any(s.role in v_roles for s in sib)
+              and not any(s.role is None and s.is_matrix for s in sib)):
+            out[i] = lr._replace(role="kv_shared", name=ROLE_METRIC_NAMES["kv_shared"])
+    return tuple(out)
+
+
+def _by_default(roles: Roles, path: str) -> bool:
+    """Whether ``path``'s role comes from a default pattern (not one the user added)."""
+    for role, rx in roles.patterns:
+        if _compile(rx, role).search(path):
+            return (role, rx) in DEFAULT_PATTERNS
+    return False
 
 
 def _stack_axis(prefix: str, members: list, want: int) -> tuple[int, int]:
@@ -577,8 +587,10 @@ def _check_required(leaves: Sequence[LeafRole], roles: Roles) -> None:
     found = {lr.role for lr in leaves}
     if "qkv" in found:
         found |= {"q", "k", "v"}
-    if "kv" in found:
+    if found & {"kv", "kv_shared"}:
         found |= {"k", "v"}
+    if found & {"gate_up", "up_gate"}:
+        found |= {"gate", "up"}
     for role in roles.required:
         if role in found:
             continue
