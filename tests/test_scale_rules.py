@@ -253,3 +253,21 @@ def test_a_healthy_loss_curve_never_collapses():
     for cadence in (10, 50):
         events, _ = run(_repeat_rows(None), cadence)
         assert [e for e in events if e[2] == "repeat"] == []
+
+
+def test_the_recorder_gives_the_updates_rms_and_adams_scale_with_a_small_epsilon():
+    """``update/rms = ||u|| / sqrt(n)`` (NumPy on the applied update); per unit LR it is
+    Adam's 0.1-1 with eps 1e-8, and far below it with an epsilon above the gradients' scale."""
+    params = _params()
+    grads = jax.tree.map(lambda x: 1e-3 * jnp.sin(x), params)
+    n = sum(x.size for x in jax.tree.leaves(params))
+    got = {}
+    for eps in (1e-8, 1.0):
+        tx = vitals.record(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2, eps=eps)))
+        st = tx.init(params)
+        u, st = tx.update(grads, st, params)
+        m = jax.device_get(dict(vitals.recorded(st)))
+        want = math.sqrt(sum(float(np.sum(np.square(np.asarray(x, np.float64)))) for x in jax.tree.leaves(u)) / n)
+        np.testing.assert_allclose(m["update/rms"], want, rtol=1e-5)
+        got[eps] = want / 1e-2
+    assert got[1e-8] > 0.1 and got[1.0] < 0.05 * got[1e-8]

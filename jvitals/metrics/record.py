@@ -339,6 +339,8 @@ def _empty_metrics(params: Any, pl: _Plan, roles: Roles) -> PackedMetrics:
         if not pl.update:
             g = {k: v for k, v in g.items() if not k.startswith("update/")}
         one = m["grad/global_norm"]
+        if pl.update:
+            g["update/rms"] = one
         g.update(_clip_metrics(one, one, one if pl.clip == "threshold" else None) if pl.clip else {})
         if pl.lr:
             g[LR_NAME] = one
@@ -526,7 +528,7 @@ def _set_outside(cfg: _Config, step: _Step, vec: jax.Array, prev: jax.Array, out
     if pl.update and out_norm is not None:
         scaled = out_norm * step.outer if step.outer is not None else out_norm
         param_norm = vec[index["param/global_norm"]] if "param/global_norm" in index else None
-        pm.update(_update_metrics(scaled, param_norm))
+        pm.update(_update_metrics(scaled, param_norm, _global_size(cfg, step.params)))
     if pl.lr:
         pm[LR_NAME] = _learning_rate(cfg.schedule, step.count, step.inner_state, step.outer)
     pm = {k: v for k, v in pm.items() if k in index}
@@ -570,12 +572,27 @@ def _clip_metrics(pre: jax.Array, post_norm: jax.Array, threshold: jax.Array | N
     return m
 
 
-def _update_metrics(upd_norm: jax.Array, param_norm: jax.Array | None) -> dict[str, jax.Array]:
-    """``update/global_norm = ||u||``, ``update/param_ratio = ||u|| / ||params||``."""
-    m = {"update/global_norm": upd_norm}
+def _update_metrics(upd_norm: jax.Array, param_norm: jax.Array | None, size: int | None
+                    ) -> dict[str, jax.Array]:
+    """``update/global_norm = ||u||``, ``update/param_ratio = ||u|| / ||params||`` and
+    ``update/rms = ||u|| / sqrt(n)``, the per-element RMS of the update over the ``n``
+    parameters (NaN where ``n`` is not known: inside ``shard_map``, where shapes are a
+    shard's). Adam's update per element is ``lr |m| / (sqrt(v) + eps)``, so ``update/rms /
+    opt/learning_rate`` is 0.1-0.3 while ``eps`` is small beside ``sqrt(v)``: the monitor
+    reads the updates vanishing from it."""
+    m = {"update/global_norm": upd_norm,
+         "update/rms": upd_norm / math.sqrt(size) if size else jnp.float32(jnp.nan)}
     if param_norm is not None:
         m["update/param_ratio"] = upd_norm / param_norm
     return m
+
+
+def _global_size(cfg: _Config, params: Any) -> int | None:
+    """The number of parameters (static), under ``jit`` (global shapes); None inside
+    ``shard_map`` (a shard's shapes) or without parameters."""
+    if cfg.axes or params is None:
+        return None
+    return int(sum(np.size(x) if not hasattr(x, "size") else x.size for x in jax.tree.leaves(params))) or None
 
 
 def _injected_lr(tree: Any) -> jax.Array | None:
