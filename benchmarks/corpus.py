@@ -470,7 +470,11 @@ RULE_POLICY: dict[str, str] = {
     "loss_scale": "loss_scale_metric, loss_scale_drop",
     "val_gap": "val_gap_ratio, val_gap_min_growth, val_gap_window, gap_z, gap_confirm",
     "val_rise": "val_rise_z, val_rise_min, val_rise_window, val_rise_sparse_run",
-    "broken_model": "broken_chance_frac, broken_param_jump, broken_steps, broken_loss_steps",
+    "broken_model": "broken_chance_frac, broken_param_jump, broken_param_loss, broken_steps, broken_loss_steps",
+    "repeat": "repeat_window, repeat_collapse",
+    "attn_logits": "attn_metric, attn_level, attn_growth, attn_window, attn_orange",
+    "output_logits": "out_metric, out_level, out_growth, out_window",
+    "update_size": "update_level, update_hold, warmup_frac, vanish_level, vanish_checks",
     "divergence": "red_after, red_min_steps, divergence_loss_ratio",
     "replica": "replica_z, replica_min_ratio, replica_rel_floor, replica_confirm",
 }

@@ -385,6 +385,7 @@ def test_every_rules_state_round_trips_with_non_default_values():
         if s % 50 == 0:
             d["val/loss"] = loss_at(s) + 0.1 + (2e-4 * (s - 5000) if s > 5000 else 0.0)
             d["act/attn_logits_abs.max"] = 10.0 * (8.0 if s > 5400 else 1.0)
+            d["act/output_layer_logits_abs.max"] = 30.0 * (5.0 if s > 5400 else 1.0)
             d["moe/maxvio.max"] = 0.2 + (0.8 if s > 5300 else 0.0)
         if 5800 <= s < 5803 or s >= 5990:
             d["loss"] = float("nan")          # a blip, then divergence under way at the end

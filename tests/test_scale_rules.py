@@ -271,3 +271,34 @@ def test_the_recorder_gives_the_updates_rms_and_adams_scale_with_a_small_epsilon
         np.testing.assert_allclose(m["update/rms"], want, rtol=1e-5)
         got[eps] = want / 1e-2
     assert got[1e-8] > 0.1 and got[1.0] < 0.05 * got[1e-8]
+
+
+@pytest.mark.parametrize("every", [1, None], ids=["heavy", "light"])
+def test_update_rms_counts_the_global_parameters_inside_shard_map(every):
+    """Inside ``shard_map`` a leaf's shape is its shard's: ``n`` is the global count (a
+    leaf sharded 4 ways counts 4 shards), so ``update/rms`` equals NumPy's on the
+    gathered update, on the light and the per-layer (heavy) step alike."""
+    from functools import partial
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((4, 2), ("expert", "data"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    rng = np.random.default_rng(3)
+    params = {"layers_0": {"experts": {"up_proj": jnp.asarray(rng.normal(size=(4, 8, 6)), jnp.float32)},
+                           "router": {"kernel": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32)}}}
+    grads = jax.tree.map(lambda p: 1e-3 * jnp.sin(p), params)
+    specs = {"layers_0": {"experts": {"up_proj": P("expert")}, "router": {"kernel": P()}}}
+    kw = {"every": {"layers": 1}} if every else {}
+    tx = vitals.record(optax.sgd(0.1), axes=("expert", "data"), specs=specs, post="update", **kw)
+    state_specs = jax.tree.map(lambda _: P(), tx.init(params))
+    put = lambda t: jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), t, specs)  # noqa: E731
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(specs, state_specs, specs), out_specs=state_specs)
+    def step(g, s, p):
+        return tx.update(g, s, p)[1]
+
+    m = jax.device_get(dict(vitals.recorded(step(put(grads), tx.init(params), put(params)))))
+    u = [0.1 * np.asarray(x, np.float64) for x in jax.tree.leaves(grads)]
+    want = math.sqrt(sum(float(np.sum(x * x)) for x in u) / sum(x.size for x in u))
+    np.testing.assert_allclose(m["update/rms"], want, rtol=1e-5)

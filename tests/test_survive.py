@@ -304,7 +304,7 @@ def run_interrupted(cwd: Path, script: Path, forker: Forker) -> tuple[list[dict]
 
 def logged(logdir: Path) -> dict[str, dict[int, set[float]]]:
     """Every scalar the run logged: ``{tag: {step: {values}}}`` (a restart may log a
-    step again: both values are kept)."""
+    step again: both values are kept; a NaN as the string ``"nan"``, equal to itself)."""
     from jvitals import report
 
     run = report.read_run(str(logdir))
@@ -312,7 +312,7 @@ def logged(logdir: Path) -> dict[str, dict[int, set[float]]]:
     for source in (run.scalars, run.superseded):
         for tag, (steps, values) in source.items():
             for s, v in zip(steps.tolist(), values.tolist()):
-                out.setdefault(tag, {}).setdefault(int(s), set()).add(v)
+                out.setdefault(tag, {}).setdefault(int(s), set()).add("nan" if v != v else v)
     return out
 
 

@@ -34,8 +34,9 @@ Families and their cadence (``every``, in optimizer updates):
   ``param/global_norm`` (with ``params``); with a clip, ``grad/global_norm_post_clip``,
   ``grad/clip_ratio`` (post / pre), ``grad/clipped`` (1.0 when the clip fired)
   and, for a clip with a threshold state, ``grad/clip_threshold``; with the
-  final updates, ``update/global_norm`` and ``update/param_ratio``
-  (``||update|| / ||params||``); ``opt/learning_rate`` (``schedule=``, or an
+  final updates, ``update/global_norm``, ``update/param_ratio``
+  (``||update|| / ||params||``) and ``update/rms`` (``||update|| / sqrt(n)``, the
+  ``n`` parameters counted over the mesh); ``opt/learning_rate`` (``schedule=``, or an
   ``optax.inject_hyperparams`` learning rate inside ``inner``, times the LR
   scales).
 - ``"layers"`` (default every 50 updates): every per-role, per-layer and
@@ -48,11 +49,8 @@ Families and their cadence (``every``, in optimizer updates):
 On a step where a family is not due, its figures keep their previous values and
 are not computed: the choice is a ``lax.cond``/``lax.switch`` on the step counter, so
 only the branch taken runs. A conditional is not free, though: XLA:CPU spends
-time on the branch it skips (in proportion to its size: about 2% of a 10 ms
-step for the per-layer branch), and on a GPU the step waits for the host to
-read the predicate (measured on an H200, a 34 ms step: the light step took
-1.16x the time of the step without vitals with the ``lax.cond`` cadence, 1.04x
-with the static flag below). So the per-layer family can also be chosen at trace
+time on the branch it skips, and on a GPU the step waits for the host to read the
+predicate (docs/COST.md). So the per-layer family can also be chosen at trace
 time, by an extra argument of the update, which ``optax.chain``, ``MultiSteps``,
 ``inject_hyperparams`` and ``apply_if_finite`` pass through, from a step
 compiled twice on a static flag::
@@ -75,8 +73,7 @@ on other backends); the parameters' norm is a plain sum per leaf and the outputs
 one variadic reduction per leaf, fused with the optimizer's last step. The
 post-clip norm of a wrapped ``optax.clip_by_global_norm(max_norm)`` is
 ``min(||g||, max_norm)`` (NaN if ``||g||`` is), known without reading the clipped
-gradients; any other wrapped
-transform's outputs (an optimizer's updates) are read for their norm (with the
+gradients; any other wrapped transform's outputs (an optimizer's updates) are read for their norm (with the
 ``lax.cond`` cadence: outside the conditional, kept only when the pre-clip figures
 are fresh, the per-layer ones in the per-layer branch, which the outputs then
 enter). Reading the updates costs more than a read on XLA:CPU, which has no
@@ -528,7 +525,11 @@ def _set_outside(cfg: _Config, step: _Step, vec: jax.Array, prev: jax.Array, out
     if pl.update and out_norm is not None:
         scaled = out_norm * step.outer if step.outer is not None else out_norm
         param_norm = vec[index["param/global_norm"]] if "param/global_norm" in index else None
-        pm.update(_update_metrics(scaled, param_norm, _global_size(cfg, step.params)))
+        pm.update(_update_metrics(scaled, param_norm))
+    if pl.update and "update/rms" in index:
+        # ||u|| / sqrt(n): Adam's lr |m| / (sqrt(v) + eps) per element, 0.1-0.3 lr while eps << sqrt(v)
+        u = pm["update/global_norm"] if "update/global_norm" in pm else vec[index["update/global_norm"]]
+        pm["update/rms"] = u / math.sqrt(max(_global_size(cfg, step.out), 1))
     if pl.lr:
         pm[LR_NAME] = _learning_rate(cfg.schedule, step.count, step.inner_state, step.outer)
     pm = {k: v for k, v in pm.items() if k in index}
@@ -572,27 +573,21 @@ def _clip_metrics(pre: jax.Array, post_norm: jax.Array, threshold: jax.Array | N
     return m
 
 
-def _update_metrics(upd_norm: jax.Array, param_norm: jax.Array | None, size: int | None
-                    ) -> dict[str, jax.Array]:
-    """``update/global_norm = ||u||``, ``update/param_ratio = ||u|| / ||params||`` and
-    ``update/rms = ||u|| / sqrt(n)``, the per-element RMS of the update over the ``n``
-    parameters (NaN where ``n`` is not known: inside ``shard_map``, where shapes are a
-    shard's). Adam's update per element is ``lr |m| / (sqrt(v) + eps)``, so ``update/rms /
-    opt/learning_rate`` is 0.1-0.3 while ``eps`` is small beside ``sqrt(v)``: the monitor
-    reads the updates vanishing from it."""
-    m = {"update/global_norm": upd_norm,
-         "update/rms": upd_norm / math.sqrt(size) if size else jnp.float32(jnp.nan)}
+def _update_metrics(upd_norm: jax.Array, param_norm: jax.Array | None) -> dict[str, jax.Array]:
+    """``update/global_norm = ||u||`` and ``update/param_ratio = ||u|| / ||params||``."""
+    m = {"update/global_norm": upd_norm}
     if param_norm is not None:
         m["update/param_ratio"] = upd_norm / param_norm
     return m
 
 
-def _global_size(cfg: _Config, params: Any) -> int | None:
-    """The number of parameters (static), under ``jit`` (global shapes); None inside
-    ``shard_map`` (a shard's shapes) or without parameters."""
-    if cfg.axes or params is None:
-        return None
-    return int(sum(np.size(x) if not hasattr(x, "size") else x.size for x in jax.tree.leaves(params))) or None
+def _global_size(cfg: _Config, tree: Any) -> int:
+    """``n``, the number of elements of ``tree`` over the mesh (static): under ``jit`` its size;
+    inside ``shard_map`` each leaf's shard size times the sizes of the axes its norm is reduced
+    over (as :func:`jvitals.metrics.gradients.global_norm` reduces it)."""
+    specs = _gradients.flat_specs(tree, cfg.specs, "updates") if cfg.axes else None
+    return sum(int(np.size(x)) * math.prod(lax.axis_size(a) for a in _axes.reduction_axes(
+        x, cfg.axes, specs[i] if specs else None, specs is not None)) for i, x in enumerate(jax.tree.leaves(tree)))
 
 
 def _injected_lr(tree: Any) -> jax.Array | None:
