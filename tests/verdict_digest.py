@@ -18,6 +18,7 @@ open, new and closed alert with every field, localizations included) and split i
 
     python tests/verdict_digest.py write     # tests/data/verdict_digests.json from this checkout
     python tests/verdict_digest.py dump SPLIT/NAME 50/500 OUT   # one stream's verdicts, a line per check
+    python tests/verdict_digest.py check 50/500   # against the record: exit 1 naming the changed streams
 """
 
 from __future__ import annotations
@@ -198,6 +199,13 @@ def main(argv: list[str]) -> int:
             for step, v in verdicts(st, cadence, heavy):
                 f.write(f"{step}:{json.dumps(v, sort_keys=True, separators=(',', ':'))}\n")
         return 0
+    if argv[:1] == ["check"] and len(argv) == 2:   # check CADENCE/HEAVY: exit 1 naming changed streams
+        want = json.loads(GOLDEN.read_text())[argv[1]]
+        cadence, heavy = (int(x) for x in argv[1].split("/"))
+        got = records(cadences=((cadence, heavy),))[argv[1]]
+        differ = sorted(k for k in want if k not in got or differences(got[k], want[k]))
+        print(json.dumps({"streams": len(want), "changed": differ}))
+        return 1 if differ else 0
     print(__doc__)
     return 2
 
