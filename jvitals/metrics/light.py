@@ -20,11 +20,10 @@ gradient norm still the clip's expression).
 
 The update figures come from the change the step applies, ``(p + u) - p`` with ``p + u``
 as ``optax.apply_updates`` writes it: XLA computes the step's new parameters once for both,
-and two plain sums over arrays the step holds anyway take the figures. On XLA:CPU that
-replaces a kernel that recomputes the optimizer's last step in a serial loop (d256 at 256
-tokens: the light step 1.068 -> 1.029 of the step without vitals); the TPU compiler fuses
-the sums into the kernel that applies the update (0.09x of the light step's one-read
-limit, docs/COST.md). Equal to ``||u||`` up to float32's rounding of ``p + u``.
+and two plain sums over arrays the step holds anyway take the figures (on GPUs and TPUs
+behind an optimization barrier, so that the sums read the new parameters written out rather
+than a copy of the optimizer's expression; docs/COST.md). Equal to ``||u||`` up to float32's
+rounding of ``p + u``.
 
 Inside ``shard_map`` (or for other dtypes) every tree is read by one variadic reduction
 per leaf (:func:`~jvitals.metrics.gradients.tree_stats`), which gives every group's sums
@@ -180,6 +179,10 @@ def _applied_groups(updates: Any, params: Any, plan: Sequence[Any], p_norm: jax.
     rounding of ``p + u`` in float32 (an update below half an ulp of ``p`` is not applied,
     and not counted). The non-finite count reads ``u`` where the norm is not finite."""
     new = optax.apply_updates(params, updates)
+    # GPUs and TPUs: the sums read the new parameters as the step writes them out (a barrier
+    # against fusing a copy of the optimizer's expression into the sums, which the TPU compiler
+    # otherwise does on some models, reading its inputs again: 3x the one-read limit on d256).
+    new = fold.on_cpu(lambda: new, lambda: jax.lax.optimization_barrier(new))
     diff = jax.tree.leaves(jax.tree.map(lambda a, b: a - b, new, params))
     ug = _Groups()
     total = jnp.zeros((), _F32)

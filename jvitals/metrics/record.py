@@ -396,15 +396,17 @@ def _heavy_figures(cfg: _Config, step: _Step) -> dict[str, jax.Array]:
     and the step take anyway, the update figures from the change applied, which the TPU
     compiler fuses with ``optax.apply_updates``) and the per-role gradient figures by plain
     reductions (:func:`jvitals.metrics.gradients.plain_grad_figures`), which XLA:CPU
-    vectorises and GPUs and TPUs fuse with the clip's read of the gradients
-    (docs/COST.md). Otherwise (``shard_map``, other dtypes) one pass over the leaves of
+    vectorises, behind an optimization barrier on GPUs and TPUs (docs/COST.md). Otherwise (``shard_map``, other dtypes) one pass over the leaves of
     the three trees (:func:`jvitals.metrics.gradients.gradient_metrics`).
     """
     upd = step.out if step.with_updates else None
     plain = (not cfg.axes and _gradients._optax_form(step.grads, ())
              and (step.params is None or _gradients._optax_form(step.params, ())))
     if plain:
-        m = _gradients.plain_grad_figures(step.grads, roles=cfg.roles)
+        # GPUs and TPUs: the per-role reductions read the gradients as the backward pass
+        # writes them (a barrier against fusing copies of their producers into each).
+        grads = _fold.on_cpu(lambda: step.grads, lambda: lax.optimization_barrier(step.grads))
+        m = _gradients.plain_grad_figures(grads, roles=cfg.roles)
         light = _light.light_metrics(step.grads, step.params, upd, roles=cfg.roles)
         m.update({k: v for k, v in light.items() if k.startswith(("param/", "update/"))
                   and k != "update/nonfinite_count"})
