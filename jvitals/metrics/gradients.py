@@ -390,6 +390,7 @@ def global_norm_metrics(tree: Any, *, specs: Any = None, axes: Sequence[str] | s
       >>> global_norm_metrics({"w": jnp.array([3.0, 4.0])})["grad/global_norm"]
       Array(5., dtype=float32)
     """
+    check_not_none(tree, "global_norm_metrics", "tree", "a pytree of arrays (the gradients)")
     if _optax_form(tree, check_axes(axes)):  # under jit: as norm_metrics takes it
         n, count = _norm_and_count(tree)
         return {f"{prefix}/global_norm{suffix}": n, f"{prefix}/nonfinite_count{suffix}": count}

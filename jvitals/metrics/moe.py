@@ -84,6 +84,9 @@ def moe_window_update(state: MoEWindowState, expert_counts: Any, *, axes: Sequen
     Raises:
       ValueError: if the counts' ``[L, E]`` shape differs from the window's.
     """
+    if not isinstance(state, MoEWindowState):
+        raise TypeError(f"moe_window_update: state must be the MoEWindowState of moe_window_init(L, E) (kept in "
+                        f"the train state), got {type(state).__name__}; the order is (state, expert_counts)")
     c, _ = _counts_matrix(expert_counts, mask)
     if tuple(c.shape) != tuple(state.counts.shape):
         raise ValueError(f"moe_window_update: expert_counts give shape [L, E] = {tuple(c.shape)}, the "

@@ -399,6 +399,9 @@ def get_lr_scale(tree: Any, group: str | None = None) -> float:
 
 def get_lr_scales(tree: Any) -> dict[str, float]:
     """Every group's own scale, ``{group: float}`` (empty without groups; one host read each)."""
+    if tree is None:
+        raise TypeError("get_lr_scales: tree is None; pass the optimizer state (or the train state) built "
+                        "with jvitals.with_lr_scale(tx, groups=...)")
     return {g: get_lr_scale(tree, g) for g in _group_names_in(tree)}
 
 
