@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jvitals as vitals
 from jvitals.reference_model import ModelConfig, init_params
+from jvitals.metrics.checks import check_cadence
 
 record_module = importlib.import_module("jvitals.metrics.record")
 
@@ -746,7 +747,7 @@ def test_the_real_adaptive_clip_is_recognised_as_a_clip():
 
 def _cfg(post="auto", inner=None, schedule=None, every=None):
     r = record_module
-    return r._Config(roles=vitals.Roles(), specs=None, axes=(), cadence=r._check_every(every), schedule=schedule,
+    return r._Config(roles=vitals.Roles(), specs=None, axes=(), cadence=check_cadence(every, r.DEFAULT_EVERY, "record"), schedule=schedule,
                      lead=r._leading_clip(inner), post=post)
 
 

@@ -203,6 +203,8 @@ class CheckpointStore:
         self.healthy_levels = frozenset(int(x) for x in healthy_levels)
         self.name = name
         self._quarantine_file = bool(quarantine_file)
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"CheckpointStore expects a directory (str or path), got {type(directory).__name__}")
         d = os.fspath(directory)
         # orbax wants absolute paths ("Checkpoint path should be absolute" at the
         # first asynchronous save); a local relative path is taken from the cwd.

@@ -72,6 +72,8 @@ class Preemption:
     """
 
     def __init__(self, signals: Sequence[int] = (signal.SIGTERM,)) -> None:
+        if isinstance(signals, (int, str)) or not hasattr(signals, "__iter__"):
+            raise TypeError(f"Preemption expects a sequence of signals, e.g. (signal.SIGTERM,), got {signals!r}")
         self.signals = tuple(signal.Signals(s) for s in signals)
         if not self.signals:
             raise ValueError("Preemption expects at least one signal, got none")

@@ -12,8 +12,11 @@ from __future__ import annotations
 import enum
 import json
 import math
+import operator
 import os
 from typing import Any, Iterable, NamedTuple, Sequence
+
+import numpy as np
 
 from jvitals.monitor.types import PRESCRIPTIONS, RULE_PRESCRIPTION, Alert, Level
 from jvitals.guard.checkpoints import CheckpointSaveError, _one_line as one_line, json_default
@@ -28,6 +31,7 @@ __all__ = [
     "TrainingPaused",
     "alert_lines",
     "check_position",
+    "check_step",
     "check_verdict",
     "jsonable",
     "make_alert",
@@ -178,6 +182,25 @@ def check_position(position: Any) -> Any:
         raise TypeError(
             "Rollback: the data position must be JSON-serialisable (an int, or a dict/list of "
             f"ints, floats and strings), got {type(position).__name__}: {e}") from e
+
+
+def check_step(step: Any, last: int | None, where: str = "Rollback.act") -> int:
+    """``step`` as an int >= 0 that does not go back past ``last`` (the previous check's step;
+    None after a rollback or a resume, which rewind the loop); else an error saying why."""
+    try:
+        if isinstance(step, (bool, np.bool_)):
+            raise TypeError
+        step = operator.index(step)
+    except TypeError:
+        raise TypeError(f"{where}: step must be an int (the loop's step, e.g. int(state.step)), got "
+                        f"{type(step).__name__} {step!r:.40}; the step comes first: {where}(step, state, ...)") from None
+    if step < 0:
+        raise ValueError(f"{where}: step={step} must be >= 0 (it numbers the checkpoints)")
+    if last is not None and step < last:
+        raise ValueError(f"{where}: step {step} after step {last} goes back without a rollback or a resume; "
+                         f"the guard numbers checkpoints by step. After a restart call guard.resume(state, "
+                         f"position, monitor) first; else pass the loop's increasing step")
+    return step
 
 
 def check_verdict(verdict: Any) -> None:

@@ -46,6 +46,7 @@ from jvitals.guard.response import (
     Snapshots,
     TrainingPaused,
     check_position,
+    check_step,
     check_verdict,
 )
 from jvitals.guard.restore import Restorer
@@ -72,6 +73,22 @@ __all__ = [
 ]
 
 _log = logging.getLogger("jvitals.guard.rollback")
+
+
+def _check_init(directory: Any, save_every: Any, monitor: Any, writer: Any) -> None:
+    """``Rollback``'s plain arguments, each a clear error."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"Rollback expects a directory (str or path) for its checkpoints, got "
+                        f"{type(directory).__name__} {directory!r:.40}; e.g. Rollback('/tmp/run/ckpt')")
+    if isinstance(save_every, bool) or not isinstance(save_every, (int, np.integer)):
+        raise TypeError(f"Rollback expects save_every= an int number of steps, got {type(save_every).__name__} "
+                        f"{save_every!r}")
+    if save_every < 1:
+        raise ValueError(f"Rollback expects save_every >= 1, got {save_every}")
+    for name, x in (("monitor", monitor), ("writer", writer)):
+        if isinstance(x, type):
+            raise TypeError(f"Rollback({name}=...) got the class {x.__name__}, not an instance: "
+                            f"pass {name}={x.__name__}(...)")
 
 
 class Rollback:
@@ -133,8 +150,7 @@ class Rollback:
                  restore: RestorePolicy = DEFAULTS["restore"], actions: RollbackActions = DEFAULTS["actions"],
                  **options: Any) -> None:
         parts = split_options({"retention": retention, "restore": restore, "actions": actions}, options)
-        if int(save_every) < 1:
-            raise ValueError(f"Rollback expects save_every >= 1, got {save_every}")
+        _check_init(directory, save_every, monitor, writer)
         self.retention, self.restore_policy = parts["retention"], parts["restore"]
         self.actions, self.saving = parts["actions"], parts["saving"]
         self.save_every, self.monitor, self.writer = int(save_every), monitor, writer
@@ -153,7 +169,8 @@ class Rollback:
         self.resumed_step: int | None = None
         self._state, self._outbox = GuardState(), Outbox()
         self.events, self._pending = self._outbox.events, self._outbox.alerts
-        self._lr_checked = self._resumed = self._warned_no_resume = False
+        self._lr_checked = self._resumed = self._warned_no_resume = self._rewound = False
+        self._last_check: int | None = None     # the step of the last act(): a later one may not go back
         levels = self.restore_policy.healthy_levels
         self._disk = Stores(directory, self.saving.snapshots, healthy_levels=levels, retention=self.retention)
         self.store, self.snapshot_store = self._disk.main, self._disk.snapshots
@@ -220,14 +237,18 @@ class Rollback:
 
         Raises:
           TypeError: ``verdict`` is not what ``Monitor.update`` returns (a level, an alert, a
-            dict: a RED handed over as its level alone would be handled as GREEN).
+            dict: a RED handed over as its level alone would be handled as GREEN); ``step``
+            not an int (a str, a float; the arguments swapped).
+          ValueError: ``step`` < 0, or before the last check's without a rollback or a
+            :meth:`resume` between them (a restarted loop that forgot ``resume``).
           RollbackLimitError: red after ``max_rollbacks`` rollbacks.
           RollbackError: red and no healthy checkpoint before the earliest sign.
           TrainingPaused: orange with ``pause='raise'`` (after the save).
           CheckpointSaveError: a save failed, with ``on_save_error='raise'`` (the state
             is untouched; by default the failure is one error line and an alert).
         """
-        step = int(step)
+        step = check_step(step, None if self._rewound else self._last_check)
+        self._last_check, self._rewound = step, False
         check_verdict(verdict)
         check_position(position)
         skip = self.actions.skip_data
@@ -267,7 +288,7 @@ class Rollback:
         Returns:
           The step saved, or None if a usable checkpoint of that step exists.
         """
-        return self._save(int(step), state, position, int(level), MANUAL)
+        return self._save(check_step(step, None, "Rollback.save"), state, position, int(level), MANUAL)
 
     def restore(self, step: int, state: Any) -> tuple[Any, dict[str, Any]]:
         """Restores checkpoint (or snapshot) ``step`` onto ``state``'s structure and shardings.
@@ -311,9 +332,12 @@ class Rollback:
             wrote is not one: its recorder's figures are taken from ``state``, with
             one warning line.)
         """
+        if isinstance(monitor, type):
+            raise TypeError(f"Rollback.resume(monitor=...) got the class {monitor.__name__}: pass the instance "
+                            f"the loop uses, monitor={monitor.__name__}(...)")
         if monitor is not None:
             self.monitor = monitor
-        self._resumed = True
+        self._resumed = self._rewound = True
         self._check_lr_scale(state)
         response = self._restorer.resume(self, state, position)
         self._finish(None, response)
@@ -466,5 +490,6 @@ class Rollback:
         self.alerts.extend(response.alerts)
         self.last_response = response
         self.last_action = response.action
+        self._rewound = self._rewound or response.action is Action.ROLLBACK
         if step is not None and self.writer is not None:
             write_events(self.writer, step, response.metrics, response.events)

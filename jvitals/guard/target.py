@@ -84,6 +84,9 @@ class RestorePolicy:
         levels = self.healthy_levels
         if isinstance(levels, (int, str)) or not isinstance(levels, collections.abc.Iterable):
             fail("RestorePolicy", "healthy_levels", "an iterable of levels", levels)
+        bad = [x for x in levels if isinstance(x, (str, bool, float)) or int(x) not in {int(v) for v in Level}]
+        if bad:
+            fail("RestorePolicy", "healthy_levels", "Levels, e.g. {Level.GREEN, Level.YELLOW}", bad[0])
         object.__setattr__(self, "healthy_levels", frozenset(int(x) for x in levels))
         if int(self.onset_margin) < 0:
             fail("RestorePolicy", "onset_margin", ">= 0", self.onset_margin)

@@ -29,7 +29,8 @@ Sow conventions accepted by :func:`activation_metrics`
   with ``causal & mask[b, q] & mask[b, k]`` (entries masked in the model, e.g. to
   -inf, are excluded either way). Probe summaries were masked in the model: pass
   the same mask to both. A value of another name that is not token-shaped (not
-  ``[B, T, ...]``) is summarised whole, unmasked.
+  ``[B, T, ...]``) is summarised whole, unmasked; but a ``[B*T, D]`` value (the
+  tokens flattened) beside a ``[B, T]`` mask is an error whatever its name (reshape it).
 - ``expert_counts`` is read by the MoE metrics, not here.
 
 Metric names
@@ -73,6 +74,7 @@ from jax.sharding import PartitionSpec
 from jvitals.metrics import fold
 from jvitals.metrics.probes import (LogitsRows, LogitsSummary, attention_valid_mask, row_argmax, summarize_logits)
 from jvitals.metrics.stats import (Summary, TokenSummary, eager_jit, summarize, summarize_many, summarize_max)
+from jvitals.metrics.checks import check_names
 from jvitals.metrics.axes import check_axes
 from jvitals.metrics.sown import (Entry, Tokens, cat, collect, red_axes, reduce_over, stacked_layout, token_shape,
                                   token_stacked)
@@ -235,6 +237,7 @@ def mtp_metrics(main_argmax: jax.Array, mtp_argmax: Sequence[jax.Array], *,
     """
     axes = check_axes(axes)
     main = jnp.asarray(main_argmax)
+    _check_mtp(main, mtp_argmax, labels, mask)
     b, t = main.shape
     valid = jnp.ones((b, t), bool) if mask is None else jnp.asarray(mask, bool)
     red = red_axes("mtp_logits", [main, valid, *mtp_argmax] + ([labels] if labels is not None else []),
@@ -258,6 +261,20 @@ def mtp_metrics(main_argmax: jax.Array, mtp_argmax: Sequence[jax.Array], *,
 
 # ----------------------------------------------------------------------------------
 # Entry points.
+
+
+def _check_mtp(main: jax.Array, mtp: Any, labels: Any, mask: Any) -> None:
+    """Static shapes of :func:`mtp_metrics`' arguments: every one ``[B, T]`` as the main argmax."""
+    if main.ndim != 2:
+        raise ValueError(f"mtp_metrics: main_argmax has shape {main.shape}; expected [B, T] token ids "
+                         f"(the argmax over the vocabulary of [B, T, V] logits)")
+    if hasattr(mtp, "shape") or not isinstance(mtp, Sequence):
+        raise TypeError(f"mtp_metrics: mtp_argmax must be a list with one [B, T] argmax per MTP depth, got "
+                        f"{type(mtp).__name__}; for one depth pass [argmax]")
+    for what, x in [*((f"mtp_argmax[{i}]", m) for i, m in enumerate(mtp)), ("labels", labels), ("mask", mask)]:
+        if x is not None and tuple(jnp.shape(x)) != main.shape:
+            raise ValueError(f"mtp_metrics: {what} has shape {tuple(jnp.shape(x))}, main_argmax {main.shape}; "
+                             f"every one must be the same [B, T]")
 
 
 @eager_jit(static_argnames=("axes", "names", "accuracy"))
@@ -311,7 +328,9 @@ def activation_metrics(
       A flat ``{name: float32 scalar}`` dict.
 
     Raises:
-      ValueError: a mask / labels / value shape mismatch, a requested NAME absent,
+      TypeError: ``names`` a lone string, float ``labels``.
+      ValueError: a mask / labels / value shape mismatch (a ``[B*T, D]`` value with a
+        ``[B, T]`` mask, whatever its name: reshape it to ``[B, T, D]``), a requested NAME absent,
         ``accuracy=True`` without labels, several ``logits`` sows, MTP logits
         without the main logits.
 
@@ -321,6 +340,7 @@ def activation_metrics(
       >>> m["act/hidden_states_rms.avg"], m["act/hidden_states_rms/layer_0"]
     """
     axes = check_axes(axes)
+    names = None if names is None else check_names(names, "activation_metrics", "names")
     entries = _select(collect(intermediates, "intermediates", "activation_metrics"), names)
     mask, labels, want_acc = _check_inputs(mask, labels, accuracy)
     tok = token_shape(mask, labels, entries)
@@ -381,6 +401,9 @@ def _check_inputs(mask: Any, labels: Any, accuracy: bool | None) -> tuple[Any, A
         mask = jnp.asarray(mask, bool)
     if labels is not None:
         labels = jnp.asarray(labels)
+        if not jnp.issubdtype(labels.dtype, jnp.integer):
+            raise TypeError(f"activation_metrics: labels have dtype {labels.dtype}; expected integer "
+                            f"token ids [B, T] (labels[t] = token t+1), not probabilities or one-hot")
         if mask is not None and tuple(labels.shape) != tuple(mask.shape):
             raise ValueError(f"activation_metrics: labels have shape {tuple(labels.shape)} but the "
                              f"mask has shape {tuple(mask.shape)}; both must be [B, T].")

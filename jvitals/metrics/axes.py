@@ -68,10 +68,14 @@ def check_axes(axes: Iterable[str] | str) -> tuple[str, ...]:
     """Normalise ``axes`` to a tuple and check that each name is bound here.
 
     Raises:
+      TypeError: ``axes`` is not names (an int, None).
       ValueError: naming the unbound axis and the bound ones.
     """
     if isinstance(axes, str):
         axes = (axes,)
+    if axes is None or not all(isinstance(a, str) for a in (axes if isinstance(axes, Iterable) else [axes])):
+        raise TypeError(f"axes={axes!r}: expected mesh axis names, e.g. axes=('data',) inside shard_map "
+                        f"(a name, not an index or a size), or axes=() under plain jit")
     axes = tuple(axes)
     bound = bound_axes()
     for a in axes:

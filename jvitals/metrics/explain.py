@@ -23,7 +23,7 @@ from typing import Any, Mapping, TextIO
 
 import jax
 
-from jvitals.metrics.roles import FUSED_PARTS, LeafRole, Roles, assign_roles
+from jvitals.metrics.roles import FUSED_PARTS, LeafRole, Roles, assign_roles, check_roles
 
 __all__ = ["FAMILIES", "RolesExplanation", "explain_roles", "family_of", "log_roles_summary", "roles_summary"]
 
@@ -208,6 +208,7 @@ def explain_roles(params: Any, roles: Roles | None = None, *, file: TextIO | Non
       A :class:`RolesExplanation`.
 
     Raises:
+      TypeError: ``params`` is None or ``roles`` not a :class:`Roles`.
       ValueError: as :func:`assign_roles`.
 
     Example:
@@ -216,7 +217,9 @@ def explain_roles(params: Any, roles: Roles | None = None, *, file: TextIO | Non
       params/layers_0/attn/qkv/kernel    (64, 192)   qkv         0
       ...
     """
-    out = _explain(assign_roles(params, roles))
+    if params is None:
+        raise TypeError("explain_roles: params is None; expected the parameter pytree, e.g. variables['params']")
+    out = _explain(assign_roles(params, check_roles(roles, "explain_roles")))
     if file is not None:
         print(out, file=file)
     return out

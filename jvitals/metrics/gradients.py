@@ -53,7 +53,8 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jvitals.metrics.qkv import _attn_module, _global_shape, _o_sizes, _qkv_pieces  # fused QKV: jvitals/metrics/qkv.py
-from jvitals.metrics.roles import FUSED_PARTS, LeafRole, Roles, assign_roles
+from jvitals.metrics.roles import FUSED_PARTS, LeafRole, Roles, assign_roles, check_roles
+from jvitals.metrics.checks import check_names, check_not_none, check_same_structure
 from jvitals.metrics import fold
 from jvitals.metrics import cpu_forms
 from jvitals.metrics.stats import Summary, reduce, summarize_fields
@@ -361,6 +362,7 @@ def global_norm(tree: Any, *, specs: Any = None, axes: Sequence[str] | str = ())
     Inside ``shard_map`` each leaf's sum of squares is psum-ed over the axes of
     ``axes`` it is sharded along (``specs``) or varies along.
     """
+    check_not_none(tree, "global_norm", "tree", "a pytree of arrays")
     return tree_stats({"tree": tree}, specs=specs, axes=axes)["tree"].all.norm
 
 
@@ -388,6 +390,7 @@ def global_norm_metrics(tree: Any, *, specs: Any = None, axes: Sequence[str] | s
       >>> global_norm_metrics({"w": jnp.array([3.0, 4.0])})["grad/global_norm"]
       Array(5., dtype=float32)
     """
+    check_not_none(tree, "global_norm_metrics", "tree", "a pytree of arrays (the gradients)")
     if _optax_form(tree, check_axes(axes)):  # under jit: as norm_metrics takes it
         n, count = _norm_and_count(tree)
         return {f"{prefix}/global_norm{suffix}": n, f"{prefix}/nonfinite_count{suffix}": count}
@@ -521,6 +524,7 @@ def update_metrics(updates: Any, params: Any = None, *, specs: Any = None, axes:
     Returns:
       ``{name: scalar}``.
     """
+    _check_trees("update_metrics", updates, params, None, prefix, "updates")
     t = tree_stats({"updates": updates, "params": params}, specs=specs, axes=axes, what="updates")
     u = t["updates"].all
     out = {f"{prefix}/global_norm": u.norm, f"{prefix}/nonfinite_count": _nonfinite(u)}
@@ -584,19 +588,19 @@ def gradient_metrics(grads: Any, *, params: Any = None, updates: Any = None, rol
     Raises:
       ValueError: a required role is unmatched, a fused QKV kernel does not split,
         ``specs`` does not match, an axis is not bound, or ``updates`` come without
-        ``params``.
+        ``params``, or ``params``/``updates`` that do not hold the leaves of ``grads`` (swapped).
+      TypeError: ``grads`` is None, ``roles`` not a :class:`Roles`, ``per`` a lone string.
 
     Example:
       >>> m = gradient_metrics(grads, params=params)          # doctest: +SKIP
       >>> m["grad/global_norm"], m["grad/Wq_abs.max"], m["grad/share/layer_0"]  # doctest: +SKIP
     """
+    _check_trees("gradient_metrics", grads, params, updates, prefix)
+    roles = check_roles(roles, "gradient_metrics")
+    per = check_names(per, "gradient_metrics", "per", ("layer", "role"))
     if updates is not None and params is None:
         raise ValueError("gradient_metrics(updates=...): the update/param ratios need the parameters the "
                          "updates apply to; pass params= too")
-    per = set(per)
-    if per - {"layer", "role"}:
-        raise ValueError(f"gradient_metrics(per=...): {sorted(per - {'layer', 'role'})} are not breakdowns; "
-                         f"use 'layer' and/or 'role'")
     per_layer, per_role = "layer" in per, "role" in per
     trees = {"grads": grads, "params": params, "updates": updates}
     t = tree_stats(trees, role_tree="grads" if per_role else None, layered=list(trees) if per_layer else (),
@@ -607,6 +611,14 @@ def gradient_metrics(grads: Any, *, params: Any = None, updates: Any = None, rol
     if updates is not None:
         out.update(_update_figures(t["updates"], t["params"], "update", per_layer=per_layer))
     return out
+
+
+def _check_trees(where: str, grads: Any, params: Any, updates: Any, prefix: Any, first: str = "grads") -> None:
+    check_not_none(grads, where, first, f"a pytree of arrays (the {first}, e.g. from jax.grad or tx.update)")
+    check_same_structure(grads, params, where, first, "params")
+    check_same_structure(grads, updates, where, first, "updates")
+    if not isinstance(prefix, str):
+        raise TypeError(f"{where}: prefix={prefix!r} must be a str (the figures' names start with it, e.g. 'grad')")
 
 
 def _share(s: Summary, total_sq: jax.Array) -> jax.Array:

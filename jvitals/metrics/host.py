@@ -7,6 +7,7 @@ rollback broadcasts one process's decision so that this never splits a run.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import time
 from typing import Callable, Iterator, Sequence
 
@@ -41,10 +42,20 @@ class StepTimer:
       tokens_per_step: tokens in one step's global batch (0: no token rate).
       skip_first: steps excluded as compilation/warm-up.
       clock: a monotonic clock in seconds (injectable for tests).
+
+    Raises:
+      TypeError/ValueError: ``tokens_per_step`` or ``skip_first`` not an int >= 0, ``clock`` not callable.
     """
 
     def __init__(self, tokens_per_step: int = 0, *, skip_first: int = 1,
                  clock: Callable[[], float] = time.perf_counter) -> None:
+        for name, v in (("tokens_per_step", tokens_per_step), ("skip_first", skip_first)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+                raise (ValueError if isinstance(v, numbers.Integral) else TypeError)(
+                    f"StepTimer: {name}={v!r} must be an int >= 0 (tokens_per_step: tokens in one step's "
+                    f"global batch, B * T; skip_first: the first steps left out, their compile time)")
+        if not callable(clock):
+            raise TypeError(f"StepTimer: clock={clock!r} must be a function returning seconds, e.g. time.perf_counter")
         self.tokens_per_step = int(tokens_per_step)
         self.skip_first = int(skip_first)
         self._clock = clock
@@ -113,6 +124,9 @@ def device_memory_metrics(devices: Sequence[jax.Device] | None = None) -> dict[s
       A dict with the two figures, or without those the backend does not report.
     """
     in_use, peak, seen = 0, 0, False
+    if isinstance(devices, str) or (devices is not None and not all(hasattr(d, "memory_stats") for d in devices)):
+        raise TypeError(f"device_memory_metrics: devices={devices!r:.40} must be a list of jax devices, e.g. "
+                        f"jax.local_devices() (None: those), not a platform name")
     for d in devices if devices is not None else jax.local_devices():
         try:
             stats = d.memory_stats()

@@ -86,7 +86,8 @@ from jax import lax
 from jvitals.metrics import fold
 from jvitals.metrics.nnx_intercept import intercept_methods as intercept_nnx
 from jvitals.metrics.probes import logits_rows
-from jvitals.metrics.roles import Roles
+from jvitals.metrics.roles import Roles, check_roles
+from jvitals.metrics.checks import check_names, check_number, not_nested
 from jvitals.metrics.stats import summarize_tokens
 
 __all__ = ["ExpertChoices", "InstrumentReport", "instrument"]
@@ -668,6 +669,9 @@ def instrument(roles: Roles | None = None, *, probes: bool = True, attn_logits: 
     Yields:
       An :class:`InstrumentReport` of what the last traced ``apply`` sowed.
 
+    Raises:
+      RuntimeError: entered inside another ``instrument()``. TypeError/ValueError: bad arguments.
+
     Example:
       >>> with instrument() as report:
       ...     logits, state = model.module.apply({"params": p}, ids, am, mutable=["intermediates"])
@@ -676,10 +680,15 @@ def instrument(roles: Roles | None = None, *, probes: bool = True, attn_logits: 
       ...     logits, sown = nnx.capture(lambda m: m(ids, am), nnx.Intermediate)(model)
       >>> m = activation_metrics(sown, mask=am.astype(bool))
     """
-    roles = Roles() if roles is None else roles
+    roles = check_roles(roles, "instrument")
+    names = None if names is None else check_names(names, "instrument", "names")
+    if top_k is not None:
+        check_number(top_k, "instrument", "top_k", low=1, integer=True, fix="experts per token, e.g. top_k=2")
     report = InstrumentReport()
     state = _State(roles, probes, attn_logits, top_k, None if names is None else frozenset(names), report)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(not_nested("instrument()", "every module would be sown twice (a 2-layer model "
+                                       "would report 4 layers); open it once, around the apply"))
         if attn_logits:
             stack.enter_context(_patched_attention(state))
         stack.enter_context(nn.intercept_methods(_interceptor(state)))

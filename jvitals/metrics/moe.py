@@ -84,6 +84,9 @@ def moe_window_update(state: MoEWindowState, expert_counts: Any, *, axes: Sequen
     Raises:
       ValueError: if the counts' ``[L, E]`` shape differs from the window's.
     """
+    if not isinstance(state, MoEWindowState):
+        raise TypeError(f"moe_window_update: state must be the MoEWindowState of moe_window_init(L, E) (kept in "
+                        f"the train state), got {type(state).__name__}; the order is (state, expert_counts)")
     c, _ = _counts_matrix(expert_counts, mask)
     if tuple(c.shape) != tuple(state.counts.shape):
         raise ValueError(f"moe_window_update: expert_counts give shape [L, E] = {tuple(c.shape)}, the "
@@ -224,7 +227,7 @@ def moe_metrics(expert_counts: Any, *, expert_bias: Any = None, top_k: int, axes
     Raises:
       ValueError: no expert counts in a sown tree (a dense model), counts of the
         wrong rank or inconsistent E, ``top_k`` < 1 or greater than the number of
-        experts.
+        experts, an ``expert_bias`` array whose last axis is not E.
 
     Example:
       >>> m = moe_metrics(jnp.array([[4, 0, 2, 2]]), top_k=2)
@@ -234,6 +237,11 @@ def moe_metrics(expert_counts: Any, *, expert_bias: Any = None, top_k: int, axes
     axes = check_axes(axes)
     c, ids = _counts_matrix(expert_counts, mask)
     _check_top_k(top_k, c.shape)
+    global_view = not axes and bias_specs is None     # inside shard_map a bias may hold E / shards experts
+    if global_view and hasattr(expert_bias, "shape") and expert_bias.ndim >= 1 and expert_bias.shape[-1] != c.shape[1]:
+        raise ValueError(f"moe_metrics: expert_bias has shape {tuple(expert_bias.shape)} but the counts have "
+                         f"E={c.shape[1]} experts ([L, E] = {tuple(c.shape)}); pass the router's bias, [E] or "
+                         f"[L, E], or the params pytree (its 'expert_bias' leaves are found by role)")
     if not isinstance(expert_counts, MoEWindowState):
         c = psum_over(c, axes)
     loads = _layer_loads(c.astype(_F32))

@@ -62,6 +62,7 @@ from jvitals.metrics.paths import path_str
 from jvitals.metrics.variables import unwrap
 from jvitals.metrics.stats import Summary, summarize_max
 from jvitals.metrics.axes import check_axes, make_varying, psum_over, reduction_axes
+from jvitals.metrics.checks import check_opt_state
 
 __all__ = ["LR_SCALE", "LR_SCALE_ARG", "NU_BINS", "NU_SAMPLE", "histogram_quantile", "injected_hyperparams",
            "log_histogram", "optimizer_metrics", "search_quantile", "systematic_sample"]
@@ -327,12 +328,18 @@ def optimizer_metrics(opt_state: Any, *, specs: Any = None, axes: Sequence[str] 
       ``{name: scalar}``: ``opt/adam_nu_abs.max``, ``opt/adam_nu_median``,
       ``opt/adam_nu_log10_spread`` (if an Adam state is found), ``opt/loss_scale``
       (if found), ``opt/skipped_steps`` and ``opt/consecutive_nonfinite`` (if an
-      ``apply_if_finite`` state is found), ``opt/learning_rate`` (if injected).
+      ``apply_if_finite`` state is found), ``opt/learning_rate`` (if injected); empty for a
+      state holding none of these (plain SGD).
+
+    Raises:
+      TypeError: ``opt_state`` is None or the transform itself (pass ``tx.init(params)``).
+      ValueError: an unknown ``median`` method.
 
     Example:
       >>> tx = optax.apply_if_finite(optax.adam(1e-3), 3)   # doctest: +SKIP
       >>> optimizer_metrics(tx.init(params))["opt/skipped_steps"]  # doctest: +SKIP
     """
+    check_opt_state(opt_state, "optimizer_metrics")
     if median not in _MEDIAN_METHODS:
         raise ValueError(f"optimizer_metrics(median={median!r}): choose one of {list(_MEDIAN_METHODS)}")
     axes = check_axes(axes)

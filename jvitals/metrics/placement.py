@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import socket
 import warnings
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -169,6 +169,9 @@ def replica_layout(mesh: Any, axes: Sequence[str] | str = ("data",), *,
         grid = np.transpose(np.asarray(mesh.devices), order)
         grid = grid.reshape(int(np.prod([mesh.shape[a] for a in axes])), -1)
     else:
+        if mesh is None or isinstance(mesh, (str, int)) or not isinstance(mesh, Iterable):
+            raise TypeError(f"replica_layout: mesh={mesh!r:.40} must be a jax.sharding.Mesh (e.g. "
+                            f"jax.make_mesh((8,), ('data',))) or a list of devices, one per replica")
         grid = np.asarray(list(mesh), dtype=object).reshape(-1, 1)
         axes = axes or ("replica",)
     if hosts is None:

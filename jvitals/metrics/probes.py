@@ -281,6 +281,8 @@ def summarize_logits(logits: jax.Array, mask: jax.Array | None = None, *,
       ValueError: if ``mask`` does not have the shape ``logits.shape[:-1]``.
     """
     x = lax.stop_gradient(jnp.asarray(logits))
+    if x.ndim < 1:
+        raise ValueError(f"summarize_logits: logits must have a vocabulary axis [..., V], got shape {x.shape}")
     pos_shape = tuple(x.shape[:-1])
     v = x.shape[-1]
     if mask is None:

@@ -123,13 +123,16 @@ from jvitals.metrics.chain import (SKIP_FIELD, _at, _clip_max_norm, _closure, _h
 from jvitals.metrics.explain import log_roles_summary
 from jvitals.metrics.optimizer import LR_SCALE, LR_SCALE_ARG, injected_hyperparams
 from jvitals.metrics.packed import PackedMetrics
-from jvitals.metrics.roles import Roles
+from jvitals.metrics.checks import (check_cadence, check_choice, check_extra_kwargs, check_opt_state,
+                                    check_schedule, check_transform)
+from jvitals.metrics.roles import Roles, check_roles
 from jvitals.metrics.variables import unwrap
 
 __all__ = ["RecordState", "record", "recorded", "recorded_steps", "DEFAULT_EVERY"]
 
 DEFAULT_EVERY: Mapping[str, int] = {"global": 1, "layers": 50}
 _FAMILIES = ("global", "layers")
+_KEYWORDS = ("vitals_layers", "vitals_read", LR_SCALE_ARG)  # the update's own keyword arguments
 _READ = "read"   # last_step[_READ]: the update after which the host last read the window
 
 
@@ -149,17 +152,6 @@ class RecordState(NamedTuple):
     metrics: dict[str, jax.Array]
     last_step: dict[str, jax.Array]
     inner_state: Any
-
-
-def _check_every(every: Mapping[str, int] | None) -> dict[str, int]:
-    out = dict(DEFAULT_EVERY)
-    for k, v in (every or {}).items():
-        if k not in _FAMILIES:
-            raise ValueError(f"record(every=...): unknown family {k!r}; families are {list(_FAMILIES)}")
-        if int(v) < 1:
-            raise ValueError(f"record(every={{{k!r}: {v}}}): a cadence must be >= 1 update")
-        out[k] = int(v)
-    return out
 
 
 def _has_state(tree: Any) -> bool:
@@ -225,11 +217,20 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
       ``vitals_lr_scale`` (the global learning-rate scale in force, which
       :func:`jvitals.with_lr_scale` passes: it multiplies ``opt/learning_rate``
       and the update figures; 1.0 if absent); every extra argument but
-      ``vitals_layers`` is passed to ``inner``.
+      ``vitals_layers`` is passed to ``inner``; any other ``vitals_*`` keyword (a typo such
+      as ``vitals_layer=``) is a ``TypeError`` naming the known ones.
+
+    Raises:
+      TypeError: ``inner`` not a transform (an uncalled factory such as ``optax.adamw``),
+        ``roles`` not a :class:`Roles`, ``every`` not a mapping, ``schedule`` not a schedule.
+      ValueError: an unknown family in ``every`` or a cadence < 1, ``post`` not one of the three.
     """
-    cadence = _check_every(every)
-    roles = roles if roles is not None else Roles()
-    cfg = _Config(roles=roles, specs=specs, axes=tuple(axes), cadence=cadence, schedule=schedule,
+    cadence, roles = check_cadence(every, DEFAULT_EVERY, "record"), check_roles(roles, "record")
+    inner = None if inner is None else check_transform(inner, "record")
+    check_choice(post, ("auto", "clip", "update"), "record", "post")
+    check_schedule(schedule, "record")
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    cfg = _Config(roles=roles, specs=specs, axes=axes, cadence=cadence, schedule=schedule,
                   lead=_leading_clip(inner), post=post)
     inner = optax.with_extra_args_support(inner) if inner is not None else None
 
@@ -242,6 +243,7 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
     def update_fn(updates: Any, state: RecordState, params: Any = None, *,
                   vitals_layers: bool | jax.Array | None = None, vitals_read: bool | jax.Array | None = None,
                   **extra: Any):
+        check_extra_kwargs(extra, _KEYWORDS, "record: tx.update(...)")
         if inner is not None:
             out, inner_state = inner.update(updates, state.inner_state, params, **extra)
         else:
@@ -672,9 +674,11 @@ def recorded(opt_state: Any) -> PackedMetrics:
       vectors concatenated into one); empty if there is no recorder.
 
     Raises:
+      TypeError: ``opt_state`` is None or the transform itself (not its state).
       ValueError: if two recorders record the same name (e.g. two
         ``record(clip)``), which would make the figure ambiguous.
     """
+    check_opt_state(opt_state, "recorded")
     states = _states(opt_state)
     seen: set[str] = set()
     for st in states:
@@ -691,5 +695,6 @@ def recorded(opt_state: Any) -> PackedMetrics:
 
 def recorded_steps(opt_state: Any) -> dict[str, jax.Array]:
     """``{family: update count when last computed}`` of the first recorder in ``opt_state``."""
+    check_opt_state(opt_state, "recorded_steps")
     states = _states(opt_state)
     return dict(states[0].last_step) if states else {}

@@ -509,6 +509,9 @@ class ReplicaWindow(NamedTuple):
 
 def replica_window_init(replicas: int) -> ReplicaWindow:
     """A window for ``replicas`` replicas: nobody non-finite yet."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replica_window_init: replicas={replicas!r} must be an int >= 1, the number of "
+                         f"data-parallel replicas (e.g. vitals.replica_layout(mesh).size)")
     return ReplicaWindow(jnp.full((int(replicas),), -1, jnp.int32))
 
 

@@ -68,7 +68,7 @@ import dataclasses
 import difflib
 import math
 import re
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import jax
 
@@ -97,6 +97,7 @@ __all__ = [
     "ROLE_METRIC_NAMES",
     "Roles",
     "assign_roles",
+    "check_roles",
     "scope_of",
 ]
 
@@ -258,6 +259,14 @@ class Roles:
     norm_prefixes: tuple[tuple[str, str], ...] = ((r"(?:^|/)mtp_?\d+/", "mtp_"),)
 
     def __post_init__(self) -> None:
+        if isinstance(self.patterns, (str, Mapping)) or not all(
+                isinstance(x, tuple) and len(x) == 2 for x in self.patterns):
+            raise TypeError(f"Roles(patterns=...) expects (role, regex) pairs, e.g. (('q', r'(^|/)wq$'),), "
+                            f"got {self.patterns!r:.80}; to add a few to the defaults use Roles().extend(q=regex)")
+        if self.stacked_axis is not None and (isinstance(self.stacked_axis, bool)
+                                              or not isinstance(self.stacked_axis, int)):
+            raise TypeError(f"Roles(stacked_axis={self.stacked_axis!r}) expects None or an int (the scan "
+                            f"axis of stacked layers, e.g. 0; MaxText: param_scan_axis)")
         for role, rx in self.patterns:
             _compile(rx, f"pattern for role {role!r}")
         for rx in self.layer_patterns:
@@ -436,6 +445,17 @@ def _is_param_leaf(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
+def check_roles(roles: Any, where: str) -> Roles:
+    """``roles`` if it is a :class:`Roles` instance (``Roles()`` for None)."""
+    if roles is None:
+        return Roles()
+    if isinstance(roles, Roles):
+        return roles
+    fix = ("the class itself: call it, roles=vitals.Roles()" if roles is Roles
+           else "build one: roles=vitals.Roles().extend(role=regex), e.g. Roles().extend(q=r'(^|/)wq$')")
+    raise TypeError(f"{where}: roles= expects a jvitals.Roles, got {type(roles).__name__} {roles!r:.60}; {fix}")
+
+
 def assign_roles(tree: Any, roles: Roles | None = None) -> tuple[LeafRole, ...]:
     """Role and layer of every leaf of ``tree``, in ``jax.tree`` flatten order.
 
@@ -462,10 +482,14 @@ def assign_roles(tree: Any, roles: Roles | None = None) -> tuple[LeafRole, ...]:
       A tuple of :class:`LeafRole`, one per array leaf.
 
     Raises:
+      TypeError: ``tree`` is None or ``roles`` not a :class:`Roles` (a dict, the class uncalled).
       ValueError: if a required role matches nothing (listing the nearest paths), or
         a stacked subtree has no consistent layer axis.
     """
-    roles = Roles() if roles is None else roles
+    roles = check_roles(roles, "assign_roles")
+    if tree is None:
+        raise TypeError("assign_roles: tree is None; expected a parameter (or gradient) pytree, e.g. "
+                        "variables['params'] or nnx.state(model, nnx.Param)")
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     raw = []
     for p, x in leaves:

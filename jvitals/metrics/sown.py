@@ -145,12 +145,15 @@ def stacked_layout(name: str, shape: tuple[int, ...], tok: Tokens, path: str, st
         return rank >= {"hidden_states": n + 2, "attn_logits": 5}.get(name, 10**9)
     if one or many:
         return many
-    if not strict:
+    flat = n == 2 and min(s) > 1 and rank >= 2 and shape[0] == s[0] * s[1]  # [B*T, D]: flattened tokens
+    if not strict and not flat:
         return None
     raise ValueError(
         f"activation_metrics: {tok.describe()} but the sown '{name}' value at '{path}' has "
         f"shape {shape}; expected {what} (or with a leading layer axis when nn.scan-stacked). "
-        f"Pass a [B, T] mask (True = valid) matching the model's tokens.")
+        + (f"Its leading axis is B*T = {shape[0]}, flattened tokens: reshape it to {(*s, *shape[1:])} "
+           f"before sowing, so that the mask can be applied. " if flat else "")
+        + "Pass a [B, T] mask (True = valid) matching the model's tokens.")
 
 
 def token_stacked(name: str, shape: tuple[int, ...], tok: Tokens, path: str) -> bool | None:

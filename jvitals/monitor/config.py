@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import types
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from jvitals.monitor.flat_names import OLD_NAMES
 
@@ -81,8 +81,9 @@ def _within(obj: Any, field: str, lo: float, hi: float, closed: str, what: str) 
 def _names(obj: Any, fields: tuple[str, ...]) -> None:
     for f in fields:
         v = getattr(obj, f)
-        if isinstance(v, str):
-            raise TypeError(f"{_name(obj, f)} expects a sequence of metric names, got the string {v!r}")
+        if isinstance(v, str) or not isinstance(v, Iterable):
+            raise TypeError(f"{_name(obj, f)} expects a sequence of metric names, e.g. ('loss',), "
+                            f"got {'the string' if isinstance(v, str) else type(v).__name__} {v!r}")
         _set(obj, f, tuple(v))
 
 

@@ -48,7 +48,7 @@ import logging
 import math
 import operator
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -211,6 +211,10 @@ class Monitor:
         if not isinstance(policy, Policy):
             raise TypeError(f"Monitor expects a jvitals Policy, got {type(policy).__name__}")
         p = self.policy = policy
+        if rules is not None and (isinstance(rules, (str, Mapping)) or not isinstance(rules, Iterable)):
+            raise TypeError(f"Monitor(rules=...) expects a list of rule objects, e.g. "
+                            f"[*vitals.default_rules(policy), MyRule()], got {type(rules).__name__} {rules!r:.60}"
+                            + ("; default_rules is a function: call it with the policy" if callable(rules) else ""))
         self.rules = list(default_rules(p) if rules is None else rules)
         names = [getattr(r, "name", None) for r in self.rules]
         for r, n in zip(self.rules, names):

@@ -105,6 +105,9 @@ def flat_replicas(metrics: Mapping[str, Any], data: Sequence[Any] | None = None)
     Raises:
       ValueError: vectors of different lengths, or ``data`` of another length.
     """
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"flat_replicas expects the {{name: value}} figures read from the device "
+                        f"(jax.device_get of the step's metrics), got {type(metrics).__name__}")
     out: dict[str, Any] = {}
     vectors: dict[str, np.ndarray] = {}
     for k, v in metrics.items():

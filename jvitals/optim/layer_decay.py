@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jvitals.metrics.roles import LeafRole, Roles, assign_roles
+from jvitals.metrics.roles import LeafRole, Roles, assign_roles, check_roles
 
 __all__ = ["layer_decay_factors", "layerwise_lr_decay"]
 
@@ -117,6 +117,7 @@ def layerwise_lr_decay(decay: float, *, roles: Roles | None = None) -> optax.Gra
       tx = optax.chain(optax.adamw(3e-4), vitals.layerwise_lr_decay(0.9))
     """
     _check_decay(decay)
+    roles = check_roles(roles, "layerwise_lr_decay")
 
     def init_fn(params):
         layer_decay_factors(params, decay, roles)  # fail early on a tree without layers

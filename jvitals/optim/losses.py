@@ -75,7 +75,17 @@ _ROWS = {"labels": ("labels have", "integer token ids"), "mask": ("mask has", "T
 
 def _check_rows(fn: str, logits: jax.Array, **rows: jax.Array | None) -> None:
     """Raises a ValueError naming ``fn`` unless ``logits`` has a vocabulary axis and each
-    given row array (``labels``, ``mask``) is shaped ``logits.shape[:-1]``."""
+    given row array (``labels``, ``mask``) is shaped ``logits.shape[:-1]``; a TypeError for
+    None, integer logits or non-integer labels."""
+    for name, x in {"logits": logits, **rows}.items():
+        if x is None and name != "mask":
+            raise TypeError(f"{fn}: {name} is None; expected an array ({_ROWS.get(name, ('', '[..., V] scores'))[1]})")
+    if not jnp.issubdtype(jnp.result_type(logits), jnp.floating):
+        raise TypeError(f"{fn}: logits have dtype {jnp.result_type(logits)}; expected floating [..., V] scores "
+                        f"(were logits and labels swapped? the order is (logits, labels, mask))")
+    if "labels" in rows and not jnp.issubdtype(jnp.result_type(rows["labels"]), jnp.integer):
+        raise TypeError(f"{fn}: labels have dtype {jnp.result_type(rows['labels'])}; expected integer token ids "
+                        f"(-100 or another negative id: padding), not one-hot or probabilities")
     if jnp.ndim(logits) < 1:
         raise ValueError(f"{fn}: logits must have a vocabulary axis (shape [..., V]), got shape "
                          f"{jnp.shape(logits)}")
@@ -128,6 +138,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array | None =
       the shard's global batch) and ``{name: float32 scalar}`` of :data:`LOGIT_FIGURES`.
 
     Raises:
+      TypeError: logits or labels None, integer logits (swapped arguments), non-integer labels.
       ValueError: labels or mask not shaped ``logits.shape[:-1]``, a negative
         ``z_loss_weight``, or an axis not bound here.
 

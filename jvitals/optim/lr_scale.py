@@ -45,6 +45,7 @@ Example::
 
 from __future__ import annotations
 
+import numbers
 import re
 from typing import Any, Callable, Mapping, NamedTuple, Sequence, TypeVar, Union
 
@@ -54,7 +55,7 @@ import numpy as np
 import optax
 
 from jvitals.metrics.optimizer import LR_SCALE, LR_SCALE_ARG  # the names the recorder reads
-from jvitals.metrics.roles import LeafRole, Roles, assign_roles
+from jvitals.metrics.roles import LeafRole, Roles, assign_roles, check_roles
 from jvitals.metrics.paths import leaves_by_path, natural_key, path_str
 from jvitals.metrics.variables import value_of
 
@@ -206,6 +207,17 @@ def _scale_by_group(groups: GroupsArg, roles: Roles | None,
 # The wrapper.
 
 
+def _check_scale(value: Any, where: str) -> None:
+    """A scale is a real number (a Python or NumPy number, a 0-d array), never a str, None or a state."""
+    number = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+    array = isinstance(value, (np.ndarray, jax.Array)) and value.shape == () and (
+        jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer))
+    if not (number or array):
+        raise TypeError(f"{where}: a learning-rate scale must be a number, e.g. 0.5, got {type(value).__name__} "
+                        f"{value!r:.60}" + ("; the order is set_lr_scale(tree, value, group=None)"
+                                             if where.startswith("set_") else ""))
+
+
 def with_lr_scale(tx: optax.GradientTransformation, lr_scale: float = 1.0, *,
                   groups: GroupsArg = None, roles: Roles | None = None
                   ) -> optax.GradientTransformationExtraArgs:
@@ -235,7 +247,10 @@ def with_lr_scale(tx: optax.GradientTransformation, lr_scale: float = 1.0, *,
       forwarded to ``tx``, plus ``vitals_lr_scale=`` (the global scale in force).
 
     Raises:
-      ValueError: (at ``init``) if a mapping names a group no leaf belongs to.
+      TypeError: ``tx`` not a transform (an uncalled factory), a scale not a number,
+        ``groups`` of another kind, ``roles`` not a Roles.
+      ValueError: a scale not finite and > 0; (at ``init``) if a mapping names a group
+        no leaf belongs to.
 
     Example::
 
@@ -245,13 +260,20 @@ def with_lr_scale(tx: optax.GradientTransformation, lr_scale: float = 1.0, *,
     if not callable(getattr(tx, "update", None)) or not callable(getattr(tx, "init", None)):
         hint = " (a factory: call it, e.g. optax.adamw(lr))" if callable(tx) else ""
         raise TypeError(f"with_lr_scale expects an optax GradientTransformation, got {type(tx).__name__}{hint}")
+    _check_scale(lr_scale, "with_lr_scale(lr_scale=...)")
     if not (float(lr_scale) > 0 and float(lr_scale) < float("inf")):
         raise ValueError(f"with_lr_scale(lr_scale={lr_scale!r}): the initial scale must be a finite number > 0")
+    roles = check_roles(roles, "with_lr_scale")
     if groups is None:
         members: tuple[optax.GradientTransformation, ...] = ()
     else:
         init: Mapping[str, float] = {}
+        if not isinstance(groups, (str, Mapping)) and not callable(groups):
+            raise TypeError(f"with_lr_scale(groups={groups!r}) expects None, 'roles', a function params -> "
+                            f"group names, or a mapping {{group: initial scale}}, e.g. {{'embedding': 0.5}}")
         if isinstance(groups, Mapping):
+            for k, v in groups.items():
+                _check_scale(v, f"with_lr_scale(groups={{{k!r}: ...}})")
             init = {str(k): float(v) for k, v in groups.items()}
             groups = "roles"
         if isinstance(groups, str) and groups != "roles":
@@ -377,6 +399,9 @@ def get_lr_scale(tree: Any, group: str | None = None) -> float:
 
 def get_lr_scales(tree: Any) -> dict[str, float]:
     """Every group's own scale, ``{group: float}`` (empty without groups; one host read each)."""
+    if tree is None:
+        raise TypeError("get_lr_scales: tree is None; pass the optimizer state (or the train state) built "
+                        "with jvitals.with_lr_scale(tx, groups=...)")
     return {g: get_lr_scale(tree, g) for g in _group_names_in(tree)}
 
 
@@ -421,9 +446,11 @@ def set_lr_scale(tree: T, value: float, group: str | None = None) -> T:
       A copy of ``tree`` with the scale replaced; the input is not modified.
 
     Raises:
+      TypeError: ``value`` is not a number (a str, None; arguments swapped).
       ValueError: if ``value`` is not a finite number > 0, or ``tree`` holds no such scale
         (naming the groups there are).
     """
+    _check_scale(value, "set_lr_scale(tree, value)")
     value = float(value)
     if not (value > 0 and value < float("inf")):
         raise ValueError(f"set_lr_scale(value={value!r}{'' if group is None else f', group={group!r}'}): a "

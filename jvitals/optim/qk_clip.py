@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jvitals.metrics.qkv import QKVLayout, kv_layout, merge_qkv, qkv_layout, resolve_fused, split_qkv
-from jvitals.metrics.roles import LeafRole, QKVSplit, Roles, assign_roles
+from jvitals.metrics.roles import LeafRole, QKVSplit, Roles, assign_roles, check_roles
 
 __all__ = ["qk_clip"]
 
@@ -69,6 +69,9 @@ def _layer_shape(lr: LeafRole) -> tuple[int, ...]:
 def _check_tau(tau: Any) -> None:
     if isinstance(tau, (jax.core.Tracer,)):
         return
+    if isinstance(tau, (str, bytes)) or tau is None:
+        raise ValueError(f"qk_clip: tau={tau!r} must be a positive number, e.g. 100.0, not a string (or "
+                         f"vitals.remedy(opt_state, 'qk_clip_tau'))")
     try:
         t = float(np.asarray(tau))
     except (TypeError, ValueError):
@@ -128,7 +131,8 @@ def qk_clip(params: Any, attn_logits_max: Any, tau: Any, *, roles: Roles | None 
       ``params`` with the same structure, dtypes and shapes; pure and jittable.
 
     Raises:
-      ValueError: if ``tau`` is not a positive number, ``attn_logits_max``'s length
+      TypeError: ``params`` or ``attn_logits_max`` None, ``roles`` not a Roles.
+      ValueError: if ``tau`` is not a positive number (a string too), ``attn_logits_max``'s length
         is not the number of layers, the params hold no Q/K projection, or a
         kernel's width does not split into the heads.
 
@@ -137,8 +141,12 @@ def qk_clip(params: Any, attn_logits_max: Any, tau: Any, *, roles: Roles | None 
       params = vitals.qk_clip(params, metrics, tau=100.0)   # metrics: activation_metrics' dict
       params = vitals.qk_clip(params, metrics, vitals.remedy(opt_state, "qk_clip_tau"))  # the guard's
     """
-    roles = Roles() if roles is None else roles
+    roles = check_roles(roles, "qk_clip")
     _check_tau(tau)
+    if params is None or attn_logits_max is None:
+        raise TypeError(f"qk_clip: {'params' if params is None else 'attn_logits_max'} is None; call "
+                        f"qk_clip(params, metrics, tau) with the params pytree and activation_metrics' dict "
+                        f"(or the [L] per-layer max logits)")
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     infos = assign_roles(params, roles)
     layers = [i for lr in infos for i in lr.layers]

@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jvitals.metrics.checks import check_transform
+
 __all__ = ["SkipStepState", "skip_step"]
 
 _F32 = jnp.float32
@@ -90,6 +92,7 @@ def skip_step(inner: optax.GradientTransformation, *, window: int = 128, sigma: 
       extra argument on to ``inner``.
 
     Raises:
+      TypeError: ``inner`` is not a transform (an uncalled factory such as ``optax.adamw``).
       ValueError: ``window < 2``, ``sigma <= 0`` or ``warmup`` outside ``[1, window]``
         (at construction); no ``loss=`` given to the update (at trace time).
 
@@ -98,6 +101,7 @@ def skip_step(inner: optax.GradientTransformation, *, window: int = 128, sigma: 
       ...                                                 optax.adamw(1e-3))))  # doctest: +SKIP
       >>> updates, state = tx.update(grads, state, params, loss=loss)  # doctest: +SKIP
     """
+    check_transform(inner, "skip_step")
     if int(window) < 2:
         raise ValueError(f"skip_step(window={window}): the baseline needs a window of at least 2 updates")
     if not float(sigma) > 0:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import re
 from typing import Any, Iterable, Mapping, Protocol
 
@@ -107,6 +108,28 @@ def alerts_markdown(alerts: Iterable[Any]) -> str:
     return "\n".join(lines)
 
 
+def _check_write(writer: Any, step: Any, metrics: Any, verdict: Any, events: Any) -> int:
+    """:func:`write`'s arguments, each a clear error; the step as an int."""
+    if isinstance(writer, type) or not callable(getattr(writer, "write_scalars", None)):
+        raise TypeError(f"write: writer must be a clu MetricWriter instance (with write_scalars), got "
+                        f"{type(writer).__name__} {writer!r:.40}; the order is write(writer, step, metrics, verdict)")
+    try:
+        step = None if isinstance(step, (bool, np.bool_)) else operator.index(step)
+    except TypeError:
+        step = None
+    if step is None:
+        raise TypeError("write: step must be an int (the training step); the order is write(writer, step, metrics)")
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"write: metrics must be a {{name: value}} mapping, got {type(metrics).__name__}")
+    if verdict is not None and not (hasattr(verdict, "level") and hasattr(verdict, "alerts")):
+        raise TypeError(f"write: verdict must be the Verdict monitor.update returned (or None), got "
+                        f"{type(verdict).__name__} {verdict!r:.40}: its level alone would lose the alerts")
+    if isinstance(events, Mapping) or isinstance(events, str):
+        raise TypeError(f"write: events must be a list of dicts (e.g. response.events), got one "
+                        f"{type(events).__name__}: wrap it, events=[...]")
+    return step
+
+
 def write(writer: MetricWriterLike, step: int, metrics: Mapping[str, Any], verdict: Any = None, *,
           events: Iterable[Mapping[str, Any]] | None = (), histograms: bool = True) -> None:
     """Write one step's metrics, verdict and events through a clu writer.
@@ -122,9 +145,11 @@ def write(writer: MetricWriterLike, step: int, metrics: Mapping[str, Any], verdi
       histograms: also write per-layer families as ``{base}/by_layer`` histograms.
 
     Raises:
-      TypeError: if a metric value is not numeric (names the metric).
+      TypeError: if a metric value is not numeric (names the metric); a writer, step,
+        metrics, verdict or events of the wrong kind (e.g. the arguments swapped, a
+        verdict's level alone, one event dict instead of a list of them).
     """
-    step = int(step)
+    step = _check_write(writer, step, metrics, verdict, events)
     host = jax.device_get(dict(metrics))
     replicas = replica_vectors(host)
     if replicas:
