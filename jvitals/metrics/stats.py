@@ -14,10 +14,9 @@ from which ``mean = sum / count``, ``rms = sqrt(sumsq / count)`` and
 NaN when ``nonfinite > 0`` (METRICS.md §1: non-finite values are never hidden) or
 when ``count == 0`` (an empty input is not an error).
 
-Summaries merge associatively (``Summary.empty()`` is the identity), which is what
-makes the reduction across a device mesh exact: counts and sums are ``psum``-ed,
-maxima ``pmax``-ed, and the mean over shards holding different numbers of valid
-tokens is ``psum(sum) / psum(count)``, never ``pmean(local_mean)``.
+Summaries merge associatively (``Summary.empty()`` is the identity), so the reduction across
+a mesh is exact: counts and sums ``psum``-ed, maxima ``pmax``-ed, a mean over shards of unequal
+valid counts ``psum(sum) / psum(count)``, never ``pmean(local_mean)``.
 """
 
 from __future__ import annotations
@@ -354,6 +353,9 @@ def _reduced_axes(shape: tuple[int, ...], axis: int | None) -> tuple[tuple[int, 
     """The axes to reduce (None: all) and the normalised kept ``axis``."""
     if axis is None:
         return None, None
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+        raise TypeError(f"axis={axis!r}: expected an int (an array axis to keep, e.g. 0 for stacked layers); "
+                        "mesh axis names go to reduce(summary, axes=...)")
     if not -len(shape) <= axis < len(shape) or len(shape) == 0:
         raise ValueError(f"axis={axis} is out of range for x of shape {shape}")
     axis = axis % len(shape)
@@ -391,6 +393,8 @@ def summarize(x: jax.Array, mask: jax.Array | None = None, *, axis: int | None =
       >>> round(float(s.rms), 4), int(s.count)
       (3.5355, 2)
     """
+    if x is None or isinstance(x, (str, dict)):
+        raise TypeError(f"summarize(x=...) expects an array, got {type(x).__name__} {x!r:.60}")
     return summarize_many([(x, mask, axis)])[0]
 
 
