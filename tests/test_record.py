@@ -18,6 +18,7 @@ from jvitals.reference_model import ModelConfig, init_params
 from jvitals.metrics.checks import check_cadence
 
 record_module = importlib.import_module("jvitals.metrics.record")
+chain_module = importlib.import_module("jvitals.metrics.chain")
 
 
 def tree(seed=0, scale=1.0):
@@ -417,12 +418,12 @@ def test_static_vitals_layers_flag_picks_the_family_at_trace_time(monkeypatch):
 
 def test_wrapped_optax_clip_post_norm_is_known_without_a_pass():
     """optax.clip_by_global_norm is recognised: its post-clip figures equal the measured ones."""
-    assert record_module._clip_max_norm(optax.clip_by_global_norm(2.5)) == 2.5
+    assert chain_module.clip_max_norm(optax.clip_by_global_norm(2.5)) == 2.5
     for other in (optax.clip(1.0), optax.adamw(1e-3), optax.scale(0.5), None):
-        assert record_module._clip_max_norm(other) is None
+        assert chain_module.clip_max_norm(other) is None
     clip = optax.clip_by_global_norm(1.0)
     disguised = optax.GradientTransformation(clip.init, lambda u, s, p=None: clip.update(u, s, p))
-    assert record_module._clip_max_norm(disguised) is None  # measured: one more pass over its outputs
+    assert chain_module.clip_max_norm(disguised) is None  # measured: one more pass over its outputs
     params = tree(0)
     known, measured = vitals.record(clip), vitals.record(disguised, post="clip")
     nan_grads = tree(9)

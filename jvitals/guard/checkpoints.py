@@ -623,7 +623,7 @@ class CheckpointStore:
 def _refit(store: CheckpointStore, step: int, like: Any, err: Exception) -> Fit:
     """After the restore of ``step`` onto ``like`` failed with ``err``: how to restore it
     (:func:`fit`, from the tree orbax saved; read only then, since it costs about as
-    much as a third of a restore: 120 ms for the 186 arrays of a small model here).
+    much as a third of a restore).
 
     Raises:
       CheckpointMismatchError: the tree differs outside the recorder states.

@@ -5,7 +5,7 @@ closures (``optax.chain``'s ``update_fns``, ``optax.clip_by_global_norm``'s ``ma
 ``with_extra_args_support``'s ``tx``) and from state field names (a clip's
 ``clip_threshold``, an in-step skip's ``last_skipped``, ``optax.apply_if_finite``'s
 ``last_finite``). Pure Python at trace time; nothing here runs in the step but
-:func:`_skipped`'s boolean.
+:func:`skipped`'s boolean.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["SKIP_FIELD"]
+__all__ = ["SKIP_FIELD", "clip_max_norm", "has_threshold", "leading_clip", "skipped", "state_at"]
 
 
 SKIP_FIELD = "last_skipped"
 """The state field of an in-step skip (``jvitals.skip_step``) the recorder's window reads."""
 
 
-def _skipped(inner_state: Any) -> jax.Array:
+def skipped(inner_state: Any) -> jax.Array:
     """Whether an in-step skip inside ``inner`` dropped this update: a state with a
     ``last_skipped`` field (:func:`jvitals.skip_step`) or ``optax.apply_if_finite``'s
     (``last_finite`` false)."""
@@ -38,7 +38,7 @@ def _skipped(inner_state: Any) -> jax.Array:
                 hit = hit | jnp.asarray(getattr(x, SKIP_FIELD), bool).reshape(())
             else:
                 hit = hit | ~jnp.asarray(x.last_finite, bool).reshape(())
-            hit = hit | _skipped(x.inner_state) if "inner_state" in x._fields else hit
+            hit = hit | skipped(x.inner_state) if "inner_state" in x._fields else hit
     return hit
 
 
@@ -74,7 +74,7 @@ def _max_norm_of(fn: Any) -> Any:
     return value if isinstance(value, (int, float)) or getattr(value, "shape", None) == () else None
 
 
-def _clip_max_norm(inner: Any) -> Any:
+def clip_max_norm(inner: Any) -> Any:
     """``max_norm`` if ``inner`` is ``optax.clip_by_global_norm(max_norm)``, else None.
 
     Recognised by its update function (``clip_by_global_norm.<locals>.update_fn``
@@ -85,7 +85,7 @@ def _clip_max_norm(inner: Any) -> Any:
     return _max_norm_of(getattr(inner, "update", None))
 
 
-def _leading_clip(inner: Any) -> tuple[tuple[int | str, ...], Any, bool]:
+def leading_clip(inner: Any) -> tuple[tuple[int | str, ...], Any, bool]:
     """Where the first transform applied by ``inner`` sits, and whether it is a known clip.
 
     Follows ``optax.chain``'s first element (through nested chains and
@@ -127,7 +127,7 @@ def _is_wrapper(fn: Any) -> bool:
             and hasattr(_closure(fn).get("inner"), "update"))
 
 
-def _at(state: Any, path: tuple[int | str, ...]) -> Any:
+def state_at(state: Any, path: tuple[int | str, ...]) -> Any:
     """``state[path[0]][path[1]]...`` (a str: the field of that name; None where the state
     has no such element)."""
     for i in path:
@@ -142,6 +142,6 @@ def _at(state: Any, path: tuple[int | str, ...]) -> Any:
     return state
 
 
-def _has_threshold(state: Any) -> bool:
+def has_threshold(state: Any) -> bool:
     """A clip's state: a NamedTuple with a ``clip_threshold`` field (e.g. ``AdaptiveClipState``)."""
     return "clip_threshold" in getattr(state, "_fields", ())

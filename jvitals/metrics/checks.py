@@ -1,4 +1,4 @@
-"""Argument checks shared by the public entries (issue 42: every plausible mistake a clear error).
+"""Argument checks shared by the public entries: every plausible mistake a clear error.
 
 Each check raises from jvitals an exception that names the entry and the argument, shows the value
 and says what to do. Only static things are checked (Python values, types, pytree structures,

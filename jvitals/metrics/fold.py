@@ -9,29 +9,29 @@ tensor are written as plain sibling reductions of elementwise operands::
 which XLA:GPU and XLA:TPU fuse into one kernel reading ``x`` once (multi-output
 fusion of sibling reductions), and often into the kernel that produces ``x`` or that
 reads it anyway (the softmax's row maximum, a norm's sum of squares): read off the TPU
-compiler, the activation summaries of a step cost 0.0-0.3x of one read of what they
-measure (``benchmarks/tpu_cost.py``, docs/COST.md). Two rules keep it so:
+compiler, the activation summaries of a step cost under one read of what they measure
+(``benchmarks/tpu_cost.py``, docs/COST.md). Two rules keep it so:
 
 - **Finiteness by arithmetic** (:func:`finite_parts`): a non-finite element is found from
   its exponent bits, ``e = (bits >> 23) & 255``, ``bad = (e + 1) >> 8`` (1 when all eight
   are set: Inf or NaN), and read as 0 by ``bits & (bad - 1)``: no comparison. The TPU
   compiler materialises a boolean of the measured tensor (``isfinite(x)``, ``x == m``)
   that feeds a reduction as a bit-packed mask in a pass of its own, which reads the tensor
-  again (2-6x of one read, measured).
+  again.
 - **Token masks after the token's own reduction** (:func:`~jvitals.metrics.stats.summarize_fields`):
   a ``[B, T]`` mask broadcast over ``[B, T, D]`` activations is applied to the ``[B, T]``
   partials, not inside the reduction over ``D``: a mask inside made the TPU compiler lay
-  out the model's tensor anew (up to 3.8x of one read).
+  out the model's tensor anew.
 
 XLA:CPU has no multi-output fusion: there every plain reduction reads its input again.
 It runs a variadic reduction (the statistics as the operands of **one** ``lax.reduce``,
 whose elementwise producers it fuses: one read) as a serial loop, so the CPU's variadic
 form first combines groups of :data:`LANES` neighbours along the last axis elementwise
-(strided slices in the same fused loop: 2.6x faster there) and reduces a long block in
+(strided slices in the same fused loop) and reduces a long block in
 two levels: a trailing run of its axes (or the last axis split in rows of at most
 :data:`ROW`), then the partials, the run long enough that the partials (written once,
 read once) add at most :data:`PARTIALS` to the bytes read. On the TPU those strided
-slices cost a relayout of the tensor (10-15x of one read), so the accelerators take the
+slices cost a relayout of the tensor, so the accelerators take the
 plain form, and a custom combiner (the logits' top-2, first argmax and online
 log-sum-exp: no plain form) one variadic reduction without lanes or levels.
 

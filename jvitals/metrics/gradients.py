@@ -324,6 +324,7 @@ def tree_stats(trees: Mapping[str, Any], *, role_tree: str | None = None, layere
     by_def: dict[Any, dict[str, Any]] = {}
     for n, t in trees.items():
         if t is not None:
+            _check_arrays(t, n if n != "tree" else what)
             by_def.setdefault(jax.tree.structure(t), {})[n] = t
     out: dict[str, _TreeStats] = {}
     for group in by_def.values():
@@ -331,6 +332,14 @@ def tree_stats(trees: Mapping[str, Any], *, role_tree: str | None = None, layere
         out.update(_tree_stats(group, role_tree=rt, layered=[n for n in layered if n in group], roles=roles,
                                specs=specs, axes=axes, what=what))
     return out
+
+
+def _check_arrays(tree: Any, what: str) -> None:
+    """TypeError naming the first leaf of ``tree`` that is not an array (a str, a Python int)."""
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        if not hasattr(x, "dtype"):
+            raise TypeError(f"{what}: the leaf at {jax.tree_util.keystr(path) or 'the root'} is {type(x).__name__} "
+                            f"{x!r:.40}, not an array; pass a pytree of arrays (e.g. the gradients jax.grad returns)")
 
 
 def plain_grad_figures(grads: Any, *, roles: Roles | None = None, prefix: str = "grad") -> dict[str, jax.Array]:

@@ -47,10 +47,9 @@ change. A model that sows a NAME itself keeps its own values
 (``activation_metrics`` prefers them to instrument's). ``attn_out_before_proj`` is
 the output projection's *input*: for gated attention, after the gate.
 
-Cost (measured on the CPU, HF-Flax GPT-2 of D=128, 4 layers, V=2048, B x T = 8 x 128,
-one jitted ``value_and_grad`` step plus ``activation_metrics``): compiled temporary
-memory x1.0004 (106.49 -> 106.53 MiB), step time x1.065 (x1.12 with
-``attn_logits=True``, which reduces a ``[B, H, T, T]`` tensor per layer).
+Cost: no temporary memory of its own (the values are the ones the model computes); the
+reductions' time, more with ``attn_logits=True``, which reduces a ``[B, H, T, T]`` tensor
+per layer (docs/COST.md, docs/MODELS.md).
 
 NNX: Flax NNX has no method-interception hook, so while the context is open the
 ``__call__``, ``attend`` and ``decode`` methods of every ``nnx.Module`` class are

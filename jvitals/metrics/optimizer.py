@@ -19,10 +19,8 @@ count the two middle bins' values are averaged, as NumPy does). Bin 0 (zero and
 denormals below ``9.2e-41``) reads as 0, so a model whose ``nu`` is mostly zero has
 an infinite spread, as NumPy would. Cost on the CPU: one read and a 32768-bin
 scatter-add per leaf; no sort, no concatenation, no host sync. On GPUs and TPUs a
-scatter-add of many equal indices serialises (on an H200, ``optimizer_metrics``
-with it took as long as the whole training step of a 189M-parameter model: 34
-ms, chunks of the scatter in a 725-iteration loop), so there the same bins are found
-by :func:`search_quantile` instead: four compare-and-count reads of each leaf,
+scatter-add of many equal indices serialises (as long as a whole training step on a
+GPU, docs/COST.md), so there the same bins are found by :func:`search_quantile` instead: four compare-and-count reads of each leaf,
 narrowing the median's bin 16-fold per pass (``median=`` chooses).
 
 **On the CPU, above** ``2 NU_SAMPLE`` **values** (about a million), the median is that of a
@@ -250,12 +248,9 @@ def search_quantile(groups: Mapping[tuple[str, ...], Sequence[jax.Array]], q: fl
     is the leaves' sizes (a non-finite element is counted and lands above every
     finite bin: the caller reports NaN then, as :func:`optimizer_metrics` does).
 
-    A scatter-add of many equal bin indices serialises on GPUs and TPUs (on an
-    H200, ``optimizer_metrics`` with the histogram took 34 ms over the 189M Adam
-    ``nu`` of the xl benchmark config, as long as the step itself); these passes
-    are plain reductions there. XLA:CPU materialises the compares instead (on 4M
-    values: 397 ms and 480 MiB against the histogram's 3.4 ms and 2 MiB), so the
-    CPU keeps the histogram.
+    A scatter-add of many equal bin indices serialises on GPUs and TPUs; these passes
+    are plain reductions there. XLA:CPU materialises the compares instead (100x the
+    histogram's time and memory, docs/COST.md), so the CPU keeps the histogram.
 
     Args:
       groups: leaves by the mesh axes their counts are ``psum``-ed over (``()``:

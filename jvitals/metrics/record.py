@@ -4,102 +4,14 @@
 
     tx = vitals.with_lr_scale(vitals.record(                   # the placement that gives every figure
         optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule)), schedule=schedule))
-    tx = optax.chain(vitals.record(), optax.clip_by_global_norm(1.0), optax.adamw(lr))   # gradients only
-    tx = optax.chain(vitals.record(optax.clip_by_global_norm(1.0)), optax.adamw(lr))   # + post-clip
-    ...
+    updates, opt_state = tx.update(grads, opt_state, params, vitals_layers=full)
     metrics = vitals.recorded(opt_state)     # {'grad/global_norm': ..., ...}
 
-The recorder passes updates through unchanged (or through ``inner``, whose
-outputs and state are exactly those of ``inner`` alone) and keeps the latest
-metrics in its state, a flat ``{name: float32 scalar}`` dict, so
-``optax.tree.get(opt_state, 'grad/global_norm')`` works too.
-
-**Placement.** Wrapping the whole optimizer, clip first
-(``record(optax.chain(clip, opt))``), gives every figure: the clip first in the
-chain is recognised (``optax.clip_by_global_norm``, or any transform whose state
-has a ``clip_threshold`` field, such as :func:`jvitals.adaptive_clip`), so the
-pre-clip figures are those of the gradients it receives and the post-clip ones
-are known from them (``min(||g||, max_norm)``); the final updates are the
-chain's outputs. Inside :func:`jvitals.with_lr_scale`, the update receives
-``vitals_lr_scale`` (the global scale in force), which multiplies the update
-figures and ``opt/learning_rate``: they are those of the updates applied
-(per-group scales, ``with_lr_scale(groups=...)``, act after the recorder and are
-not in them). Wrapping only the clip (``chain(record(clip), opt)``) gives no
-update figures.
-
-Families and their cadence (``every``, in optimizer updates):
-
-- ``"global"`` (default every update): ``grad/global_norm`` (pre-clip: the
-  updates the recorder receives), ``grad/nonfinite_count``,
-  ``param/global_norm`` (with ``params``); with a clip, ``grad/global_norm_post_clip``,
-  ``grad/clip_ratio`` (post / pre), ``grad/clipped`` (1.0 when the clip fired)
-  and, for a clip with a threshold state, ``grad/clip_threshold``; with the
-  final updates, ``update/global_norm``, ``update/param_ratio``
-  (``||update|| / ||params||``) and ``update/rms`` (``||update|| / sqrt(n)``, the
-  ``n`` parameters counted over the mesh); ``opt/learning_rate`` (``schedule=``, or an
-  ``optax.inject_hyperparams`` learning rate inside ``inner``, times the LR
-  scales).
-- ``"layers"`` (default every 50 updates): every per-role, per-layer and
-  per-group figure of :func:`jvitals.gradient_metrics` — ``grad/Wq_abs.max`` ...,
-  ``grad/norm/layer_i``, ``grad/share/layer_i``, ``param/norm/layer_i``,
-  ``grad/norm/embedding``, ``grad/share/embedding``, ``param/norm/embedding``
-  (and ``lm_head``, unless the head is tied to the embedding); with the final
-  updates ``update/param_ratio/layer_i`` and ``update/param_ratio/{embedding,lm_head}``.
-
-On a step where a family is not due, its figures keep their previous values and
-are not computed: the choice is a ``lax.cond``/``lax.switch`` on the step counter, so
-only the branch taken runs. A conditional is not free, though: XLA:CPU spends
-time on the branch it skips, and on a GPU the step waits for the host to read the
-predicate (docs/COST.md). So the per-layer family can also be chosen at trace
-time, by an extra argument of the update, which ``optax.chain``, ``MultiSteps``,
-``inject_hyperparams`` and ``apply_if_finite`` pass through, from a step
-compiled twice on a static flag::
-
-    updates, opt_state = tx.update(grads, opt_state, params, vitals_layers=full)
-
-``vitals_layers=True`` computes every family this update, ``False`` only the
-global one (its cadence still applies), with no cadence conditional and nothing of
-the per-layer pass compiled; a traced boolean is used as the predicate of the
-``lax.cond``; None (the default) follows ``every``.
-
-What each step reads. The per-layer family takes every figure from one read of each
-leaf of the gradients, the parameters and ``inner``'s outputs, one variadic
-reduction per leaf (``gradient_metrics`` with ``updates=``). The light step
-(:func:`jvitals.metrics.gradients.norm_metrics`, under ``jit``) writes the
-gradients' norm as optax writes it (``optax.tree.norm``), so it and a wrapped
-clip's are one computation to XLA (no read of its own), with their non-finite
-count taken only when the norm is not finite (a ``lax.cond`` on the CPU, selected
-on other backends); the parameters' norm is a plain sum per leaf and the outputs'
-one variadic reduction per leaf, fused with the optimizer's last step. The
-post-clip norm of a wrapped ``optax.clip_by_global_norm(max_norm)`` is
-``min(||g||, max_norm)`` (NaN if ``||g||`` is), known without reading the clipped
-gradients; any other wrapped transform's outputs (an optimizer's updates) are read for their norm (with the
-``lax.cond`` cadence: outside the conditional, kept only when the pre-clip figures
-are fresh, the per-layer ones in the per-layer branch, which the outputs then
-enter). Reading the updates costs more than a read on XLA:CPU, which has no
-multi-output fusion: the optimizer's direction (Adam's ``m / (sqrt(v) + eps)``) is
-written out once and read by the recorder and by ``optax.apply_updates``
-(docs/COST.md).
-``RecordState.last_step`` records, per family, the update at which its
-figures were last computed (-1: never).
-
-Placement:
-
-- With ``optax.MultiSteps(opt, k)``, put the recorder *inside* ``opt``: it then
-  sees the mean of the ``k`` micro-gradients, at the boundary where the update
-  is applied (outside, it would record every micro-batch).
-- With ``optax.apply_if_finite``, put the recorder *outside* it (first in the
-  chain, or wrapping it): ``apply_if_finite`` discards its inner state on a
-  non-finite step, and with it the recorded NaN.
-- With ``optax.inject_hyperparams``, anywhere: :func:`recorded` searches the
-  whole optimizer state.
-- With Flax NNX, in the ``nnx.Optimizer``'s transformation:
-  ``nnx.Optimizer(model, vitals.record(...), wrt=nnx.Param)``;
-  ``optimizer.update(model, grads, vitals_layers=full)`` passes the cadence (NNX
-  forwards the keywords to the update) and ``recorded(optimizer.opt_state)`` reads
-  the state as it is (its ``OptState`` Variables). The figures and names are the
-  Linen path's: the gradients arrive as an ``nnx.State`` whose paths are the
-  module paths.
+The recorder passes updates through unchanged (or through ``inner``) and keeps the latest
+figures in its state. Two families: ``"global"`` (every update: global norms, every layer's
+and group's figures, the clip's and the update's, the learning rate) and ``"layers"`` (at a
+cadence, or ``vitals_layers=True``: the per-role figures). Placement, cadence, what each step
+reads, and the recorder with ``MultiSteps``, ``apply_if_finite`` and NNX: docs/RECORDER.md.
 """
 
 from __future__ import annotations
@@ -118,8 +30,7 @@ from jvitals.metrics import gradients as _gradients
 from jvitals.metrics import light as _light
 from jvitals.metrics import axes as _axes
 from jvitals.metrics import window as _window
-from jvitals.metrics.chain import (SKIP_FIELD, _at, _clip_max_norm, _closure, _has_threshold, _is_optax_fn,  # noqa: F401
-                                   _leading_clip, _max_norm_of, _skipped, _unwrap)
+from jvitals.metrics.chain import has_threshold, leading_clip, skipped, state_at
 from jvitals.metrics.explain import log_roles_summary
 from jvitals.metrics.optimizer import LR_SCALE, LR_SCALE_ARG, injected_hyperparams
 from jvitals.metrics.packed import PackedMetrics
@@ -231,7 +142,7 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
     check_schedule(schedule, "record")
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     cfg = _Config(roles=roles, specs=specs, axes=axes, cadence=cadence, schedule=schedule,
-                  lead=_leading_clip(inner), post=post)
+                  lead=leading_clip(inner), post=post)
     inner = optax.with_extra_args_support(inner) if inner is not None else None
 
     def init_fn(params: Any) -> RecordState:
@@ -286,7 +197,7 @@ class _Config(NamedTuple):
     axes: tuple[str, ...]
     cadence: dict[str, int]
     schedule: Any
-    lead: tuple[tuple[int | str, ...], Any, bool]  # _leading_clip(inner): path, max_norm, whole
+    lead: tuple[tuple[int | str, ...], Any, bool]  # leading_clip(inner): path, max_norm, whole
     post: str
 
 
@@ -316,7 +227,7 @@ def _plan(cfg: _Config, inner: Any, inner_state: Any) -> _Plan:
     if cfg.post not in ("auto", "clip", "update"):
         raise ValueError(f"record(post={cfg.post!r}): expected 'auto', 'clip' or 'update'")
     lead_path, lead_max, lead_whole = cfg.lead
-    known = ("threshold" if _has_threshold(_at(inner_state, lead_path)) else
+    known = ("threshold" if has_threshold(state_at(inner_state, lead_path)) else
              "max_norm" if lead_max is not None else None)
     if cfg.post == "clip":
         return _Plan(known if lead_whole and known else "measured", False, lr)
@@ -506,7 +417,7 @@ def _set_window(cfg: _Config, step: _Step, vec: jax.Array, new: jax.Array, loss:
         values["loss"] = _replicated({"loss": jnp.asarray(loss, jnp.float32).reshape(())}, cfg.axes)["loss"]
         bad = bad | ~jnp.isfinite(values["loss"])
     at = jnp.array([index[k] for k in names])
-    w = _window.update_window({k: vec[index[k]] for k in names}, new, values, bad, _skipped(step.inner_state))
+    w = _window.update_window({k: vec[index[k]] for k in names}, new, values, bad, skipped(step.inner_state))
     return vec.at[at].set(jnp.where(fresh, jnp.stack([w[k] for k in names]), vec[at]))
 
 
@@ -551,7 +462,7 @@ def _post_clip(cfg: _Config, step: _Step, pre: jax.Array, out_norm: jax.Array | 
     if step.plan.clip == "max_norm":
         post_norm = _min_keep_nan(pre, jnp.asarray(lead_max, jnp.float32))
     elif step.plan.clip == "threshold":
-        threshold = jnp.asarray(_at(step.inner_state, lead_path).clip_threshold, jnp.float32).reshape(())
+        threshold = jnp.asarray(state_at(step.inner_state, lead_path).clip_threshold, jnp.float32).reshape(())
         post_norm = _min_keep_nan(pre, threshold)
     else:
         post_norm = out_norm

@@ -498,7 +498,7 @@ def _masked_groups(items: Sequence[tuple]) -> list[dict[str, jax.Array]]:
     ``D`` first, unmasked, then the masked sums and maximum of those ``[B, T]`` partials.
     The same figures (every element of a token shares its mask), and the reduction over
     the tensor holds no mask: inside it, the TPU compiler laid the model's tensor out anew
-    for it (up to 3.8x of one read of it, ``benchmarks/tpu_cost.py``); outside, 0.1x. A
+    for it (a read of its own, several times one read: docs/COST.md). A
     mask that varies along the last axis (the attention scores' causal mask) is applied
     inside the reduction.
     """

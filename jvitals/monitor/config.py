@@ -12,6 +12,7 @@ Imports nothing from the other monitor modules.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import re
 import types
 from typing import Any, Iterable, Mapping
@@ -50,8 +51,33 @@ def _set(obj: Any, field: str, value: Any) -> None:
     object.__setattr__(obj, field, value)
 
 
+def _number(obj: Any, field: str, integer: bool = False) -> None:
+    """TypeError unless the field holds a real number (an integer where ``integer``)."""
+    v = getattr(obj, field)
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(v, bool) or not isinstance(v, kind) and not (integer and isinstance(v, float) and v.is_integer()):
+        raise TypeError(f"{_name(obj, field)} expects {'an integer' if integer else 'a number'}, "
+                        f"got {type(v).__name__} {v!r}")
+
+
+def _typed(obj: Any) -> None:
+    """TypeError naming a field whose value is not of its annotated scalar type (``float``,
+    ``int`` or ``str``, each perhaps ``| None``): ``z="6"`` is a mistake, not a threshold."""
+    for f in dataclasses.fields(obj):
+        ann = str(f.type).replace(" ", "")
+        base = ann[:-5] if ann.endswith("|None") else ann
+        v = getattr(obj, f.name)
+        if base not in ("float", "int", "str") or v is None and base != ann:
+            continue
+        if base != "str":
+            _number(obj, f.name, integer=base == "int")
+        elif not isinstance(v, str):
+            raise TypeError(f"{_name(obj, f.name)} expects a str, got {type(v).__name__} {v!r}")
+
+
 def _ints(obj: Any, fields: tuple[str, ...], least: int) -> None:
     for f in fields:
+        _number(obj, f, integer=True)
         if int(getattr(obj, f)) < least:
             raise ValueError(f"{_name(obj, f)} expects an integer >= {least}, got {getattr(obj, f)!r}")
 
@@ -59,18 +85,22 @@ def _ints(obj: Any, fields: tuple[str, ...], least: int) -> None:
 def _optional_ints(obj: Any, fields: tuple[str, ...], least: int) -> None:
     for f in fields:
         v = getattr(obj, f)
-        if v is not None and (isinstance(v, bool) or int(v) < least):
+        if v is not None:
+            _number(obj, f, integer=True)
+        if v is not None and int(v) < least:
             raise ValueError(f"{_name(obj, f)} expects None or an integer >= {least}, got {v!r}")
 
 
 def _above(obj: Any, fields: tuple[str, ...], least: float, what: str) -> None:
     for f in fields:
+        _number(obj, f)
         if not getattr(obj, f) > least:
             raise ValueError(f"{_name(obj, f)} expects {what} > {least:g}, got {getattr(obj, f)!r}")
 
 
 def _within(obj: Any, field: str, lo: float, hi: float, closed: str, what: str) -> None:
     """``closed``: which ends are included, ``""``, ``"lo"``, ``"hi"``."""
+    _number(obj, field)
     v = getattr(obj, field)
     ok = (v >= lo if closed == "lo" else v > lo) and (v <= hi if closed == "hi" else v < hi)
     if not ok:
@@ -175,6 +205,7 @@ class BaselineConfig:
     adaptive_min_samples: int = 16
 
     def __post_init__(self) -> None:
+        _typed(self)
         _optional_ints(self, ("warmup_steps", "settle_window", "settle_max_steps"), 0)
         if self.kind not in BASELINE_KINDS:
             raise ValueError(f"{_name(self, 'kind')} expects one of {sorted(BASELINE_KINDS)}, got {self.kind!r}")
@@ -230,6 +261,7 @@ class RatioConfig:
     trend_drift_k: float = 3.0
 
     def __post_init__(self) -> None:
+        _typed(self)
         for f in ("thresholds", "schedule_metrics", "jump_metrics", "trend_metrics"):
             _metric_names(self, f, getattr(self, f))
         rules = {}
@@ -279,6 +311,7 @@ class AlertConfig:
     spikes_size: int = 256
 
     def __post_init__(self) -> None:
+        _typed(self)
         _within(self, "hysteresis", 0, 1, "hi", "a value")
         _ints(self, ("clear_steps", "episode_gap"), 0)
         _ints(self, ("history_size", "spikes_size"), 1)
@@ -311,6 +344,7 @@ class SystemConfig:
     event_hold_steps: int = 300
 
     def __post_init__(self) -> None:
+        _typed(self)
         _names(self, ("nonfinite_metrics", "nonfinite_count_metrics", "throughput_metrics"))
         _above(self, ("throughput_z", "throughput_noise_halflife"), 0, "a positive value")
         _ints(self, ("throughput_hold_steps", "event_hold_steps"), 0)
@@ -346,6 +380,7 @@ class BetweenConfig:
     repeat_collapse: float = 3.0
 
     def __post_init__(self) -> None:
+        _typed(self)
         _bands(self, "early_jumps", "metric name -> ratio", 1)
         _above(self, ("repeat_collapse",), 1, "a ratio")
         _ints(self, ("repeat_window",), 1)
@@ -389,6 +424,7 @@ class ValidationConfig:
     rise_sparse_run: int = 2
 
     def __post_init__(self) -> None:
+        _typed(self)
         _ints(self, ("gap_window", "gap_confirm", "rise_window", "rise_min_samples"), 1)
         _ints(self, ("rise_sparse_run",), 0)
         if not self.gap_halflife >= 0:
@@ -439,6 +475,7 @@ class SpikeConfig:
     score_window: int = 10_000
 
     def __post_init__(self) -> None:
+        _typed(self)
         _names(self, ("metrics", "alert_metrics", "periodic_metrics"))
         _above(self, ("trend_halflife", "scale_halflife"), 0, "positive steps")
         _ints(self, ("physiological_steps", "pathological_steps", "post_window", "forget_steps",
@@ -485,6 +522,7 @@ class BandConfig:
     router_steps: int = 50
 
     def __post_init__(self) -> None:
+        _typed(self)
         _bands(self, "group_bands", "family name -> ratio", 1)
         _names(self, ("group_growth",))
         _bands(self, "router_bands", "metric name -> excess", 0)
@@ -527,6 +565,7 @@ class HealthConfig:
     red_min_steps: int = 0
 
     def __post_init__(self) -> None:
+        _typed(self)
         _optional_ints(self, ("vocab_size",), 1)
         _ints(self, ("red_after", "broken_jump_window"), 1)
         _ints(self, ("broken_steps", "broken_loss_steps", "red_min_steps"), 0)
@@ -562,6 +601,7 @@ class LocalizeConfig:
     max_metrics: int = 4096
 
     def __post_init__(self) -> None:
+        _typed(self)
         _regex(self, "pattern")
         _ints(self, ("window", "rows", "lookback", "reference", "top", "max_metrics"), 1)
 
@@ -589,6 +629,7 @@ class ReplicaConfig:
     min_replicas: int = 3
 
     def __post_init__(self) -> None:
+        _typed(self)
         _above(self, ("z",), 0, "a value")
         _above(self, ("min_ratio",), 1, "a value")
         _within(self, "rel_floor", 0, 1, "lo", "a fraction")
@@ -642,6 +683,7 @@ class ScaleConfig:
     vanish_checks: int = 1
 
     def __post_init__(self) -> None:
+        _typed(self)
         _above(self, ("update_level",), 0, "a ratio")
         _ints(self, ("update_hold",), 0)
         _ints(self, ("vanish_checks",), 1)

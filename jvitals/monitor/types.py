@@ -196,7 +196,7 @@ PRESCRIPTIONS: Mapping[str, Prescription] = types.MappingProxyType({
         "a sick device or the data shard it read",
         "rotate the data shards between replicas to tell; if it stays on the replica, restart "
         "without its host"),
-    # Issue 35: what the README's cadence sees between two checks and before the baselines.
+    # What a check sees in the window since the previous one, and before the baselines.
     "data_quality": Prescription(
         "loss rising while the gradient, update and parameter figures stay in their bands",
         "the data: a degrading pipeline (corrupt, duplicated or off-distribution batches), not "
