@@ -15,6 +15,9 @@ import optax
 from jax import lax
 
 import jvitals as vitals
+import pytest
+
+pytestmark = pytest.mark.slow   # an end-to-end run in fresh processes: the full tier (README)
 
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "overhead.py"
 

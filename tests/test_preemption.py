@@ -26,6 +26,8 @@ from jvitals.monitor.monitor import Alert, Level, Verdict
 from jvitals.optim.lr_scale import get_lr_scale, with_lr_scale
 from jvitals.guard import Retention
 
+pytestmark = pytest.mark.slow   # an end-to-end run in fresh processes: the full tier (README)
+
 REPO = Path(__file__).resolve().parents[1]
 TX = with_lr_scale(optax.adam(1e-2))
 USR1 = signal.SIGUSR1

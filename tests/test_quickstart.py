@@ -5,6 +5,9 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+import pytest
+
+pytestmark = pytest.mark.slow   # an end-to-end run in fresh processes: the full tier (README)
 
 REPO = Path(__file__).resolve().parents[1]
 

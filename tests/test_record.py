@@ -749,7 +749,7 @@ def test_the_real_adaptive_clip_is_recognised_as_a_clip():
 def _cfg(post="auto", inner=None, schedule=None, every=None):
     r = record_module
     return r._Config(roles=vitals.Roles(), specs=None, axes=(), cadence=check_cadence(every, r.DEFAULT_EVERY, "record"), schedule=schedule,
-                     lead=r._leading_clip(inner), post=post)
+                     lead=chain_module.leading_clip(inner), post=post)
 
 
 def test_plan_decides_the_post_clip_update_and_lr_figures():

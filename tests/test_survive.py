@@ -31,6 +31,9 @@ from pathlib import Path
 import numpy as np
 
 from test_readme import usage_block
+import pytest
+
+pytestmark = pytest.mark.slow   # an end-to-end run in fresh processes: the full tier (README)
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_STEPS = 300

@@ -18,6 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from multiprocess_util import REPO, WORKER_PRELUDE, free_port, run_workers
+import pytest
+
+pytestmark = pytest.mark.slow   # an end-to-end run in fresh processes: the full tier (README)
 
 NUM_STEPS = 400
 

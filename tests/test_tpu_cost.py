@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow   # an end-to-end run in fresh processes: the full tier (README)
+
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "tpu_cost.py"
 TOPOLOGY = "v5e:2x2"
 

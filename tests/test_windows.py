@@ -258,8 +258,8 @@ def test_skip_step_errors_name_what_is_wrong():
 
 
 def test_recorder_sees_the_clip_through_the_skip():
-    R = importlib.import_module("jvitals.metrics.record")
-    path, max_norm, whole = R._leading_clip(vitals.skip_step(optax.chain(optax.clip_by_global_norm(2.0),
+    C = importlib.import_module("jvitals.metrics.chain")
+    path, max_norm, whole = C.leading_clip(vitals.skip_step(optax.chain(optax.clip_by_global_norm(2.0),
                                                                          optax.adamw(1e-3))))
     assert path == ("inner_state", 0) and max_norm == 2.0 and not whole
     tx = _tx(skip=True)

@@ -20,8 +20,9 @@ denormals below ``9.2e-41``) reads as 0, so a model whose ``nu`` is mostly zero 
 an infinite spread, as NumPy would. Cost on the CPU: one read and a 32768-bin
 scatter-add per leaf; no sort, no concatenation, no host sync. On GPUs and TPUs a
 scatter-add of many equal indices serialises (as long as a whole training step on a
-GPU, docs/COST.md), so there the same bins are found by :func:`search_quantile` instead: four compare-and-count reads of each leaf,
-narrowing the median's bin 16-fold per pass (``median=`` chooses).
+GPU, docs/COST.md), so there the same bins are found by :func:`search_quantile` instead:
+four compare-and-count reads of each leaf, narrowing the median's bin 16-fold per pass
+(``median=`` chooses).
 
 **On the CPU, above** ``2 NU_SAMPLE`` **values** (about a million), the median is that of a
 systematic sample (:func:`systematic_sample`: every ``k``-th value of each leaf, ``k`` odd,

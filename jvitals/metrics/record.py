@@ -309,8 +309,9 @@ def _heavy_figures(cfg: _Config, step: _Step) -> dict[str, jax.Array]:
     and the step take anyway, the update figures from the change applied, which the TPU
     compiler fuses with ``optax.apply_updates``) and the per-role gradient figures by plain
     reductions (:func:`jvitals.metrics.gradients.plain_grad_figures`), which XLA:CPU
-    vectorises, behind an optimization barrier on GPUs and TPUs (docs/COST.md). Otherwise (``shard_map``, other dtypes) one pass over the leaves of
-    the three trees (:func:`jvitals.metrics.gradients.gradient_metrics`).
+    vectorises, behind an optimization barrier on GPUs and TPUs (docs/COST.md). Otherwise
+    (``shard_map``, other dtypes) one pass over the leaves of the three trees
+    (:func:`jvitals.metrics.gradients.gradient_metrics`).
     """
     upd = step.out if step.with_updates else None
     plain = (not cfg.axes and _gradients._optax_form(step.grads, ())
