@@ -189,7 +189,21 @@ def _logit_metrics():
     return {"act/attn_logits_abs.max/layer_0": jnp.float32(50.0)}
 
 
+def _recorder_args(order):
+    tx = vitals.record(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)))
+    p = _params()
+    st = tx.init(p)
+    args = {"none": (None, st, p), "swapped": (p, p, st), "other": (p, st, {"w": _x(3)})}[order]
+    return tx.update(*args)
+
+
 RECORDER = [
+    ("update of grads None", lambda: _recorder_args("none"), TypeError,
+     r"tx.update\(grads, opt_state, params\) got grads=None"),
+    ("update with opt_state and params swapped", lambda: _recorder_args("swapped"), TypeError,
+     r"opt_state is dict, not the state tx.init\(params\) returned; were the arguments swapped"),
+    ("update with another model's params", lambda: _recorder_args("other"), ValueError,
+     "params does not hold the leaves of grads"),
     ("typo vitals_layer", lambda: _recorder_update(vitals_layer=True), TypeError,
      r"unknown keyword argument vitals_layer=True; did you mean vitals_layers=\?.*'vitals_read'"),
     ("typo vitals_lr_scales", lambda: _recorder_update(vitals_lr_scales=0.5), TypeError,
@@ -304,6 +318,10 @@ METRICS = [
      r"grads: the leaf at \[0\] is int 1, not an array"),
     ("a global norm of a string", lambda: vitals.global_norm("abc"), TypeError,
      "the leaf at the root is str 'abc', not an array"),
+    ("optimizer statistics of the params", lambda: vitals.optimizer_metrics(_params()), TypeError,
+     "opt_state holds arrays but no optax state .*were the params passed"),
+    ("a global norm's prefix not a str", lambda: vitals.global_norm_metrics(_params(), prefix=3), TypeError,
+     "prefix=3, suffix='' must be str"),
     ("a Python float among the leaves", lambda: vitals.global_norm({"a": _x(4), "b": 1.5}), TypeError,
      r"the leaf at \['b'\] is float 1.5, not an array"),
     ("summarize of None", lambda: vitals.summarize(None), TypeError,

@@ -400,6 +400,8 @@ def global_norm_metrics(tree: Any, *, specs: Any = None, axes: Sequence[str] | s
       Array(5., dtype=float32)
     """
     check_not_none(tree, "global_norm_metrics", "tree", "a pytree of arrays (the gradients)")
+    if not (isinstance(prefix, str) and isinstance(suffix, str)):
+        raise TypeError(f"global_norm_metrics: prefix={prefix!r}, suffix={suffix!r} must be str (the figures' names)")
     if _optax_form(tree, check_axes(axes)):  # under jit: as norm_metrics takes it
         n, count = _norm_and_count(tree)
         return {f"{prefix}/global_norm{suffix}": n, f"{prefix}/nonfinite_count{suffix}": count}

@@ -83,6 +83,10 @@ NU_SAMPLE = 1 << 19
 value up to twice as many)."""
 
 
+def _is_state_node(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(x, "_fields")
+
+
 def _is_adam(x: Any) -> bool:
     return isinstance(x, tuple) and "nu" in getattr(x, "_fields", ())
 
@@ -358,6 +362,9 @@ def optimizer_metrics(opt_state: Any, *, specs: Any = None, axes: Sequence[str] 
         for s in injected_hyperparams(opt_state, LR_SCALE):
             lr = lr * jnp.asarray(s, _F32).reshape(())
         out[f"{p}/learning_rate"] = lr
+    if not out and jax.tree.leaves(opt_state) and not _find(opt_state, _is_state_node):
+        raise TypeError("optimizer_metrics: opt_state holds arrays but no optax state (no NamedTuple such as "
+                        "ScaleByAdamState in it): were the params passed? pass opt_state = tx.init(params)")
     return out
 
 

@@ -35,7 +35,7 @@ from jvitals.metrics.explain import log_roles_summary
 from jvitals.metrics.optimizer import LR_SCALE, LR_SCALE_ARG, injected_hyperparams
 from jvitals.metrics.packed import PackedMetrics
 from jvitals.metrics.checks import (check_cadence, check_choice, check_extra_kwargs, check_opt_state,
-                                    check_schedule, check_transform)
+                                    check_same_structure, check_schedule, check_transform)
 from jvitals.metrics.roles import Roles, check_roles
 from jvitals.metrics.variables import unwrap
 
@@ -154,7 +154,7 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
     def update_fn(updates: Any, state: RecordState, params: Any = None, *,
                   vitals_layers: bool | jax.Array | None = None, vitals_read: bool | jax.Array | None = None,
                   **extra: Any):
-        check_extra_kwargs(extra, _KEYWORDS, "record: tx.update(...)")
+        _check_update_args(updates, state, params, extra)
         if inner is not None:
             out, inner_state = inner.update(updates, state.inner_state, params, **extra)
         else:
@@ -165,6 +165,19 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
         return out, _recorded_state(cfg, step, state, vitals_layers, vitals_read, extra.get("loss"))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_update_args(updates: Any, state: Any, params: Any, extra: Mapping[str, Any]) -> None:
+    """``tx.update(grads, opt_state, params, **extra)``'s arguments in their order, and no
+    unknown ``vitals_*`` keyword (static checks)."""
+    check_extra_kwargs(extra, _KEYWORDS, "record: tx.update(...)")
+    if updates is None:
+        raise TypeError("record: tx.update(grads, opt_state, params) got grads=None; pass the gradients pytree")
+    if not (hasattr(state, "inner_state") and hasattr(state, "metrics")):
+        raise TypeError(f"record: tx.update(grads, opt_state, params): opt_state is {type(state).__name__}, not the "
+                        "state tx.init(params) returned; were the arguments swapped? the order is "
+                        "(grads, opt_state, params)")
+    check_same_structure(updates, params, "record: tx.update", "grads", "params")
 
 
 def _recorded_state(cfg: "_Config", step: "_Step", state: RecordState, vitals_layers: Any, vitals_read: Any,
