@@ -90,3 +90,9 @@ def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per core, at most 4 (each worker holds 8 forced CPU
     devices, a TensorFlow import and compiled models: ~2-3 GB)."""
     return max(1, min(os.cpu_count() or 1, 4))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The end-to-end files (``slow``) first: with ``--dist loadfile`` each file runs whole on one
+    worker, so the longest ones start early beside the short ones instead of ending the run alone."""
+    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)
