@@ -181,7 +181,7 @@ def _applied_groups(updates: Any, params: Any, plan: Sequence[Any], p_norm: jax.
     new = optax.apply_updates(params, updates)
     # GPUs and TPUs: the sums read the new parameters as the step writes them out (a barrier
     # against fusing a copy of the optimizer's expression into the sums, which the TPU compiler
-    # otherwise does on some models, reading its inputs again: 3x the one-read limit on d256).
+    # otherwise does on some models, reading the optimizer's inputs again; docs/COST.md).
     new = fold.on_cpu(lambda: new, lambda: jax.lax.optimization_barrier(new))
     diff = jax.tree.leaves(jax.tree.map(lambda a, b: a - b, new, params))
     ug = _Groups()

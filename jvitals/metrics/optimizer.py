@@ -254,8 +254,8 @@ def search_quantile(groups: Mapping[tuple[str, ...], Sequence[jax.Array]], q: fl
     finite bin: the caller reports NaN then, as :func:`optimizer_metrics` does).
 
     A scatter-add of many equal bin indices serialises on GPUs and TPUs; these passes
-    are plain reductions there. XLA:CPU materialises the compares instead (100x the
-    histogram's time and memory, docs/COST.md), so the CPU keeps the histogram.
+    are plain reductions there. XLA:CPU materialises the compares instead (far
+    more time and memory than the histogram, docs/COST.md), so the CPU keeps the histogram.
 
     Args:
       groups: leaves by the mesh axes their counts are ``psum``-ed over (``()``:
