@@ -185,6 +185,17 @@ def records(splits=SPLITS, cadences=CADENCES) -> dict[str, dict[str, Any]]:
     return out
 
 
+def changed(cadence: int, heavy: int) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """The record at this cadence, and ``{stream: its differences}`` for every stream whose
+    verdicts differ from it now (a stream gone or new differs whole)."""
+    key = f"{cadence}/{heavy}"
+    want = json.loads(GOLDEN.read_text())[key]
+    got = records(cadences=((cadence, heavy),))[key]
+    differ = {k: ["stream gone" if k not in got else "stream new"] for k in set(want) ^ set(got)}
+    differ.update({k: d for k in sorted(set(want) & set(got)) if (d := differences(got[k], want[k]))})
+    return want, differ
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["write"]:
         GOLDEN.write_text(json.dumps(records(), indent=1, sort_keys=True) + "\n")
@@ -200,11 +211,8 @@ def main(argv: list[str]) -> int:
                 f.write(f"{step}:{json.dumps(v, sort_keys=True, separators=(',', ':'))}\n")
         return 0
     if argv[:1] == ["check"] and len(argv) == 2:   # check CADENCE/HEAVY: exit 1 naming changed streams
-        want = json.loads(GOLDEN.read_text())[argv[1]]
-        cadence, heavy = (int(x) for x in argv[1].split("/"))
-        got = records(cadences=((cadence, heavy),))[argv[1]]
-        differ = sorted(k for k in want if k not in got or differences(got[k], want[k]))
-        print(json.dumps({"streams": len(want), "changed": differ}))
+        want, differ = changed(*(int(x) for x in argv[1].split("/")))
+        print(json.dumps({"streams": len(want), "changed": sorted(differ)}))
         return 1 if differ else 0
     print(__doc__)
     return 2

@@ -179,10 +179,7 @@ def _applied_groups(updates: Any, params: Any, plan: Sequence[Any], p_norm: jax.
     rounding of ``p + u`` in float32 (an update below half an ulp of ``p`` is not applied,
     and not counted). The non-finite count reads ``u`` where the norm is not finite."""
     new = optax.apply_updates(params, updates)
-    # GPUs and TPUs: the sums read the new parameters as the step writes them out (a barrier
-    # against fusing a copy of the optimizer's expression into the sums, which the TPU compiler
-    # otherwise does on some models, reading the optimizer's inputs again; docs/COST.md).
-    new = fold.on_cpu(lambda: new, lambda: jax.lax.optimization_barrier(new))
+    new = fold.as_written(new)   # the new parameters as the step writes them out
     diff = jax.tree.leaves(jax.tree.map(lambda a, b: a - b, new, params))
     ug = _Groups()
     total = jnp.zeros((), _F32)

@@ -330,10 +330,7 @@ def _heavy_figures(cfg: _Config, step: _Step) -> dict[str, jax.Array]:
     plain = (not cfg.axes and _gradients._optax_form(step.grads, ())
              and (step.params is None or _gradients._optax_form(step.params, ())))
     if plain:
-        # GPUs and TPUs: the per-role reductions read the gradients as the backward pass
-        # writes them (a barrier against fusing copies of their producers into each).
-        grads = _fold.on_cpu(lambda: step.grads, lambda: lax.optimization_barrier(step.grads))
-        m = _gradients.plain_grad_figures(grads, roles=cfg.roles)
+        m = _gradients.plain_grad_figures(_fold.as_written(step.grads), roles=cfg.roles)
         light = _light.light_metrics(step.grads, step.params, upd, roles=cfg.roles)
         m.update({k: v for k, v in light.items() if k.startswith(("param/", "update/"))
                   and k != "update/nonfinite_count"})

@@ -62,7 +62,8 @@ def _number(obj: Any, field: str, integer: bool = False) -> None:
 
 def _typed(obj: Any) -> None:
     """TypeError naming a field whose value is not of its annotated scalar type (``float``,
-    ``int`` or ``str``, each perhaps ``| None``): ``z="6"`` is a mistake, not a threshold."""
+    ``int`` or ``str``, each perhaps ``| None``): ``z="6"`` is a mistake, not a threshold.
+    First in every config's ``__post_init__``, so the range checks below compare numbers."""
     for f in dataclasses.fields(obj):
         ann = str(f.type).replace(" ", "")
         base = ann[:-5] if ann.endswith("|None") else ann
@@ -77,7 +78,6 @@ def _typed(obj: Any) -> None:
 
 def _ints(obj: Any, fields: tuple[str, ...], least: int) -> None:
     for f in fields:
-        _number(obj, f, integer=True)
         if int(getattr(obj, f)) < least:
             raise ValueError(f"{_name(obj, f)} expects an integer >= {least}, got {getattr(obj, f)!r}")
 
@@ -85,22 +85,18 @@ def _ints(obj: Any, fields: tuple[str, ...], least: int) -> None:
 def _optional_ints(obj: Any, fields: tuple[str, ...], least: int) -> None:
     for f in fields:
         v = getattr(obj, f)
-        if v is not None:
-            _number(obj, f, integer=True)
         if v is not None and int(v) < least:
             raise ValueError(f"{_name(obj, f)} expects None or an integer >= {least}, got {v!r}")
 
 
 def _above(obj: Any, fields: tuple[str, ...], least: float, what: str) -> None:
     for f in fields:
-        _number(obj, f)
         if not getattr(obj, f) > least:
             raise ValueError(f"{_name(obj, f)} expects {what} > {least:g}, got {getattr(obj, f)!r}")
 
 
 def _within(obj: Any, field: str, lo: float, hi: float, closed: str, what: str) -> None:
     """``closed``: which ends are included, ``""``, ``"lo"``, ``"hi"``."""
-    _number(obj, field)
     v = getattr(obj, field)
     ok = (v >= lo if closed == "lo" else v > lo) and (v <= hi if closed == "hi" else v < hi)
     if not ok:
