@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from jvitals.metrics import fold
-from jvitals.metrics.stats import Summary, _nan_rule
+from jvitals.metrics.stats import Summary, nan_rule
 
 __all__ = ["EXACT_IOTA", "PlainKeys", "argmax", "plain_keys", "plain_summaries", "row_stats"]
 
@@ -77,7 +77,7 @@ def plain_summaries(items: Sequence[tuple]) -> list[Summary]:
     for x, it, sq, am, nf in zip(xs, items, sumsq, amax, nonfinite):
         n = jnp.full(sq.shape, float(x.size // max(int(np.prod(sq.shape)), 1)), _F32)
         nan = jnp.full(sq.shape, jnp.nan, _F32)
-        out.append(Summary(count=n, sum=nan, sumsq=sq, abs_max=nan if am is None else _nan_rule(am, n, nf),
+        out.append(Summary(count=n, sum=nan, sumsq=sq, abs_max=nan if am is None else nan_rule(am, n, nf),
                            nonfinite=nf))
     return out
 

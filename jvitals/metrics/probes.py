@@ -36,7 +36,7 @@ from flax import struct
 from jax import lax
 
 from jvitals.metrics import cpu_forms, fold
-from jvitals.metrics.stats import Summary, _nan_rule, eager_jit, reduce, summarize, summarize_max
+from jvitals.metrics.stats import Summary, nan_rule, eager_jit, reduce, summarize, summarize_max
 from jvitals.metrics.axes import make_varying, pmax_over
 
 __all__ = [
@@ -386,12 +386,12 @@ def _rows_summary(rows: "LogitsRows", valid: jax.Array) -> "LogitsSummary":
     names += ["sum", "sum", "max", "sum", "max", "sum"]
     got = fold.fold(ops, inits, fold.kinds(names)[1])
     n = got[-1]
-    pos = [Summary(count=n, sum=got[j], sumsq=got[j + 1], abs_max=_nan_rule(got[j + 2], n, got[j + 3]),
+    pos = [Summary(count=n, sum=got[j], sumsq=got[j + 1], abs_max=nan_rule(got[j + 2], n, got[j + 3]),
                    nonfinite=got[j + 3]) for j in (0, 4, 8)]
     lse_s, diff_s, tie_s = pos
     count = n * v
     nonfinite = got[15]
-    logit_s = Summary(count=count, sum=got[12], sumsq=got[13], abs_max=_nan_rule(got[14], count, nonfinite),
+    logit_s = Summary(count=count, sum=got[12], sumsq=got[13], abs_max=nan_rule(got[14], count, nonfinite),
                       nonfinite=nonfinite)
     lse_max = jnp.where((lse_s.nonfinite > 0) | (n <= 0), jnp.nan, got[16]).astype(_F32)
     return LogitsSummary(logits=logit_s, top2_diff=diff_s, top2_tie=tie_s, lse=lse_s, lse_max=lse_max,

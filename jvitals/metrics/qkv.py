@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -310,11 +310,16 @@ def _attn_module(path: str) -> str:
     return "/".join(parts[:-1])
 
 
-def _o_sizes(infos: Sequence[LeafRole], gshapes: Sequence[tuple[int, ...]]) -> dict[str, int]:
-    """Per-layer element count of each attention module's output projection."""
+def out_proj_sizes(infos: Sequence[LeafRole], shapes: Sequence[tuple[int, ...]], specs: Sequence[Any] | None,
+                   axes: tuple[str, ...]) -> dict[str, int]:
+    """Per-layer element count of each attention module's output projection (role ``o``),
+    keyed by the module's path: the Q width a fused QKV kernel is split with when no head
+    counts are given (:func:`fused_pieces`). ``shapes`` are the leaves' local shapes,
+    ``specs`` their ``PartitionSpec`` (None: as JAX's types say, over ``axes``)."""
     out: dict[str, int] = {}
-    for lr, gs in zip(infos, gshapes):
+    for i, (lr, shape) in enumerate(zip(infos, shapes)):
         if lr.role == "o":
+            gs = _global_shape(shape, specs[i] if specs is not None else None, axes)
             out.setdefault(_attn_module(lr.path), math.prod(_layer_shape(gs, lr)))
     return out
 
@@ -384,13 +389,14 @@ def pair_layout(shape: Sequence[int], path: str = "fused", axis: int | None = No
     return QKVLayout(a, "contiguous", (n // 2, n // 2, 0))
 
 
-def _qkv_pieces(x: jax.Array, lr: LeafRole, roles: Roles, spec: Any, axes: tuple[str, ...],
-                o_numel: int | None = None) -> list[tuple[str, jax.Array, jax.Array | None, int | None]]:
+def fused_pieces(x: jax.Array, lr: LeafRole, roles: Roles, spec: Any, axes: tuple[str, ...],
+                 out_sizes: Mapping[str, int]) -> list[tuple[str, jax.Array, jax.Array | None, int | None]]:
     """The parts of a fused kernel (a role of :data:`~jvitals.metrics.roles.FUSED_PARTS`:
     Q, K and V of ``qkv``; K and V of ``kv``; gate and up of ``gate_up``/``up_gate``), as
     ``(name, x, mask, axis)`` to summarise (per layer if stacked), in the layout ``roles``
-    gives its path."""
+    gives its path; ``out_sizes`` from :func:`out_proj_sizes` (a QKV kernel's Q width)."""
     from jvitals.metrics.roles import FUSED_PARTS
+    o_numel = out_sizes.get(_attn_module(lr.path))
     shape = tuple(x.shape)  # local (per-shard) inside shard_map
     gshape = _global_shape(shape, spec, axes)
     layer_shape = _layer_shape(gshape, lr)

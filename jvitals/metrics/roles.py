@@ -74,13 +74,13 @@ import jax
 
 from jvitals.metrics.paths import path_str
 from jvitals.metrics.role_patterns import (  # noqa: F401 (the default tables, re-exported here)
-    _HINTS,
     DEFAULT_FUSED_AXES,
     DEFAULT_LAYER_PATTERNS,
     DEFAULT_PATTERNS,
     DEFAULT_QKV_LAYOUTS,
     DEFAULT_STACKS,
     FUSED_PARTS,
+    ROLE_HINTS,
     ROLE_METRIC_NAMES,
     UP_OR_FUSED,
 )
@@ -627,7 +627,7 @@ def _check_required(leaves: Sequence[LeafRole], roles: Roles) -> None:
 
 
 def _nearest(paths: Sequence[str], role: str, k: int = 5) -> list[str]:
-    words = _HINTS.get(role, (role,))
+    words = ROLE_HINTS.get(role, (role,))
 
     def score(path: str) -> float:
         parts = path.lower().split("/")
