@@ -4,9 +4,10 @@
 clip (``optax.clip_by_global_norm``) takes of the gradients and the recorder's
 ``grad/global_norm`` are one computation to XLA: the figure costs no read of its own.
 The non-finite count is 0 while the norm is finite and is counted only where it is not
-(docs/RECORDER.md, "The light step"). The recorder's light step
-(:func:`~jvitals.metrics.gradients.norm_metrics`, :mod:`jvitals.metrics.light`) and its
-choice of the CPU's heavy form (:mod:`jvitals.metrics.record`) share these functions.
+(docs/RECORDER.md, "The light step: every group's figures from the clip's sums"). The
+recorder's light step (:func:`~jvitals.metrics.gradients.norm_metrics`,
+:mod:`jvitals.metrics.light`) and its choice of the CPU's heavy form
+(:mod:`jvitals.metrics.record`) share these functions.
 """
 
 from __future__ import annotations

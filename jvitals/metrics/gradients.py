@@ -1,44 +1,17 @@
 """Gradient, parameter and update vitals from pytrees (METRICS.md §2-§3).
 
-Every figure comes from one read of each leaf: for each leaf position, the
-gradient, its parameter and its update are measured together by one variadic
-reduction (:mod:`jvitals.metrics.fold`: sum, sum of squares, max |x| and the
-non-finite count of the gradient, the sums of squares and non-finite counts of the
-others), a scan-stacked leaf with ``axis=`` its layer axis (every layer's figures
-from the same read), a fused QKV kernel as its Q, K and V parts. Each leaf's
-summaries are reduced over the mesh axes *that leaf* is sharded along (its
-``PartitionSpec`` in ``specs``, or, without ``specs``, the axes JAX's type system
-says it varies along inside ``shard_map``), so an expert weight sharded over
-``expert`` gives the figures of the whole tensor while a replicated gradient is
-never counted twice. Leaves with the same reduction axes are packed into one
-collective. Then summaries are merged per role, per layer and globally:
+Every figure comes from one read of each leaf: a gradient, its parameter and its update
+are measured together by one variadic reduction (:mod:`jvitals.metrics.fold`), reduced
+over the mesh axes *that leaf* is sharded along, then merged per role, layer and group::
 
-    global_norm        = sqrt(sum over leaves of sum g^2)
-    norm/layer_i       = sqrt(sum over layer i's elements of g^2)
-    share/layer_i      = ||g_i||^2 / ||g||^2
-    norm/{group}       = sqrt(sum over the group's elements of g^2)   (embedding, lm_head)
-    share/{group}      = ||g_group||^2 / ||g||^2
-    {role}_rms         = sqrt(sum_role g^2 / n_role)       (all layers of the role)
-    {role}_abs.max     = max_role |g|
-    nonfinite_count    = #(g is NaN or Inf)
+    global_norm   = sqrt(sum over leaves of sum g^2)
+    share/layer_i = ||g_i||^2 / ||g||^2          {role}_rms = sqrt(sum_role g^2 / n_role)
 
-A non-finite element makes every figure it enters NaN (never hidden) and is
-counted in ``nonfinite_count`` (per layer too, to find the first bad layer).
-
-Families, for a recorder running them at different cadences (each reads its trees
-once):
-
-* :func:`global_norm_metrics`: global norm and non-finite count only (every step);
-  :func:`norm_metrics`: the global norms of gradients, params and updates (the
-  recorder's light step). Under ``jit`` these two write each norm as optax does, so
-  a clip's norm of the same gradients is computed once, and count non-finite values
-  only when the norm is not finite (see :func:`norm_metrics`).
-* :func:`update_metrics`: ``update/global_norm`` and ``update/param_ratio``.
-* :func:`gradient_metrics`: everything, per role and per layer (heavier cadence).
-
-On the CPU the recorder's heavy step takes :func:`plain_grad_figures` instead (the same
-figures by plain reductions, :mod:`jvitals.metrics.cpu_forms`), beside the light step's
-parameter and update figures: XLA:CPU runs the variadic reductions as serial loops.
+A non-finite element makes every figure it enters NaN and is counted in
+``nonfinite_count``. Families: :func:`global_norm_metrics`, :func:`norm_metrics` (the light
+step), :func:`update_metrics`, :func:`gradient_metrics` (everything); :func:`tree_stats` and
+the ``*_figures`` functions are the engine :mod:`jvitals.metrics.light` shares. Every formula,
+the families and the CPU's form: docs/DEVICE.md, "gradients: one read per leaf".
 """
 
 from __future__ import annotations

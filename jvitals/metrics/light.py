@@ -1,33 +1,18 @@
 """The recorder's light step: global norms and, from the same per-leaf sums, every group's.
 
-The light step (every update) already takes one sum of squares per leaf of the
-gradients (the clip's, which XLA computes once for both), the parameters and the
-updates. Summing those per-leaf sums by group costs scalar additions, no read, so the
-per-layer and per-group figures ride on every update::
+The light step already takes one sum of squares per leaf of the gradients (the clip's,
+computed once for both), the parameters and the updates; summing them by group costs scalar
+additions, no read, so the per-layer and per-group figures ride on every update::
 
-    grad/norm/{G}          = sqrt(sum over G's leaves of sum g^2)
-    grad/share/{G}         = ||g_G||^2 / ||g||^2
-    param/norm/{G}         = ||p_G||
-    update/param_ratio/{G} = ||u_G|| / ||p_G||
+    grad/norm/{G} = sqrt(sum over G's leaves of sum g^2)    grad/share/{G} = ||g_G||^2 / ||g||^2
+    param/norm/{G} = ||p_G||                         update/param_ratio/{G} = ||u_G|| / ||p_G||
 
-for ``G`` = ``layer_{i}``, ``embedding``, ``lm_head`` (:data:`~jvitals.metrics.gradients.GROUP_ROLES`),
-with the leaves' roles from :func:`~jvitals.metrics.roles.assign_roles` (decided at trace
-time). The per-role figures (``grad/Wq_abs.max``, ``grad/W_up_rms``...) need a read of
-their own (a maximum, a fused QKV kernel's parts) and stay on the heavy step.
+for ``G`` = ``layer_{i}``, ``embedding``, ``lm_head``. Under ``jit`` the update figures
+come from the change the step applies, ``(p + u) - p``; inside ``shard_map`` (or for other
+dtypes) every tree is read by :func:`~jvitals.metrics.gradients.tree_stats`.
 
-Scan-stacked leaves (``nn.scan``): each sum per slice along the layer axis (the global
-gradient norm still the clip's expression).
-
-The update figures come from the change the step applies, ``(p + u) - p`` with ``p + u``
-as ``optax.apply_updates`` writes it: XLA computes the step's new parameters once for both,
-and two plain sums over arrays the step holds anyway take the figures (on GPUs and TPUs
-behind an optimization barrier, so that the sums read the new parameters written out rather
-than a copy of the optimizer's expression; docs/COST.md). Equal to ``||u||`` up to float32's
-rounding of ``p + u``.
-
-Inside ``shard_map`` (or for other dtypes) every tree is read by one variadic reduction
-per leaf (:func:`~jvitals.metrics.gradients.tree_stats`), which gives every group's sums
-from the same read, stacked leaves per layer included.
+Why, stacked leaves and the applied change: docs/RECORDER.md, "The light step: every
+group's figures from the clip's sums".
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
 """Fused QKV kernels: where the Q, K and V parts of one fused projection lie.
 
-One concern: given a fused kernel (``c_attn``, ``query_key_value``, ``qkv``...) and
-its :class:`~jvitals.metrics.roles.QKVSplit`, say which entries along the split axis are Q,
-K and V. Two layouts exist in the wild (``n`` entries along the split axis,
-``H`` query heads, ``KVH`` key/value heads, ``Dh = n / (H + 2 KVH)``):
+Given a fused kernel (``c_attn``, ``query_key_value``, ``qkv``...) and its
+:class:`~jvitals.metrics.roles.QKVSplit`, say which entries along the split axis are Q, K
+and V. Two layouts exist in the wild: ``"contiguous"`` (``[Q heads | K heads | V heads]``,
+GPT-2's ``c_attn``) and ``"interleaved"`` (per key/value group its query heads, then its key
+and value heads, ``[KVH, H / KVH + 2, Dh]``: Bloom, GPT-NeoX, Falcon; it needs the head
+count, and jvitals raises rather than guess it). :func:`split_qkv` and :func:`merge_qkv`
+map a fused kernel to its parts and back (e.g. for QK-clip); :func:`fused_pieces` gives the
+parts the gradient figures measure.
 
-* ``"contiguous"``: ``[Q heads | K heads | V heads]`` -- GPT-2's ``c_attn``, the
-  jvitals reference model's ``qkv``, Baichuan's ``W_pack``, fused Llama ``qkv_proj``.
-  Without head counts the axis splits in thirds (or, given the Q width from the
-  output projection, ``(q, (n - q) / 2, (n - q) / 2)``).
-* ``"interleaved"``: per key/value group ``g`` of ``H / KVH`` query heads, that
-  group's query heads, then its key head, then its value head:
-  ``[KVH, H / KVH + 2, Dh]``. With ``KVH = H`` this is ``[H, 3, Dh]`` -- HF-Flax
-  Bloom's ``query_key_value`` and GPT-NeoX's; with ``KVH < H`` Falcon's
-  ``new_decoder_architecture`` and Megatron-converted GQA checkpoints. It needs
-  the head count; jvitals raises rather than guess it.
-
-:func:`split_qkv` and :func:`merge_qkv` map a fused kernel to its Q, K and V parts
-and back (pure ``jnp``, inverse of each other), e.g. to scale the Q and K parts
-(QK-clip) exactly as :func:`~jvitals.metrics.gradients.gradient_metrics` splits them;
-:func:`qkv_part_ids` gives the part of every entry along the split axis.
+Which families use which layout: docs/DEVICE.md, "qkv: the fused layouts".
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """One-pass tensor summaries and their mesh-correct reduction.
 
-A :class:`Summary` holds what every jvitals statistic is derived from:
+A :class:`Summary` holds what every statistic is derived from::
 
-    count     = #valid elements                       (mask True; padding excluded)
-    sum       = sum over valid finite x               (float32)
-    sumsq     = sum over valid finite x^2             (float32)
-    abs_max   = max over valid |x|                    (NaN if any valid x is non-finite
-                                                       or if count == 0)
-    nonfinite = #valid elements that are NaN or +-Inf
+    count = #valid elements   sum, sumsq = sums over valid finite x, x^2 (float32)
+    abs_max = max over valid |x|   nonfinite = #valid elements that are NaN or +-Inf
 
-from which ``mean = sum / count``, ``rms = sqrt(sumsq / count)`` and
-``std = sqrt(max(sumsq / count - mean^2, 0))`` follow. Every derived statistic is
-NaN when ``nonfinite > 0`` (METRICS.md §1: non-finite values are never hidden) or
-when ``count == 0`` (an empty input is not an error).
-
-Summaries merge associatively (``Summary.empty()`` is the identity), so the reduction across
-a mesh is exact: counts and sums ``psum``-ed, maxima ``pmax``-ed, a mean over shards of unequal
-valid counts ``psum(sum) / psum(count)``, never ``pmean(local_mean)``.
+whence ``mean = sum / count``, ``rms = sqrt(sumsq / count)``,
+``std = sqrt(max(sumsq / count - mean^2, 0))``. Every derived statistic is NaN when
+``nonfinite > 0`` (METRICS.md §1: non-finite values are never hidden) or ``count == 0``.
+Summaries merge associatively (``Summary.empty()`` is the identity), so the reduction
+across a mesh is exact: counts and sums ``psum``-ed, maxima ``pmax``-ed, a mean over shards
+``psum(sum) / psum(count)``, never ``pmean(local_mean)``.
 """
 
 from __future__ import annotations
