@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overhead as ob  # noqa: E402  (the benchmark's model, steps and timing)
 
 from jvitals.metrics import gradients as G  # noqa: E402
+from jvitals.metrics.clip_norm import norm_and_count, norm_as_optax  # noqa: E402
 from jvitals.metrics import light as L  # noqa: E402
 
 Norms = Callable[..., dict[str, jax.Array]]
@@ -49,13 +50,13 @@ def _fold(trees: dict[str, Any]) -> dict[str, Any]:
 
 
 def _clip_grad(grads: Any) -> dict[str, jax.Array]:
-    g, count = G._norm_and_count(grads)
+    g, count = norm_and_count(grads)
     return {"grad/global_norm": g, "grad/nonfinite_count": count}
 
 
 def fold(grads: Any, params: Any = None, updates: Any = None, **_: Any) -> dict[str, jax.Array]:
     t = _fold({"grads": grads, "params": params, "updates": updates})
-    out = {"grad/global_norm": t["grads"].all.norm, "grad/nonfinite_count": G._nonfinite(t["grads"].all),
+    out = {"grad/global_norm": t["grads"].all.norm, "grad/nonfinite_count": G.nonfinite_count(t["grads"].all),
            "param/global_norm": t["params"].all.norm}
     if updates is not None:
         out["update/global_norm"] = t["updates"].all.norm
@@ -71,14 +72,14 @@ def pu_fold(grads: Any, params: Any = None, updates: Any = None, **_: Any) -> di
 
 
 def plain(grads: Any, params: Any = None, updates: Any = None, **_: Any) -> dict[str, jax.Array]:
-    out = {**_clip_grad(grads), "param/global_norm": G._norm_as_optax(params)[0]}
+    out = {**_clip_grad(grads), "param/global_norm": norm_as_optax(params)[0]}
     if updates is not None:
-        out["update/global_norm"] = G._norm_as_optax(updates)[0]
+        out["update/global_norm"] = norm_as_optax(updates)[0]
     return out
 
 
 def no_update(grads: Any, params: Any = None, updates: Any = None, **_: Any) -> dict[str, jax.Array]:
-    out = {**_clip_grad(grads), "param/global_norm": G._norm_as_optax(params)[0]}
+    out = {**_clip_grad(grads), "param/global_norm": norm_as_optax(params)[0]}
     if updates is not None:
         out["update/global_norm"] = out["grad/global_norm"]
     return out

@@ -1,26 +1,17 @@
 """jvitals: a JAX/Flax training run's vital signs, measured in the step, acted on by the host.
 
-The package is laid out as the data flows (imports run the same way, never back):
+The package is laid out as the data flows, imports never running back (docs/LAYOUT.md):
+:mod:`jvitals.metrics` (the device side, pure and traceable: :func:`summarize`, the
+``*_metrics`` functions, the probes, :func:`instrument`, the optax recorder :func:`record`),
+:mod:`jvitals.optim` (the optax remedies: :func:`with_lr_scale`, :func:`adaptive_clip`,
+:func:`qk_clip`, :func:`skip_step`...), :mod:`jvitals.monitor` (the host's judgement:
+:class:`Monitor`, :class:`Policy`), :mod:`jvitals.guard` (the response: :class:`Rollback`
+over a :class:`CheckpointStore`) and :mod:`jvitals.report` (:func:`write`, the HTML report,
+``jvitals report LOGDIR``).
 
-- :mod:`jvitals.metrics`, the device side (pure, traceable under ``jit``/``shard_map``/``pmap``):
-  :func:`summarize`, :func:`reduce`, the ``*_metrics`` functions, the probes,
-  :func:`instrument` (the activation summaries of any Flax Linen model), the optax
-  recorder :func:`record`, :class:`StepTimer`.
-- :mod:`jvitals.optim`, the optax remedies beside it: :func:`with_lr_scale` per group,
-  :func:`layerwise_lr_decay`, :func:`adaptive_clip`, :func:`z_loss`, :func:`qk_clip`,
-  :func:`skip_step`; :func:`cross_entropy` (the loss, with the output logits' figures from its pass).
-- :mod:`jvitals.monitor`, the host's judgement: :class:`Monitor` (a list of rules;
-  verdicts), :class:`Policy`.
-- :mod:`jvitals.guard`, the response: :class:`Rollback` (with ``remedies="default"`` it
-  applies the alert's remedy at a rollback) over a :class:`CheckpointStore` (orbax
-  checkpoints, pins, quarantine).
-- :mod:`jvitals.report`, what a person reads: :func:`write` (clu writers), the HTML
-  report and ``jvitals report LOGDIR``.
-
-The names a training loop uses (those the README and ``docs/`` use) are re-exported
-here, flat, as optax does; each subpackage's ``__all__`` is its public API, and every
-name has one door (``tests/test_public_api.py`` pins them). See ``docs/METRICS.md``
-for every metric and ``docs/LAYOUT.md`` for the layout.
+The names a training loop uses are re-exported here, flat, as optax does; each
+subpackage's ``__all__`` is its public API and every name has one door
+(``tests/test_public_api.py`` pins them). Every metric: docs/METRICS.md.
 """
 
 from jvitals.metrics import (

@@ -1,48 +1,16 @@
 """A small decoder-only Flax Linen transformer, instrumented for jvitals.
 
-Used by the tests, examples and benchmarks. One :class:`ModelConfig` switches
-between a dense and an MoE MLP (sigmoid top-k router with an expert-selection bias
-for aux-loss-free balancing), fused-QKV attention (grouped-query K/V) and MLA
-(low-rank ``q_down/q_up``, ``kv_down/kv_up``), an optional sigmoid output gate on
-attention, K MTP heads (DeepSeek-V3 style, sharing the embedding and LM head), and
-layers as a Python list (``layers_{i}``) or ``nn.scan``-stacked (``layers``).
+Used by the tests, examples and benchmarks. One :class:`ModelConfig` switches between a
+dense and an MoE MLP (sigmoid top-k router with an expert-selection bias), fused-QKV
+attention (grouped-query K/V) and MLA (low-rank ``q_down/q_up``, ``kv_down/kv_up``), an
+optional sigmoid output gate on attention, K MTP heads (DeepSeek-V3 style), and layers as a
+Python list (``layers_{i}``) or ``nn.scan``-stacked (``layers``). It sows under the
+METRICS.md §7 names (raw tensors, or the probes of :mod:`jvitals.metrics.probes` with
+``use_probes=True``), and its parameter names are a contract with
+:mod:`jvitals.metrics.roles`.
 
-Sown under the METRICS.md §7 names (raw tensors, or the probes of
-:mod:`jvitals.metrics.probes` with ``use_probes=True``):
-
-- ``hidden_states`` each layer's output; ``attn_out_before_proj`` the attention
-  core output (before the gate and ``o_proj``); ``gate_scores`` the sigmoid gate;
-  ``attn_logits`` the pre-softmax scores ``[B, H, T, T]`` (if ``sow_attn_logits``);
-  ``expert_counts`` ``[E]`` int32 per MoE layer, counted over valid tokens;
-  ``logits`` the output logits; ``mtp_logits`` each MTP depth's logits, k = 1..K.
-- ``bos_value``: a ``Module.perturb`` on the attention values ``[B, T, heads, Dh]``.
-
-Parameter names (a contract with :mod:`jvitals.metrics.roles`)::
-
-  embed/embedding [V, D]
-  layers_{i}/... or layers/... (scan; leading axis L)
-     input_layernorm/scale [D]
-     attn/qkv/kernel [D, (H + 2*KVH) * Dh]          columns [Q heads | K heads | V heads]
-     attn/q_down/kernel [D, Rq], attn/q_norm/scale [Rq], attn/q_up/kernel [Rq, H*Dh]
-     attn/kv_down/kernel [D, Rkv], attn/kv_norm/scale [Rkv], attn/kv_up/kernel [Rkv, 2*H*Dh]
-     attn/gate/kernel [D, H*Dh]
-     attn/o_proj/kernel [H*Dh, D]
-     pre_mlp_layernorm/scale [D]
-     mlp/gate_proj/kernel [D, F], mlp/up_proj/kernel [D, F], mlp/down_proj/kernel [F, D]
-     moe/router/kernel [D, E], moe/expert_bias [E]
-     moe/experts/gate_proj [E, D, F], moe/experts/up_proj [E, D, F], moe/experts/down_proj [E, F, D]
-  final_layernorm/scale [D]
-  lm_head/kernel [D, V]
-  mtp_{k}/input_layernorm/scale [D], mtp_{k}/proj/kernel [2D, D]
-
-Example:
-  >>> cfg = ModelConfig()
-  >>> params = init_params(cfg, jax.random.key(0))
-  >>> batch = make_batch(0, cfg, batch=2, seq=16)
-  >>> logits, sown = Decoder(cfg).apply({"params": params}, batch["tokens"],
-  ...                                    mask=batch["mask"], mutable=["intermediates"])
-  >>> logits.shape
-  (2, 16, 128)
+What it sows, its parameter names and shapes, and an example: docs/MODELS.md, "The
+reference model".
 """
 
 from __future__ import annotations
@@ -370,8 +338,8 @@ def _transition_table(vocab: int, seed: int = 1234) -> np.ndarray:
 
 @functools.lru_cache(maxsize=8)
 def _transition_cdf(vocab: int) -> np.ndarray:
-    """Row-wise CDF of :func:`_transition_table` (cached, read-only: the table costs
-    20-50 ms to build, once per vocabulary size instead of once per batch)."""
+    """Row-wise CDF of :func:`_transition_table` (cached, read-only: the table is built
+    once per vocabulary size instead of once per batch)."""
     cdf = np.cumsum(_transition_table(vocab), axis=1)
     cdf.setflags(write=False)
     return cdf

@@ -19,8 +19,8 @@ from test_record import applied_change, np_norm, tree
 
 
 def _forms(params, updates):
-    plan, _, _ = G._plan(params, roles=Roles(), specs=None, axes=(), need_roles=True, split_qkv=False,
-                         what="grads")
+    plan, _, _ = G.plan_leaves(params, roles=Roles(), specs=None, axes=(), need_roles=True, split_qkv=False,
+                               what="grads")
     p_norm = jnp.asarray(np_norm(params), jnp.float32)
     pn = {g: jnp.asarray(np_norm(params[k]), jnp.float32)
           for g, k in (("layer_0", "layers_0"), ("layer_1", "layers_1"), ("embedding", "embed_tokens"),

@@ -1,22 +1,16 @@
 """The device side: what is measured inside the compiled step.
 
-Pure functions over pytrees, traceable under ``jit``, ``shard_map`` and ``pmap``;
-nothing here syncs with the host, logs or checkpoints. One module per idea:
-``stats`` (the one-pass ``Summary``) and ``axes`` (which mesh axes a value is reduced
-over) are the floor every other module stands on; ``paths`` names a leaf,
-``roles``/``qkv``/``explain`` give it a role; ``probes``/``instrument`` capture
-activations (``nnx_intercept`` wraps Flax NNX module calls; ``variables`` sees
-through NNX Variables) and ``sown`` reads what was sown; ``activations``,
-``gradients``, ``moe`` and ``optimizer`` turn them into METRICS.md's figures;
-``record`` is the optax recorder (``chain`` reads an optax transform's structure,
-``light`` the every-step figures, ``window`` what happens between two host reads);
-``host`` measures step time and memory; ``replicas`` keeps a few figures per
-data-parallel replica and ``placement`` (:func:`replica_layout`) maps each replica to its devices,
-process and host.
+Pure functions over pytrees, traceable under ``jit``, ``shard_map`` and ``pmap``; nothing
+here syncs with the host, logs or checkpoints. One module per idea, each listed with what
+it holds in docs/LAYOUT.md's ``metrics`` row: ``stats`` (the one-pass ``Summary``) and
+``axes`` (which mesh axes a value is reduced over) are the floor every other module stands
+on; ``roles`` names a leaf's role; ``activations``, ``gradients``, ``moe`` and
+``optimizer`` turn what is measured into METRICS.md's figures; ``record`` is the optax
+recorder. How each module measures: docs/DEVICE.md.
 
-``__all__`` is this subpackage's public API (what docs/METRICS.md documents); the
-helpers the modules share are importable from their modules and are not part of it.
-Imports: jax, flax, optax and this package only.
+``__all__`` is this subpackage's public API (what docs/METRICS.md documents); the helpers
+the modules share are importable from their modules and are not part of it. Imports: jax,
+flax, optax and this package only.
 """
 
 from jvitals.metrics.stats import (

@@ -1,66 +1,17 @@
 """Activation vitals: every ``act/*`` and ``diag/*`` metric of METRICS.md §2-§4.
 
-Computed inside the compiled step from what a Flax model sowed under the
-METRICS.md §7 names -- raw tensors or the compact probes of :mod:`jvitals.metrics.probes`.
+Computed inside the compiled step from what a Flax model sowed under the METRICS.md §7
+names: raw tensors or the compact probes of :mod:`jvitals.metrics.probes`. Only a sow's
+*leaf key* (its NAME) matters, not the module path above it; layers are ordered by path
+with numbers compared as numbers; a scan-stacked sow holds one layer per slice. Token-shaped
+values are masked with ``mask`` (``attn_logits`` also causally); a value of another name that
+is not token-shaped is summarised whole, unmasked, but a ``[B*T, D]`` one beside a ``[B, T]``
+mask is an error. Per-instance figures are ``{metric}/layer_{i}``; non-finite counts sit
+beside them as ``act/{base}.nonfinite``.
 
-Sow conventions accepted by :func:`activation_metrics`
-------------------------------------------------------
-- **Containers**: Linen's ``{'intermediates': {...}}`` (what ``apply(...,
-  mutable=['intermediates'])`` returns) or its inner dict; a Flax NNX ``State``
-  (what ``nnx.capture(fn, nnx.Intermediate)`` returns) or ``nnx.to_pure_dict`` of
-  it; any nesting of mappings. Only the *leaf key* (the sow NAME) matters, not
-  the module path above it.
-- **Values**: a Linen tuple of sows (one element per ``sow`` call), a list, or a
-  single value; each element is a raw array or a probe struct
-  (:class:`~jvitals.metrics.stats.Summary`, :class:`~jvitals.metrics.probes.LogitsSummary`).
-- **Layers** (instances) are ordered by module path with numbers compared as
-  numbers (``layers_2`` before ``layers_10``; JAX sorts dict keys as strings),
-  then by sow order within a tuple, then along a scan-stacked axis.
-- **Scan-stacked or not** (``nn.scan`` stacks a layer's sows into one ``(L, ...)``
-  element). With token shape ``S = [B, T]`` (from ``mask``, else ``labels``, else
-  the raw or probed ``logits``): a raw value whose shape starts with ``S`` is one
-  layer; one whose shape is ``(L, *S, ...)`` holds L layers (``attn_logits``:
-  ``[B, ..., T, T]`` is one layer, ``[L, B, ..., T, T]`` is L). If both readings
-  fit (``B == T``), and when no token shape is known, rank decides:
-  ``hidden_states`` of rank ``len(S) + 2`` (4) and ``attn_logits`` of rank 5 are
-  stacked; anything else is one layer. A probe ``Summary`` with scalar fields is
-  one layer; with ``(L,)`` fields, L layers.
-- **Masks**: raw token-shaped values are masked with ``mask``; ``attn_logits``
-  with ``causal & mask[b, q] & mask[b, k]`` (entries masked in the model, e.g. to
-  -inf, are excluded either way). Probe summaries were masked in the model: pass
-  the same mask to both. A value of another name that is not token-shaped (not
-  ``[B, T, ...]``) is summarised whole, unmasked; but a ``[B*T, D]`` value (the
-  tokens flattened) beside a ``[B, T]`` mask is an error whatever its name (reshape it).
-- ``expert_counts`` is read by the MoE metrics, not here.
-
-Metric names
-------------
-Per-instance values are ``{metric}/layer_{i}`` where ``{metric}`` is the
-aggregated name without its instance suffix (``.avg``/``.mean``); ``abs.max`` is
-the statistic and stays (``act/hidden_states_rms/layer_0``,
-``act/hidden_states_abs.max/layer_0``). Non-finite counts sit beside them as
-``act/{base}.nonfinite`` (sum over layers) and ``act/{base}.nonfinite/layer_{i}``.
-
-======================================  ========================================================
-``logits``                              ``act/output_layer_logits_rms.avg``, ``_abs.max``,
-                                        ``_top2_diff.avg``, ``_top2_equal_ratio``,
-                                        ``act/output_layer_logsumexp.mean`` / ``.max``,
-                                        ``act/output_layer_logits.nonfinite``
-``hidden_states``                       ``act/hidden_states_rms.avg``, ``act/hidden_states_abs.max``
-``attn_out_before_proj``                ``act/attn_out_before_proj_rms.avg``
-``gate_scores``                         ``act/gate_scores_rms.avg``
-``attn_logits``                         ``act/attn_logits_abs.max``
-``mtp_logits`` (+ ``logits``)           ``act/mtp_{k}_lm_head_top1_agreement``, k = 1..K
-``labels`` given                        ``act/lm_head_top1_accuracy``, ``act/mtp_{k}_top1_accuracy``
-any other NAME ``x``                    ``act/{x}_rms``, ``_abs.max``, ``_mean``, ``_std``, ``act/{x}.nonfinite``
-                                        (over all its instances; ``/layer_{i}`` when more than one)
-======================================  ========================================================
-
-Distribution: under ``jit`` over ``NamedSharding`` arrays pass ``axes=()``; the
-figures are global. Inside ``shard_map`` pass the token-sharding axes (e.g.
-``('data',)``): each statistic is psum/pmax-ed over the axes its values vary along
-(``specs`` overrides that per NAME). MTP alignment and the attention causal mask
-need whole sequences on each shard: shard the batch axis, not the sequence.
+The sow conventions accepted (containers, values, layer order, scan-stacked or not, masks),
+the table of names -> figures and the distribution rules: docs/DEVICE.md, "activations:
+the sow conventions and the names".
 """
 
 from __future__ import annotations

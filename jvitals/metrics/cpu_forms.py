@@ -1,20 +1,13 @@
 """The CPU's forms of the statistics: plain reductions, which XLA:CPU vectorises.
 
 XLA:CPU runs a variadic reduction (the one-read form every statistic takes on GPUs and TPUs,
-:mod:`jvitals.metrics.fold`) as a serial loop, and so, it turns out, any reduction fed by a
-comparison or a select (``where``, ``isfinite``): about 0.5 ns an element against 0.07-0.13
-for a plain sum, max or sum of squares of arithmetic. So the forms here take the healthy
-case in arithmetic only and leave non-finite values to a ``lax.cond`` that a healthy step
-does not run:
-
-- :func:`plain_summaries`: the recorder's heavy step's per-piece gradient summaries
-  (``sum x^2`` as optax writes it, ``max |x|``; the non-finite counts under the ``cond``);
-- :func:`row_stats` and :func:`argmax`: the logits' row statistics (top-1, top-2,
-  argmax, log-sum-exp, sums) and their argmax.
-
-Each is chosen by ``lax.platform_dependent`` (:func:`~jvitals.metrics.fold.on_cpu`), beside
-a one-read form of the same figures, and tested against it and NumPy
-(tests/test_cpu_forms.py). Timings: docs/COST.md.
+:mod:`jvitals.metrics.fold`), and any reduction fed by a comparison or a select, as a serial
+loop. So the forms here take the healthy case in arithmetic only and leave non-finite values
+to a ``lax.cond`` that a healthy step does not run: :func:`plain_summaries` (the heavy
+step's per-piece gradient summaries) and :func:`row_stats` / :func:`argmax` (the logits'
+row statistics). Each is chosen by :func:`~jvitals.metrics.fold.on_cpu` beside a one-read
+form of the same figures, and tested against it and NumPy (tests/test_cpu_forms.py).
+Timings: docs/COST.md, "The CPU's forms: plain reductions".
 """
 
 from __future__ import annotations
@@ -27,7 +20,7 @@ import numpy as np
 from jax import lax
 
 from jvitals.metrics import fold
-from jvitals.metrics.stats import Summary, _nan_rule
+from jvitals.metrics.stats import Summary, nan_rule
 
 __all__ = ["EXACT_IOTA", "PlainKeys", "argmax", "plain_keys", "plain_summaries", "row_stats"]
 
@@ -77,7 +70,7 @@ def plain_summaries(items: Sequence[tuple]) -> list[Summary]:
     for x, it, sq, am, nf in zip(xs, items, sumsq, amax, nonfinite):
         n = jnp.full(sq.shape, float(x.size // max(int(np.prod(sq.shape)), 1)), _F32)
         nan = jnp.full(sq.shape, jnp.nan, _F32)
-        out.append(Summary(count=n, sum=nan, sumsq=sq, abs_max=nan if am is None else _nan_rule(am, n, nf),
+        out.append(Summary(count=n, sum=nan, sumsq=sq, abs_max=nan if am is None else nan_rule(am, n, nf),
                            nonfinite=nf))
     return out
 

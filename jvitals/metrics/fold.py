@@ -1,50 +1,16 @@
 """One read per tensor: every statistic of an array from reductions the compiler fuses.
 
-On an accelerator the statistics jvitals takes are bandwidth-bound: what they cost is
-the bytes they read. The sum, sum of squares, ``max |x|`` and non-finite count of a
-tensor are written as plain sibling reductions of elementwise operands::
+On an accelerator the statistics are bandwidth-bound: what they cost is the bytes they
+read. The sum, sum of squares, ``max |x|`` and non-finite count of a tensor are written as
+plain sibling reductions, ``(sum x, sum x^2, max |x|, sum bad)``, which XLA:GPU and TPU fuse
+into one kernel reading ``x`` once. Finiteness comes by arithmetic on the exponent bits
+(:func:`finite_parts`: ``bad = (((bits >> 23) & 255) + 1) >> 8``), never by a comparison
+the TPU compiler would materialise. XLA:CPU has no multi-output fusion: there the
+statistics are the operands of one variadic ``lax.reduce`` (with lanes and two levels),
+:func:`on_cpu` and :func:`cpu_plain` choose the form per backend.
 
-    (sum x, sum x^2, max |x|, sum bad)             # x read once on GPUs and TPUs
-
-which XLA:GPU and XLA:TPU fuse into one kernel reading ``x`` once (multi-output
-fusion of sibling reductions), and often into the kernel that produces ``x`` or that
-reads it anyway (the softmax's row maximum, a norm's sum of squares): read off the TPU
-compiler, the activation summaries of a step cost under one read of what they measure
-(``benchmarks/tpu_cost.py``, docs/COST.md). Two rules keep it so:
-
-- **Finiteness by arithmetic** (:func:`finite_parts`): a non-finite element is found from
-  its exponent bits, ``e = (bits >> 23) & 255``, ``bad = (e + 1) >> 8`` (1 when all eight
-  are set: Inf or NaN), and read as 0 by ``bits & (bad - 1)``: no comparison. The TPU
-  compiler materialises a boolean of the measured tensor (``isfinite(x)``, ``x == m``)
-  that feeds a reduction as a bit-packed mask in a pass of its own, which reads the tensor
-  again.
-- **Token masks after the token's own reduction** (:func:`~jvitals.metrics.stats.summarize_fields`):
-  a ``[B, T]`` mask broadcast over ``[B, T, D]`` activations is applied to the ``[B, T]``
-  partials, not inside the reduction over ``D``: a mask inside made the TPU compiler lay
-  out the model's tensor anew.
-
-XLA:CPU has no multi-output fusion: there every plain reduction reads its input again.
-It runs a variadic reduction (the statistics as the operands of **one** ``lax.reduce``,
-whose elementwise producers it fuses: one read) as a serial loop, so the CPU's variadic
-form first combines groups of :data:`LANES` neighbours along the last axis elementwise
-(strided slices in the same fused loop) and reduces a long block in
-two levels: a trailing run of its axes (or the last axis split in rows of at most
-:data:`ROW`), then the partials, the run long enough that the partials (written once,
-read once) add at most :data:`PARTIALS` to the bytes read. On the TPU those strided
-slices cost a relayout of the tensor, so the accelerators take the
-plain form, and a custom combiner (the logits' top-2, first argmax and online
-log-sum-exp: no plain form) one variadic reduction without lanes or levels.
-
-Combiners are associative and commutative (XLA may reorder partials; GPUs and TPUs
-combine them as a tree). :func:`kinds` builds one from ``"sum"``/``"max"``/``"min"``
-names; the logits probe passes its own.
-
-Which form runs where (``lax.platform_dependent``: the backend compiling the step decides):
-inside :func:`cpu_plain` (the activation summaries, whose tensors are materialised anyway)
-the plain form on every backend; elsewhere the plain form on GPUs and TPUs and the
-variadic one on the CPU (:func:`on_cpu`; the recorder's, the optimizer statistics' and the
-logits' CPU forms: :mod:`jvitals.metrics.cpu_forms`). :func:`one_read` forces what GPUs
-and TPUs compile, on the CPU too.
+Why each rule, the CPU's variadic form and which form runs where: docs/DEVICE.md, "fold:
+one read per tensor".
 """
 
 from __future__ import annotations

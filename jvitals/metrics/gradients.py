@@ -1,44 +1,17 @@
 """Gradient, parameter and update vitals from pytrees (METRICS.md §2-§3).
 
-Every figure comes from one read of each leaf: for each leaf position, the
-gradient, its parameter and its update are measured together by one variadic
-reduction (:mod:`jvitals.metrics.fold`: sum, sum of squares, max |x| and the
-non-finite count of the gradient, the sums of squares and non-finite counts of the
-others), a scan-stacked leaf with ``axis=`` its layer axis (every layer's figures
-from the same read), a fused QKV kernel as its Q, K and V parts. Each leaf's
-summaries are reduced over the mesh axes *that leaf* is sharded along (its
-``PartitionSpec`` in ``specs``, or, without ``specs``, the axes JAX's type system
-says it varies along inside ``shard_map``), so an expert weight sharded over
-``expert`` gives the figures of the whole tensor while a replicated gradient is
-never counted twice. Leaves with the same reduction axes are packed into one
-collective. Then summaries are merged per role, per layer and globally:
+Every figure comes from one read of each leaf: a gradient, its parameter and its update
+are measured together by one variadic reduction (:mod:`jvitals.metrics.fold`), reduced
+over the mesh axes *that leaf* is sharded along, then merged per role, layer and group::
 
-    global_norm        = sqrt(sum over leaves of sum g^2)
-    norm/layer_i       = sqrt(sum over layer i's elements of g^2)
-    share/layer_i      = ||g_i||^2 / ||g||^2
-    norm/{group}       = sqrt(sum over the group's elements of g^2)   (embedding, lm_head)
-    share/{group}      = ||g_group||^2 / ||g||^2
-    {role}_rms         = sqrt(sum_role g^2 / n_role)       (all layers of the role)
-    {role}_abs.max     = max_role |g|
-    nonfinite_count    = #(g is NaN or Inf)
+    global_norm   = sqrt(sum over leaves of sum g^2)
+    share/layer_i = ||g_i||^2 / ||g||^2          {role}_rms = sqrt(sum_role g^2 / n_role)
 
-A non-finite element makes every figure it enters NaN (never hidden) and is
-counted in ``nonfinite_count`` (per layer too, to find the first bad layer).
-
-Families, for a recorder running them at different cadences (each reads its trees
-once):
-
-* :func:`global_norm_metrics`: global norm and non-finite count only (every step);
-  :func:`norm_metrics`: the global norms of gradients, params and updates (the
-  recorder's light step). Under ``jit`` these two write each norm as optax does, so
-  a clip's norm of the same gradients is computed once, and count non-finite values
-  only when the norm is not finite (see :func:`norm_metrics`).
-* :func:`update_metrics`: ``update/global_norm`` and ``update/param_ratio``.
-* :func:`gradient_metrics`: everything, per role and per layer (heavier cadence).
-
-On the CPU the recorder's heavy step takes :func:`plain_grad_figures` instead (the same
-figures by plain reductions, :mod:`jvitals.metrics.cpu_forms`), beside the light step's
-parameter and update figures: XLA:CPU runs the variadic reductions as serial loops.
+A non-finite element makes every figure it enters NaN and is counted in
+``nonfinite_count``. Families: :func:`global_norm_metrics`, :func:`norm_metrics` (the light
+step), :func:`update_metrics`, :func:`gradient_metrics` (everything); :func:`tree_stats` and
+the ``*_figures`` functions are the engine :mod:`jvitals.metrics.light` shares. Every formula,
+the families and the CPU's form: docs/DEVICE.md, "gradients: one read per leaf".
 """
 
 from __future__ import annotations
@@ -48,15 +21,14 @@ from typing import Any, Collection, Hashable, Mapping, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from jax import lax
 from jax.sharding import PartitionSpec
 
-from jvitals.metrics.qkv import _attn_module, _global_shape, _o_sizes, _qkv_pieces  # fused QKV: jvitals/metrics/qkv.py
+from jvitals.metrics.qkv import fused_pieces, out_proj_sizes  # fused QKV: jvitals/metrics/qkv.py
 from jvitals.metrics.roles import FUSED_PARTS, LeafRole, Roles, assign_roles, check_roles
 from jvitals.metrics.checks import check_names, check_not_none, check_same_structure
 from jvitals.metrics import fold
 from jvitals.metrics import cpu_forms
+from jvitals.metrics.clip_norm import norm_and_count, norm_as_optax, optax_form
 from jvitals.metrics.stats import Summary, reduce, summarize_fields
 from jvitals.metrics.axes import check_axes, reduction_axes
 
@@ -160,7 +132,7 @@ def _skip(x: Any) -> bool:
 # One pass over the leaves of several trees.
 
 
-class _TreeStats:
+class TreeStats:
     """Reduced summaries of one tree: global, per layer, per group, per role, per role and layer."""
 
     def __init__(self, res: Mapping[Hashable, Summary], stack_first: Mapping[str, int]):
@@ -190,7 +162,7 @@ class _TreeStats:
                 _put(d, first + j, _take(s, j))
 
 
-class _Leaf(NamedTuple):
+class Leaf(NamedTuple):
     """One leaf position of the trees: its role (None: global figures only) and spec."""
 
     index: int
@@ -198,8 +170,8 @@ class _Leaf(NamedTuple):
     spec: Any
 
 
-def _plan(ref: Any, *, roles: Roles, specs: Any, axes: tuple[str, ...], need_roles: bool, split_qkv: bool,
-          what: str) -> tuple[list[_Leaf], dict[str, int], bool]:
+def plan_leaves(ref: Any, *, roles: Roles, specs: Any, axes: tuple[str, ...], need_roles: bool, split_qkv: bool,
+                what: str) -> tuple[list[Leaf], dict[str, int], bool]:
     """The leaves to measure (float leaves of ``ref``) with their roles and specs, the
     per-layer size of each attention output projection (to split fused QKV kernels),
     and whether specs were given."""
@@ -208,15 +180,13 @@ def _plan(ref: Any, *, roles: Roles, specs: Any, axes: tuple[str, ...], need_rol
     sp = flat_specs(ref, specs, what)
     o_sizes: dict[str, int] = {}
     if split_qkv and infos is not None and any(lr.role == "qkv" for lr in infos):
-        gshapes = [_global_shape(tuple(getattr(x, "shape", ())), sp[i] if sp is not None else None, axes)
-                   for i, (_, x) in enumerate(leaves)]
-        o_sizes = _o_sizes(infos, gshapes)
-    plan = [_Leaf(i, None if infos is None else infos[i], None if sp is None else sp[i])
+        o_sizes = out_proj_sizes(infos, [tuple(getattr(x, "shape", ())) for _, x in leaves], sp, axes)
+    plan = [Leaf(i, None if infos is None else infos[i], None if sp is None else sp[i])
             for i, (_, x) in enumerate(leaves) if not _skip(x)]
     return plan, o_sizes, sp is not None
 
 
-def _pieces(x: jax.Array, leaf: _Leaf, roles: Roles, axes: tuple[str, ...], o_sizes: Mapping[str, int],
+def _pieces(x: jax.Array, leaf: Leaf, roles: Roles, axes: tuple[str, ...], o_sizes: Mapping[str, int],
             split_qkv: bool) -> list[tuple[str | None, jax.Array, jax.Array | None, int | None]]:
     """``(role name, array, mask, layer axis)`` parts of one leaf: a fused QKV kernel's
     Q, K and V when ``split_qkv``, else the leaf itself."""
@@ -224,13 +194,13 @@ def _pieces(x: jax.Array, leaf: _Leaf, roles: Roles, axes: tuple[str, ...], o_si
     if lr is None:
         return [(None, x, None, None)]
     if split_qkv and lr.role in FUSED_PARTS:  # qkv, kv, gate_up, up_gate: split first
-        return _qkv_pieces(x, lr, roles, leaf.spec, axes, o_sizes.get(_attn_module(lr.path)))
+        return fused_pieces(x, lr, roles, leaf.spec, axes, o_sizes)
     return [(lr.name, x, None, lr.stack_axis)]
 
 
 def _tree_stats(trees: Mapping[str, Any], *, role_tree: str | None, layered: Sequence[str], roles: Roles | None,
-                specs: Any, axes: Sequence[str] | str, what: str, plain: bool = False) -> dict[str, _TreeStats]:
-    """:class:`_TreeStats` of each tree of ``trees`` (same structure), in one read of each leaf.
+                specs: Any, axes: Sequence[str] | str, what: str, plain: bool = False) -> dict[str, TreeStats]:
+    """:class:`TreeStats` of each tree of ``trees`` (same structure), in one read of each leaf.
 
     For every leaf position, the leaf of each tree is measured by one variadic
     reduction (``fold.py``; leaves of one shape share it): the tree ``role_tree``
@@ -249,14 +219,14 @@ def _tree_stats(trees: Mapping[str, Any], *, role_tree: str | None, layered: Seq
         XLA:CPU's fastest form) instead of one variadic reduction per leaf; under ``jit`` only.
 
     Returns:
-      ``{name: _TreeStats}``.
+      ``{name: TreeStats}``.
     """
     axes = check_axes(axes)
     roles = Roles() if roles is None else roles
     names = list(trees)
     ref = trees[names[0]]
     split = role_tree is not None
-    plan, o_sizes, has_specs = _plan(ref, roles=roles, specs=specs, axes=axes,
+    plan, o_sizes, has_specs = plan_leaves(ref, roles=roles, specs=specs, axes=axes,
                                      need_roles=split or bool(layered), split_qkv=split, what=what)
     flat = {n: [x for _, x in _float_leaves(t)] for n, t in trees.items()}
     items, owners = [], []
@@ -280,7 +250,7 @@ def _tree_stats(trees: Mapping[str, Any], *, role_tree: str | None, layered: Seq
         if leaf.role is not None and leaf.role.stack is not None:
             stack_first[leaf.role.stack] = leaf.role.first_layer
         _add_leaf(accs[n], red, leaf.role, pieces, layered=n in layered, by_role=n == role_tree)
-    return {n: _TreeStats(accs[n].result(), stack_first) for n in names}
+    return {n: TreeStats(accs[n].result(), stack_first) for n in names}
 
 
 ROLE_FIELDS = ("sumsq", "abs_max", "nonfinite")
@@ -318,7 +288,7 @@ def _add_leaf(acc: Accumulator, red: tuple[str, ...], lr: LeafRole | None,
 
 def tree_stats(trees: Mapping[str, Any], *, role_tree: str | None = None, layered: Sequence[str] = (),
                roles: Roles | None = None, specs: Any = None, axes: Sequence[str] | str = (),
-               what: str = "tree") -> dict[str, _TreeStats]:
+               what: str = "tree") -> dict[str, TreeStats]:
     """:func:`_tree_stats` over the trees, grouped by structure (None trees left out):
     trees of one structure are read in one pass, leaf by leaf."""
     by_def: dict[Any, dict[str, Any]] = {}
@@ -326,7 +296,7 @@ def tree_stats(trees: Mapping[str, Any], *, role_tree: str | None = None, layere
         if t is not None:
             _check_arrays(t, n if n != "tree" else what)
             by_def.setdefault(jax.tree.structure(t), {})[n] = t
-    out: dict[str, _TreeStats] = {}
+    out: dict[str, TreeStats] = {}
     for group in by_def.values():
         rt = role_tree if role_tree in group else None
         out.update(_tree_stats(group, role_tree=rt, layered=[n for n in layered if n in group], roles=roles,
@@ -349,14 +319,15 @@ def plain_grad_figures(grads: Any, *, roles: Roles | None = None, prefix: str = 
     roles=roles)`` (float32 rounding apart); no mesh axes."""
     t = _tree_stats({"grads": grads}, role_tree="grads", layered=["grads"], roles=roles, specs=None, axes=(),
                     what="grads", plain=True)["grads"]
-    return _grad_figures(t, prefix, per_layer=True, per_role=True)
+    return grad_figures(t, prefix, per_layer=True, per_role=True)
 
 
 def _put(d: dict, k: Any, s: Summary) -> None:
     d[k] = d[k].merge(s) if k in d else s
 
 
-def _nonfinite(s: Summary) -> jax.Array:
+def nonfinite_count(s: Summary) -> jax.Array:
+    """``#(x is NaN or Inf)`` of a summary, as the ``*/nonfinite_count`` figures report it (int32)."""
     return s.nonfinite.astype(jnp.int32)
 
 
@@ -402,11 +373,11 @@ def global_norm_metrics(tree: Any, *, specs: Any = None, axes: Sequence[str] | s
     check_not_none(tree, "global_norm_metrics", "tree", "a pytree of arrays (the gradients)")
     if not (isinstance(prefix, str) and isinstance(suffix, str)):
         raise TypeError(f"global_norm_metrics: prefix={prefix!r}, suffix={suffix!r} must be str (the figures' names)")
-    if _optax_form(tree, check_axes(axes)):  # under jit: as norm_metrics takes it
-        n, count = _norm_and_count(tree)
+    if optax_form(tree, check_axes(axes)):  # under jit: as norm_metrics takes it
+        n, count = norm_and_count(tree)
         return {f"{prefix}/global_norm{suffix}": n, f"{prefix}/nonfinite_count{suffix}": count}
     s = tree_stats({"tree": tree}, specs=specs, axes=axes)["tree"].all
-    return {f"{prefix}/global_norm{suffix}": s.norm, f"{prefix}/nonfinite_count{suffix}": _nonfinite(s)}
+    return {f"{prefix}/global_norm{suffix}": s.norm, f"{prefix}/nonfinite_count{suffix}": nonfinite_count(s)}
 
 
 def norm_metrics(grads: Any, params: Any = None, updates: Any = None, *, specs: Any = None,
@@ -451,68 +422,32 @@ def norm_metrics(grads: Any, params: Any = None, updates: Any = None, *, specs: 
     """
     axes = check_axes(axes)
     trees = {"grads": grads, "params": params, "updates": updates}
-    if _optax_form(grads, axes) and (params is None or _optax_form(params, axes)):
+    if optax_form(grads, axes) and (params is None or optax_form(params, axes)):
         return _norms_under_jit(grads, params, updates)
     t = tree_stats(trees, specs=specs, axes=axes, what="grads")
-    out = {"grad/global_norm": t["grads"].all.norm, "grad/nonfinite_count": _nonfinite(t["grads"].all)}
+    out = {"grad/global_norm": t["grads"].all.norm, "grad/nonfinite_count": nonfinite_count(t["grads"].all)}
     if params is not None:
         out["param/global_norm"] = t["params"].all.norm
     if updates is not None:
         out["update/global_norm"] = t["updates"].all.norm
-        out["update/nonfinite_count"] = _nonfinite(t["updates"].all)
+        out["update/nonfinite_count"] = nonfinite_count(t["updates"].all)
         if params is not None:
             out["update/param_ratio"] = (t["updates"].all.norm / t["params"].all.norm).astype(_F32)
     return out
 
 
-def _optax_form(tree: Any, axes: tuple[str, ...]) -> bool:
-    """Whether ``tree``'s norm is taken as optax takes it: no mesh axes bound, and
-    every leaf a float32 array (other dtypes are measured in float32 by the fold)."""
-    leaves = jax.tree.leaves(tree)
-    return not axes and bool(leaves) and all(getattr(x, "dtype", None) == _F32 for x in leaves)
-
-
-def _nonfinite_where(bad: jax.Array, tree: Any) -> jax.Array:
-    """``#(x is NaN or Inf)`` over ``tree`` where ``bad``, else 0 (see :func:`norm_metrics`:
-    a ``lax.cond`` on the CPU, computed and selected elsewhere)."""
-    def count() -> jax.Array:  # counted in float32, as the fold counts (XLA:CPU splits an int sum)
-        n = sum((jnp.sum(fold.finite_parts(x)[1]) for x in jax.tree.leaves(tree)), jnp.zeros((), _F32))
-        return n.astype(jnp.int32)
-
-    def zero() -> jax.Array:
-        return jnp.zeros((), jnp.int32)
-
-    return lax.platform_dependent(cpu=lambda: lax.cond(bad, count, zero),
-                                  default=lambda: jnp.where(bad, count(), zero()))
-
-
-def _norm_as_optax(tree: Any) -> tuple[jax.Array, jax.Array]:
-    """``(||x||, finite)``: ``optax.tree.norm(tree)`` (the clip's own expression), NaN
-    where it is not finite (a non-finite element, or a float32 overflow of the sum)."""
-    n = optax.tree.norm(tree).astype(_F32)
-    finite = jnp.isfinite(n)
-    return jnp.where(finite, n, jnp.nan), finite
-
-
-def _norm_and_count(tree: Any) -> tuple[jax.Array, jax.Array]:
-    """``(||x||, #non-finite)`` of a float32 tree under ``jit``: the norm as optax (a
-    clip) writes it, the count only where that norm is not finite."""
-    n, finite = _norm_as_optax(tree)
-    return n, _nonfinite_where(~finite, tree)
-
-
 def _norms_under_jit(grads: Any, params: Any, updates: Any) -> dict[str, jax.Array]:
     """:func:`norm_metrics` under ``jit`` for float32 gradients and parameters (its
     docstring says how each tree is read)."""
-    g, count = _norm_and_count(grads)
+    g, count = norm_and_count(grads)
     out = {"grad/global_norm": g, "grad/nonfinite_count": count}
     if params is not None:
-        out["param/global_norm"] = _norm_as_optax(params)[0]
+        out["param/global_norm"] = norm_as_optax(params)[0]
     if updates is not None:
         s = tree_stats({"updates": updates}, what="updates")["updates"].all
         u = s.norm
         out["update/global_norm"] = u
-        out["update/nonfinite_count"] = _nonfinite(s)
+        out["update/nonfinite_count"] = nonfinite_count(s)
         if params is not None:
             out["update/param_ratio"] = u / out["param/global_norm"]
     return out
@@ -538,7 +473,7 @@ def update_metrics(updates: Any, params: Any = None, *, specs: Any = None, axes:
     _check_trees("update_metrics", updates, params, None, prefix, "updates")
     t = tree_stats({"updates": updates, "params": params}, specs=specs, axes=axes, what="updates")
     u = t["updates"].all
-    out = {f"{prefix}/global_norm": u.norm, f"{prefix}/nonfinite_count": _nonfinite(u)}
+    out = {f"{prefix}/global_norm": u.norm, f"{prefix}/nonfinite_count": nonfinite_count(u)}
     if params is not None:
         out[f"{prefix}/param_ratio"] = (u.norm / t["params"].all.norm).astype(_F32)
     return out
@@ -616,11 +551,11 @@ def gradient_metrics(grads: Any, *, params: Any = None, updates: Any = None, rol
     trees = {"grads": grads, "params": params, "updates": updates}
     t = tree_stats(trees, role_tree="grads" if per_role else None, layered=list(trees) if per_layer else (),
                    roles=roles, specs=specs, axes=axes, what="grads")
-    out = _grad_figures(t["grads"], prefix, per_layer=per_layer, per_role=per_role)
+    out = grad_figures(t["grads"], prefix, per_layer=per_layer, per_role=per_role)
     if params is not None:
-        out.update(_param_figures(t["params"], "param", per_layer=per_layer))
+        out.update(param_figures(t["params"], "param", per_layer=per_layer))
     if updates is not None:
-        out.update(_update_figures(t["updates"], t["params"], "update", per_layer=per_layer))
+        out.update(update_figures(t["updates"], t["params"], "update", per_layer=per_layer))
     return out
 
 
@@ -638,15 +573,15 @@ def _share(s: Summary, total_sq: jax.Array) -> jax.Array:
     return (sq / total_sq).astype(_F32)
 
 
-def _grad_figures(t: _TreeStats, p: str, *, per_layer: bool, per_role: bool) -> dict[str, jax.Array]:
+def grad_figures(t: TreeStats, p: str, *, per_layer: bool, per_role: bool) -> dict[str, jax.Array]:
     """``{p}/global_norm``, the non-finite counts, per-layer/group norms and shares, per-role figures."""
-    out: dict[str, jax.Array] = {f"{p}/global_norm": t.all.norm, f"{p}/nonfinite_count": _nonfinite(t.all)}
+    out: dict[str, jax.Array] = {f"{p}/global_norm": t.all.norm, f"{p}/nonfinite_count": nonfinite_count(t.all)}
     if per_layer:
         total_sq = jnp.where(t.all.nonfinite > 0, jnp.nan, t.all.sumsq)
         for i in sorted(t.layers):
             out[f"{p}/norm/layer_{i}"] = t.layers[i].norm
             out[f"{p}/share/layer_{i}"] = _share(t.layers[i], total_sq)
-            out[f"{p}/nonfinite_count/layer_{i}"] = _nonfinite(t.layers[i])
+            out[f"{p}/nonfinite_count/layer_{i}"] = nonfinite_count(t.layers[i])
         for g in sorted(t.groups):
             out[f"{p}/norm/{g}"] = t.groups[g].norm
             out[f"{p}/share/{g}"] = _share(t.groups[g], total_sq)
@@ -655,14 +590,14 @@ def _grad_figures(t: _TreeStats, p: str, *, per_layer: bool, per_role: bool) -> 
             s = t.roles[name]
             out[f"{p}/{name}_abs.max"] = s.abs_max
             out[f"{p}/{name}_rms"] = s.rms
-            out[f"{p}/{name}.nonfinite"] = _nonfinite(s)
+            out[f"{p}/{name}.nonfinite"] = nonfinite_count(s)
             for i in sorted(t.role_layers.get(name, {})):
                 out[f"{p}/{name}_rms/layer_{i}"] = t.role_layers[name][i].rms
                 out[f"{p}/{name}_abs.max/layer_{i}"] = t.role_layers[name][i].abs_max
     return out
 
 
-def _param_figures(tp: _TreeStats, p: str, *, per_layer: bool) -> dict[str, jax.Array]:
+def param_figures(tp: TreeStats, p: str, *, per_layer: bool) -> dict[str, jax.Array]:
     """``{p}/global_norm`` and, per layer and group, ``{p}/norm/...``."""
     out = {f"{p}/global_norm": tp.all.norm}
     if per_layer:
@@ -673,7 +608,7 @@ def _param_figures(tp: _TreeStats, p: str, *, per_layer: bool) -> dict[str, jax.
     return out
 
 
-def _update_figures(tu: _TreeStats, tp: _TreeStats, p: str, *, per_layer: bool) -> dict[str, jax.Array]:
+def update_figures(tu: TreeStats, tp: TreeStats, p: str, *, per_layer: bool) -> dict[str, jax.Array]:
     """``||u||``, ``||u|| / ||p||`` globally, per layer and per group."""
     out = {f"{p}/global_norm": tu.all.norm, f"{p}/param_ratio": (tu.all.norm / tp.all.norm).astype(_F32)}
     if per_layer:

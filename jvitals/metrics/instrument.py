@@ -1,70 +1,16 @@
 """``instrument()``: jvitals' activation summaries from any Flax model, Linen or NNX, unmodified.
 
 A model that never calls ``sow`` gives :func:`~jvitals.metrics.activations.activation_metrics`
-nothing to read. Around its call, :func:`instrument` intercepts every module call
-(Linen: ``flax.linen.intercept_methods``; NNX: :mod:`jvitals.metrics.nnx_intercept`) and
-sows, under the METRICS.md §7 names, compact *per-token summaries* of what the roles
-recognise -- the same :class:`~jvitals.metrics.roles.Roles` patterns the gradient
-figures use::
+nothing to read. Around its call, :func:`instrument` intercepts every module call (Linen:
+``flax.linen.intercept_methods``; NNX: :mod:`jvitals.metrics.nnx_intercept`) and sows, under
+the METRICS.md §7 names, compact *per-token summaries* of what the
+:class:`~jvitals.metrics.roles.Roles` patterns recognise, so no mask is needed here: the
+mask given later to ``activation_metrics`` drops padded positions exactly as if the raw
+tensors had been sown. Every summary is taken on ``lax.stop_gradient`` of the activations
+(neither the loss nor the gradients change), inside ``jit``, ``nn.scan`` and ``nn.remat``.
 
-    with vitals.instrument():                                            # Linen
-        out, state = model.module.apply({"params": params}, tokens, mask,
-                                        mutable=["intermediates"])
-    act = vitals.activation_metrics(state["intermediates"], mask=mask)
-
-    with vitals.instrument():                                            # NNX
-        out, sown = nnx.capture(lambda m: m(tokens, mask), nnx.Intermediate)(model)
-    act = vitals.activation_metrics(sown, mask=mask)
-
-======================== ================================================ =========================================
-NAME                     what                                             found as
-======================== ================================================ =========================================
-``hidden_states``        each transformer block's output (the residual    a module whose path ends in a layer index
-                         stream, *before* the final norm)                 (``h/0``, ``layers/3``, ``layers_3``...)
-``attn_out_before_proj`` the input of each attention output projection    a module whose kernel has role ``o``
-``gate_scores``          ``sigmoid`` of the attention output gate         role ``attn_gate``
-``logits``               the output layer's logits, as per-position rows  role ``lm_head`` (a nested ``apply`` too:
-                         (:class:`~jvitals.metrics.probes.LogitsRows`)            GPT-2's tied head), or ``Embed.attend``
-``mtp_logits``           further calls of the same head in one apply      (the reference model's MTP depths)
-``expert_counts``        top-k experts of each token (needs ``top_k``)    role ``router``
-``attn_logits``          per query, the max |pre-softmax score| over      flax's ``dot_product_attention_weights``
-                         valid keys (``attn_logits=True`` only)           (Linen's and NNX's: HF-Flax GPT-2, Llama,
-                                                                          ...) and ``jax.nn.dot_product_attention``
-                                                                          (``nnx.MultiHeadAttention``)
-======================== ================================================ =========================================
-
-Padding: every value is sown **per token** (a :class:`~jvitals.metrics.stats.TokenSummary`
-of ``[B, T]`` sums, sums of squares, maxima and counts; ``LogitsRows`` for the
-logits; expert indices ``[B, T, k]``), never a whole ``[B, T, D]`` or ``[B, T, V]``
-tensor, and *no mask is needed here*: the mask passed later to
-``activation_metrics(..., mask=)`` / ``moe_metrics(..., mask=)`` drops the padded
-positions exactly as if the raw tensors had been sown.
-
-It works inside ``jit``, ``value_and_grad``, ``nn.scan`` (sow ``intermediates``
-along the scan axis) and ``nn.remat``; every summary is taken on
-``lax.stop_gradient`` of the activations, so neither the loss nor the gradients
-change. A model that sows a NAME itself keeps its own values
-(``activation_metrics`` prefers them to instrument's). ``attn_out_before_proj`` is
-the output projection's *input*: for gated attention, after the gate.
-
-Cost: no temporary memory of its own (the values are the ones the model computes); the
-reductions' time, more with ``attn_logits=True``, which reduces a ``[B, H, T, T]`` tensor
-per layer (docs/COST.md, docs/MODELS.md).
-
-NNX: Flax NNX has no method-interception hook, so while the context is open the
-``__call__``, ``attend`` and ``decode`` methods of every ``nnx.Module`` class are
-wrapped (and put back on exit). The outermost call of an NNX module (the model) gives
-every submodule its path (``layers/0/attn/o_proj``: the same patterns as for the
-parameters) and the token shape ``[B, T]`` (its first integer argument; per-head
-values such as Gemma's ``[B, T, H, Dh]`` attention output are summarised per token).
-The summaries go into ``nnx.Intermediate``: through ``nnx.capture(fn, nnx.Intermediate)``
-when it is open (the State it returns), else as ``nnx.Intermediate`` attributes of the
-modules that ``nnx.pop(model, nnx.Intermediate)`` takes. A block that returns a tuple
-(tunix's ``(cache, x)``) is read at the element shaped like its input; a tied head's
-``Embedder.decode`` / ``nnx.Embed.attend`` gives the logits. Eager or inside ``nnx.jit``
-and ``nnx.grad`` (trace time). ``attn_logits=True`` reads attention computed by flax's
-``dot_product_attention_weights`` or ``jax.nn.dot_product_attention``; attention written
-out by hand (tunix's einsums) is not seen.
+Usage, the table of names and where each is found, padding, cost and how NNX modules are
+wrapped: docs/DEVICE.md, "instrument: activation summaries from an unmodified model".
 """
 
 from __future__ import annotations

@@ -1,33 +1,18 @@
 """The recorder's light step: global norms and, from the same per-leaf sums, every group's.
 
-The light step (every update) already takes one sum of squares per leaf of the
-gradients (the clip's, which XLA computes once for both), the parameters and the
-updates. Summing those per-leaf sums by group costs scalar additions, no read, so the
-per-layer and per-group figures ride on every update::
+The light step already takes one sum of squares per leaf of the gradients (the clip's,
+computed once for both), the parameters and the updates; summing them by group costs scalar
+additions, no read, so the per-layer and per-group figures ride on every update::
 
-    grad/norm/{G}          = sqrt(sum over G's leaves of sum g^2)
-    grad/share/{G}         = ||g_G||^2 / ||g||^2
-    param/norm/{G}         = ||p_G||
-    update/param_ratio/{G} = ||u_G|| / ||p_G||
+    grad/norm/{G} = sqrt(sum over G's leaves of sum g^2)    grad/share/{G} = ||g_G||^2 / ||g||^2
+    param/norm/{G} = ||p_G||                         update/param_ratio/{G} = ||u_G|| / ||p_G||
 
-for ``G`` = ``layer_{i}``, ``embedding``, ``lm_head`` (:data:`~jvitals.metrics.gradients.GROUP_ROLES`),
-with the leaves' roles from :func:`~jvitals.metrics.roles.assign_roles` (decided at trace
-time). The per-role figures (``grad/Wq_abs.max``, ``grad/W_up_rms``...) need a read of
-their own (a maximum, a fused QKV kernel's parts) and stay on the heavy step.
+for ``G`` = ``layer_{i}``, ``embedding``, ``lm_head``. Under ``jit`` the update figures
+come from the change the step applies, ``(p + u) - p``; inside ``shard_map`` (or for other
+dtypes) every tree is read by :func:`~jvitals.metrics.gradients.tree_stats`.
 
-Scan-stacked leaves (``nn.scan``): each sum per slice along the layer axis (the global
-gradient norm still the clip's expression).
-
-The update figures come from the change the step applies, ``(p + u) - p`` with ``p + u``
-as ``optax.apply_updates`` writes it: XLA computes the step's new parameters once for both,
-and two plain sums over arrays the step holds anyway take the figures (on GPUs and TPUs
-behind an optimization barrier, so that the sums read the new parameters written out rather
-than a copy of the optimizer's expression; docs/COST.md). Equal to ``||u||`` up to float32's
-rounding of ``p + u``.
-
-Inside ``shard_map`` (or for other dtypes) every tree is read by one variadic reduction
-per leaf (:func:`~jvitals.metrics.gradients.tree_stats`), which gives every group's sums
-from the same read, stacked leaves per layer included.
+Why, stacked leaves and the applied change: docs/RECORDER.md, "The light step: every
+group's figures from the clip's sums".
 """
 
 from __future__ import annotations
@@ -40,6 +25,7 @@ import optax
 
 from jvitals.metrics import fold
 from jvitals.metrics import gradients as G
+from jvitals.metrics.clip_norm import nonfinite_where, norm_and_count, optax_form
 from jvitals.metrics.roles import Roles
 from jvitals.metrics.axes import check_axes
 
@@ -64,7 +50,7 @@ def light_metrics(grads: Any, params: Any = None, updates: Any = None, *, roles:
     """
     axes = check_axes(axes)
     roles = Roles() if roles is None else roles
-    if G._optax_form(grads, axes) and (params is None or G._optax_form(params, axes)):
+    if optax_form(grads, axes) and (params is None or optax_form(params, axes)):
         return _under_jit(grads, params, updates, roles)
     return _joint(grads, params, updates, roles, specs, axes)
 
@@ -76,14 +62,14 @@ def _joint(grads: Any, params: Any, updates: Any, roles: Roles, specs: Any = Non
     trees = {"grads": grads, "params": params, "updates": updates}
     present = [n for n, t in trees.items() if t is not None]
     t = G.tree_stats(trees, layered=present, roles=roles, specs=specs, axes=axes, what="grads")
-    out = G._grad_figures(t["grads"], "grad", per_layer=True, per_role=False)
+    out = G.grad_figures(t["grads"], "grad", per_layer=True, per_role=False)
     if params is not None:
-        out.update(G._param_figures(t["params"], "param", per_layer=True))
+        out.update(G.param_figures(t["params"], "param", per_layer=True))
     if updates is not None:
         s = t["updates"].all
-        out["update/nonfinite_count"] = G._nonfinite(s)
+        out["update/nonfinite_count"] = G.nonfinite_count(s)
         if params is not None:
-            out.update(G._update_figures(t["updates"], t["params"], "update", per_layer=True))
+            out.update(G.update_figures(t["updates"], t["params"], "update", per_layer=True))
         else:
             out["update/global_norm"] = s.norm
     return out
@@ -131,10 +117,10 @@ def _under_jit(grads: Any, params: Any, updates: Any, roles: Roles) -> dict[str,
     """:func:`light_metrics` under ``jit`` for float32 gradients and parameters: each tree's
     per-leaf sums (a stacked leaf's per slice) once, the global figures and the groups' from
     them."""
-    g_norm, g_count = G._norm_and_count(grads)        # the clip's expression: computed once
+    g_norm, g_count = norm_and_count(grads)        # the clip's expression: computed once
     out = {"grad/global_norm": g_norm, "grad/nonfinite_count": g_count}
-    plan, _, _ = G._plan(grads, roles=roles, specs=None, axes=(), need_roles=True, split_qkv=False,
-                         what="grads")
+    plan, _, _ = G.plan_leaves(grads, roles=roles, specs=None, axes=(), need_roles=True, split_qkv=False,
+                               what="grads")
     gl = jax.tree.leaves(grads)
     gg, pg = _Groups(), _Groups()
     for leaf in plan:
@@ -187,7 +173,7 @@ def _applied_groups(updates: Any, params: Any, plan: Sequence[Any], p_norm: jax.
         total = total + _add(ug, leaf.role, diff[leaf.index])
     norm = _nan_if_not_finite(jnp.sqrt(total))
     out = {"update/global_norm": norm,
-           "update/nonfinite_count": G._nonfinite_where(~jnp.isfinite(norm), updates),
+           "update/nonfinite_count": nonfinite_where(~jnp.isfinite(norm), updates),
            "update/param_ratio": (norm / p_norm).astype(_F32)}
     for k, v in ug.norms().items():
         if k in pn:
@@ -208,7 +194,7 @@ def _update_groups(updates: Any, roles: Roles, p_norm: jax.Array | None = None,
     the step gives no parameters): ``update/global_norm``, ``update/nonfinite_count``, and
     with the parameters' norms ``update/param_ratio`` and ``update/param_ratio/{G}``."""
     tu = G.tree_stats({"updates": updates}, layered=["updates"], roles=roles, what="updates")["updates"]
-    out = {"update/global_norm": tu.all.norm, "update/nonfinite_count": G._nonfinite(tu.all)}
+    out = {"update/global_norm": tu.all.norm, "update/nonfinite_count": G.nonfinite_count(tu.all)}
     if p_norm is None:
         return out
     pn = pn or {}

@@ -1,24 +1,16 @@
 """Router vitals of mixture-of-experts layers over an explicit window (METRICS.md §2, §7).
 
-Input: the ``expert_counts`` each MoE layer sows, ``c[l, e]`` = top-k selections of
-expert ``e`` in layer ``l`` over the valid tokens *this device* routed. They are
-``psum``-ed over the token-sharding mesh axes (``axes``), so a window's counts cover
-every data and expert shard. Per MoE layer ``l`` (``mean_l = mean_e c[l, e]``):
+Input: the ``expert_counts`` each MoE layer sows, ``c[l, e]`` = top-k selections of expert
+``e`` in layer ``l`` over the valid tokens this device routed, ``psum``-ed over the
+token-sharding mesh axes (``axes``). Per MoE layer (``mean_l = mean_e c[l, e]``)::
 
-    maxvio_l          = (max_e c[l, e] - mean_l) / mean_l      (layers with mean_l = 0 excluded)
-    load_imbalance_l  = max_e c[l, e] / mean_l                  (= maxvio_l + 1)
-    load_cv_l         = std_e c[l, e] / mean_l                  (population std)
-    dead_ratio_l      = #{e : c[l, e] = 0} / E
+    maxvio_l     = (max_e c[l, e] - mean_l) / mean_l      load_cv_l = std_e c[l, e] / mean_l
+    dead_ratio_l = #{e : c[l, e] = 0} / E
 
-and over layers: ``moe/maxvio.mean``/``.max``, ``moe/load_imbalance`` (the max;
-also ``.max``/``.mean``), ``moe/load_cv.mean``/``.max``, ``moe/dead_expert_ratio``
-(fraction of all (layer, expert) pairs with no token), ``moe/window_tokens =
-sum c / (L * top_k)`` (tokens routed per layer in the window),
-``moe/expected_tokens_per_expert = window_tokens * top_k / E`` and
-``moe/ep_bias_abs_sum = sum |b|`` of the expert-selection bias over all layers.
-
-A window longer than one step is kept in :class:`MoEWindowState` (a NamedTuple of
-arrays, so it checkpoints with orbax) by :func:`moe_window_update`.
+then summarised over layers (``moe/maxvio.mean``, ``moe/load_imbalance``,
+``moe/dead_expert_ratio``...). A window longer than one step is kept in
+:class:`MoEWindowState` (a NamedTuple of arrays, so it checkpoints with orbax) by
+:func:`moe_window_update`. Every figure: docs/DEVICE.md, "moe: the router's figures".
 """
 
 from __future__ import annotations

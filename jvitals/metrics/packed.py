@@ -1,8 +1,8 @@
 """A flat ``{name: scalar}`` dict that is one vector as a pytree: :class:`PackedMetrics`.
 
 The optax recorder keeps ~100 figures in its state. As a plain dict each is a
-pytree leaf, i.e. a buffer XLA copies in and out of every jitted step (1-2 us
-each on the CPU); packed, they are one.
+pytree leaf, i.e. a buffer XLA copies in and out of every jitted step (its cost on
+the CPU: docs/COST.md); packed, they are one.
 
 The figures come in families computed at different cadences (the recorder's
 ``"global"`` figures every update, its ``"layers"`` figures every 50). A figure
@@ -31,7 +31,7 @@ class PackedMetrics(dict):
     ``dict(m)``, ``{**m}``, ``optax.tree.get(state, name)``), but as a pytree it is
     a single leaf, the vector: the ~100 figures of a recorder cross the jitted
     step as one buffer instead of ~100 (on XLA:CPU each costs a copy in and out of
-    the step, 1-2 us, which is several percent of a 10 ms step). The entries are
+    the step; docs/COST.md). The entries are
     views made on first read: slices inside ``jit``; outside it, one jitted
     unstack (NumPy scalars after ``jax.device_get``). Read it on the host at the
     logging cadence, ``jax.device_get(vitals.recorded(state.opt_state))``, rather

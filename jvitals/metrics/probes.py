@@ -1,28 +1,17 @@
 """Model-side probes: sow compact summaries instead of whole tensors.
 
-A plain ``self.sow('intermediates', 'logits', logits)`` keeps a ``[B, T, V]`` tensor
-alive until the metrics are computed (and ships it out of ``jit`` if the
-intermediates are returned). The probes compute, inside the model, the few
-numbers a metric needs and sow those under the same METRICS.md §7 NAME, so
-:func:`jvitals.metrics.activations.activation_metrics` reads either form:
+A plain ``self.sow('intermediates', 'logits', logits)`` keeps a ``[B, T, V]`` tensor alive
+until the metrics are computed. The probes compute, inside the model, the few numbers a
+metric needs and sow those under the same METRICS.md §7 NAME, so
+:func:`~jvitals.metrics.activations.activation_metrics` reads either form:
+:func:`sow_summary` (a :class:`~jvitals.metrics.stats.Summary`), :func:`logits_probe` (a
+:class:`LogitsSummary`, with the ``[B, T]`` argmax MTP agreement needs),
+:func:`attn_logits_probe`, :func:`perturb_values`. Every probe works on
+``lax.stop_gradient`` of its input (the model's gradients never change); summaries are
+mask-aware at sow time: pass the model's token mask.
 
-=====================  ===================================================  ==========================
-probe                  sows                                                 size
-=====================  ===================================================  ==========================
-:func:`sow_summary`    a :class:`~jvitals.metrics.stats.Summary` of ``x``           5 scalars
-:func:`logits_probe`   a :class:`LogitsSummary` (logits, top-2, LSE, argmax) ~20 scalars + ``[B, T]`` int32
-:func:`attn_logits_probe` a ``Summary`` of the valid pre-softmax scores     5 scalars
-:func:`perturb_values` nothing sown: a zero perturbation (``Module.perturb``) gradient ``[B, T, ...]``
-=====================  ===================================================  ==========================
-
-The argmax kept by :class:`LogitsSummary` (``[B, T]`` int32, ``V`` times smaller than
-the logits) is what MTP agreement (METRICS.md §4) and top-1 accuracies need:
-they compare argmaxes at *shifted* positions, which no per-step scalar can do.
-
-Every probe works on ``lax.stop_gradient`` of its input: it never changes the
-model's gradients. Under ``nn.scan`` the sown structs gain a leading layer axis
-on every field, which ``activation_metrics`` reads as one instance per layer.
-Summaries are mask-aware at sow time: pass the model's token mask.
+The table of probes and sizes, and ``nn.scan``: docs/DEVICE.md, "probes: compact summaries
+sown in the model".
 """
 
 from __future__ import annotations
@@ -36,7 +25,7 @@ from flax import struct
 from jax import lax
 
 from jvitals.metrics import cpu_forms, fold
-from jvitals.metrics.stats import Summary, _nan_rule, eager_jit, reduce, summarize, summarize_max
+from jvitals.metrics.stats import Summary, nan_rule, eager_jit, reduce, summarize, summarize_max
 from jvitals.metrics.axes import make_varying, pmax_over
 
 __all__ = [
@@ -386,12 +375,12 @@ def _rows_summary(rows: "LogitsRows", valid: jax.Array) -> "LogitsSummary":
     names += ["sum", "sum", "max", "sum", "max", "sum"]
     got = fold.fold(ops, inits, fold.kinds(names)[1])
     n = got[-1]
-    pos = [Summary(count=n, sum=got[j], sumsq=got[j + 1], abs_max=_nan_rule(got[j + 2], n, got[j + 3]),
+    pos = [Summary(count=n, sum=got[j], sumsq=got[j + 1], abs_max=nan_rule(got[j + 2], n, got[j + 3]),
                    nonfinite=got[j + 3]) for j in (0, 4, 8)]
     lse_s, diff_s, tie_s = pos
     count = n * v
     nonfinite = got[15]
-    logit_s = Summary(count=count, sum=got[12], sumsq=got[13], abs_max=_nan_rule(got[14], count, nonfinite),
+    logit_s = Summary(count=count, sum=got[12], sumsq=got[13], abs_max=nan_rule(got[14], count, nonfinite),
                       nonfinite=nonfinite)
     lse_max = jnp.where((lse_s.nonfinite > 0) | (n <= 0), jnp.nan, got[16]).astype(_F32)
     return LogitsSummary(logits=logit_s, top2_diff=diff_s, top2_tie=tie_s, lse=lse_s, lse_max=lse_max,

@@ -1,32 +1,22 @@
 """Fused QKV kernels: where the Q, K and V parts of one fused projection lie.
 
-One concern: given a fused kernel (``c_attn``, ``query_key_value``, ``qkv``...) and
-its :class:`~jvitals.metrics.roles.QKVSplit`, say which entries along the split axis are Q,
-K and V. Two layouts exist in the wild (``n`` entries along the split axis,
-``H`` query heads, ``KVH`` key/value heads, ``Dh = n / (H + 2 KVH)``):
+Given a fused kernel (``c_attn``, ``query_key_value``, ``qkv``...) and its
+:class:`~jvitals.metrics.roles.QKVSplit`, say which entries along the split axis are Q, K
+and V. Two layouts exist in the wild: ``"contiguous"`` (``[Q heads | K heads | V heads]``,
+GPT-2's ``c_attn``) and ``"interleaved"`` (per key/value group its query heads, then its key
+and value heads, ``[KVH, H / KVH + 2, Dh]``: Bloom, GPT-NeoX, Falcon; it needs the head
+count, and jvitals raises rather than guess it). :func:`split_qkv` and :func:`merge_qkv`
+map a fused kernel to its parts and back (e.g. for QK-clip); :func:`fused_pieces` gives the
+parts the gradient figures measure.
 
-* ``"contiguous"``: ``[Q heads | K heads | V heads]`` -- GPT-2's ``c_attn``, the
-  jvitals reference model's ``qkv``, Baichuan's ``W_pack``, fused Llama ``qkv_proj``.
-  Without head counts the axis splits in thirds (or, given the Q width from the
-  output projection, ``(q, (n - q) / 2, (n - q) / 2)``).
-* ``"interleaved"``: per key/value group ``g`` of ``H / KVH`` query heads, that
-  group's query heads, then its key head, then its value head:
-  ``[KVH, H / KVH + 2, Dh]``. With ``KVH = H`` this is ``[H, 3, Dh]`` -- HF-Flax
-  Bloom's ``query_key_value`` and GPT-NeoX's; with ``KVH < H`` Falcon's
-  ``new_decoder_architecture`` and Megatron-converted GQA checkpoints. It needs
-  the head count; jvitals raises rather than guess it.
-
-:func:`split_qkv` and :func:`merge_qkv` map a fused kernel to its Q, K and V parts
-and back (pure ``jnp``, inverse of each other), e.g. to scale the Q and K parts
-(QK-clip) exactly as :func:`~jvitals.metrics.gradients.gradient_metrics` splits them;
-:func:`qkv_part_ids` gives the part of every entry along the split axis.
+Which families use which layout: docs/DEVICE.md, "qkv: the fused layouts".
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -310,11 +300,16 @@ def _attn_module(path: str) -> str:
     return "/".join(parts[:-1])
 
 
-def _o_sizes(infos: Sequence[LeafRole], gshapes: Sequence[tuple[int, ...]]) -> dict[str, int]:
-    """Per-layer element count of each attention module's output projection."""
+def out_proj_sizes(infos: Sequence[LeafRole], shapes: Sequence[tuple[int, ...]], specs: Sequence[Any] | None,
+                   axes: tuple[str, ...]) -> dict[str, int]:
+    """Per-layer element count of each attention module's output projection (role ``o``),
+    keyed by the module's path: the Q width a fused QKV kernel is split with when no head
+    counts are given (:func:`fused_pieces`). ``shapes`` are the leaves' local shapes,
+    ``specs`` their ``PartitionSpec`` (None: as JAX's types say, over ``axes``)."""
     out: dict[str, int] = {}
-    for lr, gs in zip(infos, gshapes):
+    for i, (lr, shape) in enumerate(zip(infos, shapes)):
         if lr.role == "o":
+            gs = _global_shape(shape, specs[i] if specs is not None else None, axes)
             out.setdefault(_attn_module(lr.path), math.prod(_layer_shape(gs, lr)))
     return out
 
@@ -384,13 +379,14 @@ def pair_layout(shape: Sequence[int], path: str = "fused", axis: int | None = No
     return QKVLayout(a, "contiguous", (n // 2, n // 2, 0))
 
 
-def _qkv_pieces(x: jax.Array, lr: LeafRole, roles: Roles, spec: Any, axes: tuple[str, ...],
-                o_numel: int | None = None) -> list[tuple[str, jax.Array, jax.Array | None, int | None]]:
+def fused_pieces(x: jax.Array, lr: LeafRole, roles: Roles, spec: Any, axes: tuple[str, ...],
+                 out_sizes: Mapping[str, int]) -> list[tuple[str, jax.Array, jax.Array | None, int | None]]:
     """The parts of a fused kernel (a role of :data:`~jvitals.metrics.roles.FUSED_PARTS`:
     Q, K and V of ``qkv``; K and V of ``kv``; gate and up of ``gate_up``/``up_gate``), as
     ``(name, x, mask, axis)`` to summarise (per layer if stacked), in the layout ``roles``
-    gives its path."""
+    gives its path; ``out_sizes`` from :func:`out_proj_sizes` (a QKV kernel's Q width)."""
     from jvitals.metrics.roles import FUSED_PARTS
+    o_numel = out_sizes.get(_attn_module(lr.path))
     shape = tuple(x.shape)  # local (per-shard) inside shard_map
     gshape = _global_shape(shape, spec, axes)
     layer_shape = _layer_shape(gshape, lr)

@@ -30,6 +30,7 @@ from jvitals.metrics import gradients as _gradients
 from jvitals.metrics import light as _light
 from jvitals.metrics import axes as _axes
 from jvitals.metrics import window as _window
+from jvitals.metrics.clip_norm import optax_form
 from jvitals.metrics.chain import has_threshold, leading_clip, skipped, state_at
 from jvitals.metrics.explain import log_roles_summary
 from jvitals.metrics.optimizer import LR_SCALE, LR_SCALE_ARG, injected_hyperparams
@@ -327,8 +328,8 @@ def _heavy_figures(cfg: _Config, step: _Step) -> dict[str, jax.Array]:
     (:func:`jvitals.metrics.gradients.gradient_metrics`).
     """
     upd = step.out if step.with_updates else None
-    plain = (not cfg.axes and _gradients._optax_form(step.grads, ())
-             and (step.params is None or _gradients._optax_form(step.params, ())))
+    plain = (not cfg.axes and optax_form(step.grads, ())
+             and (step.params is None or optax_form(step.params, ())))
     if plain:
         m = _gradients.plain_grad_figures(_fold.as_written(step.grads), roles=cfg.roles)
         light = _light.light_metrics(step.grads, step.params, upd, roles=cfg.roles)

@@ -1,54 +1,16 @@
 """Per-replica vitals: the few figures that can name a sick device, host or data shard.
 
-Every other jvitals figure is reduced over the whole mesh, which is what a run's
-health needs and exactly what hides *where* a fault sits: a NaN on one of 256 chips
-is "the loss is NaN". :func:`replica_metrics` keeps, beside them, a small vector
-over the data-parallel replicas (the batch shards) for the figures that a sick part
-moves, each reduced *within* a replica's slice of the batch (float32; padding never
-counts)::
+Every other figure is reduced over the whole mesh, which hides *where* a fault sits: a NaN
+on one of 256 chips is "the loss is NaN". :func:`replica_metrics` keeps, beside them, a
+float32 ``(R,)`` vector over the data-parallel replicas for the figures a sick part moves
+(``replica/loss``, ``replica/nonfinite``, ``replica/grad_norm``...), each reduced *within*
+a replica's slice of the batch; only those vectors cross devices, and no pass over the data
+is added. Under ``jit`` pass ``replicas=R`` (the batch split into ``R`` consecutive
+blocks); inside ``shard_map`` pass ``axes=`` (each device's figures placed at its index and
+``psum``-ed). :func:`replica_layout` maps each replica to its devices, process and host.
 
-    replica/loss                         sum_{valid} loss / n_valid          (count-weighted mean)
-    replica/tokens                       n_valid                             (mask True)
-    replica/nonfinite                    #non-finite values among the replica's loss, activation
-                                         summaries, logits and (under shard_map) local gradients
-                                         (of raw sown activations / logits: the positions holding one)
-    replica/hidden_states_rms            mean over layers of sqrt(sum h^2 / n)   (act/hidden_states_rms.avg)
-    replica/hidden_states_abs.max        max over layers of max |h|
-    replica/output_layer_logits_abs.max  max |logits| over the replica's valid positions
-    replica/grad_norm                    sqrt(sum g_local^2): the replica's own gradient before the
-                                         data-parallel psum (shard_map only)
-
-Each figure is a float32 vector of shape ``(R,)``; entry ``r`` is replica ``r``. A
-statistic over a replica holding a non-finite value is NaN, and
-``replica/nonfinite`` counts them (``pmax`` drops NaN on the CPU, so nothing here
-relies on a maximum to carry one). No pass over the data is added: the loss is the
-model's own per-token (or per-example) loss, the activation figures read the
-per-token summaries the probes sow (:class:`~jvitals.metrics.stats.TokenSummary`
-from :func:`jvitals.instrument`, :class:`~jvitals.metrics.probes.LogitsRows`); raw
-sown tensors are accepted too and read once. Only the ``(R,)`` vectors cross
-devices.
-
-Distribution (which replica is which):
-
-- **Global view** (``jit`` over ``NamedSharding`` arrays): pass ``replicas=R``, the
-  number of batch shards (``mesh.shape['data']``, or ``layout.size``). The batch
-  axis is split into ``R`` equal consecutive blocks, block ``r`` being what the
-  devices at index ``r`` of the batch axes hold (``PartitionSpec('data')`` or
-  ``PartitionSpec(('data', 'expert'))``, the first axis major): a reshape and a
-  local reduction, no gather of the batch.
-- **Per-device view** (``shard_map``, ``pmap``): pass ``axes=`` the mesh axes the
-  batch is sharded along; each device reduces its own shard and the figures are
-  placed at its index ``lax.axis_index(axes)`` and ``psum``-ed over ``axes`` (one
-  ``[R, F]`` all-reduce). Local gradients (before the user's explicit gradient
-  ``psum``) give ``replica/grad_norm``; a gradient leaf sharded along another mesh
-  axis (expert weights over ``expert``) has its sum of squares ``psum``-ed over that
-  axis first, as :func:`jvitals.metrics.gradients.gradient_metrics` does.
-
-:func:`replica_layout` maps each replica to its devices, their process index and
-their host name (gathered once, at start-up) so that every message can name them.
-The host side (:func:`jvitals.monitor.replicas.flat_replicas`, the
-:class:`~jvitals.monitor.replicas.ReplicaRule`, the writer's summaries and the
-report's heat map) reads these vectors; see ``docs/REPLICAS.md``.
+Every figure's formula and the two views: docs/REPLICAS.md, "The figures, in the code's
+words".
 """
 
 from __future__ import annotations

@@ -204,8 +204,7 @@ axis: ``qkv`` ``[Q | K | V]`` (or per head, :class:`QKVSplit`), ``kv`` ``[K | V]
 ``gate_up`` ``[gate | up]`` (Gemma's ``gating_einsum``, MaxText's fused ``wi``, Phi-3's
 ``gate_up_proj``), ``up_gate`` ``[up | gate]`` (OLMo's ``ff_proj``: ``x, gate = x.chunk(2)``)."""
 
-# Words each role is usually spelled with, to rank "nearest paths" in errors.
-_HINTS: Mapping[str, tuple[str, ...]] = {
+ROLE_HINTS: Mapping[str, tuple[str, ...]] = {
     "embedding": ("embed", "embedding", "wte", "embed_tokens", "token_embedder"),
     "lm_head": ("lm_head", "logits_dense", "output", "unembed"),
     "q": ("q_proj", "query", "wq"), "k": ("k_proj", "key", "wk"), "v": ("v_proj", "value", "wv"),
@@ -217,3 +216,5 @@ _HINTS: Mapping[str, tuple[str, ...]] = {
     "expert_bias": ("expert_bias", "e_score_correction_bias"), "norm": ("norm", "layernorm", "scale"),
     "gate_up": ("gating_einsum", "gate_up_proj", "wi"), "up_gate": ("ff_proj",), "kv_shared": ("k_einsum",),
 }
+"""Role -> the words it is usually spelled with in parameter paths: they rank the "nearest
+paths" an error names when a required role matches nothing."""

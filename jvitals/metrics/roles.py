@@ -1,65 +1,16 @@
 """Parameter roles: which leaf of a parameter tree is the embedding, Wq, a norm scale...
 
-jvitals' gradient and parameter metrics are reported per *role* (METRICS.md §2:
-``grad/Wq_abs.max``, ``grad/W_gate_rms``, ``grad/{norm}_rms``...) and per *layer*
-(``grad/norm/layer_{i}``). :class:`Roles` maps a leaf's path (``keystr(path,
-simple=True, separator='/')``, e.g. ``params/layers_3/attn/qkv/kernel``) to both:
+The gradient and parameter figures are reported per *role* (``grad/Wq_abs.max``) and per
+*layer* (``grad/norm/layer_{i}``). :class:`Roles` maps a leaf's path (``keystr(path,
+simple=True, separator='/')``) to both: the role is the first ``(role, regex)`` of
+:attr:`Roles.patterns` that ``re.search``-es the path (then the leaf's siblings, for what a
+path cannot decide: :func:`assign_roles`); the layer is a :attr:`Roles.layer_patterns`
+index, or a slice of an ``nn.scan``-stacked subtree (:attr:`Roles.stacks`). Fused roles
+(:data:`FUSED_PARTS`) are split into their parts before any statistic. Leaves no pattern
+matches keep their layer and count in every norm; only per-role figures skip them.
 
-* **role**: the first ``(role, regex)`` of :attr:`Roles.patterns` whose regex
-  ``re.search``-es the path (case-insensitive), then, for what a path alone cannot
-  decide, the leaf's siblings (:func:`assign_roles`). The defaults recognise the jvitals
-  reference model, the Flax examples (``Embed_0``, ``MultiHeadDotProductAttention_0``,
-  ``MlpBlock_0/Dense_0``), MaxText (``token_embedder``, ``self_attention/query``,
-  ``mlp/wi_0``, fused ``mlp/wi``, ``MoeBlock_0/gate``, MLA ``wq_a``..., ``logits_dense``,
-  ``decoder_norm``), T5X and Flaxformer (``attention/query``, ``mlp/wi``, ``wi_0``,
-  ``wo``, ``qkv_fused``, ``kv_fused``, ``wi_fused``, ``relpos_bias``), HuggingFace-Flax
-  GPT-2 (``wte``, ``c_attn``, ``c_proj``, ``c_fc``, ``ln_1``, ``ln_f``), Llama/Mistral
-  (``embed_tokens``, ``q_proj``..., ``gate_proj``, ``input_layernorm``, ``norm``,
-  ``lm_head``), Mixtral (``block_sparse_moe/gate``, ``experts/0/w1``), DeepSeek (HF's
-  ``q_a_proj``, ``kv_a_proj_with_mqa``, ``mlp/gate``, ``e_score_correction_bias``; the
-  reference code's ``wq_a``, ``wkv_b``, ``ffn/gate``, ``head``), OLMo and LLaDA
-  (``att_proj``, ``attn_out``, ``ff_proj``, ``ff_out``: the MLP's down projection in a
-  block, the output layer at the top), OLMo-core (``w_q``, ``w_out``, ``w_g``,
-  ``feed_forward/w1``, ``lm_head/w_out``) and Gemma (``q_einsum``, ``kv_einsum``,
-  ``attn_vec_einsum``, ``gating_einsum``, ``linear``; Gemma 4's ``router_logits``,
-  ``k_einsum`` and per-layer embeddings). ``docs/MODELS.md`` has the table of families;
-  :mod:`jvitals.metrics.role_patterns` holds the patterns (:data:`DEFAULT_PATTERNS`)
-  and the other default tables.
-* **layer**: for Python-list layers, the first :attr:`Roles.layer_patterns` regex
-  whose group 1 captures the index (``layers_3``, ``layers/3``, ``h/3``,
-  ``layer_3``, ``block_3``, ``encoderdecoderblock_3``...); for ``nn.scan``-stacked
-  layers, a :attr:`Roles.stacks` rule ``(regex, axis)`` marks the stacked subtree
-  (``params/layers/...`` at axis 0, MaxText's ``decoder/layers/...`` at its default
-  ``param_scan_axis=1``) and layer ``i`` is index ``i`` along that axis.
-
-Some roles are special. The fused ones (:data:`FUSED_PARTS`) are split into their
-parts before any statistic is taken: ``qkv`` (a fused QKV kernel, split into Q, K and V
-by :class:`QKVSplit`, in the layout of its family: :data:`DEFAULT_QKV_LAYOUTS`; a leading
-axis of 3, Gemma's ``qkv_einsum [3, H, D, Dh]``, holds the three parts), ``kv`` (K and V
-in one kernel: stacked on an axis of 2, Gemma's ``kv_einsum [2, KVH, D, Dh]``, or
-``[K | V]`` halves; split into Wk and Wv), ``gate_up`` and ``up_gate`` (the MLP's gate
-and up projections in one kernel, in that order or the other: Gemma's
-``gating_einsum [2, F, D]`` and its experts' ``[E, 2, F, D]``, MaxText's fused ``wi``,
-OLMo's ``ff_proj``; split into W_gate and W_up). The split axis of a per-head or
-expert-stacked kernel comes from :attr:`Roles.fused_axes`. ``kv_shared`` is one
-projection read as both K and V (Gemma 4's ``k_einsum``): it cannot be split, and is
-reported as ``Wkv_shared`` so that ``Wk`` and ``Wv`` claim only separate projections.
-``norm`` is a LayerNorm/RMSNorm scale, reported under its own module name
-(``grad/input_layernorm_rms``; a module named just ``norm``, Llama's final norm, becomes
-``final_norm`` outside the layers and ``block_norm`` inside, so that
-``grad/final_norm_rms`` cannot be read as the gradient-norm family ``grad/norm/layer_{i}``).
-
-Leaves no pattern matches keep their layer and still count in every norm; only
-per-role figures skip them (never defaulted to a role). :func:`explain_roles` shows
-what matched, and lists the weight matrices no role names under the family (attention,
-MLP) whose figures therefore do not include them; :func:`jvitals.record` logs that
-summary once (:func:`~jvitals.metrics.explain.roles_summary`).
-
-Flax NNX: an ``nnx.State`` (``nnx.state(model, nnx.Param)``, what ``nnx.grad`` and
-``nnx.split`` return) is taken as it is; its leaves' paths are the module paths
-(``layers/0/attn/q_proj/w``), the ``Variable``'s own ``value`` level dropped
-(:func:`path_str`). Per-head einsum weights (``[D, H, Dh]``, ``[H, D, Dh]``,
-``[H, Dh, D]``) are whole tensors of their role.
+The families the defaults recognise, the special roles (fused, ``kv_shared``, ``norm``),
+Flax NNX paths and :func:`explain_roles`: docs/MODELS.md, "Roles, in detail".
 """
 
 from __future__ import annotations
@@ -74,13 +25,13 @@ import jax
 
 from jvitals.metrics.paths import path_str
 from jvitals.metrics.role_patterns import (  # noqa: F401 (the default tables, re-exported here)
-    _HINTS,
     DEFAULT_FUSED_AXES,
     DEFAULT_LAYER_PATTERNS,
     DEFAULT_PATTERNS,
     DEFAULT_QKV_LAYOUTS,
     DEFAULT_STACKS,
     FUSED_PARTS,
+    ROLE_HINTS,
     ROLE_METRIC_NAMES,
     UP_OR_FUSED,
 )
@@ -627,7 +578,7 @@ def _check_required(leaves: Sequence[LeafRole], roles: Roles) -> None:
 
 
 def _nearest(paths: Sequence[str], role: str, k: int = 5) -> list[str]:
-    words = _HINTS.get(role, (role,))
+    words = ROLE_HINTS.get(role, (role,))
 
     def score(path: str) -> float:
         parts = path.lower().split("/")

@@ -1,22 +1,16 @@
 """One-pass tensor summaries and their mesh-correct reduction.
 
-A :class:`Summary` holds what every jvitals statistic is derived from:
+A :class:`Summary` holds what every statistic is derived from::
 
-    count     = #valid elements                       (mask True; padding excluded)
-    sum       = sum over valid finite x               (float32)
-    sumsq     = sum over valid finite x^2             (float32)
-    abs_max   = max over valid |x|                    (NaN if any valid x is non-finite
-                                                       or if count == 0)
-    nonfinite = #valid elements that are NaN or +-Inf
+    count = #valid elements   sum, sumsq = sums over valid finite x, x^2 (float32)
+    abs_max = max over valid |x|   nonfinite = #valid elements that are NaN or +-Inf
 
-from which ``mean = sum / count``, ``rms = sqrt(sumsq / count)`` and
-``std = sqrt(max(sumsq / count - mean^2, 0))`` follow. Every derived statistic is
-NaN when ``nonfinite > 0`` (METRICS.md §1: non-finite values are never hidden) or
-when ``count == 0`` (an empty input is not an error).
-
-Summaries merge associatively (``Summary.empty()`` is the identity), so the reduction across
-a mesh is exact: counts and sums ``psum``-ed, maxima ``pmax``-ed, a mean over shards of unequal
-valid counts ``psum(sum) / psum(count)``, never ``pmean(local_mean)``.
+whence ``mean = sum / count``, ``rms = sqrt(sumsq / count)``,
+``std = sqrt(max(sumsq / count - mean^2, 0))``. Every derived statistic is NaN when
+``nonfinite > 0`` (METRICS.md §1: non-finite values are never hidden) or ``count == 0``.
+Summaries merge associatively (``Summary.empty()`` is the identity), so the reduction
+across a mesh is exact: counts and sums ``psum``-ed, maxima ``pmax``-ed, a mean over shards
+``psum(sum) / psum(count)``, never ``pmean(local_mean)``.
 """
 
 from __future__ import annotations
@@ -40,8 +34,8 @@ __all__ = ["Summary", "TokenSummary", "summarize_tokens", "summarize", "summariz
 _F32 = jnp.float32
 
 
-def _nan_rule(value: jax.Array, count: jax.Array, nonfinite: jax.Array) -> jax.Array:
-    """NaN where the input held a non-finite value or nothing at all."""
+def nan_rule(value: jax.Array, count: jax.Array, nonfinite: jax.Array) -> jax.Array:
+    """``value``, NaN where the input held a non-finite value or nothing: every summary figure's rule."""
     return jnp.where((nonfinite > 0) | (count <= 0), jnp.nan, value).astype(_F32)
 
 
@@ -138,7 +132,7 @@ class Summary:
             count=count,
             sum=self.sum + other.sum,
             sumsq=self.sumsq + other.sumsq,
-            abs_max=_nan_rule(amax, count, nonfinite),
+            abs_max=nan_rule(amax, count, nonfinite),
             nonfinite=nonfinite,
         )
 
@@ -151,19 +145,19 @@ class Summary:
             count=count,
             sum=jnp.sum(self.sum),
             sumsq=jnp.sum(self.sumsq),
-            abs_max=_nan_rule(amax, count, nonfinite),
+            abs_max=nan_rule(amax, count, nonfinite),
             nonfinite=nonfinite,
         )
 
     @property
     def mean(self) -> jax.Array:
         """``sum / count`` (NaN if empty or non-finite)."""
-        return _nan_rule(self.sum / jnp.maximum(self.count, 1.0), self.count, self.nonfinite)
+        return nan_rule(self.sum / jnp.maximum(self.count, 1.0), self.count, self.nonfinite)
 
     @property
     def rms(self) -> jax.Array:
         """``sqrt(sumsq / count)``; includes the mean, unlike :attr:`std`."""
-        return _nan_rule(jnp.sqrt(self.sumsq / jnp.maximum(self.count, 1.0)), self.count, self.nonfinite)
+        return nan_rule(jnp.sqrt(self.sumsq / jnp.maximum(self.count, 1.0)), self.count, self.nonfinite)
 
     @property
     def norm(self) -> jax.Array:
@@ -179,7 +173,7 @@ class Summary:
         n = jnp.maximum(self.count, 1.0)
         mean = self.sum / n
         var = jnp.maximum(self.sumsq / n - mean * mean, 0.0)
-        return _nan_rule(jnp.sqrt(var), self.count, self.nonfinite)
+        return nan_rule(jnp.sqrt(var), self.count, self.nonfinite)
 
 
 @struct.dataclass
@@ -235,7 +229,7 @@ class TokenSummary:
             (keep(self.count, 0.0), keep(self.sum, 0.0), keep(self.sumsq, 0.0),
              keep(_finite_or_minus_inf(self.abs_max), -jnp.inf), keep(self.nonfinite, 0.0)),
             inits, combine, red)
-        return Summary(count=count, sum=total, sumsq=sumsq, abs_max=_nan_rule(amax, count, nonfinite),
+        return Summary(count=count, sum=total, sumsq=sumsq, abs_max=nan_rule(amax, count, nonfinite),
                        nonfinite=nonfinite)
 
 
@@ -273,7 +267,7 @@ def summarize_tokens(x: jax.Array, valid: jax.Array | None = None, *, token_ndim
     got = _fold_one(x, vb, red, fold.MAX if max_only else fold.FULL)
     nan = jnp.full(s_shape, jnp.nan, _F32)
     return TokenSummary(count=count, sum=got.get("sum", nan), sumsq=got.get("sumsq", nan),
-                        abs_max=_nan_rule(got["abs_max"], count, got["nonfinite"]),
+                        abs_max=nan_rule(got["abs_max"], count, got["nonfinite"]),
                         nonfinite=got["nonfinite"])
 
 
@@ -455,7 +449,7 @@ def summarize_fields(items: Sequence[tuple[jax.Array, jax.Array | None, int | No
     for count, f in zip(counts, _masked_groups(folds)):
         nan = jnp.full_like(count, jnp.nan)
         nonfinite = f["nonfinite"]
-        amax = _nan_rule(f["abs_max"], count, nonfinite) if "abs_max" in f else nan
+        amax = nan_rule(f["abs_max"], count, nonfinite) if "abs_max" in f else nan
         out.append(Summary(count=count, sum=f.get("sum", nan), sumsq=f.get("sumsq", nan), abs_max=amax,
                            nonfinite=nonfinite))
     return out
@@ -598,7 +592,7 @@ def summarize_max(x: jax.Array | Sequence[jax.Array], mask: jax.Array | None = N
         xs = [jnp.asarray(a) for a in x]
         if not xs:
             return Summary.empty()
-        if any(fold._varying(a) for a in xs):   # inside shard_map: the one-read form
+        if any(manual_varying(a) for a in xs):   # inside shard_map: the one-read form
             amax, nonfinite = _max_one_read(xs)
         else:
             amax, nonfinite = fold.on_cpu(lambda: _max_plain(xs), lambda: _max_one_read(xs))
@@ -611,7 +605,7 @@ def summarize_max(x: jax.Array | Sequence[jax.Array], mask: jax.Array | None = N
         got = _masked_groups([(xf, m, red, fold.MAX, None)])[0]
         amax, nonfinite = got["abs_max"], got["nonfinite"]
     nan = jnp.full_like(amax, jnp.nan)
-    return Summary(count=count, sum=nan, sumsq=nan, abs_max=_nan_rule(amax, count, nonfinite),
+    return Summary(count=count, sum=nan, sumsq=nan, abs_max=nan_rule(amax, count, nonfinite),
                    nonfinite=nonfinite)
 
 
@@ -648,7 +642,7 @@ def _reduce_summary(s: Summary, axes: tuple[str, ...], spec: Any) -> Summary:
     # pmax drops NaN on some backends and keeps it on others: reduce finite
     # maxima only and rebuild NaN from the psum-ed counts.
     amax = lax.pmax(make_varying(_finite_or_minus_inf(s.abs_max), red), red)
-    return Summary(count=count, sum=psum(s.sum), sumsq=psum(s.sumsq), abs_max=_nan_rule(amax, count, nonfinite),
+    return Summary(count=count, sum=psum(s.sum), sumsq=psum(s.sumsq), abs_max=nan_rule(amax, count, nonfinite),
                    nonfinite=nonfinite)
 
 

@@ -1,33 +1,17 @@
 """What happens between two host reads: the recorder's window over the updates since the last one.
 
-The host reads the device once per check (every 50 steps in the README's loop); the
-device sees every step. The recorder keeps, beside each update's own figures, a window
-over the updates since the host last read it, so that a NaN step, a one-step spike or a
-skipped update between two checks reaches the next check with the step it happened at.
-Per figure ``f`` of :data:`WINDOW_FIGURES` present (finite values only)::
+The host reads the device once per check; the device sees every step. The recorder keeps,
+beside each update's figures, a window over the updates since the host last read it, so
+that a NaN step, a one-step spike or a skipped update between two checks reaches the next
+check with the step it happened at: per figure of :data:`WINDOW_FIGURES`
+``window/{f}.max``, ``.min``, ``.max_ago``, ``.mean``, ``.std`` (Welford), ``.n``; for the
+window ``window/steps``, ``window/nonfinite_steps``, ``window/first_nonfinite_ago``... Steps
+are kept as "updates ago" (exact in float32, right after a rollback too): the host takes
+``step of the event = step of the check - ago``. A few dozen scalars, updated with scalar
+arithmetic on every update (no read of any tensor, no host sync); pure functions.
 
-    window/{f}.max, .min     the extremes over the window
-    window/{f}.max_ago       updates between the maximum and the window's last update
-    window/{f}.mean, .std    mean and (population) standard deviation (Welford)
-    window/{f}.n             finite values seen (0: the entries above are empty, 0)
-
-and for the window::
-
-    window/steps                 updates in the window
-    window/nonfinite_steps       updates whose loss or gradient was non-finite
-    window/first_nonfinite_ago   updates between the first of them and the last update (-1: none)
-    window/skipped_steps         updates an in-step skip dropped (jvitals.skip_step,
-                                 optax.apply_if_finite)
-    window/first_skipped_ago     as above (-1: none)
-
-Steps are kept as "updates ago" (small counts, exact in float32, and right after a
-rollback restores an older count): the host turns them into steps,
-``step of the event = step of the check - ago``.
-
-The window is a few dozen scalars of the recorder's packed vector, updated with scalar
-arithmetic on every update (no read of any tensor, no host sync). It restarts at the
-first update after one whose ``vitals_read`` was true (the host read it); without
-``vitals_read`` every update is a window of its own. Pure functions over scalars.
+Every entry and when the window restarts: docs/RECORDER.md, "The window, in the code's
+words".
 """
 
 from __future__ import annotations

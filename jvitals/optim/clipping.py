@@ -1,28 +1,17 @@
 """Adaptive gradient clipping (ZClip): clip the global norm at ``mu + z * sigma``.
 
-ZClip (Kumar et al., 2025, arXiv:2504.02507) keeps an exponential moving average
-of the gradient's global norm and of its variance, and clips a norm that is a
-``z``-sigma outlier of it. :func:`adaptive_clip` is its "percentile" form as an
-optax transformation; for update ``t`` (0-based) with global norm ``x_t``::
+ZClip (Kumar et al., 2025, arXiv:2504.02507) keeps an exponential moving average of the
+gradient's global norm and of its variance, and clips a norm that is a ``z``-sigma outlier
+of it. :func:`adaptive_clip` is its "percentile" form as an optax transformation; after
+``warmup_steps`` updates (plain mean and variance, clipped at ``max_norm`` only)::
 
-    t <  warmup_steps:  threshold_t = max_norm (or +inf without it)
-                        (mu, var) <- mean and population variance of the finite x_0..x_t
-    t >= warmup_steps:  threshold_t = min(mu + z * sqrt(var), max_norm)
-                        c_t = min(x_t, mu + z * sqrt(var))          # the clipped norm
-                        mu  <- alpha * mu + (1 - alpha) * c_t
-                        var <- alpha * var + (1 - alpha) * (c_t - mu) ** 2   # with the new mu
-    update_t = g_t * min(1, threshold_t / x_t)     (as optax.clip_by_global_norm)
+    threshold_t = min(mu + z * sqrt(var), max_norm)    update_t = g_t * min(1, threshold_t / x_t)
+    c_t = min(x_t, mu + z * sqrt(var));  mu <- alpha mu + (1 - alpha) c_t;  var likewise
 
-Statistics are those of updates before ``t``; a non-finite ``x_t`` leaves them
-unchanged (and, as ``clip_by_global_norm``, the update non-finite: pair it with
-``optax.apply_if_finite`` or the guard). If no warm-up norm was finite, the
-warm-up lasts until one is. ``max_norm`` caps the threshold but does not enter
-the EMA (as in the ZClip reference code).
-
-The state :class:`AdaptiveClipState` holds float32/int32 scalars only, so it is
-checkpointed with the optimizer state (orbax), and ``clip_threshold`` (the
-threshold applied at the latest update) is what :func:`jvitals.record` reports as
-``grad/clip_threshold`` (with the post-clip figures ``min(x, threshold)``).
+A non-finite norm leaves the statistics unchanged. The state holds float32/int32 scalars
+(checkpointed with the optimizer state); ``clip_threshold`` is what :func:`jvitals.record`
+reports as ``grad/clip_threshold``. The full recurrence, warm-up and ``max_norm``:
+docs/REMEDIES.md, "adaptive_clip: the recurrence".
 """
 
 from __future__ import annotations

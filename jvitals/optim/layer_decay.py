@@ -7,13 +7,10 @@ METRICS.md §6 prescribes it when the shallow layers' share of the gradient grow
     factor(embedding) = decay ** N                # token and position embeddings
     factor(lm_head) = factor(final norm) = 1      # and every other non-layer leaf
 
-Layers and roles come from :func:`jvitals.metrics.roles.assign_roles` (``layers_{i}``,
-``h/{i}``, ``layers/{i}``..., and ``nn.scan``-stacked subtrees, whose slice ``i``
-along the layer axis gets layer ``i``'s factor). Put it *after* the optimizer in
-the chain (it scales the final update, i.e. the learning rate; before Adam the
-scale would be normalised away)::
-
-    tx = optax.chain(optax.adamw(sched), vitals.layerwise_lr_decay(0.9))
+Layers and roles come from :func:`jvitals.metrics.roles.assign_roles` (a scan-stacked
+subtree's slice ``i`` gets layer ``i``'s factor). Put it *after* the optimizer in the chain,
+``optax.chain(optax.adamw(sched), vitals.layerwise_lr_decay(0.9))``: it scales the final
+update, i.e. the learning rate; before Adam the scale would be normalised away.
 """
 
 from __future__ import annotations

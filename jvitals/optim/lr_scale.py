@@ -1,46 +1,18 @@
 """Learning-rate scales that work with any optax schedule, set from the host.
 
-Setting ``hyperparams['learning_rate']`` of an ``inject_hyperparams`` state does
-nothing when the learning rate is a schedule (the schedule recomputes it each
-step), and an unfiltered ``optax.tree.set`` breaks the schedule's own state. So
-jvitals multiplies the *final update* by a separate hyperparameter instead::
+Setting ``hyperparams['learning_rate']`` does nothing when the learning rate is a schedule
+(it is recomputed each step), so jvitals multiplies the *final update* by a separate
+hyperparameter instead::
 
-    tx' = inject_hyperparams(lambda lr_scale: chain(tx, scale(lr_scale)))(lr_scale=1.0)
     update' = lr_scale * tx.update(grads)          # = (lr_scale * lr_t) * direction_t
 
-For every optax optimizer whose update is linear in its learning rate (SGD,
-Adam(W), Lion, Adafactor with a fixed lr, ...), scaling the update is the same as
-scaling the learning rate at every step of the schedule. The rollback in
-:mod:`jvitals.guard.rollback` turns this scale down (x0.9 per rollback, compounding).
-
-**Per-group scales** (``groups="roles"`` or a function): every leaf belongs to a
-group (``"embedding"``, ``"lm_head"``, ``"layer_{i}"``, ``"other"`` by default) and
-the update of a leaf in group ``g`` is::
-
-    update'_leaf = lr_scale * lr_scale[g] * tx.update(grads)_leaf
-
-with one float32 scalar per group in the state (an :class:`LRGroupScaleState`
-inside the chain). An ``nn.scan``-stacked leaf scales each slice ``i`` of its
-layer axis by its layer's scale. The global ``lr_scale`` multiplies every group's.
-
-The scales live in the optimizer state as float32 scalars (whatever the params'
-dtype), so they are checkpointed with it; :func:`set_lr_scale` replaces one with an
-array of the same dtype, shape and sharding, so a jitted step does not retrace.
-
-The update of the wrapped ``tx`` is called with one extra keyword argument,
-``vitals_lr_scale=`` (:data:`LR_SCALE_ARG`): the float32 global scale in force
-(times any outer ``with_lr_scale``'s), so a recorder inside the chain can log the
-learning rate actually applied. Transforms that take no extra arguments are
-wrapped with ``optax.with_extra_args_support`` (by ``optax.chain``) and ignore it.
-
-Example::
-
-    tx = vitals.with_lr_scale(optax.adamw(optax.cosine_decay_schedule(3e-4, 10_000)),
-                              groups="roles")
-    opt_state = tx.init(params)
-    opt_state = vitals.set_lr_scale(opt_state, 0.9)                      # every group
-    opt_state = vitals.set_lr_scale(opt_state, 0.5, group="embedding")   # one group
-    vitals.get_lr_scale(opt_state), vitals.get_lr_scale(opt_state, "embedding")  # 0.9, 0.5
+the same as scaling the learning rate at every step for every optimizer whose update is
+linear in it (SGD, Adam(W), Lion...). With ``groups=`` every leaf belongs to a group
+(``"embedding"``, ``"lm_head"``, ``"layer_{i}"``, ``"other"``) with a scale of its own. The
+scales are float32 scalars in the optimizer state (checkpointed with it; :func:`set_lr_scale`
+keeps dtype, shape and sharding, so a jitted step does not retrace), and the wrapped update
+gets the scale in force as ``vitals_lr_scale=`` (:data:`LR_SCALE_ARG`) for the recorder.
+Groups, the extra argument and an example: docs/REMEDIES.md, "with_lr_scale, in detail".
 """
 
 from __future__ import annotations

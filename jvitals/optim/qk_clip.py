@@ -1,32 +1,18 @@
 """QK-clip: shrink a layer's ``Wq`` and ``Wk`` when its attention logits grew too large.
 
-METRICS.md §6 prescribes "clip the attention logits" when
-``act/attn_logits_abs.max/layer_{i}`` grows. QK-clip (MuonClip, Kimi K2) acts on
-the weights after an optimizer step: for each layer whose max pre-softmax logit
-``m_i`` exceeds ``tau``, with ``gamma_i = tau / m_i``::
+METRICS.md §6 prescribes "clip the attention logits" when ``act/attn_logits_abs.max/layer_{i}``
+grows. QK-clip (MuonClip, Kimi K2) acts on the weights after an optimizer step: for each
+layer whose max pre-softmax logit ``m_i`` exceeds ``tau``, with ``gamma_i = tau / m_i``::
 
     Wq_i <- sqrt(gamma_i) * Wq_i      Wk_i <- sqrt(gamma_i) * Wk_i     (and their biases)
 
-so ``q . k`` (hence every logit of that layer) shrinks by ``gamma_i``; other
-layers are untouched. Q and K are found by :mod:`jvitals.metrics.roles`: separate ``q``/
-``k`` kernels, or the Q and K parts of a fused QKV kernel (split by
-:func:`jvitals.metrics.qkv.split_qkv` as the gradient metrics split it: contiguous
-``[Q | K | V]`` or per-head interleaved, the Q width inferred from the output
-projection). A layer with a Q projection but no K
-(MLA's ``q_up``, whose K comes from a shared low-rank path) scales Q by the whole
-``gamma_i``. A bias is the ``bias`` leaf next to a kernel.
+so every logit of that layer shrinks by ``gamma_i``; other layers are untouched. Q and K are
+found by :mod:`jvitals.metrics.roles` (separate kernels, or the parts of a fused QKV kernel
+split as the gradient figures split it). Per head (``attn_logits_max`` of shape ``[L, H]``),
+head ``h`` shrinks by ``gamma_{i,h}`` exactly. Not for QK-norm models (the norm cancels it).
 
-**Per head** (MuonClip's form): pass ``attn_logits_max`` as ``[L, H]``; head
-``h`` then shrinks by ``gamma_{i,h}`` exactly, and heads at or below ``tau`` keep
-their weights: with one K head per Q head, ``Wq`` and ``Wk`` of head ``h`` are
-scaled by ``sqrt(gamma_{i,h})``; a K head shared by several Q heads (grouped-query
-attention; MuonClip's shared rotary key) is left alone and Q head ``h`` is scaled
-by ``gamma_{i,h}``. Heads are read from the output axis of
-the kernels (``[D, H*Dh]``, ``[D, H, Dh]``, the fused ``[Q heads | K heads | V
-heads]`` layout).
-
-Not covered: QK-norm models (a norm after the projection cancels the scale; clip
-the norm's scale instead).
+Q without K (MLA), biases, the per-head form and grouped-query heads: docs/REMEDIES.md,
+"qk_clip, in detail".
 """
 
 from __future__ import annotations

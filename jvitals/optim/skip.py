@@ -1,30 +1,18 @@
 """Skip an update whose loss or gradient norm is far outside the run's recent history.
 
-OLMo-core's ``SkipStepOptimizer`` and Levanter's ``levanter.optim.skipstep`` skip, inside
-the step, an update whose loss or gradient norm is more than ``sigma`` standard
-deviations above the mean of the last ``window`` steps, so a catastrophic update never
-lands while the host waits for its next check. :func:`skip_step` is that idea as an
-optax wrapper with an on-device rolling baseline; for update ``t`` with loss ``l_t`` and
-global gradient norm ``g_t`` (as ``optax.global_norm`` of the gradients it receives)::
+As OLMo-core's ``SkipStepOptimizer`` and Levanter's ``skipstep`` do, :func:`skip_step` skips,
+inside the step, an update whose loss or gradient norm is more than ``sigma`` standard
+deviations above the mean of the last ``window`` steps (an optax wrapper with an on-device
+rolling baseline), so a catastrophic update never lands while the host waits for its next
+check::
 
-    history  = the finite (l, g) of the last ``window`` updates before t (skipped ones too)
-    armed    = len(history) >= warmup
-    skip_t   = armed and (l_t > mean(l) + sigma * sd(l)  or  g_t > mean(g) + sigma * sd(g))
-               or (skip_nonfinite and l_t or g_t is not finite)
-    update_t = 0 and the inner state kept          if skip_t
-               inner.update(...)                    otherwise
+    skip_t = armed and (l_t > mean(l) + sigma * sd(l) or g_t > mean(g) + sigma * sd(g))
+             or (skip_nonfinite and l_t or g_t is not finite)
 
-(``sd`` floored at ``1e-6``; every finite value enters the history, skipped or not, as in
-OLMo-core and Levanter: a lasting change of level is learned within a window instead of
-stopping training.) The choice is a select, not a conditional: no host round trip on any
-backend, and the inner update is computed either way (its cost is the wrapper's whole
-cost: the norm is the clip's own expression, which XLA computes once for both).
-
-Put the recorder outside it, ``vitals.record(vitals.skip_step(chain(clip, opt)))``: the
-recorder counts the skip in its window (``window/skipped_steps``,
-``window/first_skipped_ago``), so a skip between two checks reaches the next one with its
-step, and it still recognises the clip first in the chain. The update needs the loss:
-``tx.update(grads, state, params, loss=loss)``.
+A skipped update is 0 and keeps the inner state. The choice is a select, not a conditional
+(no host round trip). Put the recorder outside it, ``vitals.record(vitals.skip_step(...))``,
+and pass the loss: ``tx.update(grads, state, params, loss=loss)``. The baseline, the cost
+and the recorder's window: docs/REMEDIES.md, "skip_step, in detail".
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """Offline report of a training run's vital signs, read from TensorBoard event files.
 
-Reads every event file under a log directory (written by any clu ``MetricWriter``,
-e.g. ``clu.metric_writers.create_default_writer``), and builds one self-contained
-HTML file: a level timeline with rollbacks, one plot per metric family with the
-yellow/orange/red periods shaded, a per-layer gradient-share heat map, a
-replica x step heat map of each per-replica figure (``vitals/replicas_json``), the
-monitor's alerts with diagnosis and prescription, and the source guide's check-up
-table (``seeds/003``, §6.2) for the run's phase.
-
-The reading and plotting pieces are public so that a notebook can use them::
-
-    run = read_run("/tmp/logdir")
-    steps, values = run.scalars["loss"]
-    plot_family(run, "grad_norm")          # a new pyplot figure when no ax is given
-    for item in checkup(run):
-        print(item.phase, item.status, item.text, item.figure)
-
-The pieces live beside it: :mod:`jvitals.report.run` (reading),
-:mod:`jvitals.report.plots`, :mod:`jvitals.report.guide` (the guide's table).
+Reads every event file under a log directory (written by any clu ``MetricWriter``) and
+builds one self-contained HTML file: a level timeline with rollbacks, one plot per metric
+family with the alert periods shaded, a per-layer gradient-share heat map, a replica x step
+heat map of each per-replica figure, the monitor's alerts with diagnosis and prescription,
+and the source guide's check-up table for the run's phase. The reading and plotting pieces
+are public so that a notebook can use them (:mod:`jvitals.report.run`,
+:mod:`jvitals.report.plots`, :mod:`jvitals.report.guide`); an example: docs/REPORT.md,
+"The report's pieces in a notebook".
 """
 
 from __future__ import annotations

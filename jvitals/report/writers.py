@@ -1,32 +1,15 @@
 """Writing a step's metrics, verdict and events to any clu ``MetricWriter``.
 
-What is written, all in one call per step so that clu's rule "a name is written
-at most once per step" holds:
+Everything is written in one call per step, so that clu's rule "a name is written at most
+once per step" holds: the scalars (with ``vitals/level`` and the verdict's ``monitor/*``
+scores), each per-layer family as one histogram ``{base}/by_layer``, the alerts as text
+(``vitals/alerts``, ``vitals/alerts_json``) and the events (``vitals/events_json``). A
+per-replica figure never becomes R scalars: its worst replica's robust z-score and index
+are scalars, and the vectors one JSON text (``vitals/replicas_json``). The guard writes its
+own figures and events through this function. The writer is any object with clu's writer
+methods; jvitals never owns its lifecycle.
 
-- ``write_scalars``: every finite-or-not scalar metric under its METRICS.md name,
-  plus ``vitals/level`` (0 GREEN, 1 YELLOW, 2 ORANGE, 3 RED) when a verdict is
-  given, and the verdict's scores (``monitor/*``).
-- ``write_histograms``: each per-layer family (``{base}/layer_{i}`` for two or
-  more layers) as ``{base}/by_layer``, and any non-scalar array metric.
-- ``write_texts``: ``vitals/alerts`` (readable markdown) and
-  ``vitals/alerts_json`` (a JSON list of the open and just-closed alerts, each
-  with its ``id``, so a reader can deduplicate) when there are any, and
-  ``vitals/events_json`` for events such as a rollback or a save.
-- Per-replica figures (``replica/{figure}`` vectors of
-  :func:`jvitals.replica_metrics`, or their per-replica scalars
-  ``replica/{figure}/{r}`` after :func:`jvitals.flat_replicas`) never become R
-  scalars each: per figure the worst replica's robust z-score and its index
-  (``replica/{figure}/worst_z``, ``replica/{figure}/worst_replica``; for the
-  non-finite counts ``replica/nonfinite/replicas`` and ``.../worst_replica``) are
-  written as scalars, and the vectors as one JSON text, ``vitals/replicas_json``,
-  which the report draws as a replica x step heat map per figure.
-
-The guard (:class:`jvitals.Rollback` with ``writer=``) writes its own figures
-(``rollback/count``, ``rollback/lr_scale``) and events through this function at
-its call's step, under names no other call writes.
-
-The writer is any object with clu's writer methods (``write_scalars``,
-``write_texts``, ``write_histograms``); jvitals never owns its lifecycle.
+What each call writes, in detail: docs/REPORT.md, "What the writer writes".
 """
 
 from __future__ import annotations
