@@ -158,7 +158,7 @@ def reset_adam_moments(state: Any, spec: Sequence[tuple[str, Sequence[str]]]) ->
         return _reset_nnx_moments(state, spec)
     out = jax.tree.map(node, state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
     if not total["found"]:
-        raise ValueError("Rollback(reset_optimizer=...) expects an Adam-family optimizer state "
+        raise ValueError("RollbackActions(reset_optimizer=...) expects an Adam-family optimizer state "
                          "(optax.ScaleByAdamState, as in adam/adamw) in the train state; found none. "
                          "Pass reset_optimizer=None for this optimizer.")
     count_reset = total["all"] and bool(done["mu"] or done["nu"])
@@ -175,7 +175,7 @@ def _reset_nnx_moments(state: Any, spec: Sequence[tuple[str, Sequence[str]]]) ->
                     if any(q.startswith(p[: -len("count")] + "mu/") for q in paths)
                     and any(q.startswith(p[: -len("count")] + "nu/") for q in paths)})
     if not adams:
-        raise ValueError("Rollback(reset_optimizer=...) expects an Adam-family optimizer state "
+        raise ValueError("RollbackActions(reset_optimizer=...) expects an Adam-family optimizer state "
                          "(optax's ScaleByAdamState: count, mu, nu) in the nnx.State; found none. "
                          "Pass reset_optimizer=None for this optimizer.")
     done: dict[str, list[str]] = {m: [] for m in MOMENTS}
@@ -203,7 +203,7 @@ def check_lr_scale(state: Any, lr_factor: float) -> None:
     if lr_factor == 1.0 or has_lr_scale(state):
         return
     raise ValueError(
-        f"Rollback(lr_factor={lr_factor}) expects the train state's optimizer to be "
+        f"RollbackActions(lr_factor={lr_factor}) expects the train state's optimizer to be "
         "wrapped with jvitals.with_lr_scale(tx) (an inject_hyperparams state holding "
         f"'lr_scale'), found none in the {type(state).__name__}. Build the optimizer as "
         "tx = jvitals.with_lr_scale(tx), or pass lr_factor=1.0 to keep the LR.")

@@ -5,16 +5,11 @@ across the guard's checks: its onset and change points, the highest level it
 reached, whether the guard saw it clearing and holding again (a revived alert
 counts from the check it held again), when it closed, and the alert it names as
 its lead. The rollback target (:mod:`jvitals.guard.target`) is a pure function of
-these records and the checkpoints on disk.
-
-Decisions (each is tested):
-
-- An alert id seen again after it closed is a new episode: a new record, with
-  its own onset.
-- An alert missing from a verdict's open alerts is closed at that check.
-- The last calm check is the last one with no open alert that had reached ORANGE.
-- Long-closed records are forgotten (the newest 256 closed are kept once 512 are held).
+these records and the checkpoints on disk. Its rules (a new episode after a close,
+an alert missing from a verdict is closed, the last calm check, what is forgotten)
+are in docs/GUARD.md, "The alert log".
 """
+
 
 from __future__ import annotations
 

@@ -19,7 +19,8 @@ from typing import Any, Iterable, NamedTuple, Sequence
 import numpy as np
 
 from jvitals.monitor.types import PRESCRIPTIONS, RULE_PRESCRIPTION, Alert, Level
-from jvitals.guard.checkpoints import CheckpointSaveError, _one_line as one_line, json_default
+from jvitals.guard.checkpoints import CheckpointSaveError, json_default
+from jvitals.guard.orbax_noise import one_line
 
 __all__ = [
     "Action",
@@ -120,7 +121,7 @@ class RollbackLimitError(RollbackError):
 
 
 class TrainingPaused(Exception):
-    """Raised by ``respond`` on orange when ``pause='raise'``, after the save.
+    """Raised by ``respond`` on orange when ``Saving(pause='raise')``, after the save.
 
     Attributes: ``step``, ``saved_step`` (the checkpoint written, or None if this
     orange episode was already saved), ``alerts`` (the verdict's), ``response``.
@@ -133,19 +134,16 @@ class TrainingPaused(Exception):
 
 
 class PauseOnOrange:
-    """The response to ORANGE after its save: ``Rollback(pause=)``.
+    """The response to ORANGE after its save: ``Saving(pause=)``.
 
     Args:
       how: ``'return'`` (the action PAUSE; the loop decides), ``'raise'``
         (:class:`TrainingPaused`) or a callable taking the :class:`Response`.
 
-    Raises:
-      ValueError: ``how`` is none of these.
+    (``Saving`` checks it.)
     """
 
     def __init__(self, how: Any = "return") -> None:
-        if not (how in ("return", "raise") or callable(how)):
-            raise ValueError(f"Rollback expects pause='return', 'raise' or a callable, got {how!r}")
         self.how = how
 
     def __call__(self, response: "Response", verdict: Any, directory: Any) -> None:
@@ -246,7 +244,7 @@ def save_failed_alert(err: CheckpointSaveError, *, newest_good: int | None, ever
     message = (f"[YELLOW] Rollback: could not save the checkpoint of step {err.step} in "
                f"{err.directory!r}: {error}. Training continues; {good}; the next cadence save "
                f"(every {every} steps) tries again. Expected a writable directory with free space: "
-               "free space or fix the permissions (Rollback(on_save_error='raise') stops the run "
+               "free space or fix the permissions (Rollback(saving=Saving(on_save_error='raise')) stops the run "
                "instead).")
     step = -1 if err.step is None else int(err.step)
     return make_alert("checkpoint_save_failed", "checkpoint/save_failed", Level.YELLOW, step, step, step,

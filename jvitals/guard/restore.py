@@ -1,27 +1,18 @@
 """The restoring part of :class:`jvitals.Rollback`: a rollback on red, and a resume.
 
-:class:`Restorer` is a collaborator of :class:`jvitals.guard.rollback.Rollback`
-(it holds the stores, the guard's state and outbox, the restore policy, the
-actions and the guard's save, all given to it; it reads and writes the guard's
-public record: ``history``, ``lr_scale``, ``remedies``, ``position``,
-``resumed_step``, ``monitor``). The decisions (which action for which verdict,
-what to save) are in :mod:`jvitals.guard.rollback`; this module carries them out
-when a checkpoint is read back:
+:class:`Restorer` carries out what the guard decided (:mod:`jvitals.guard.rollback`)
+when a checkpoint is read back, and returns what it found for the guard to apply:
 
-- **a rollback** (:meth:`Restorer.rollback`, on red): the target
-  (:func:`jvitals.guard.target.pick_target`, a pure function of the alerts and
-  the checkpoints on disk), its restore (the first candidate that restores on
-  every process, :meth:`jvitals.guard.stores.Stores.restore_first`), the sick
-  checkpoints quarantined, the actions after the restore
-  (:mod:`jvitals.guard.actions`, then the remedies), the record of it (history,
-  alert, event) and its save; or, past ``max_rollbacks``, the limit
-  (:class:`RollbackLimitError`);
-- **a resume** (:meth:`Restorer.resume`): the newest healthy checkpoint, and the
-  guard's record (LR scale, history, remedies, monitor, position) and state read
-  back from its metadata;
+- **a rollback** (:meth:`Restorer.roll_back`, on red): the target
+  (:func:`jvitals.guard.target.pick_target`), its restore, the sick checkpoints
+  quarantined, the steps after the restore (:mod:`jvitals.guard.after_restore`, then
+  the remedies), or, past ``max_rollbacks``, :class:`RollbackLimitError`;
+- **a resume** (:meth:`Restorer.resume`): the newest healthy checkpoint and the
+  guard's record read back from its metadata;
 - **the pins** (:meth:`Restorer.update_pins`): what retention never deletes, so
   the checkpoint a later red would restore is still on disk.
 """
+
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ from jvitals.guard.checkpoints import (
     Provenance,
     allgather_ints,
 )
-from jvitals.guard.configs import DEFAULTS, RollbackActions, RestorePolicy, Retention, Saving, split_options
+from jvitals.guard.configs import RestorePolicy, Retention, RollbackActions, Saving, check_config, refuse_moved
 from jvitals.guard.events import ROLLBACK_COUNT, ROLLBACK_LR_SCALE, write_events
 from jvitals.guard.preemption import PREEMPT, Preemption, save_on_notice
 from jvitals.guard.remedies import remedied_ids
@@ -106,18 +106,13 @@ class Rollback:
         ``keep_every=5000``, ``keep_green=1``, ``keep_quarantined=3``).
       restore: a :class:`RestorePolicy`: which checkpoint a rollback restores
         (``healthy_levels``, ``check_finite``, ``onset_margin``, ``rewind_steps``).
-      actions: an :class:`RollbackActions`: what a rollback does after the restore
+      actions: a :class:`RollbackActions`: what a rollback does after the restore
         (``lr_factor=0.9``, ``max_rollbacks=3``, ``skip_data``, ``reset_optimizer``,
         ``remedies``, ``save_on_rollback``, ``step_attr``).
-      **options: ``saving=`` a :class:`Saving` (``sync``, ``on_save_error``,
-        ``snapshots``); ``pause=`` on orange: ``'return'`` (action PAUSE, the
-        default), ``'raise'`` (:class:`TrainingPaused`) or a callable taking the
-        :class:`Response`; ``preemption=`` what :meth:`preempted` watches: True
-        (SIGTERM on one process, JAX's preemption notice under ``jax.distributed``),
-        a :class:`Preemption` (other signals), or False (never preempted). The
-        keywords of 0.1 (``keep_last=``, ``lr_factor=``, ``onset_margin=``, ...) still
-        work for one release, with a DeprecationWarning naming their new place
-        (:data:`jvitals.guard.configs.LEGACY`; the table in docs/GUARD.md).
+      saving: a :class:`Saving`: how checkpoints are written (``sync``,
+        ``on_save_error``, ``snapshots``) and what follows the saves that stop the
+        loop (``pause`` on orange: ``'return'``, ``'raise'`` or a callable;
+        ``preemption``: what :meth:`preempted` watches).
 
     Attributes:
       last_action: the :class:`Action` of the latest call (None before any).
@@ -142,21 +137,28 @@ class Rollback:
     Raises:
       CheckpointSaveError: the directory cannot be created or written.
       ValueError: a setting is out of range (the error names the config and field).
-      TypeError: an unknown keyword, or an old keyword beside its new config.
+      TypeError: a config of the wrong type, or a keyword of 0.1 (``keep_last=``,
+        ``pause=``, ...; the error names its config: :data:`jvitals.guard.configs.MOVED`).
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Rollback":
+        """Refuses a keyword ``Rollback`` no longer takes with where it is now (Python's
+        own error would name only the keyword)."""
+        refuse_moved(kwargs)
+        return super().__new__(cls)
+
     def __init__(self, directory: str | os.PathLike, *, save_every: int = 500, monitor: Any = None,
-                 writer: Any = None, retention: Retention = DEFAULTS["retention"],
-                 restore: RestorePolicy = DEFAULTS["restore"], actions: RollbackActions = DEFAULTS["actions"],
-                 **options: Any) -> None:
-        parts = split_options({"retention": retention, "restore": restore, "actions": actions}, options)
+                 writer: Any = None, retention: Retention = Retention(), restore: RestorePolicy = RestorePolicy(),
+                 actions: RollbackActions = RollbackActions(), saving: Saving = Saving()) -> None:
+        for name, value, cls in (("retention", retention, Retention), ("restore", restore, RestorePolicy),
+                                 ("actions", actions, RollbackActions), ("saving", saving, Saving)):
+            check_config(name, value, cls)
         _check_init(directory, save_every, monitor, writer)
-        self.retention, self.restore_policy = parts["retention"], parts["restore"]
-        self.actions, self.saving = parts["actions"], parts["saving"]
+        self.retention, self.restore_policy, self.actions, self.saving = retention, restore, actions, saving
         self.save_every, self.monitor, self.writer = int(save_every), monitor, writer
-        self._pause = PauseOnOrange(parts["pause"])
+        self._pause = PauseOnOrange(saving.pause)
         self.pause = self._pause.how
-        preemption = parts["preemption"]
+        preemption = saving.preemption
         self.preemption = preemption if isinstance(preemption, Preemption) else (
             Preemption() if preemption else None)
         self.last_action: Action | None = None
