@@ -1,4 +1,5 @@
-"""The guard's settings: one frozen config per idea, validated per field; a keyword of 0.1 is a TypeError naming its config."""
+"""The guard's settings: one frozen config per idea, validated per field; a keyword of 0.1 is a
+TypeError naming its config."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def test_configs_reach_the_guard_and_its_store(tmp_path):
                      save_every=7, saving=Saving(pause="raise", preemption=False, sync=True,
                                                  snapshots=Snapshots(every=3, keep=1)))
     try:
-        assert guard.save_every == 7 and guard.pause == "raise" and guard.store.keep_last == 2 and guard.store.keep_every is None
+        assert guard.save_every == 7 and guard.pause == "raise"
+        assert guard.store.keep_last == 2 and guard.store.keep_every is None
         assert guard.restore_policy.onset_margin == 3 and guard.actions.lr_factor == 0.5
         assert guard.saving.sync and guard.snapshot_store is not None and guard.preemption is None
         assert guard.snapshot_store.keep_last == 1

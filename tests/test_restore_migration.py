@@ -132,7 +132,8 @@ def test_a_checkpoint_jvitals_0_1_wrote_resumes_at_its_step_with_one_warning(tmp
     assert guard.resumed_step == 5 and pos == 6 and int(restored.step) == 6
     assert isinstance(recorder(restored.opt_state), RecordState)
     got, today = leaves(restored), leaves(like)
-    assert set(got) == set(today) and {n for n in saved if not recorder_own(n)} == {n for n in got if not recorder_own(n)}
+    assert set(got) == set(today)
+    assert {n for n in saved if not recorder_own(n)} == {n for n in got if not recorder_own(n)}
     for name, (dtype, shape, digest) in saved.items():      # params, Adam's moments, counts: from disk, bitwise
         if not recorder_own(name):
             assert (str(got[name].dtype), list(got[name].shape), sha(got[name])) == (dtype, shape, digest), name

@@ -898,7 +898,8 @@ def test_an_alert_whose_remedy_is_applied_moves_the_target(tmp_path):
 
     targets = {}
     for remedies in (None, "default"):
-        guard = Rollback(tmp_path / str(remedies), save_every=10, retention=Retention(keep_last=20, keep_every=None), actions=RollbackActions(remedies=remedies))
+        guard = Rollback(tmp_path / str(remedies), save_every=10, retention=Retention(keep_last=20, keep_every=None),
+                         actions=RollbackActions(remedies=remedies))
         for s in range(0, 80, 5):
             alerts = ([group(s)] if s >= 60 else []) + (
                 [_alert(5, Level.ORANGE, s, 75)] if s >= 75 else [])
@@ -991,7 +992,8 @@ def test_snapshots_cut_the_lost_steps_and_are_targets(tmp_path):
     plus the margin, not up to 50 steps; the snapshot target holds the fault-free params."""
     fault = 87
     run = _loop(tmp_path, 120, lr_mult=lambda s: 300.0 if s == fault else 1.0,
-                guard=Rollback(tmp_path, save_every=50, saving=Saving(snapshots=Snapshots(every=5, keep=2)), retention=Retention(keep_last=2, keep_every=None)))
+                guard=Rollback(tmp_path, save_every=50, retention=Retention(keep_last=2, keep_every=None),
+                               saving=Saving(snapshots=Snapshots(every=5, keep=2))))
     guard = run["guard"]
     (r,) = run["rollbacks"]
     assert guard.history[0]["actions"][0]["store"] == "snapshots"

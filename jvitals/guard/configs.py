@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from jvitals.guard.actions import parse_reset
+from jvitals.guard.after_restore import parse_reset
 from jvitals.guard.preemption import Preemption
 from jvitals.guard.remedies import parse_remedies
 from jvitals.guard.response import Snapshots

@@ -21,6 +21,7 @@ import numpy as np
 from jvitals.monitor.types import PRESCRIPTIONS, RULE_PRESCRIPTION, Alert, Level
 from jvitals.guard.checkpoints import CheckpointSaveError, json_default
 from jvitals.guard.orbax_noise import one_line
+from jvitals.guard.verdict import VerdictLike
 
 __all__ = [
     "Action",
@@ -33,7 +34,6 @@ __all__ = [
     "alert_lines",
     "check_position",
     "check_step",
-    "check_verdict",
     "jsonable",
     "make_alert",
     "save_failed_alert",
@@ -146,12 +146,12 @@ class PauseOnOrange:
     def __init__(self, how: Any = "return") -> None:
         self.how = how
 
-    def __call__(self, response: "Response", verdict: Any, directory: Any) -> None:
+    def __call__(self, response: "Response", verdict: VerdictLike | None, directory: Any) -> None:
         """Pauses as asked after ``response`` (a PAUSE) on ``verdict``."""
         if self.how == "return":
             return
         if self.how == "raise":
-            alerts = getattr(verdict, "alerts", []) or []
+            alerts = list(verdict.alerts) if verdict is not None else []
             where = (f"checkpoint saved as step {response.saved_step}" if response.saved_step is not None
                      else "this orange episode was already saved")
             raise TrainingPaused(
@@ -199,19 +199,6 @@ def check_step(step: Any, last: int | None, where: str = "Rollback.act") -> int:
                          f"the guard numbers checkpoints by step. After a restart call guard.resume(state, "
                          f"position, monitor) first; else pass the loop's increasing step")
     return step
-
-
-def check_verdict(verdict: Any) -> None:
-    """``verdict`` is None (GREEN) or has what the guard reads of ``Monitor.update``'s result
-    (``level``, ``alerts``); else a TypeError naming what came instead."""
-    if verdict is None or (hasattr(verdict, "level") and hasattr(verdict, "alerts")):
-        return
-    what = f"{type(verdict).__name__} {verdict!r}"[:120]
-    hint = (" (the verdict's level alone: a RED would be handled as GREEN)"
-            if isinstance(verdict, (int, float, str)) else "")
-    raise TypeError(f"Rollback.respond/act expects the Verdict that monitor.update(step, figures) returned "
-                    f"(or None for GREEN), got {what}{hint}; pass the verdict itself: "
-                    "guard.respond(step, state, verdict, position)")
 
 
 def make_alert(rule: str, metric: str, level: Level, step: int, value: float, onset: int,

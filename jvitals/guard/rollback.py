@@ -8,25 +8,27 @@ settings (:mod:`jvitals.guard.configs`: :class:`Retention`, :class:`RestorePolic
 its saves (:mod:`jvitals.guard.saver`), its restores (:mod:`jvitals.guard.restore`),
 the target (:mod:`jvitals.guard.target`), the stores (:mod:`jvitals.guard.stores`,
 :mod:`jvitals.guard.checkpoints`) and the preemption save
-(:mod:`jvitals.guard.preemption`). The design, the decisions and the settings are
-in docs/GUARD.md.
+(:mod:`jvitals.guard.preemption`). Each part returns what it decided and the
+``Rollback`` applies it; it reads a verdict through :class:`jvitals.guard.verdict.VerdictLike`.
+The design, the decisions and the settings are in docs/GUARD.md.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
 from jvitals.monitor.types import Level
-from jvitals.guard.actions import check_lr_scale, parse_reset, reset_adam_moments  # noqa: F401 - re-exported
+from jvitals.guard.after_restore import check_lr_scale, parse_reset, reset_adam_moments  # noqa: F401 - re-exported
 from jvitals.guard.checkpoints import (
     CADENCE,
     MANUAL,
     ORANGE_SAVE,
     QUARANTINE_FILE,
+    ROLLBACK_SAVE,
     SNAPSHOT,
     CheckpointInfo,
     CheckpointSaveError,
@@ -47,13 +49,13 @@ from jvitals.guard.response import (
     TrainingPaused,
     check_position,
     check_step,
-    check_verdict,
 )
-from jvitals.guard.restore import Restorer
+from jvitals.guard.restore import Record, Restorer, load_monitor
 from jvitals.guard.saver import Saver
 from jvitals.guard.state import REGULAR_KINDS, GuardState, Outbox
-from jvitals.guard.stores import Stores
+from jvitals.guard.stores import Stores, own_position
 from jvitals.guard.target import cutoff_before
+from jvitals.guard.verdict import VerdictLike, check_verdict
 
 __all__ = [
     "Action",
@@ -89,6 +91,14 @@ def _check_init(directory: Any, save_every: Any, monitor: Any, writer: Any) -> N
         if isinstance(x, type):
             raise TypeError(f"Rollback({name}=...) got the class {x.__name__}, not an instance: "
                             f"pass {name}={x.__name__}(...)")
+
+
+def _remedied(verdict: VerdictLike | None, table: Any) -> set[int]:
+    """Ids of the verdict's alerts (open, and closed at this check) whose cause has a
+    remedy in ``table``: the alerts :func:`apply_remedies` acts on."""
+    if not table or verdict is None:
+        return set()
+    return remedied_ids(list(verdict.alerts) + list(verdict.closed_alerts), table)
 
 
 class Rollback:
@@ -179,7 +189,7 @@ class Rollback:
         self.directory = self.store.directory
         self._saver = Saver(self._disk, self.save_every, self.saving, self._state, self._outbox, levels)
         self._restorer = Restorer(self._disk, self._state, self._outbox, self._saver, self.restore_policy,
-                                  self.actions, self._save)
+                                  self.actions)
         self._outbox.collect_failures(self._disk)
         regular = [r.step for r in self.store.checkpoints if r.kind in REGULAR_KINDS and r.quarantined is None]
         self._state.last_regular = max(regular) if regular else None
@@ -216,7 +226,7 @@ class Rollback:
         """Scalars to log at any step: ``rollback/count`` and ``rollback/lr_scale``."""
         return {ROLLBACK_COUNT: float(len(self.history)), ROLLBACK_LR_SCALE: float(self.lr_scale)}
 
-    def respond(self, step: int, state: Any, verdict: Any, position: Any = None) -> Any:
+    def respond(self, step: int, state: Any, verdict: VerdictLike | None, position: Any = None) -> Any:
         """Acts on ``verdict`` and returns the state to continue with.
 
         See :meth:`act`; this returns only ``act(...).state`` (the action is in
@@ -224,7 +234,7 @@ class Rollback:
         """
         return self.act(step, state, verdict, position).state
 
-    def act(self, step: int, state: Any, verdict: Any, position: Any = None) -> Response:
+    def act(self, step: int, state: Any, verdict: VerdictLike | None, position: Any = None) -> Response:
         """Saves, pauses or rolls back according to ``verdict``.
 
         Args:
@@ -238,8 +248,9 @@ class Rollback:
           A :class:`Response`; its ``state`` is the restored one on ROLLBACK.
 
         Raises:
-          TypeError: ``verdict`` is not what ``Monitor.update`` returns (a level, an alert, a
-            dict: a RED handed over as its level alone would be handled as GREEN); ``step``
+          TypeError: ``verdict`` is not what ``Monitor.update`` returns (not a
+            :class:`~jvitals.guard.verdict.VerdictLike`: a level, an alert, a dict; a RED
+            handed over as its level alone would be handled as GREEN); ``step``
             not an int (a str, a float; the arguments swapped).
           ValueError: ``step`` < 0, or before the last check's without a rollback or a
             :meth:`resume` between them (a restarted loop that forgot ``resume``).
@@ -268,14 +279,14 @@ class Rollback:
             _log.warning("Rollback: %s already held checkpoints up to step %d but resume() "
                          "was not called; starting fresh alongside them.",
                          self.directory, self._found_at_open)
-        self._settle(poll=True)
+        self._saver.settle(poll=True)
         alerts = self._outbox.take_alerts(self._disk)
         open_peak = max(self._state.open_peak, level)
         self.position = position
         if level in self.restore_policy.healthy_levels:
             self._state.last_healthy_check = step
         if level >= Level.RED:
-            response = self._restorer.rollback(self, step, state, verdict, position, (sign, cutoff), alerts)
+            response = self._roll_back(step, state, verdict, position, (sign, cutoff), alerts)
         else:
             response = self._on_orange_or_calm(step, state, position, (level, open_peak), alerts)
         self._restorer.update_pins(self.history, verdict)
@@ -341,7 +352,7 @@ class Rollback:
             self.monitor = monitor
         self._resumed = self._rewound = True
         self._check_lr_scale(state)
-        response = self._restorer.resume(self, state, position)
+        response = self._resume(state, position)
         self._finish(None, response)
         return response.state, response.position
 
@@ -380,7 +391,7 @@ class Rollback:
         event = save_on_notice(
             step, lambda: self._save(step, state() if callable(state) else state, position, level, PREEMPT,
                                      open_peak=max(self._state.open_peak, level)),
-            self._settle, store=self.store, notice=self.preemption.notice, position=position)
+            self._saver.settle, store=self.store, notice=self.preemption.notice, position=position)
         self._outbox.event(event)
         if self.writer is not None:
             write_events(self.writer, step, {}, self._outbox.take_events())
@@ -398,7 +409,7 @@ class Rollback:
         """Waits for pending saves (a failed one: see ``on_save_error``), puts back the
         signal handlers :meth:`preempted` installed and releases orbax's resources."""
         try:
-            self._settle()
+            self._saver.settle()
         finally:
             if self.preemption is not None:
                 self.preemption.close()
@@ -412,12 +423,13 @@ class Rollback:
 
     # -- Decisions. --------------------------------------------------
 
-    def _decide(self, step: int, verdict: Any) -> tuple[int, int, int]:
+    def _decide(self, step: int, verdict: VerdictLike | None) -> tuple[int, int, int]:
         """Process 0's (level, earliest sign, cutoff), the same on every process (and its
         open peak level, in the state's ``open_peak``)."""
-        level = int(getattr(verdict, "level", Level.GREEN)) if verdict is not None else int(Level.GREEN)
+        level = int(verdict.level) if verdict is not None else int(Level.GREEN)
         log = self._state.alerts
-        sign = log.chain_sign(verdict, step, self._remedied(verdict)) if level >= Level.RED else step
+        remedied = _remedied(verdict, self._restorer.remedy_table)
+        sign = log.chain_sign(verdict, step, remedied) if level >= Level.RED else step
         rows = allgather_ints([step, level, sign,
                                cutoff_before(sign, self._state.checks, self.restore_policy.onset_margin),
                                log.open_peak(verdict)])
@@ -428,15 +440,6 @@ class Rollback:
                 "every process.")
         self._state.open_peak = int(rows[0, 4])
         return int(rows[0, 1]), int(rows[0, 2]), int(rows[0, 3])
-
-    def _remedied(self, verdict: Any) -> set[int]:
-        """Ids of the verdict's alerts (open, and closed at this check) whose cause has a
-        remedy in the guard's table: the alerts :func:`apply_remedies` acts on."""
-        table = self._restorer.remedy_table
-        if not table or verdict is None:
-            return set()
-        return remedied_ids(list(getattr(verdict, "alerts", None) or []) + list(
-            getattr(verdict, "closed_alerts", None) or []), table)
 
     def _on_orange_or_calm(self, step: int, state: Any, position: Any, levels: tuple[int, int],
                            alerts: list[Any]) -> Response:
@@ -463,6 +466,55 @@ class Rollback:
                         state, step, saved, None, self.lr_scale, tuple(alerts + take(self._disk)),
                         self.metrics(), tuple(self._outbox.take_events()), position, snap)
 
+    # -- Restores: the Restorer decides, the guard applies. -----------
+
+    def _roll_back(self, step: int, state: Any, verdict: VerdictLike, position: Any,
+                   sign_cutoff: tuple[int, int], alerts: list[Any]) -> Response:
+        """Red: the :class:`Restorer`'s rollback applied to the guard's record, told to
+        the monitor, announced and saved."""
+        done = self._restorer.restore_target(step, state, verdict, position, sign_cutoff,
+                                             Record(self.lr_scale, self.history, self.remedies))
+        self.lr_scale, self.position, self.remedies = done.lr_scale, done.position, done.remedies
+        self.history.append(done.entry)
+        note = None
+        if self.monitor is not None and hasattr(self.monitor, "note_rollback"):
+            note = self.monitor.note_rollback(step, done.target.step)
+        alerts = alerts + done.alerts + [self._restorer.announce(step, done, len(self.history),
+                                                                 None if note is None else note.id,
+                                                                 list(verdict.alerts))]
+        rec, saved = done.target, None
+        if self.actions.save_on_rollback:
+            source = done.entry["source_step"]
+            saved = self._save(step, done.state, done.position, rec.level, ROLLBACK_SAVE, source)
+        metrics = {**self.metrics(), "rollback/from_step": float(step), "rollback/to_step": float(rec.step)}
+        return Response(Action.ROLLBACK, done.state, step, saved, rec.step, self.lr_scale,
+                        tuple(alerts + self._outbox.take_alerts(self._disk)), metrics,
+                        tuple(self._outbox.take_events()), self.position)
+
+    def _resume(self, state: Any, position: Any) -> Response:
+        """The :class:`Restorer`'s resume applied: the guard's record and the monitor read
+        back from the checkpoint's metadata (RESUMED), or the inputs (CONTINUE)."""
+        found = self._restorer.resume(state)
+        rec, meta = found.target, found.meta
+        if rec is None:
+            self.position = position
+            return Response(Action.CONTINUE, state, -1, None, None, self.lr_scale,
+                            tuple(self._outbox.take_alerts(self._disk)), self.metrics(),
+                            tuple(self._outbox.take_events()), position)
+        if self.monitor is not None and meta.get("monitor") is not None:
+            load_monitor(self.monitor, meta["monitor"])
+        self.lr_scale = float(meta.get("lr_scale", 1.0))
+        self.history = list(meta.get("rollbacks", []))
+        self.remedies = dict(meta.get("remedies") or {})
+        self.resumed_step = rec.step
+        self.position = own_position(meta)
+        self._restorer.update_pins(self.history, None)
+        self._outbox.event({"event": "resume", "step": rec.step, "store": rec.store, "kind": rec.kind,
+                            "skipped": found.skipped})
+        return Response(Action.RESUMED, found.state, rec.step, None, rec.step, self.lr_scale,
+                        tuple(self._outbox.take_alerts(self._disk)), self.metrics(),
+                        tuple(self._outbox.take_events(keep=True)), self.position)
+
     # -- Saving. -----------------------------------------------------
 
     def _save(self, step: int, state: Any, position: Any, level: int, kind: str,
@@ -476,9 +528,6 @@ class Rollback:
         return self._saver.save(step, state, position, record, level=level, kind=kind, open_peak=open_peak,
                                 provenance=Provenance(restored_from, self.lr_scale))
 
-    def _settle(self, stores: Iterable[Any] | None = None, poll: bool = False) -> None:
-        """Waits for the stores' pending saves (:meth:`Saver.settle`)."""
-        self._saver.settle(stores, poll)
 
     # -- Small helpers. ----------------------------------------------
 

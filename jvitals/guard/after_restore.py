@@ -1,17 +1,13 @@
-"""The actions after a rollback's restore, each a function of the restored state.
+"""The steps after a rollback's restore, each a function of the restored state.
 
-:meth:`jvitals.Rollback` restores the target, then, in this order, each recorded
-as an action (a dict with ``action``) in the rollback's history and event:
-
-- :func:`scale_lr`: the LR scale x ``lr_factor`` (compounding over rollbacks);
-- :func:`keep_step`: the train state's step field keeps going forward (the
-  restored state gets the current one);
-- :func:`reset_moments`: the Adam moments of the named parameter groups zeroed
-  (:func:`reset_adam_moments`; the count too when every moment is reset);
-- the remedies of the alerts' causes (:mod:`jvitals.guard.remedies`);
-- :func:`skip_batches`: the data position moved past the bad stretch.
-
-:func:`action_text` says an action in words for the rollback alert's message.
+The guard restores the target, then, in this order, each step recorded as a dict
+(``{"action": ...}``) in the rollback's history entry and event: :func:`scale_lr`
+(the LR scale x ``lr_factor``, compounding), :func:`keep_step` (the train state's
+step field keeps going forward), :func:`reset_moments` (the Adam moments of the
+named parameter groups zeroed: :func:`reset_adam_moments`), the remedies of the
+alerts' causes (:mod:`jvitals.guard.remedies`) and :func:`skip_batches` (the data
+position moved past the bad stretch). :func:`step_text` says a step in words for
+the rollback alert's message.
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ from jvitals.guard.stores import own_position
 
 __all__ = [
     "MOMENTS",
-    "action_text",
     "check_lr_scale",
     "get_field",
     "keep_step",
@@ -42,6 +37,7 @@ __all__ = [
     "scale_lr",
     "set_field",
     "skip_batches",
+    "step_text",
 ]
 
 MOMENTS = ("mu", "nu")
@@ -263,7 +259,8 @@ def skip_batches(position: Any, meta: Mapping[str, Any], skip_data: bool | int) 
                            "position": new_position}]
 
 
-def action_text(a: Mapping[str, Any]) -> str:
+def step_text(a: Mapping[str, Any]) -> str:
+    """A step after the restore (its dict) in words."""
     kind = a.get("action")
     if kind == "lr_scale":
         return f"LR scale {a['value']:.4g} (x{a['factor']} per rollback)"
