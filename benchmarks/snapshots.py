@@ -83,8 +83,8 @@ def main(argv=None) -> None:
             directory = root / f"{variant}{block}"
             shutil.rmtree(directory, ignore_errors=True)
             snaps = Snapshots(every=args.snap_every, keep=args.keep) if variant == "b" else None
-            guard = Rollback(directory, save_every=args.save_every, retention=Retention(keep_every=None),
-                             saving=Saving(snapshots=snaps))
+            guard = Rollback(directory, retention=Retention(keep_every=None),
+                             save_every=args.save_every, saving=Saving(snapshots=snaps))
             state = state0
             guard.act(0, state, None, 0)                  # the first (cadence) save, untimed
             guard.wait()

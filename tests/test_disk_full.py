@@ -74,7 +74,7 @@ def test_a_disk_that_fills_during_a_save_is_one_line_and_the_run_keeps_its_last_
     live = big(20)
     assert guard.respond(20, live, None, 21) is live            # asynchronous: no error yet
     guard.respond(25, big(25), None, 26)
-    guard._settle()                                             # the failure, wherever it surfaces
+    guard._saver.settle()                                       # the failure, wherever it surfaces
     lines = errors(caplog)
     assert len(lines) == 1, lines
     line = lines[0]

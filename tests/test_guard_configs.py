@@ -1,14 +1,17 @@
-"""The guard's settings: one frozen config per idea, validated per field; the old keywords map onto them."""
+"""The guard's settings: one frozen config per idea, validated per field; a keyword of 0.1 is a
+TypeError naming its config."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
+import re
 
 import pytest
 
 from jvitals.guard import RollbackActions, RestorePolicy, Retention, Rollback, Saving, Snapshots
-from jvitals.guard.configs import LEGACY
+from jvitals.guard.configs import MOVED
 from jvitals.monitor.types import Level
 
 
@@ -36,20 +39,22 @@ def test_configs_are_frozen_with_the_documented_defaults():
         RollbackActions(reset_optimizer=("adam",))
 
 
-def test_the_signature_is_the_new_one():
+def test_the_signature_names_every_keyword():
     params = inspect.signature(Rollback.__init__).parameters
-    assert list(params) == ["self", "directory", "save_every", "monitor", "writer", "retention",
-                            "restore", "actions", "options"]
+    assert list(params) == ["self", "directory", "save_every", "monitor", "writer", "retention", "restore",
+                            "actions", "saving"]
+    assert all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def test_configs_reach_the_guard_and_its_store(tmp_path):
-    guard = Rollback(tmp_path, save_every=7, retention=Retention(keep_last=2, keep_every=None),
+    guard = Rollback(tmp_path, retention=Retention(keep_last=2, keep_every=None),
                      restore=RestorePolicy(onset_margin=3, rewind_steps=10),
                      actions=RollbackActions(lr_factor=0.5, max_rollbacks=1, skip_data=4),
-                     saving=Saving(sync=True, snapshots=Snapshots(every=3, keep=1)),
-                     pause="raise", preemption=False)
+                     save_every=7, saving=Saving(pause="raise", preemption=False, sync=True,
+                                                 snapshots=Snapshots(every=3, keep=1)))
     try:
-        assert guard.save_every == 7 and guard.store.keep_last == 2 and guard.store.keep_every is None
+        assert guard.save_every == 7 and guard.pause == "raise"
+        assert guard.store.keep_last == 2 and guard.store.keep_every is None
         assert guard.restore_policy.onset_margin == 3 and guard.actions.lr_factor == 0.5
         assert guard.saving.sync and guard.snapshot_store is not None and guard.preemption is None
         assert guard.snapshot_store.keep_last == 1
@@ -57,33 +62,21 @@ def test_configs_reach_the_guard_and_its_store(tmp_path):
         guard.close()
 
 
-@pytest.mark.parametrize("old, where", sorted(LEGACY.items()))
-def test_every_old_keyword_still_works_and_names_its_new_place(tmp_path, old, where):
-    config, field = where
-    value = {"keep_last": 2, "keep_every": None, "keep_green": 0, "keep_quarantined": 1,
-             "healthy_levels": (Level.GREEN,), "check_finite": False, "onset_margin": 2,
-             "rewind_steps": 5, "lr_factor": 0.5, "max_rollbacks": 1, "skip_data": True,
-             "reset_optimizer": ("nu",), "remedies": "default", "save_on_rollback": False,
-             "step_attr": None, "sync_save": True, "on_save_error": "raise",
-             "snapshots": Snapshots(every=5, keep=1)}[old]
-    with pytest.warns(DeprecationWarning, match=rf"Rollback\({old}=\.\.\.\) is deprecated: pass {config}="):
-        guard = Rollback(tmp_path, preemption=False, **{old: value})
-    try:
-        attr = {"restore": "restore_policy"}.get(config, config)
-        got = getattr(getattr(guard, attr), field)
-        assert got == (frozenset({0}) if old == "healthy_levels" else value)
-    finally:
-        guard.close()
+@pytest.mark.parametrize("old, where", sorted(MOVED.items()))
+def test_every_old_keyword_is_a_type_error_naming_its_new_place(tmp_path, old, where):
+    with pytest.raises(TypeError, match=rf"no longer takes {old}=: pass {re.escape(where)}"):
+        Rollback(tmp_path, **{old: 1})
+    assert not os.path.exists(tmp_path / "checkpoints")
 
 
-def test_an_old_keyword_beside_its_config_or_an_unknown_one_is_a_type_error(tmp_path):
-    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="keep_last= and retention="):
-        Rollback(tmp_path, keep_last=3, retention=Retention(keep_every=None))
+def test_a_config_of_the_wrong_type_or_an_unknown_keyword_is_a_type_error(tmp_path):
     with pytest.raises(TypeError, match="unexpected keyword argument 'keep_lats'"):
         Rollback(tmp_path, keep_lats=3)
     with pytest.raises(TypeError, match="retention= a Retention"):
         Rollback(tmp_path, retention={"keep_last": 3})
-    with pytest.raises(ValueError, match="save_every >= 1"):
+    with pytest.raises(ValueError, match="Rollback expects save_every >= 1"):
         Rollback(tmp_path, save_every=0)
-    with pytest.raises(ValueError, match="pause='return'"):
-        Rollback(tmp_path, pause="stop")
+    with pytest.raises(TypeError, match="Saving expects preemption= True, False or a Preemption"):
+        Saving(preemption="yes")
+    with pytest.raises(ValueError, match="Saving expects pause 'return', 'raise' or a callable"):
+        Rollback(tmp_path, saving=Saving(pause="stop"))

@@ -308,14 +308,12 @@ def test_the_target_module_loads_without_orbax_or_jax():
 
 
 
-def test_choose_targets_old_keywords_still_work_with_a_deprecation_warning():
+def test_choose_targets_old_keywords_are_gone():
+    """0.1's keywords (``checks=``, ``rewind_steps=``, ...) live in ``past=Past(...)`` and
+    ``policy=RestorePolicy(...)``; Python's own TypeError names the one passed."""
     alerts = [al(1, "loss_spike", 57, R)]
-    new = choose_target(alerts, DISK, step=90, past=Past(checks_until(90)), policy=RestorePolicy(rewind_steps=35))
-    with pytest.warns(DeprecationWarning, match=r"choose_target\(checks=, rewind_steps=\) is deprecated"):
-        old = choose_target(alerts, DISK, step=90, checks=checks_until(90), rewind_steps=35)
-    assert old == new
-    with pytest.raises(TypeError, match="unexpected keyword argument 'check'"):
-        choose_target(alerts, DISK, step=90, check=[])
+    with pytest.raises(TypeError, match="unexpected keyword argument 'checks'"):
+        choose_target(alerts, DISK, step=90, checks=checks_until(90), rewind_steps=35)
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -573,6 +573,8 @@ GUARD = [
      "save_every= an int number of steps, got float 10.5"),
     ("a misspelled option", lambda d: vitals.Rollback(d, save_evry=10), TypeError,
      "unexpected keyword argument 'save_evry'"),
+    ("a keyword of 0.1", lambda d: vitals.Rollback(d, pause="raise", keep_last=2), TypeError,
+     r"no longer takes pause=: pass saving=Saving\(pause=...\); keep_last=: pass retention=Retention"),
     ("retention a dict", lambda d: vitals.Rollback(d, retention={"keep_last": 2}), TypeError,
      "retention= a Retention, got dict"),
     ("the Monitor class", lambda d: vitals.Rollback(d, monitor=vitals.Monitor), TypeError,

@@ -24,7 +24,7 @@ from jvitals.guard.preemption import PREEMPT, Preemption
 from jvitals.guard.rollback import Action, Rollback
 from jvitals.monitor.monitor import Alert, Level, Verdict
 from jvitals.optim.lr_scale import get_lr_scale, with_lr_scale
-from jvitals.guard import Retention
+from jvitals.guard import Retention, Saving
 
 pytestmark = pytest.mark.slow   # an end-to-end run in fresh processes: the full tier (README)
 
@@ -66,7 +66,7 @@ def names_on_disk(directory) -> list[str]:
 
 def test_a_signal_saves_at_the_next_step_boundary_and_resume_continues_from_it(tmp_path):
     before = signal.getsignal(USR1)
-    guard = Rollback(tmp_path, save_every=100, preemption=Preemption(signals=(USR1,)))
+    guard = Rollback(tmp_path, save_every=100, saving=Saving(preemption=Preemption(signals=(USR1,))))
     state, position = guard.resume(make_state(0), 0)
     assert signal.getsignal(USR1) is before            # no handler before the loop asks
     stopped = None
@@ -99,7 +99,7 @@ def test_a_previous_python_handler_is_still_called_and_comes_back(tmp_path):
     seen = []
     previous = signal.signal(USR1, lambda signum, frame: seen.append(signum))
     try:
-        guard = Rollback(tmp_path, save_every=100, preemption=Preemption(signals=(USR1,)))
+        guard = Rollback(tmp_path, save_every=100, saving=Saving(preemption=Preemption(signals=(USR1,))))
         assert not guard.preempted(0, make_state(0), 1)
         os.kill(os.getpid(), USR1)
         assert guard.preempted(1, lambda: make_state(1), 2)   # the state built on the notice only
@@ -122,7 +122,7 @@ def test_notify_and_a_step_already_saved_by_respond(tmp_path):
     assert guard.events[-1] == {"event": "preempt", "step": 10, "notice": "maintenance event",
                                 "saved_step": 10, "seconds": guard.events[-1]["seconds"]}
     guard.close()
-    off = Rollback(tmp_path / "off", save_every=10, preemption=False)
+    off = Rollback(tmp_path / "off", save_every=10, saving=Saving(preemption=False))
     assert not off.preempted(0, make_state(0), 1)
     off.close()
 
@@ -226,6 +226,7 @@ SIGTERM_CHILD = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     import jax.numpy as jnp, optax
     from jvitals.guard.rollback import Rollback
+    from jvitals.guard import Retention
     from jvitals.optim.lr_scale import with_lr_scale
     tx = with_lr_scale(optax.sgd(0.1))
     def state(v):
@@ -284,13 +285,14 @@ ROLLBACK_CHILD = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     import jax.numpy as jnp, optax
     from jvitals.guard.rollback import Rollback
+    from jvitals.guard import Retention
     from jvitals.monitor.monitor import Alert, Level, Verdict
     from jvitals.optim.lr_scale import with_lr_scale
     tx = with_lr_scale(optax.sgd(0.1))
     def state(v):
         p = {{"w": jnp.full((4000, 4000), float(v))}}         # 64 MB: a restore takes a while
         return {{"params": p, "opt_state": tx.init(p), "step": jnp.asarray(v + 1)}}
-    guard = Rollback({directory!r}, save_every=10, keep_last=10)
+    guard = Rollback({directory!r}, save_every=10, retention=Retention(keep_last=10))
     if {prepare!r}:                                         # checks 0..30, all GREEN
         for s in (0, 10, 20, 30):
             guard.respond(s, state(s), None, s + 1)

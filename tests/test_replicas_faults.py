@@ -187,9 +187,10 @@ def test_activations_x1e3_on_one_device_is_named_as_the_device(setup):
 
 def test_nan_on_one_device_is_orange_at_once_and_the_guard_says_where(setup, tmp_path):
     step = lambda s, b, on: setup["device_step"](s, b, jnp.float32(np.nan if on else 1.0), jnp.int32(BAD))  # noqa: E731
-    raising = vitals.Rollback(tmp_path / "pause", pause="raise", lr_factor=1.0, save_every=1000)
-    rolling = vitals.Rollback(tmp_path / "roll", pause="return", lr_factor=1.0, save_every=1000,
-                              remedies="default")
+    raising = vitals.Rollback(tmp_path / "pause", save_every=1000, saving=vitals.Saving(pause="raise"),
+                              actions=vitals.RollbackActions(lr_factor=1.0))
+    rolling = vitals.Rollback(tmp_path / "roll", save_every=1000, saving=vitals.Saving(pause="return"),
+                              actions=vitals.RollbackActions(lr_factor=1.0, remedies="default"))
     paused, rolled = [], []
 
     def guard(step_no, state, verdict, c):

@@ -2,10 +2,11 @@
 
 The recorder's state (``RecordState``) lives in the optax state and its layout follows
 the jvitals version: issue 35 added the window's entries to its figure vector and the
-``"read"`` family to ``last_step``. A checkpoint of 0.1 must still resume (the figures
-taken from today's fresh state, everything else bitwise from disk, one warning, nothing
-quarantined); a model whose arrays changed shape must not be patched: a clear error
-naming the path, the shapes and the step, and the checkpoint left alone.
+``"read"`` family to ``last_step``. A checkpoint of 0.1 (tests/data/ckpt_0_1, written by
+that version's code) must still resume (the figures taken from today's fresh state,
+everything else bitwise from disk, one warning, nothing quarantined); a model whose arrays
+changed shape must not be patched: a clear error naming the path, the shapes and the
+step, and the checkpoint left alone.
 
 Real training (``vitals.record`` on the reference model), real orbax checkpoints on disk.
 """
@@ -13,9 +14,12 @@ Real training (``vitals.record`` on the reference model), real orbax checkpoints
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
+import pathlib
+import shutil
 from typing import Any, NamedTuple
 
 import jax
@@ -27,12 +31,12 @@ import pytest
 import jvitals as vitals
 from jvitals import reference_model as rm
 from jvitals.guard.checkpoints import QUARANTINE_FILE, CheckpointMismatchError, CheckpointStore
-from jvitals.metrics.packed import PackedMetrics
 from jvitals.metrics.paths import path_str
 from jvitals.metrics.record import RecordState
 
 CFG = rm.ModelConfig(vocab=64, d_model=32, n_layers=2)
 OWN = "opt_state/inner_state/0"    # the recorder inside with_lr_scale's chain
+OLD = pathlib.Path(__file__).resolve().parent / "data" / "ckpt_0_1"
 
 
 class TrainState(NamedTuple):
@@ -62,33 +66,6 @@ def make_run(cfg: rm.ModelConfig):
         return TrainState(jnp.zeros([], jnp.int32), params, tx.init(params))
 
     return train_step, fresh, (lambda position: rm.make_batch(position, cfg, batch=4, seq=16))
-
-
-def as_recorder_0_1(opt_state: Any) -> Any:
-    """The optimizer state as jvitals 0.1 kept it: the recorder's ``last_step`` without
-    ``"read"``, its figure vector without the window's entries (their flags too), and
-    ``with_lr_scale``'s hyperparameters without the remedies' settings (``lr_scale`` alone)."""
-    def old(node: Any) -> Any:
-        if hasattr(node, "hyperparams") and hasattr(node, "inner_state"):
-            return node._replace(hyperparams={k: v for k, v in node.hyperparams.items()
-                                              if k not in vitals.optim.REMEDY_SETTINGS},
-                                 inner_state=jax.tree.map(old, node.inner_state, is_leaf=_node),
-                                 hyperparams_states={k: v for k, v in node.hyperparams_states.items()
-                                                     if k not in vitals.optim.REMEDY_SETTINGS})
-        if not isinstance(node, RecordState):
-            return node
-        m = node.metrics
-        keep = [i for i, n in enumerate(m.names) if not n.startswith("window/")]
-        families = [m.families[i] for i in keep]
-        flags = [m.flags.index(f) for f in dict.fromkeys(families)]
-        vector = jnp.concatenate([m.vector[np.array(keep)], m.vector[len(m.names) + np.array(flags)]])
-        return node._replace(metrics=PackedMetrics([m.names[i] for i in keep], vector, families),
-                             last_step={k: v for k, v in node.last_step.items() if k != "read"})
-    return jax.tree.map(old, opt_state, is_leaf=_node)
-
-
-def _node(x: Any) -> bool:
-    return isinstance(x, RecordState) or (hasattr(x, "hyperparams") and hasattr(x, "inner_state"))
 
 
 def recorder_own(name: str) -> bool:
@@ -133,47 +110,44 @@ def quarantine_on_file(directory) -> dict:
     return json.loads(path.read_text())["steps"] if path.exists() else {}
 
 
-def test_a_checkpoint_of_jvitals_0_1_resumes_at_its_step_with_one_warning(tmp_path, caplog):
-    train_step, fresh, loader = make_run(CFG)
-    # The old run: 6 steps; its checkpoint of step 5 (the loop's numbering: the state after
-    # step 5's update, position 6) holds 0.1's recorder state.
-    state, position = train(train_step, fresh(), loader, 0, 6, vitals.Monitor())
-    old = state._replace(opt_state=as_recorder_0_1(state.opt_state))
-    guard = vitals.Rollback(tmp_path, save_every=100)
-    response = guard.act(5, old, None, position)
-    assert response.saved_step == 5
-    guard.close()
-    saved = leaves(old)
-    vector, read = f"{OWN}/metrics/vector", f"{OWN}/last_step/read"
-    assert len(saved[vector]) < len(leaves(fresh())[vector]) and read not in saved
+def sha(x: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest()
 
-    # Today's jvitals resumes it onto its fresh state.
+
+def test_a_checkpoint_jvitals_0_1_wrote_resumes_at_its_step_with_one_warning(tmp_path, caplog):
+    """tests/data/ckpt_0_1: a checkpoint an older jvitals wrote (its README says which and how):
+    step 5 of the reference model, data position 6, its ``leaves.json`` the SHA-256 of each
+    array it saved."""
+    train_step, fresh, loader = make_run(CFG)
+    shutil.copytree(OLD / "checkpoints", tmp_path, dirs_exist_ok=True)     # the guard writes beside it
+    saved = json.loads((OLD / "leaves.json").read_text())
+    vector, read = f"{OWN}/metrics/vector", f"{OWN}/last_step/read"
+    assert saved[vector][1][0] < len(leaves(fresh())[vector]) and read not in saved
+
     caplog.set_level(logging.INFO)
     like = fresh()
     monitor = vitals.Monitor()
     guard = vitals.Rollback(tmp_path, save_every=1)
     restored, pos = guard.resume(like, 0, monitor)
-    assert guard.resumed_step == 5 and pos == position == 6 and int(restored.step) == 6
+    assert guard.resumed_step == 5 and pos == 6 and int(restored.step) == 6
     assert isinstance(recorder(restored.opt_state), RecordState)
     got, today = leaves(restored), leaves(like)
-    for name, want in saved.items():                     # params, Adam's moments, counts: from disk, bitwise
+    assert set(got) == set(today)
+    assert {n for n in saved if not recorder_own(n)} == {n for n in got if not recorder_own(n)}
+    for name, (dtype, shape, digest) in saved.items():      # params, Adam's moments, counts: from disk, bitwise
         if not recorder_own(name):
-            assert_bitwise(got[name], want, name)
-    for name, want in today.items():                     # the recorder's figures: today's fresh ones
+            assert (str(got[name].dtype), list(got[name].shape), sha(got[name])) == (dtype, shape, digest), name
+    for name, want in today.items():                        # the recorder's figures: today's fresh ones
         if recorder_own(name):
             assert_bitwise(got[name], want, name)
-    assert set(got) == set(today)
-    assert {"params/embed/embedding", f"{OWN}/inner_state/1/0/mu/embed/embedding",
-            f"{OWN}/inner_state/1/0/nu/lm_head/kernel", f"{OWN}/count"} <= set(saved)
     assert int(recorder(restored.opt_state).count) == 6 and vitals.recorded_steps(restored.opt_state)["read"] == -1
     warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warned) == 1, [r.getMessage() for r in warned]
     msg = warned[0].getMessage()
     assert "checkpoint 5" in msg and str(tmp_path) in msg and "older jvitals" in msg
-    assert "opt_state/hyperparams/qk_clip_tau" not in saved and vitals.get_remedy(restored, "z_loss") == 0.0
     assert vector in msg and read in msg and "\n" not in msg
+    assert "opt_state/hyperparams/qk_clip_tau" not in saved and vitals.get_remedy(restored, "z_loss") == 0.0
     assert guard.quarantined == {} and quarantine_on_file(tmp_path) == {}
-    assert "5" in os.listdir(tmp_path)
 
     # The recorder works from the next step: fresh figures, its window, a checkpoint of today's form.
     state, position = train(train_step, restored, loader, pos, 2, monitor, guard)

@@ -27,7 +27,7 @@ from flax.training import train_state
 
 from jvitals.optim.lr_scale import get_lr_scale, set_lr_scale, with_lr_scale
 from jvitals.monitor.monitor import Alert, Level, Monitor, Policy, Verdict
-from jvitals.guard import RollbackActions, Retention, Saving
+from jvitals.guard import RestorePolicy, RollbackActions, Retention, Saving
 from jvitals.guard.rollback import (
     QUARANTINE_FILE,
     Action,
@@ -119,7 +119,7 @@ def test_orange_saves_off_cadence_and_returns_pause(tmp_path):
 
 
 def test_orange_pause_raise_and_callable(tmp_path):
-    guard = Rollback(tmp_path / "a", pause="raise")
+    guard = Rollback(tmp_path / "a", saving=Saving(pause="raise"))
     guard.act(0, make_state(0), verdict(0, 0), 1)
     with pytest.raises(TrainingPaused, match="paused at step 3") as info:
         guard.respond(3, make_state(3), verdict(3, Level.ORANGE), 4)
@@ -127,7 +127,7 @@ def test_orange_pause_raise_and_callable(tmp_path):
     guard.wait()
     assert steps_on_disk(tmp_path / "a") == [0, 3]          # saved before raising
     seen = []
-    guard2 = Rollback(tmp_path / "b", pause=seen.append)
+    guard2 = Rollback(tmp_path / "b", saving=Saving(pause=seen.append))
     state = guard2.respond(3, make_state(3), verdict(3, Level.ORANGE), 4)
     assert value_of(state) == 3.0 and len(seen) == 1 and seen[0].action is Action.PAUSE
     guard.close(), guard2.close()
@@ -392,6 +392,7 @@ KILL_CHILD = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     import jax, jax.numpy as jnp
     from jvitals.guard.rollback import Rollback, Snapshots
+    from jvitals.guard import Retention, Saving
     from jvitals.optim.lr_scale import with_lr_scale
     import optax
     tx = with_lr_scale(optax.sgd(0.1))
@@ -447,7 +448,7 @@ def test_process_killed_mid_save_leaves_nothing_restorable(tmp_path):
     def in_progress(directory):
         names = os.listdir(directory)
         return any(".orbax-checkpoint-tmp" in n for n in names) and len(names) > 2
-    directory = kill_mid_save(tmp_path, options="save_every=100, keep_last=100", first=(0,),
+    directory = kill_mid_save(tmp_path, options="save_every=100, retention=Retention(keep_last=100)", first=(0,),
                               every=100, in_progress=in_progress)
     names = os.listdir(directory)
     partial = [n for n in names if ".orbax-checkpoint-tmp" in n]
@@ -706,7 +707,8 @@ def _cut(sign, check_every):
 
 def test_persistent_fault_limit_keeps_targets_and_restart_resumes_healthy(tmp_path):
     fault = 60
-    run = _loop(tmp_path, 200, lr_mult=lambda s: 300.0 if s >= fault else 1.0, max_rollbacks=2)
+    run = _loop(tmp_path, 200, lr_mult=lambda s: 300.0 if s >= fault else 1.0,
+                actions=RollbackActions(max_rollbacks=2))
     guard, err = run["guard"], run["error"]
     assert len(run["rollbacks"]) == 2 and isinstance(err, RollbackLimitError)
     targets = [r.target_step for r in run["rollbacks"]]
@@ -750,7 +752,7 @@ def test_fault_at_a_cadence_save_with_a_late_onset_restores_no_faulty_update(tmp
     effect is in the metrics of step 61, which the monitor sees at the check of 65."""
     fault, every = 60, 5
     run = _loop(tmp_path, 100, lr_mult=lambda s: 300.0 if s >= fault else 1.0, check_every=every,
-                max_rollbacks=1)
+                actions=RollbackActions(max_rollbacks=1))
     assert run["rollbacks"], "the fault never went red"
     r = run["rollbacks"][0]
     sign = run["guard"].history[0]["onset_step"]
@@ -857,7 +859,7 @@ def test_blip_then_fault_restores_the_newest_healthy_save_before_the_fault(tmp_p
     the fault (saves every 10 steps: 140), not the blip's (30)."""
     blip, fault, every = tuple(range(40, 65)), 145, 10
     run = _loop(tmp_path, 200, lr_mult=lambda s: 300.0 if s >= fault else 1.0,
-                weight=lambda s: 2.8 if s in blip else 1.0, max_rollbacks=1)
+                weight=lambda s: 2.8 if s in blip else 1.0, actions=RollbackActions(max_rollbacks=1))
     monitor, guard = run["monitor"], run["guard"]
     assert monitor.policy.clear_steps == 100
     gn = sorted((a for a in monitor.history + monitor.alerts if a.rule == "grad_norm"),
@@ -896,8 +898,8 @@ def test_an_alert_whose_remedy_is_applied_moves_the_target(tmp_path):
 
     targets = {}
     for remedies in (None, "default"):
-        guard = Rollback(tmp_path / str(remedies), save_every=10, keep_last=20, keep_every=None,
-                         remedies=remedies)
+        guard = Rollback(tmp_path / str(remedies), save_every=10, retention=Retention(keep_last=20, keep_every=None),
+                         actions=RollbackActions(remedies=remedies))
         for s in range(0, 80, 5):
             alerts = ([group(s)] if s >= 60 else []) + (
                 [_alert(5, Level.ORANGE, s, 75)] if s >= 75 else [])
@@ -915,8 +917,8 @@ def test_an_alert_whose_remedy_is_applied_moves_the_target(tmp_path):
 def test_variants_rewind_skip_data_and_reset_optimizer_on_a_real_loop(tmp_path):
     fault, rewind = 85, 30
     lr = lambda s: 300.0 if s == fault else 1.0  # noqa: E731
-    run = _loop(tmp_path / "a", 130, lr_mult=lr, rewind_steps=rewind, skip_data=True,
-                reset_optimizer=("mu", "nu"))
+    run = _loop(tmp_path / "a", 130, lr_mult=lr, restore=RestorePolicy(rewind_steps=rewind),
+                actions=RollbackActions(skip_data=True, reset_optimizer=("mu", "nu")))
     guard = run["guard"]
     r = run["rollbacks"][0]
     end = run["rollbacks"][1].step if len(run["rollbacks"]) > 1 else 129
@@ -990,8 +992,8 @@ def test_snapshots_cut_the_lost_steps_and_are_targets(tmp_path):
     plus the margin, not up to 50 steps; the snapshot target holds the fault-free params."""
     fault = 87
     run = _loop(tmp_path, 120, lr_mult=lambda s: 300.0 if s == fault else 1.0,
-                guard=Rollback(tmp_path, save_every=50, keep_last=2, keep_every=None,
-                               snapshots=Snapshots(every=5, keep=2)))
+                guard=Rollback(tmp_path, save_every=50, retention=Retention(keep_last=2, keep_every=None),
+                               saving=Saving(snapshots=Snapshots(every=5, keep=2))))
     guard = run["guard"]
     (r,) = run["rollbacks"]
     assert guard.history[0]["actions"][0]["store"] == "snapshots"
@@ -1008,7 +1010,7 @@ def test_snapshots_cut_the_lost_steps_and_are_targets(tmp_path):
 
 def test_sigkill_during_a_snapshot_then_resume(tmp_path):
     directory = kill_mid_save(
-        tmp_path, options="save_every=10**6, snapshots=Snapshots(every=10, keep=2)",
+        tmp_path, options="save_every=10**6, saving=Saving(snapshots=Snapshots(every=10, keep=2))",
         first=(0, 10), every=10,
         in_progress=lambda d: any(".orbax-checkpoint-tmp" in n for n in os.listdir(d / "snapshots")))
     snaps = directory / "snapshots"

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jvitals.optim.lr_scale import get_lr_scale, with_lr_scale
 from jvitals.monitor.monitor import Alert, Level, Monitor, Policy, Verdict
 from jvitals.guard.rollback import Action, Rollback
+from jvitals.guard import Retention
 
 assert jax.process_count() == 2 and jax.device_count() == 8
 pid = jax.process_index()
@@ -47,7 +48,7 @@ def local(x):
 directory = os.environ["CKPT_DIR"]
 # A drop held 10 steps (the default 40 is for long runs): process 1's throughput falls at 30.
 monitor = Monitor(Policy(warmup_steps=0, baseline_steps=20, throughput_hold_steps=10))
-guard = Rollback(directory, save_every=10, keep_last=10)
+guard = Rollback(directory, save_every=10, retention=Retention(keep_last=10))
 _, pos = guard.resume(state(0), {"pid": pid, "i": 0}, monitor)
 out = {"levels": [], "actions": []}
 for step in range(0, 60, 5):
@@ -81,7 +82,7 @@ def alert(id_, level, step, onset):
                  message=f"[{Level(level).name}] #{id_}", cause="c", prescription="p",
                  localization=[], peak_level=Level(level))
 
-guard3 = Rollback(os.environ["CKPT_DIR"] + "_chain", save_every=10, keep_last=10)
+guard3 = Rollback(os.environ["CKPT_DIR"] + "_chain", save_every=10, retention=Retention(keep_last=10))
 for step in range(0, 30, 5):
     guard3.act(step, state(step), None, {"pid": pid, "i": step + 1})
 mine = [alert(1, Level.ORANGE, 25, 22)] + ([alert(2, Level.ORANGE, 25, 12)] if pid == 1 else [])

@@ -1,22 +1,14 @@
 """The response: the only part of jvitals that acts on a verdict (design: docs/GUARD.md).
 
-``rollback`` (the response policy: :class:`Rollback` decides to save, pause or
-roll back, composed of the parts below), ``configs`` (its settings, one frozen
-config per idea: :class:`Retention`, :class:`RestorePolicy`, :class:`RollbackActions`,
-:class:`Saving`, and the old keywords' map), ``state`` (its bookkeeping and
-outbox), ``saver`` (its saves), ``restore`` (its restores: a rollback's steps, a
-resume, the pins), ``target`` (the rollback target, a pure function of the alerts
-seen and the checkpoints on disk: :func:`choose_target`), ``alertlog`` (the
-guard's record of the monitor's alerts, by id), ``actions`` (the actions after a
-restore: LR scale, Adam moments, data position), ``response`` (what the guard
-returns and raises, and its orange pause), ``preemption`` (the notice that the
-machine goes away, and the save it triggers: :class:`Preemption`), ``stores``
-(the checkpoints and the snapshots as one), ``checkpoints`` (the orbax store:
-levels, pins, quarantine, retention, resume), ``orbax_noise``,
-``multiprocess`` and ``pytrees`` (the store's helpers), ``remedies`` (the table
-of causes and the remedy the guard applies) and ``events`` (the names the guard
-writes). Imports ``jvitals.monitor`` (levels, alerts) and ``jvitals.optim`` (the
-LR scales it turns).
+:class:`Rollback` (``rollback``) decides to save, pause or roll back; it is composed of
+parts, one module per idea: its settings (``configs``), its bookkeeping (``state``),
+its saves (``saver``), its restores (``restore``, ``after_restore``, ``remedies``), the
+rollback target (``target``: :func:`choose_target`, a pure function), the record of
+the monitor's alerts (``alertlog``), what it returns and raises (``response``), the
+preemption save (``preemption``: :class:`Preemption`), the stores (``stores``,
+``checkpoints`` and its helpers) and the names it writes (``events``). The table of
+parts is in docs/GUARD.md, "Parts". Imports ``jvitals.monitor`` (levels, alerts) and
+``jvitals.optim`` (the LR scales it turns).
 """
 
 from jvitals.guard.checkpoints import (

@@ -5,16 +5,11 @@ across the guard's checks: its onset and change points, the highest level it
 reached, whether the guard saw it clearing and holding again (a revived alert
 counts from the check it held again), when it closed, and the alert it names as
 its lead. The rollback target (:mod:`jvitals.guard.target`) is a pure function of
-these records and the checkpoints on disk.
-
-Decisions (each is tested):
-
-- An alert id seen again after it closed is a new episode: a new record, with
-  its own onset.
-- An alert missing from a verdict's open alerts is closed at that check.
-- The last calm check is the last one with no open alert that had reached ORANGE.
-- Long-closed records are forgotten (the newest 256 closed are kept once 512 are held).
+these records and the checkpoints on disk. Its rules (a new episode after a close,
+an alert missing from a verdict is closed, the last calm check, what is forgotten)
+are in docs/GUARD.md, "The alert log".
 """
+
 
 from __future__ import annotations
 
@@ -25,6 +20,7 @@ import numpy as np
 
 from jvitals.monitor.types import Level
 from jvitals.guard.target import AlertRecord, earliest_sign
+from jvitals.guard.verdict import VerdictLike
 
 __all__ = ["AlertLog", "alert_id"]
 
@@ -52,10 +48,10 @@ class AlertLog:
         self.seen: dict[int, AlertRecord] = {}
         self.last_calm: int | None = None
 
-    def observe(self, step: int, verdict: Any) -> None:
+    def observe(self, step: int, verdict: VerdictLike | None) -> None:
         """Updates the records with ``verdict``'s open and closed alerts, at check ``step``."""
-        open_alerts = list(getattr(verdict, "alerts", None) or []) if verdict is not None else []
-        closed = list(getattr(verdict, "closed_alerts", None) or []) if verdict is not None else []
+        open_alerts = list(verdict.alerts) if verdict is not None else []
+        closed = list(verdict.closed_alerts) if verdict is not None else []
         now_open = set()
         for a in open_alerts:
             i = alert_id(a)
@@ -106,29 +102,29 @@ class AlertLog:
             self.seen[int(rec.id)] = rec
         self.last_calm = d.get("last_calm")
 
-    def open_peak(self, verdict: Any) -> int:
+    def open_peak(self, verdict: VerdictLike | None) -> int:
         """The highest peak level of ``verdict``'s open alerts (GREEN without any)."""
         peaks = [self.seen[i].peak for i in self._open_ids(verdict) if i in self.seen]
         return max(peaks, default=int(Level.GREEN))
 
     @staticmethod
-    def _open_ids(verdict: Any) -> list[int]:
-        alerts = (getattr(verdict, "alerts", None) or []) if verdict is not None else []
+    def _open_ids(verdict: VerdictLike | None) -> list[int]:
+        alerts = verdict.alerts if verdict is not None else []
         return [i for i in (alert_id(a) for a in alerts) if i is not None]
 
-    def chain_sign(self, verdict: Any, step: int, remedied: Iterable[int] = ()) -> int:
+    def chain_sign(self, verdict: VerdictLike | None, step: int, remedied: Iterable[int] = ()) -> int:
         """Earliest sign of the chain of alerts that escalated to the red
         (:func:`jvitals.guard.target.earliest_sign` over the records, after
         :meth:`observe` of ``verdict``); ``remedied``: ids of the alerts whose remedy
         the guard applies (in the chain too)."""
-        onset = getattr(verdict, "onset_step", None) if verdict is not None else None
+        onset = verdict.onset_step if verdict is not None else None
         return earliest_sign(self.seen, step=step, calm=self.last_calm, remedied=remedied,
                              onset=None if onset is None else int(onset))
 
-    def open_records(self, verdict: Any) -> dict[int, AlertRecord]:
+    def open_records(self, verdict: VerdictLike | None) -> dict[int, AlertRecord]:
         """``{alert id: record}`` of ``verdict``'s open alerts."""
         return {i: self.seen[i] for i in self._open_ids(verdict) if i in self.seen}
 
-    def open_signs(self, verdict: Any) -> dict[int, int]:
+    def open_signs(self, verdict: VerdictLike | None) -> dict[int, int]:
         """``{alert id: earliest sign}`` of the open alerts."""
         return {i: r.sign() for i, r in self.open_records(verdict).items()}

@@ -7,49 +7,12 @@ saved at, its kind, whether an alert that had reached ORANGE was open when it wa
 saved, and whether it is quarantined; it knows nothing about verdicts (the
 response policy in :mod:`jvitals.guard.rollback` decides what to save and restore).
 
-Decisions (each is tested):
-
-- **Healthy** = saved at a level in ``healthy_levels`` (GREEN, YELLOW), with no
-  open alert that had reached ORANGE (``open_peak < ORANGE``), not quarantined.
-- **Retention** (an orbax ``PreservationPolicy``; it runs after each save): a
-  checkpoint is kept when it is one of the newest ``keep_last`` of any kind or
-  the newest ``keep_last`` regular ones (cadence, rollback, manual), a cadence
-  checkpoint on a multiple of ``keep_every`` (or the first past one), one of the
-  newest ``keep_green`` healthy GREEN ones, or **pinned** (:meth:`set_pins`: the
-  policy pins the newest healthy checkpoint, every rollback target, and the
-  newest healthy one before each open alert's onset). A quarantined checkpoint
-  is kept only while it is among the newest ``keep_quarantined`` quarantined
-  ones (for a post-mortem) and is never restored by :meth:`best`. Whenever
-  retention drops a checkpoint it logs one line with what it keeps and why.
-- **Quarantine** is written to ``<directory>/jvitals_quarantine.json`` and to
-  the metadata of every later checkpoint; pins are saved in the metadata too, so
-  a new store on the same directory keeps them before any policy runs.
-- **Failures are one log line each**: a checkpoint that cannot be read is
-  quarantined with a one-line reason (orbax's asyncio tracebacks are captured,
-  see :func:`quiet_orbax`; the "Event loop is closed" errors that the reads a
-  failed restore left in flight raise when they finish, after orbax closed its
-  event loop, are held back from ``sys.unraisablehook``, see
-  :func:`_is_closed_loop_error`); an asynchronous save that failed raises
-  :class:`CheckpointSaveError` at the next save, :meth:`wait` or :meth:`close`.
-- **An upgrade**: a checkpoint that does not restore onto the train state is held
-  against it (:func:`jvitals.guard.pytrees.fit`, from orbax's tree metadata). Differences only
-  in recorder states' own fields (``RecordState.metrics``, ``last_step``: their
-  layout follows the jvitals version) are a checkpoint of an older jvitals: every
-  other array is restored from disk, those fields are taken from the train state
-  given, with one warning line naming the step, the directory and the paths. Any
-  other difference (the model or the optimizer changed) raises
-  :class:`CheckpointMismatchError` naming the first path, both shapes and the step,
-  and quarantines nothing: the checkpoint is healthy for the model it was saved
-  with, and quarantining it would quarantine every older one in turn (retention
-  could then delete them).
-- **Exit**: a pending asynchronous save is awaited before the interpreter stops
-  its thread pools (a ``threading`` exit hook, which runs before
-  ``concurrent.futures`` shuts down), so an exception right after a save neither
-  loses the save nor prints orbax's "Event loop is closed" tracebacks.
-
-Multi-process: every process calls every method in the same order (orbax is
-multi-host aware); agreement on restores uses ``process_allgather``.
+Its decisions (healthy, retention and pins, quarantine, failures as one line each,
+a checkpoint of an older jvitals, the exit) are in docs/GUARD.md, "The checkpoint
+store". Multi-process: every process calls every method in the same order (orbax
+is multi-host aware); agreement on restores uses ``process_allgather``.
 """
+
 
 from __future__ import annotations
 
@@ -74,7 +37,7 @@ from jvitals.guard.orbax_noise import (  # noqa: F401 - re-exported (tests reach
     _install_log_filter,
     _install_unraisablehook,
     _is_closed_loop_error,
-    _one_line,
+    one_line,
     quiet_orbax,
 )
 from jvitals.guard.pytrees import (  # noqa: F401 - re-exported
@@ -543,7 +506,7 @@ class CheckpointStore:
         if isinstance(err, FloatingPointError):
             reason = "non-finite values"
         elif err is not None:
-            reason = f"corrupt: {type(err).__name__}: {_one_line(err)}"
+            reason = f"corrupt: {type(err).__name__}: {one_line(err)}"
         else:
             reason = "corrupt: failed to restore on another process"
         rec = self.records.get(int(step))
@@ -574,7 +537,7 @@ class CheckpointStore:
                     quarantine.setdefault(int(s), reason)
                 newest_pins = {int(s): str(r) for s, r in (meta.get("pins") or {}).items()}
             except Exception as e:  # noqa: BLE001 - unreadable metadata = unusable checkpoint
-                reason = f"corrupt: metadata unreadable: {type(e).__name__}: {_one_line(e, 200)}"
+                reason = f"corrupt: metadata unreadable: {type(e).__name__}: {one_line(e, 200)}"
                 rec = CheckpointInfo(step, -1, "unknown", quarantined=reason, store=self.name)
                 self.failures.append((step, reason))
                 _log.warning("%s", skip_message(self, step, reason))

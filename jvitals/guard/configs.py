@@ -1,35 +1,26 @@
 """The guard's settings, one frozen config per idea (see docs/GUARD.md, "Settings").
 
 :class:`jvitals.Rollback` is built from parts; each part's settings are a small
-frozen dataclass with its own fields, defaults and validation (a ``ValueError``
-names the config and the field):
-
-- :class:`Retention`: which checkpoints the store keeps (``keep_last``, ...);
-- :class:`RestorePolicy`: which checkpoint a rollback or a resume restores
-  (``healthy_levels``, ``check_finite``, ``onset_margin``, ``rewind_steps``);
-- :class:`RollbackActions`: what a rollback does after the restore (``lr_factor``,
-  ``max_rollbacks``, ``skip_data``, ``reset_optimizer``, ``remedies``,
-  ``save_on_rollback``, ``step_attr``);
-- :class:`Saving`: how checkpoints are written (``sync``, ``on_save_error``,
-  ``snapshots``; the cadence is ``Rollback(save_every=)``).
-
-:func:`split_options` maps the keywords ``Rollback`` took before these configs
-(``keep_last=``, ``onset_margin=``, ...) onto them, with a ``DeprecationWarning``
-naming each one's new place (:data:`LEGACY`).
+frozen dataclass with its own fields, defaults and validation (an error names
+the config and the field): :class:`Retention` (which checkpoints are kept),
+:class:`RestorePolicy` (which one a rollback or a resume restores),
+:class:`RollbackActions` (what a rollback does after the restore) and
+:class:`Saving` (when and how checkpoints are written). A keyword ``Rollback``
+no longer takes is a TypeError naming its config (:data:`MOVED`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Mapping
 
-from jvitals.guard.actions import parse_reset
+from jvitals.guard.after_restore import parse_reset
+from jvitals.guard.preemption import Preemption
 from jvitals.guard.remedies import parse_remedies
 from jvitals.guard.response import Snapshots
 from jvitals.guard.target import RestorePolicy, fail as _fail
 
-__all__ = ["RollbackActions", "LEGACY", "RestorePolicy", "Retention", "Saving", "split_options"]
+__all__ = ["MOVED", "RestorePolicy", "Retention", "RollbackActions", "Saving", "check_config", "refuse_moved"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +100,8 @@ class RollbackActions:
 
 @dataclasses.dataclass(frozen=True)
 class Saving:
-    """How checkpoints are written (the cadence is ``Rollback(save_every=)``).
+    """How checkpoints are written (the cadence is ``Rollback(save_every=)``), and what
+    follows the saves that stop the loop: the orange pause and the preemption save.
 
     Attributes:
       sync: wait for each save to land (errors at the save call; slower).
@@ -119,72 +111,57 @@ class Saving:
         (:class:`jvitals.guard.CheckpointSaveError`: the loop stops).
       snapshots: a :class:`jvitals.Snapshots` for light recent snapshots between
         the cadence checkpoints (None: none).
+      pause: on orange, after its save: ``'return'`` (the action PAUSE; the loop
+        decides), ``'raise'`` (:class:`jvitals.TrainingPaused`) or a callable taking
+        the :class:`jvitals.Response`.
+      preemption: what :meth:`jvitals.Rollback.preempted` watches before its save:
+        True (SIGTERM on one process, JAX's preemption notice under
+        ``jax.distributed``), a :class:`jvitals.Preemption` (other signals), or
+        False (never preempted).
     """
 
     sync: bool = False
     on_save_error: str = "continue"
     snapshots: Snapshots | None = None
+    pause: Any = "return"
+    preemption: bool | Preemption = True
 
     def __post_init__(self) -> None:
+        if not (self.pause in ("return", "raise") or callable(self.pause)):
+            _fail("Saving", "pause", "'return', 'raise' or a callable", self.pause)
         if self.on_save_error not in ("continue", "raise"):
             _fail("Saving", "on_save_error", "'continue' or 'raise'", self.on_save_error)
         snap = self.snapshots
         if snap is not None and (int(snap.every) < 1 or int(snap.keep) < 1):
             _fail("Saving", "snapshots", "Snapshots(every >= 1, keep >= 1)", snap)
+        if not isinstance(self.preemption, (bool, Preemption)):
+            raise TypeError(f"Saving expects preemption= True, False or a Preemption, got "
+                            f"{type(self.preemption).__name__} {self.preemption!r}")
 
 
-LEGACY: dict[str, tuple[str, str]] = {
-    **{k: ("retention", k) for k in ("keep_last", "keep_every", "keep_green", "keep_quarantined")},
-    **{k: ("restore", k) for k in ("healthy_levels", "check_finite", "onset_margin", "rewind_steps")},
-    **{k: ("actions", k) for k in ("lr_factor", "max_rollbacks", "skip_data", "reset_optimizer",
-                                   "remedies", "save_on_rollback", "step_attr")},
-    "sync_save": ("saving", "sync"), "on_save_error": ("saving", "on_save_error"),
-    "snapshots": ("saving", "snapshots"),
+MOVED: dict[str, str] = {
+    **{k: f"retention=Retention({k}=...)" for k in ("keep_last", "keep_every", "keep_green", "keep_quarantined")},
+    **{k: f"restore=RestorePolicy({k}=...)" for k in ("healthy_levels", "check_finite", "onset_margin",
+                                                       "rewind_steps")},
+    **{k: f"actions=RollbackActions({k}=...)" for k in ("lr_factor", "max_rollbacks", "skip_data",
+                                                         "reset_optimizer", "remedies", "save_on_rollback",
+                                                         "step_attr")},
+    "sync_save": "saving=Saving(sync=...)",
+    **{k: f"saving=Saving({k}=...)" for k in ("on_save_error", "snapshots", "pause", "preemption")},
 }
-"""``{old Rollback keyword: (new Rollback keyword, field of its config)}``."""
-
-CONFIGS: dict[str, type] = {"retention": Retention, "restore": RestorePolicy, "actions": RollbackActions,
-                            "saving": Saving}
-DEFAULTS: dict[str, Any] = {name: cls() for name, cls in CONFIGS.items()}
-"""The default of each config keyword (``Rollback(retention=DEFAULTS['retention'])`` is "not given")."""
-OPTIONS = ("saving", "pause", "preemption")
-"""``Rollback``'s keywords beyond its named parameters (current, not deprecated)."""
+"""``{keyword Rollback no longer takes: where it is now}``: the text of the TypeError it raises."""
 
 
-def split_options(given: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:
-    """The configs of a ``Rollback``, from its config arguments and its other keywords.
+def refuse_moved(keywords: Mapping[str, Any]) -> None:
+    """Raises a TypeError naming where each keyword of ``keywords`` that ``Rollback`` no
+    longer takes is now (:data:`MOVED`); the others are left to Python's own check."""
+    moved = [k for k in keywords if k in MOVED]
+    if moved:
+        raise TypeError("Rollback() no longer takes " + "; ".join(
+            f"{k}=: pass {MOVED[k]}" for k in moved) + " (the configs are in docs/GUARD.md, \"Settings\")")
 
-    Args:
-      given: ``{'retention': ..., 'restore': ..., 'actions': ...}`` as passed.
-      options: the other keywords: ``saving``, ``pause``, ``preemption``, or an old
-        keyword (:data:`LEGACY`: warned about, folded into its config).
 
-    Returns:
-      ``{'retention', 'restore', 'actions', 'saving': config, 'pause': ..., 'preemption': ...}``.
-
-    Raises:
-      TypeError: an unknown keyword, or an old keyword beside the config it now belongs to.
-    """
-    configs = {name: given.get(name, options.get(name, DEFAULTS[name])) for name in CONFIGS}
-    for name, cfg in configs.items():
-        if not isinstance(cfg, CONFIGS[name]):
-            raise TypeError(f"Rollback expects {name}= a {CONFIGS[name].__name__}, got "
-                            f"{type(cfg).__name__} {cfg!r}")
-    moved: dict[str, dict[str, Any]] = {}
-    for key, value in options.items():
-        if key in OPTIONS:
-            continue
-        if key not in LEGACY:
-            raise TypeError(f"Rollback() got an unexpected keyword argument {key!r}")
-        where, field = LEGACY[key]
-        warnings.warn(f"Rollback({key}=...) is deprecated: pass {where}="
-                      f"{CONFIGS[where].__name__}({field}=...) instead.", DeprecationWarning, stacklevel=3)
-        if configs[where] is not DEFAULTS[where]:
-            raise TypeError(f"Rollback got {key}= and {where}=; pass {field} inside "
-                            f"{CONFIGS[where].__name__}(...) only.")
-        moved.setdefault(where, {})[field] = value
-    for where, fields in moved.items():
-        configs[where] = CONFIGS[where](**fields)
-    configs["pause"] = options.get("pause", "return")
-    configs["preemption"] = options.get("preemption", True)
-    return configs
+def check_config(name: str, value: Any, cls: type) -> None:
+    """Raises a TypeError when ``Rollback``'s ``name=`` is not a ``cls``."""
+    if not isinstance(value, cls):
+        raise TypeError(f"Rollback expects {name}= a {cls.__name__}, got {type(value).__name__} {value!r:.80}")

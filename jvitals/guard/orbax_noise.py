@@ -130,7 +130,7 @@ def quiet_orbax() -> Iterator[_OrbaxNoise]:
             lg.removeFilter(_NOISE)
 
 
-def _one_line(err: BaseException, limit: int = 300) -> str:
+def one_line(err: BaseException, limit: int = 300) -> str:
     """``err``'s first line, at most ``limit`` characters: its start and its end.
 
     tensorstore nests its causes (``Error opening "zarr" driver: ... Error reading
@@ -147,4 +147,3 @@ def _one_line(err: BaseException, limit: int = 300) -> str:
 
 install_unraisablehook = _install_unraisablehook
 install_log_filter = _install_log_filter
-one_line = _one_line

@@ -2,41 +2,14 @@
 
 Spot VMs and preemptible TPUs get SIGTERM and about 30 s before they stop; a job
 scheduler (Slurm, Kubernetes) sends SIGTERM before SIGKILL. :class:`Preemption`
-watches for that notice, and :meth:`jvitals.Rollback.preempted`, which the loop
-calls at the end of every step, asks it::
-
-    for step in range(int(state.step), num_steps):
-        state, metrics = train_step(state, loader(position)); position += 1
-        ...
-        if guard.preempted(step, state, position):   # SIGTERM: saved, committed; stop
-            break
-
-On a notice the guard saves the state, the data position and the monitor's state
-as checkpoint ``step`` (kind :data:`PREEMPT`), waits until it is committed, and
-returns True; the loop ends and the program exits with code 0. A restart's
-:meth:`~jvitals.Rollback.resume` continues from that checkpoint: no step is
-computed twice.
-
-Where the notice comes from (decided at the first :meth:`Preemption.reached`):
-
-- **One process**: a signal in ``signals`` (SIGTERM), caught by a Python
-  handler installed at that first call, so a loop that never asks keeps
-  Python's default (SIGTERM ends the process) and a SIGTERM before the loop's
-  first step still does (nothing is lost: no step was done since the resume).
-  A Python handler installed before is called too; :meth:`Preemption.close`
-  (called by ``Rollback.close``) puts the previous handlers back.
-  :meth:`Preemption.notify` is the same notice from code (a thread that watches
-  a cloud's metadata server, say).
-- **Several processes** (``jax.distributed``): JAX's preemption service, which
-  ``jax.distributed.initialize`` starts: its own SIGTERM handler (in C++; a Python
-  handler would replace it, so none is installed) tells the coordination service,
-  which tells every process, and
-  ``jax.experimental.multihost_utils.reached_preemption_sync_point(step)`` is True
-  on every process at one step (the fastest process's step + 1, so no process
-  has passed it). A SIGTERM on any one process saves on all at that step, and all
-  stop. Without the service (``jax_enable_preemption_service=False``) a warning
-  says so and no preemption save is made.
+watches for that notice and :meth:`jvitals.Rollback.preempted`, which the loop calls
+at the end of every step, asks it: on a notice the guard saves the state, the data
+position and the monitor's state as checkpoint ``step`` (kind :data:`PREEMPT`),
+waits until it is committed and returns True; a restart's ``resume`` continues from
+it, no step computed twice. Where the notice comes from (a signal handler on one
+process, JAX's preemption service on several) is in docs/GUARD.md, "Preemption".
 """
+
 
 from __future__ import annotations
 

@@ -1,60 +1,18 @@
 """The guard's prescriptions: from an alert's cause to a remedy applied at a rollback.
 
-:class:`jvitals.Rollback` (``remedies="default"`` or a dict) calls
+:class:`jvitals.Rollback` (``RollbackActions(remedies="default")`` or a dict) calls
 :func:`apply_remedies` after it has restored the healthy checkpoint. Each alert of
 the red verdict (open and just closed) is read as a :class:`Cause` (its rule, its
 metric, the group the metric names) and matched against a table ``{pattern:
 remedy}``; a pattern matches a cause when it equals the alert's rule id or
-``re.search``-es its metric. The default table (:data:`DEFAULT_REMEDIES`), from
-METRICS.md §6::
-
-    metric (regex)                                   remedy        what it does
-    (update/param_ratio|grad/share|param/norm)/      group_lr      that group's LR scale x0.5
-       (embedding|lm_head)                                         (set_lr_scale(..., group=g))
-    (update/param_ratio|grad/share)/layer_i          layer_decay   layer-wise LR decay 0.9: group
-                                                                   scale of layer i x0.9**(N-1-i),
-                                                                   embedding x0.9**N (once)
-    act/attn_logits...                               qk_clip       flag qk_clip_tau = the metric's
-                                                                   pre-fault baseline (the loop
-                                                                   calls vitals.qk_clip)
-    act/output_layer_logits... | act/logits...       z_loss        flag z_loss = 1e-4 (the loop
-                                                                   adds vitals.z_loss)
-    replica/...  (the per-replica rule)              restart_      the alert's suspect: a device ->
-                                                     without (a    flag exclude_hosts / exclude_devices
-                                                     callable)
-                                                                   (restart without that host from the
-                                                                   restored healthy checkpoint; the LR
-                                                                   cut is not the cure); a data shard ->
-                                                                   flag suspect_data; unknown -> says so
-
-Remedies that change the optimizer (``group_lr``, ``layer_decay``) use the
-per-group LR scales of :func:`jvitals.with_lr_scale` (``groups="roles"``); the
-guard keeps the scales it set in ``flags["lr_groups"]`` and sets them again on
-every later restore (an older checkpoint does not undo them), as it does with the
-global LR scale. Without such a group the remedy falls back to the guard's global
-``lr_factor`` (which every rollback applies anyway) and says so. Layer-wise decay
-is applied through the layer groups' scales (``decay ** (N - 1 - i)`` for layer
-``i`` of ``N``, ``decay ** N`` for the embedding, the factors of
-:func:`jvitals.layerwise_lr_decay`) because changing the optimizer's chain would
-change its state's structure mid-run; without layer groups it is left as the flag
-``flags["layer_decay"]`` for the next restart (chain
-``vitals.layerwise_lr_decay(flags["layer_decay"])``).
-
-Remedies that need the loop (QK-clip, z-loss) only set flags in ``flags`` (the
-guard's ``remedies`` dict, saved with every checkpoint and restored by
-``resume``)::
-
-    tau = guard.remedies.get("qk_clip_tau")        # None: off
-    if tau is not None:
-        params = vitals.qk_clip(params, attn_logits_max, tau)
-    loss = loss + vitals.z_loss(logits, mask, weight=guard.remedies.get("z_loss", 0.0))
-
-A user remedy is a callable ``fn(state, cause, flags) -> state`` or ``-> (state,
-text)``; it may update ``flags`` (a plain JSON dict) in place.
+``re.search``-es its metric. The default table (:data:`DEFAULT_REMEDIES`, from
+METRICS.md §6), what each remedy does, the fallbacks without LR groups, the flags
+for the loop and a user's own remedy are in docs/REMEDIES.md, "The guard applies them".
 
 Every function here is pure: it returns a new state and a new flags dict, and
 leaves its inputs alone.
 """
+
 
 from __future__ import annotations
 
@@ -233,7 +191,7 @@ def causes_of(alerts: Iterable[Any]) -> list[Cause]:
 
 def check_regex(pattern: str, where: str) -> None:
     """Raises a ValueError naming ``where`` and ``pattern`` if ``pattern`` is not a
-    regular expression (a table key of ``Rollback(remedies=)`` or ``reset_optimizer=``)."""
+    regular expression (a table key of ``RollbackActions(remedies=)`` or ``reset_optimizer=``)."""
     try:
         re.compile(pattern)
     except re.error as e:
@@ -241,7 +199,7 @@ def check_regex(pattern: str, where: str) -> None:
 
 
 def parse_remedies(remedies: None | str | Mapping[str, Remedy]) -> RemedyTable:
-    """The ``Rollback(remedies=...)`` argument as an ordered table.
+    """The ``RollbackActions(remedies=...)`` argument as an ordered table.
 
     Args:
       remedies: None (no table), ``"default"`` (:data:`DEFAULT_REMEDIES`) or a
@@ -261,26 +219,26 @@ def parse_remedies(remedies: None | str | Mapping[str, Remedy]) -> RemedyTable:
         return ()
     if isinstance(remedies, str):
         if remedies != "default":
-            raise ValueError(f"Rollback(remedies={remedies!r}): expected None, 'default' or a dict "
+            raise ValueError(f"RollbackActions(remedies={remedies!r}): expected None, 'default' or a dict "
                              f"{{rule id or metric regex: remedy}} with remedies among "
                              f"{list(REMEDY_NAMES)} or callables")
         remedies = DEFAULT_REMEDIES
     if not isinstance(remedies, Mapping):
-        raise ValueError(f"Rollback(remedies=...) expects None, 'default' or a dict, got "
+        raise ValueError(f"RollbackActions(remedies=...) expects None, 'default' or a dict, got "
                          f"{type(remedies).__name__} {remedies!r}")
     out = []
     for pattern, remedy in remedies.items():
         if not isinstance(pattern, str):
-            raise ValueError(f"Rollback(remedies=...): a key must be a rule id or a metric regex "
+            raise ValueError(f"RollbackActions(remedies=...): a key must be a rule id or a metric regex "
                              f"(str), got {pattern!r}")
-        check_regex(pattern, "Rollback(remedies=...):")
+        check_regex(pattern, "RollbackActions(remedies=...):")
         if isinstance(remedy, str):
             if remedy not in REMEDY_NAMES:
-                raise ValueError(f"Rollback(remedies=...): remedy {remedy!r} (for {pattern!r}) does "
+                raise ValueError(f"RollbackActions(remedies=...): remedy {remedy!r} (for {pattern!r}) does "
                                  f"not exist; the remedies are {list(REMEDY_NAMES)} or a callable "
                                  "fn(state, cause, flags) -> state")
         elif not callable(remedy):
-            raise ValueError(f"Rollback(remedies=...): the remedy for {pattern!r} must be a name "
+            raise ValueError(f"RollbackActions(remedies=...): the remedy for {pattern!r} must be a name "
                              f"among {list(REMEDY_NAMES)} or a callable, got {remedy!r}")
         out.append((pattern, remedy))
     return tuple(out)

@@ -19,7 +19,9 @@ from typing import Any, Iterable, NamedTuple, Sequence
 import numpy as np
 
 from jvitals.monitor.types import PRESCRIPTIONS, RULE_PRESCRIPTION, Alert, Level
-from jvitals.guard.checkpoints import CheckpointSaveError, _one_line as one_line, json_default
+from jvitals.guard.checkpoints import CheckpointSaveError, json_default
+from jvitals.guard.orbax_noise import one_line
+from jvitals.guard.verdict import VerdictLike
 
 __all__ = [
     "Action",
@@ -32,7 +34,6 @@ __all__ = [
     "alert_lines",
     "check_position",
     "check_step",
-    "check_verdict",
     "jsonable",
     "make_alert",
     "save_failed_alert",
@@ -120,7 +121,7 @@ class RollbackLimitError(RollbackError):
 
 
 class TrainingPaused(Exception):
-    """Raised by ``respond`` on orange when ``pause='raise'``, after the save.
+    """Raised by ``respond`` on orange when ``Saving(pause='raise')``, after the save.
 
     Attributes: ``step``, ``saved_step`` (the checkpoint written, or None if this
     orange episode was already saved), ``alerts`` (the verdict's), ``response``.
@@ -133,27 +134,24 @@ class TrainingPaused(Exception):
 
 
 class PauseOnOrange:
-    """The response to ORANGE after its save: ``Rollback(pause=)``.
+    """The response to ORANGE after its save: ``Saving(pause=)``.
 
     Args:
       how: ``'return'`` (the action PAUSE; the loop decides), ``'raise'``
         (:class:`TrainingPaused`) or a callable taking the :class:`Response`.
 
-    Raises:
-      ValueError: ``how`` is none of these.
+    (``Saving`` checks it.)
     """
 
     def __init__(self, how: Any = "return") -> None:
-        if not (how in ("return", "raise") or callable(how)):
-            raise ValueError(f"Rollback expects pause='return', 'raise' or a callable, got {how!r}")
         self.how = how
 
-    def __call__(self, response: "Response", verdict: Any, directory: Any) -> None:
+    def __call__(self, response: "Response", verdict: VerdictLike | None, directory: Any) -> None:
         """Pauses as asked after ``response`` (a PAUSE) on ``verdict``."""
         if self.how == "return":
             return
         if self.how == "raise":
-            alerts = getattr(verdict, "alerts", []) or []
+            alerts = list(verdict.alerts) if verdict is not None else []
             where = (f"checkpoint saved as step {response.saved_step}" if response.saved_step is not None
                      else "this orange episode was already saved")
             raise TrainingPaused(
@@ -203,19 +201,6 @@ def check_step(step: Any, last: int | None, where: str = "Rollback.act") -> int:
     return step
 
 
-def check_verdict(verdict: Any) -> None:
-    """``verdict`` is None (GREEN) or has what the guard reads of ``Monitor.update``'s result
-    (``level``, ``alerts``); else a TypeError naming what came instead."""
-    if verdict is None or (hasattr(verdict, "level") and hasattr(verdict, "alerts")):
-        return
-    what = f"{type(verdict).__name__} {verdict!r}"[:120]
-    hint = (" (the verdict's level alone: a RED would be handled as GREEN)"
-            if isinstance(verdict, (int, float, str)) else "")
-    raise TypeError(f"Rollback.respond/act expects the Verdict that monitor.update(step, figures) returned "
-                    f"(or None for GREEN), got {what}{hint}; pass the verdict itself: "
-                    "guard.respond(step, state, verdict, position)")
-
-
 def make_alert(rule: str, metric: str, level: Level, step: int, value: float, onset: int,
                 message: str, details: dict[str, Any]) -> Alert:
     pres = PRESCRIPTIONS[RULE_PRESCRIPTION.get(rule, "generic")]
@@ -246,7 +231,7 @@ def save_failed_alert(err: CheckpointSaveError, *, newest_good: int | None, ever
     message = (f"[YELLOW] Rollback: could not save the checkpoint of step {err.step} in "
                f"{err.directory!r}: {error}. Training continues; {good}; the next cadence save "
                f"(every {every} steps) tries again. Expected a writable directory with free space: "
-               "free space or fix the permissions (Rollback(on_save_error='raise') stops the run "
+               "free space or fix the permissions (Rollback(saving=Saving(on_save_error='raise')) stops the run "
                "instead).")
     step = -1 if err.step is None else int(err.step)
     return make_alert("checkpoint_save_failed", "checkpoint/save_failed", Level.YELLOW, step, step, step,

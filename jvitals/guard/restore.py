@@ -1,43 +1,31 @@
 """The restoring part of :class:`jvitals.Rollback`: a rollback on red, and a resume.
 
-:class:`Restorer` is a collaborator of :class:`jvitals.guard.rollback.Rollback`
-(it holds the stores, the guard's state and outbox, the restore policy, the
-actions and the guard's save, all given to it; it reads and writes the guard's
-public record: ``history``, ``lr_scale``, ``remedies``, ``position``,
-``resumed_step``, ``monitor``). The decisions (which action for which verdict,
-what to save) are in :mod:`jvitals.guard.rollback`; this module carries them out
-when a checkpoint is read back:
+:class:`Restorer` carries out what the guard decided (:mod:`jvitals.guard.rollback`)
+when a checkpoint is read back, and returns what it found for the guard to apply:
 
-- **a rollback** (:meth:`Restorer.rollback`, on red): the target
-  (:func:`jvitals.guard.target.pick_target`, a pure function of the alerts and
-  the checkpoints on disk), its restore (the first candidate that restores on
-  every process, :meth:`jvitals.guard.stores.Stores.restore_first`), the sick
-  checkpoints quarantined, the actions after the restore
-  (:mod:`jvitals.guard.actions`, then the remedies), the record of it (history,
-  alert, event) and its save; or, past ``max_rollbacks``, the limit
-  (:class:`RollbackLimitError`);
-- **a resume** (:meth:`Restorer.resume`): the newest healthy checkpoint, and the
-  guard's record (LR scale, history, remedies, monitor, position) and state read
-  back from its metadata;
+- **a rollback** (:meth:`Restorer.restore_target`, on red): the target
+  (:func:`jvitals.guard.target.pick_target`), its restore, the sick checkpoints
+  quarantined, the steps after the restore (:mod:`jvitals.guard.after_restore`, then
+  the remedies), or, past ``max_rollbacks``, :class:`RollbackLimitError`;
+- **a resume** (:meth:`Restorer.resume`): the newest healthy checkpoint and the
+  guard's record read back from its metadata;
 - **the pins** (:meth:`Restorer.update_pins`): what retention never deletes, so
   the checkpoint a later red would restore is still on disk.
 """
 
+
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 from jvitals.monitor.types import Alert, Level
-from jvitals.guard.actions import action_text, keep_step, parse_reset, reset_moments, scale_lr, skip_batches
-from jvitals.guard.checkpoints import ROLLBACK_SAVE
+from jvitals.guard.after_restore import keep_step, parse_reset, reset_moments, scale_lr, skip_batches, step_text
 from jvitals.guard.events import ROLLBACK_COUNT
 from jvitals.guard.preemption import PREEMPT
 from jvitals.guard.configs import RollbackActions, RestorePolicy
 from jvitals.guard.remedies import applied_text, apply_remedies, parse_remedies, reapply_remedies
 from jvitals.guard.response import (
-    Action,
-    Response,
     RollbackError,
     RollbackLimitError,
     alert_lines,
@@ -45,7 +33,6 @@ from jvitals.guard.response import (
     make_alert,
 )
 from jvitals.guard.state import GuardState, Outbox
-from jvitals.guard.stores import own_position
 from jvitals.guard.target import (
     CheckpointInfo,
     Target,
@@ -58,8 +45,9 @@ from jvitals.guard.target import (
     sick_after,
     why_not,
 )
+from jvitals.guard.verdict import VerdictLike
 
-__all__ = ["Restorer", "resume_order"]
+__all__ = ["Record", "Restored", "Restorer", "Resumed", "load_monitor", "resume_order"]
 
 _log = logging.getLogger("jvitals.guard.rollback")
 
@@ -76,7 +64,7 @@ def resume_order(records: list[CheckpointInfo], healthy_levels: Iterable[int]) -
     return order
 
 
-def _load_monitor(monitor: Any, d: Mapping[str, Any]) -> None:
+def load_monitor(monitor: Any, d: Mapping[str, Any]) -> None:
     """Loads a monitor's saved state into ``monitor`` in place."""
     if hasattr(monitor, "load_state_dict"):
         monitor.load_state_dict(d)
@@ -85,8 +73,57 @@ def _load_monitor(monitor: Any, d: Mapping[str, Any]) -> None:
     monitor.__dict__.update(fresh.__dict__)
 
 
+class Record(NamedTuple):
+    """The guard's record a restore reads (:class:`jvitals.Rollback`'s attributes).
+
+    Attributes:
+      lr_scale: the LR scale in force.
+      history: the rollbacks so far (dicts).
+      remedies: the remedies' flags (a plain JSON dict).
+    """
+
+    lr_scale: float
+    history: Sequence[Mapping[str, Any]]
+    remedies: Mapping[str, Any]
+
+
+class Restored(NamedTuple):
+    """What a rollback decided, for :class:`jvitals.Rollback` to apply.
+
+    Attributes:
+      state: the restored train state, after the steps that follow the restore.
+      target: the checkpoint restored.
+      lr_scale: the new LR scale.
+      position: the data position to continue from.
+      remedies: the new remedies' flags.
+      entry: the rollback's history entry (``step``, ``to_step``, ``source_step``,
+        ``onset_step``, ``cutoff``, ``lr_scale``, ``position``, ``actions``, ``alerts``).
+      alerts: the alerts raised on the way (corrupt candidates skipped).
+    """
+
+    state: Any
+    target: CheckpointInfo
+    lr_scale: float
+    position: Any
+    remedies: dict[str, Any]
+    entry: dict[str, Any]
+    alerts: list[Alert]
+
+
+class Resumed(NamedTuple):
+    """What a resume found: the checkpoint, its state and metadata (``target`` None:
+    none restores), and the newer ones skipped, with why."""
+
+    target: CheckpointInfo | None
+    state: Any
+    meta: Mapping[str, Any]
+    skipped: list[str]
+
+
 class Restorer:
-    """The restores of :class:`jvitals.Rollback` (see module doc).
+    """The restores of :class:`jvitals.Rollback` (see module doc). It reads and writes
+    the stores and the guard's bookkeeping (``state``, ``outbox``) it is given, and
+    returns what it decided; the guard applies it.
 
     Args:
       disk: the guard's :class:`jvitals.guard.stores.Stores`.
@@ -95,21 +132,17 @@ class Restorer:
       saver: the guard's :class:`jvitals.guard.saver.Saver` (its waits).
       policy: the :class:`jvitals.guard.configs.RestorePolicy`.
       actions: the :class:`jvitals.guard.configs.RollbackActions`.
-      save: the guard's save, ``save(step, tree, position, level, kind, restored_from)``
-        (it adds the guard's record to the metadata).
     """
 
     def __init__(self, disk: Any, state: GuardState, outbox: Outbox, saver: Any, policy: RestorePolicy,
-                 actions: RollbackActions, save: Callable[..., int | None]) -> None:
+                 actions: RollbackActions) -> None:
         self.disk, self.state, self.outbox, self.saver = disk, state, outbox, saver
-        self.policy, self.actions, self._save = policy, actions, save
+        self.policy, self.actions = policy, actions
         self.reset = parse_reset(actions.reset_optimizer)
         self.remedy_table = parse_remedies(actions.remedies)
 
-    def resume(self, guard: Any, tree: Any, position: Any) -> Response:
-        """Restores the newest healthy checkpoint (see :meth:`jvitals.Rollback.resume`)
-        into ``guard``'s record; the :class:`Response` (RESUMED, or CONTINUE with the
-        inputs when no checkpoint restores)."""
+    def resume(self, tree: Any) -> Resumed:
+        """The newest healthy checkpoint restored onto ``tree`` (see :meth:`jvitals.Rollback.resume`)."""
         self.saver.settle()
         records = self.disk.records()
         found = self.restore_first(resume_order(records, self.policy.healthy_levels), tree)
@@ -119,29 +152,14 @@ class Restorer:
             if skipped:
                 _log.warning("Rollback: resume found no healthy checkpoint in %s (skipped: %s); "
                              "starting fresh.", self.disk.main.directory, ", ".join(skipped))
-            guard.position = position
-            return Response(Action.CONTINUE, tree, -1, None, None, guard.lr_scale,
-                            tuple(self.outbox.take_alerts(self.disk)), guard.metrics(),
-                            tuple(self.outbox.take_events()), position)
+            return Resumed(None, tree, {}, skipped)
         rec, restored, meta = found
         _log.info("Rollback: resumed from %s %d (%s, %s)%s.", rec.store, rec.step, rec.kind,
                   level_name(rec.level), f"; skipped newer: {', '.join(skipped)}" if skipped else "")
-        if guard.monitor is not None and meta.get("monitor") is not None:
-            _load_monitor(guard.monitor, meta["monitor"])
-        guard.lr_scale = float(meta.get("lr_scale", 1.0))
-        guard.history = list(meta.get("rollbacks", []))
-        guard.remedies = dict(meta.get("remedies") or {})
-        guard.resumed_step = rec.step
         self.state.load(rec, meta.get("guard"), self.disk.records(), self.policy.healthy_levels)
-        guard.position = position = own_position(meta)
-        self.update_pins(guard.history, None)
-        self.outbox.event({"event": "resume", "step": rec.step, "store": rec.store, "kind": rec.kind,
-                           "skipped": skipped})
-        return Response(Action.RESUMED, restored, rec.step, None, rec.step, guard.lr_scale,
-                        tuple(self.outbox.take_alerts(self.disk)), guard.metrics(),
-                        tuple(self.outbox.take_events(keep=True)), position)
+        return Resumed(rec, restored, meta, skipped)
 
-    def update_pins(self, history: Sequence[Mapping[str, Any]], verdict: Any) -> None:
+    def update_pins(self, history: Sequence[Mapping[str, Any]], verdict: VerdictLike | None) -> None:
         """Sets the stores' pins (:func:`jvitals.guard.target.pins`), process 0's for all
         (preemption checkpoints are never rollback targets: not pinned as one)."""
         keep = pins(history, [r for r in self.disk.records() if r.kind != PREEMPT],
@@ -158,20 +176,24 @@ class Restorer:
         finally:    # a CheckpointMismatchError too: the candidates skipped before it are reported
             self.outbox.collect_failures(self.disk)
 
-    def rollback(self, guard: Any, step: int, tree: Any, verdict: Any, position: Any,
-                 sign_cutoff: tuple[int, int], alerts: list[Alert]) -> Response:
+    def restore_target(self, step: int, tree: Any, verdict: VerdictLike, position: Any,
+                       sign_cutoff: tuple[int, int], record: Record) -> Restored:
         """Red: the target (:func:`jvitals.guard.target.pick_target`), its restore, the
-        sick checkpoints quarantined, the actions, the record of it (in ``guard``'s
-        ``history``, ``lr_scale``, ``position``, ``remedies``), and its save."""
+        sick checkpoints quarantined, the steps after the restore; what it decided.
+
+        Raises:
+          RollbackLimitError: ``record`` holds ``max_rollbacks`` rollbacks already.
+          RollbackError: nothing restorable below the target's bound.
+        """
         sign, cutoff = sign_cutoff
-        verdict_alerts = list(getattr(verdict, "alerts", []) or [])
+        verdict_alerts = list(verdict.alerts)
         self.saver.settle()
         limit = self.actions.max_rollbacks
-        if limit is not None and len(guard.history) >= int(limit):
-            self._limit(guard, step, verdict_alerts, position, sign_cutoff)
+        if limit is not None and len(record.history) >= int(limit):
+            self._limit(step, verdict_alerts, position, sign_cutoff, record)
         target = pick_target([r for r in self.disk.records() if r.kind != PREEMPT], sign=sign,
                              cutoff=cutoff, step=step, healthy_levels=self.policy.healthy_levels,
-                             rewind_steps=self.policy.rewind_steps, history=guard.history,
+                             rewind_steps=self.policy.rewind_steps, history=record.history,
                              last_healthy_check=self.state.last_healthy_check)
         self.disk.quarantine(target.suspects, str(target.relapse_reason))
         if target.step is not None:     # on disk before the restore: a kill in it never resumes a sick one
@@ -183,31 +205,20 @@ class Restorer:
         if found is None:
             self._no_target(step, target, verdict_alerts)
         rec, restored, meta = found
-        alerts.extend(self.outbox.take_alerts(self.disk))   # corrupt candidates skipped on the way
+        alerts = self.outbox.take_alerts(self.disk)     # corrupt candidates skipped on the way
         source = rec.restored_from if rec.restored_from is not None else rec.step   # whose params
         self.disk.quarantine(sick_after(self.disk.records(), rec.step, step),
                              f"sick: after rollback target {rec.step}; red at step {step} (earliest sign {sign})")
-        restored, new_scale, new_position, actions = self._act(guard, rec, (restored, meta, tree), verdict,
-                                                                position)
-        guard.lr_scale = new_scale
-        guard.position = new_position
-        guard.history.append({"step": step, "to_step": rec.step, "source_step": source,
-                              "onset_step": sign, "cutoff": cutoff,
-                              "lr_scale": new_scale, "position": jsonable(new_position),
-                              "actions": actions,
-                              "alerts": [alert_lines([a]) for a in verdict_alerts[:5]]})
-        alerts.append(self._announce(guard, step, rec, sign, (actions, verdict_alerts)))
+        restored, new_scale, new_position, remedies, steps = self._after_restore(
+            rec, (restored, meta, tree), verdict, position, record)
+        entry = {"step": step, "to_step": rec.step, "source_step": source, "onset_step": sign, "cutoff": cutoff,
+                 "lr_scale": new_scale, "position": jsonable(new_position), "actions": steps,
+                 "alerts": [alert_lines([a]) for a in verdict_alerts[:5]]}
         self.disk.write_quarantine()
         self.state.orange_saved = False
-        saved = None
-        if self.actions.save_on_rollback:
-            saved = self._save(step, restored, new_position, rec.level, ROLLBACK_SAVE, source)
-        metrics = {**guard.metrics(), "rollback/from_step": float(step), "rollback/to_step": float(rec.step)}
-        return Response(Action.ROLLBACK, restored, step, saved, rec.step, new_scale,
-                        tuple(alerts + self.outbox.take_alerts(self.disk)), metrics,
-                        tuple(self.outbox.take_events()), new_position)
+        return Restored(restored, rec, new_scale, new_position, remedies, entry, alerts)
 
-    def _no_target(self, step: int, target: Target, verdict_alerts: list[Any]) -> None:
+    def _no_target(self, step: int, target: Target, verdict_alerts: list[Alert]) -> None:
         """Raises :class:`RollbackError`: nothing restorable below the target's bound."""
         self.disk.write_quarantine()
         text = no_target_message(target, self.disk.records(), step=step,
@@ -218,52 +229,52 @@ class Restorer:
             "save_every, Saving(snapshots=...), or a larger Retention(keep_last=...)) or restart from an "
             "older run.")
 
-    def _act(self, guard: Any, rec: CheckpointInfo, got: tuple[Any, Mapping[str, Any], Any], verdict: Any,
-             position: Any) -> tuple[Any, float, Any, list[dict[str, Any]]]:
-        """The actions after the restore (:mod:`jvitals.guard.actions`), in order, on
-        ``got = (restored, metadata, current state)``: ``(state, LR scale, data position, actions)``."""
+    def _after_restore(self, rec: CheckpointInfo, got: tuple[Any, Mapping[str, Any], Any],
+                       verdict: VerdictLike, position: Any, record: Record
+                       ) -> tuple[Any, float, Any, dict[str, Any], list[dict[str, Any]]]:
+        """The steps after the restore (:mod:`jvitals.guard.after_restore`), in order, on
+        ``got = (restored, metadata, current state)``: ``(state, LR scale, data position,
+        remedies' flags, steps done)``."""
         restored, meta, current = got
         cfg = self.actions
-        actions: list[dict[str, Any]] = [{"action": "restore", "to_step": rec.step, "store": rec.store}]
-        restored, new_scale, did = scale_lr(restored, guard.lr_scale, float(cfg.lr_factor))
-        actions += did
+        steps: list[dict[str, Any]] = [{"action": "restore", "to_step": rec.step, "store": rec.store}]
+        restored, new_scale, did = scale_lr(restored, record.lr_scale, float(cfg.lr_factor))
+        steps += did
         restored = keep_step(restored, current, cfg.step_attr)
         restored, did = reset_moments(restored, self.reset)
-        actions += did
+        steps += did
+        remedies = dict(record.remedies)
         if self.remedy_table:
-            restored = reapply_remedies(restored, guard.remedies)
-            seen = list(getattr(verdict, "alerts", []) or []) + list(getattr(verdict, "closed_alerts", []) or [])
-            restored, guard.remedies, did = apply_remedies(restored, seen, self.remedy_table, guard.remedies,
-                                                           lr_factor=float(cfg.lr_factor))
-            actions += did
+            restored = reapply_remedies(restored, remedies)
+            seen = list(verdict.alerts) + list(verdict.closed_alerts)
+            restored, remedies, did = apply_remedies(restored, seen, self.remedy_table, remedies,
+                                                     lr_factor=float(cfg.lr_factor))
+            steps += did
         new_position, did = skip_batches(position, meta, cfg.skip_data)
-        return restored, new_scale, new_position, actions + did
+        return restored, new_scale, new_position, remedies, steps + did
 
-    def _announce(self, guard: Any, step: int, rec: CheckpointInfo, sign: int,
-                  why: tuple[list[dict[str, Any]], list[Any]]) -> Alert:
-        """The rollback's alert (RED, rule ``'rollback'``) and event, for ``why = (actions,
-        the verdict's alerts)``; tells the monitor."""
-        actions, verdict_alerts = why
-        note = None
-        if guard.monitor is not None and hasattr(guard.monitor, "note_rollback"):
-            note = guard.monitor.note_rollback(step, rec.step)
-        did = ", ".join(action_text(a) for a in actions[1:] if a["action"] != "remedy") or "no other action"
-        cure = applied_text(actions)
+    def announce(self, step: int, done: Restored, count: int, monitor_alert_id: int | None,
+                 verdict_alerts: Sequence[Alert]) -> Alert:
+        """The rollback's alert (RED, rule ``'rollback'``) and event, once ``done`` is
+        applied (``count``: the rollbacks so far; ``monitor_alert_id``: the monitor's note of it)."""
+        rec, steps, sign = done.target, done.entry["actions"], done.entry["onset_step"]
+        did = ", ".join(step_text(a) for a in steps[1:] if a["action"] != "remedy") or "no other action"
+        cure = applied_text(steps)
         did += f"; {cure}" if cure else ""
         message = (f"[RED] rolled back at step {step} (earliest sign {sign}) to the healthy {rec.store[:-1]} "
-                   f"of step {rec.step}; {did}; data position {guard.position!r}; "
-                   f"{len(guard.history)} rollback(s) so far; quarantined: {sorted(guard.quarantined)}. "
+                   f"of step {rec.step}; {did}; data position {done.position!r}; "
+                   f"{count} rollback(s) so far; quarantined: {sorted(self.disk.main.quarantined)}. "
                    f"Cause: {alert_lines(verdict_alerts, 2)}")
         self.outbox.event({"event": "rollback", "step": step, "to_step": rec.step, "onset_step": sign,
-                           "lr_scale": guard.lr_scale, "position": jsonable(guard.position),
-                           "actions": actions, "remedies": [a["text"] for a in actions if a["action"] == "remedy"],
+                           "lr_scale": done.lr_scale, "position": jsonable(done.position),
+                           "actions": steps, "remedies": [a["text"] for a in steps if a["action"] == "remedy"],
                            "reason": alert_lines(verdict_alerts, 1)})
-        return make_alert("rollback", ROLLBACK_COUNT, Level.RED, step, len(guard.history), sign,
-                          message, {"to_step": rec.step, "lr_scale": guard.lr_scale, "actions": actions,
-                                    "monitor_alert_id": getattr(note, "id", None)})
+        return make_alert("rollback", ROLLBACK_COUNT, Level.RED, step, count, sign,
+                          message, {"to_step": rec.step, "lr_scale": done.lr_scale, "actions": steps,
+                                    "monitor_alert_id": monitor_alert_id})
 
-    def _limit(self, guard: Any, step: int, verdict_alerts: list[Any], position: Any,
-               sign_cutoff: tuple[int, int]) -> None:
+    def _limit(self, step: int, verdict_alerts: list[Alert], position: Any, sign_cutoff: tuple[int, int],
+               record: Record) -> None:
         """Raises :class:`RollbackLimitError` after quarantining what was saved since the sign."""
         sign, cutoff = sign_cutoff
         self.disk.quarantine(sick_after(self.disk.records(), cutoff - 1, step),
@@ -271,17 +282,17 @@ class Restorer:
                              "(rollback limit reached)")
         healthy = [r.step for r in self.disk.records() if is_healthy(r, self.policy.healthy_levels)]
         self.disk.write_quarantine()
-        self.update_pins(guard.history, None)
-        done = ", ".join(f"{h['step']}->{h['to_step']}" for h in guard.history) or "none"
+        self.update_pins(record.history, None)
+        done = ", ".join(f"{h['step']}->{h['to_step']}" for h in record.history) or "none"
         self.outbox.event({"event": "rollback_limit", "step": step, "onset_step": sign, "healthy": healthy})
         raise RollbackLimitError(
-            f"Rollback: {len(guard.history)} rollback(s) already (steps {done}; LR scale now "
-            f"{guard.lr_scale:.4g}) and the run went red again at step {step} (earliest sign "
+            f"Rollback: {len(record.history)} rollback(s) already (steps {done}; LR scale now "
+            f"{record.lr_scale:.4g}) and the run went red again at step {step} (earliest sign "
             f"{sign}): {alert_lines(verdict_alerts)}. max_rollbacks={self.actions.max_rollbacks} "
             f"reached: lower the learning rate further or inspect the data at position "
             f"{position!r}. Healthy checkpoints on disk in {str(self.disk.main.directory)!r}, newest "
             f"first: {healthy or 'none'}; a restart (Rollback(..., actions=RollbackActions(max_rollbacks=N))"
             f".resume()) continues from {healthy[0] if healthy else 'nothing'}; quarantined: "
-            f"{sorted(guard.quarantined)}.",
-            step=step, history=list(guard.history), alerts=verdict_alerts, position=position,
+            f"{sorted(self.disk.main.quarantined)}.",
+            step=step, history=list(record.history), alerts=verdict_alerts, position=position,
             healthy=healthy)

@@ -8,32 +8,34 @@ settings (:mod:`jvitals.guard.configs`: :class:`Retention`, :class:`RestorePolic
 its saves (:mod:`jvitals.guard.saver`), its restores (:mod:`jvitals.guard.restore`),
 the target (:mod:`jvitals.guard.target`), the stores (:mod:`jvitals.guard.stores`,
 :mod:`jvitals.guard.checkpoints`) and the preemption save
-(:mod:`jvitals.guard.preemption`). The design, the decisions and the settings are
-in docs/GUARD.md.
+(:mod:`jvitals.guard.preemption`). Each part returns what it decided and the
+``Rollback`` applies it; it reads a verdict through :class:`jvitals.guard.verdict.VerdictLike`.
+The design, the decisions and the settings are in docs/GUARD.md.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
 from jvitals.monitor.types import Level
-from jvitals.guard.actions import check_lr_scale, parse_reset, reset_adam_moments  # noqa: F401 - re-exported
+from jvitals.guard.after_restore import check_lr_scale, parse_reset, reset_adam_moments  # noqa: F401 - re-exported
 from jvitals.guard.checkpoints import (
     CADENCE,
     MANUAL,
     ORANGE_SAVE,
     QUARANTINE_FILE,
+    ROLLBACK_SAVE,
     SNAPSHOT,
     CheckpointInfo,
     CheckpointSaveError,
     Provenance,
     allgather_ints,
 )
-from jvitals.guard.configs import DEFAULTS, RollbackActions, RestorePolicy, Retention, Saving, split_options
+from jvitals.guard.configs import RestorePolicy, Retention, RollbackActions, Saving, check_config, refuse_moved
 from jvitals.guard.events import ROLLBACK_COUNT, ROLLBACK_LR_SCALE, write_events
 from jvitals.guard.preemption import PREEMPT, Preemption, save_on_notice
 from jvitals.guard.remedies import remedied_ids
@@ -47,13 +49,13 @@ from jvitals.guard.response import (
     TrainingPaused,
     check_position,
     check_step,
-    check_verdict,
 )
-from jvitals.guard.restore import Restorer
+from jvitals.guard.restore import Record, Restorer, load_monitor
 from jvitals.guard.saver import Saver
 from jvitals.guard.state import REGULAR_KINDS, GuardState, Outbox
-from jvitals.guard.stores import Stores
+from jvitals.guard.stores import Stores, own_position
 from jvitals.guard.target import cutoff_before
+from jvitals.guard.verdict import VerdictLike, check_verdict
 
 __all__ = [
     "Action",
@@ -91,6 +93,14 @@ def _check_init(directory: Any, save_every: Any, monitor: Any, writer: Any) -> N
                             f"pass {name}={x.__name__}(...)")
 
 
+def _remedied(verdict: VerdictLike | None, table: Any) -> set[int]:
+    """Ids of the verdict's alerts (open, and closed at this check) whose cause has a
+    remedy in ``table``: the alerts :func:`apply_remedies` acts on."""
+    if not table or verdict is None:
+        return set()
+    return remedied_ids(list(verdict.alerts) + list(verdict.closed_alerts), table)
+
+
 class Rollback:
     """Saves on a cadence, pauses on orange, rolls back on red (docs/GUARD.md).
 
@@ -106,18 +116,13 @@ class Rollback:
         ``keep_every=5000``, ``keep_green=1``, ``keep_quarantined=3``).
       restore: a :class:`RestorePolicy`: which checkpoint a rollback restores
         (``healthy_levels``, ``check_finite``, ``onset_margin``, ``rewind_steps``).
-      actions: an :class:`RollbackActions`: what a rollback does after the restore
+      actions: a :class:`RollbackActions`: what a rollback does after the restore
         (``lr_factor=0.9``, ``max_rollbacks=3``, ``skip_data``, ``reset_optimizer``,
         ``remedies``, ``save_on_rollback``, ``step_attr``).
-      **options: ``saving=`` a :class:`Saving` (``sync``, ``on_save_error``,
-        ``snapshots``); ``pause=`` on orange: ``'return'`` (action PAUSE, the
-        default), ``'raise'`` (:class:`TrainingPaused`) or a callable taking the
-        :class:`Response`; ``preemption=`` what :meth:`preempted` watches: True
-        (SIGTERM on one process, JAX's preemption notice under ``jax.distributed``),
-        a :class:`Preemption` (other signals), or False (never preempted). The
-        keywords of 0.1 (``keep_last=``, ``lr_factor=``, ``onset_margin=``, ...) still
-        work for one release, with a DeprecationWarning naming their new place
-        (:data:`jvitals.guard.configs.LEGACY`; the table in docs/GUARD.md).
+      saving: a :class:`Saving`: how checkpoints are written (``sync``,
+        ``on_save_error``, ``snapshots``) and what follows the saves that stop the
+        loop (``pause`` on orange: ``'return'``, ``'raise'`` or a callable;
+        ``preemption``: what :meth:`preempted` watches).
 
     Attributes:
       last_action: the :class:`Action` of the latest call (None before any).
@@ -142,21 +147,28 @@ class Rollback:
     Raises:
       CheckpointSaveError: the directory cannot be created or written.
       ValueError: a setting is out of range (the error names the config and field).
-      TypeError: an unknown keyword, or an old keyword beside its new config.
+      TypeError: a config of the wrong type, or a keyword of 0.1 (``keep_last=``,
+        ``pause=``, ...; the error names its config: :data:`jvitals.guard.configs.MOVED`).
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Rollback":
+        """Refuses a keyword ``Rollback`` no longer takes with where it is now (Python's
+        own error would name only the keyword)."""
+        refuse_moved(kwargs)
+        return super().__new__(cls)
+
     def __init__(self, directory: str | os.PathLike, *, save_every: int = 500, monitor: Any = None,
-                 writer: Any = None, retention: Retention = DEFAULTS["retention"],
-                 restore: RestorePolicy = DEFAULTS["restore"], actions: RollbackActions = DEFAULTS["actions"],
-                 **options: Any) -> None:
-        parts = split_options({"retention": retention, "restore": restore, "actions": actions}, options)
+                 writer: Any = None, retention: Retention = Retention(), restore: RestorePolicy = RestorePolicy(),
+                 actions: RollbackActions = RollbackActions(), saving: Saving = Saving()) -> None:
+        for name, value, cls in (("retention", retention, Retention), ("restore", restore, RestorePolicy),
+                                 ("actions", actions, RollbackActions), ("saving", saving, Saving)):
+            check_config(name, value, cls)
         _check_init(directory, save_every, monitor, writer)
-        self.retention, self.restore_policy = parts["retention"], parts["restore"]
-        self.actions, self.saving = parts["actions"], parts["saving"]
+        self.retention, self.restore_policy, self.actions, self.saving = retention, restore, actions, saving
         self.save_every, self.monitor, self.writer = int(save_every), monitor, writer
-        self._pause = PauseOnOrange(parts["pause"])
+        self._pause = PauseOnOrange(saving.pause)
         self.pause = self._pause.how
-        preemption = parts["preemption"]
+        preemption = saving.preemption
         self.preemption = preemption if isinstance(preemption, Preemption) else (
             Preemption() if preemption else None)
         self.last_action: Action | None = None
@@ -177,7 +189,7 @@ class Rollback:
         self.directory = self.store.directory
         self._saver = Saver(self._disk, self.save_every, self.saving, self._state, self._outbox, levels)
         self._restorer = Restorer(self._disk, self._state, self._outbox, self._saver, self.restore_policy,
-                                  self.actions, self._save)
+                                  self.actions)
         self._outbox.collect_failures(self._disk)
         regular = [r.step for r in self.store.checkpoints if r.kind in REGULAR_KINDS and r.quarantined is None]
         self._state.last_regular = max(regular) if regular else None
@@ -214,7 +226,7 @@ class Rollback:
         """Scalars to log at any step: ``rollback/count`` and ``rollback/lr_scale``."""
         return {ROLLBACK_COUNT: float(len(self.history)), ROLLBACK_LR_SCALE: float(self.lr_scale)}
 
-    def respond(self, step: int, state: Any, verdict: Any, position: Any = None) -> Any:
+    def respond(self, step: int, state: Any, verdict: VerdictLike | None, position: Any = None) -> Any:
         """Acts on ``verdict`` and returns the state to continue with.
 
         See :meth:`act`; this returns only ``act(...).state`` (the action is in
@@ -222,7 +234,7 @@ class Rollback:
         """
         return self.act(step, state, verdict, position).state
 
-    def act(self, step: int, state: Any, verdict: Any, position: Any = None) -> Response:
+    def act(self, step: int, state: Any, verdict: VerdictLike | None, position: Any = None) -> Response:
         """Saves, pauses or rolls back according to ``verdict``.
 
         Args:
@@ -236,8 +248,9 @@ class Rollback:
           A :class:`Response`; its ``state`` is the restored one on ROLLBACK.
 
         Raises:
-          TypeError: ``verdict`` is not what ``Monitor.update`` returns (a level, an alert, a
-            dict: a RED handed over as its level alone would be handled as GREEN); ``step``
+          TypeError: ``verdict`` is not what ``Monitor.update`` returns (not a
+            :class:`~jvitals.guard.verdict.VerdictLike`: a level, an alert, a dict; a RED
+            handed over as its level alone would be handled as GREEN); ``step``
             not an int (a str, a float; the arguments swapped).
           ValueError: ``step`` < 0, or before the last check's without a rollback or a
             :meth:`resume` between them (a restarted loop that forgot ``resume``).
@@ -266,14 +279,14 @@ class Rollback:
             _log.warning("Rollback: %s already held checkpoints up to step %d but resume() "
                          "was not called; starting fresh alongside them.",
                          self.directory, self._found_at_open)
-        self._settle(poll=True)
+        self._saver.settle(poll=True)
         alerts = self._outbox.take_alerts(self._disk)
         open_peak = max(self._state.open_peak, level)
         self.position = position
         if level in self.restore_policy.healthy_levels:
             self._state.last_healthy_check = step
         if level >= Level.RED:
-            response = self._restorer.rollback(self, step, state, verdict, position, (sign, cutoff), alerts)
+            response = self._roll_back(step, state, verdict, position, (sign, cutoff), alerts)
         else:
             response = self._on_orange_or_calm(step, state, position, (level, open_peak), alerts)
         self._restorer.update_pins(self.history, verdict)
@@ -339,7 +352,7 @@ class Rollback:
             self.monitor = monitor
         self._resumed = self._rewound = True
         self._check_lr_scale(state)
-        response = self._restorer.resume(self, state, position)
+        response = self._resume(state, position)
         self._finish(None, response)
         return response.state, response.position
 
@@ -378,7 +391,7 @@ class Rollback:
         event = save_on_notice(
             step, lambda: self._save(step, state() if callable(state) else state, position, level, PREEMPT,
                                      open_peak=max(self._state.open_peak, level)),
-            self._settle, store=self.store, notice=self.preemption.notice, position=position)
+            self._saver.settle, store=self.store, notice=self.preemption.notice, position=position)
         self._outbox.event(event)
         if self.writer is not None:
             write_events(self.writer, step, {}, self._outbox.take_events())
@@ -396,7 +409,7 @@ class Rollback:
         """Waits for pending saves (a failed one: see ``on_save_error``), puts back the
         signal handlers :meth:`preempted` installed and releases orbax's resources."""
         try:
-            self._settle()
+            self._saver.settle()
         finally:
             if self.preemption is not None:
                 self.preemption.close()
@@ -410,12 +423,13 @@ class Rollback:
 
     # -- Decisions. --------------------------------------------------
 
-    def _decide(self, step: int, verdict: Any) -> tuple[int, int, int]:
+    def _decide(self, step: int, verdict: VerdictLike | None) -> tuple[int, int, int]:
         """Process 0's (level, earliest sign, cutoff), the same on every process (and its
         open peak level, in the state's ``open_peak``)."""
-        level = int(getattr(verdict, "level", Level.GREEN)) if verdict is not None else int(Level.GREEN)
+        level = int(verdict.level) if verdict is not None else int(Level.GREEN)
         log = self._state.alerts
-        sign = log.chain_sign(verdict, step, self._remedied(verdict)) if level >= Level.RED else step
+        remedied = _remedied(verdict, self._restorer.remedy_table)
+        sign = log.chain_sign(verdict, step, remedied) if level >= Level.RED else step
         rows = allgather_ints([step, level, sign,
                                cutoff_before(sign, self._state.checks, self.restore_policy.onset_margin),
                                log.open_peak(verdict)])
@@ -426,15 +440,6 @@ class Rollback:
                 "every process.")
         self._state.open_peak = int(rows[0, 4])
         return int(rows[0, 1]), int(rows[0, 2]), int(rows[0, 3])
-
-    def _remedied(self, verdict: Any) -> set[int]:
-        """Ids of the verdict's alerts (open, and closed at this check) whose cause has a
-        remedy in the guard's table: the alerts :func:`apply_remedies` acts on."""
-        table = self._restorer.remedy_table
-        if not table or verdict is None:
-            return set()
-        return remedied_ids(list(getattr(verdict, "alerts", None) or []) + list(
-            getattr(verdict, "closed_alerts", None) or []), table)
 
     def _on_orange_or_calm(self, step: int, state: Any, position: Any, levels: tuple[int, int],
                            alerts: list[Any]) -> Response:
@@ -461,6 +466,55 @@ class Rollback:
                         state, step, saved, None, self.lr_scale, tuple(alerts + take(self._disk)),
                         self.metrics(), tuple(self._outbox.take_events()), position, snap)
 
+    # -- Restores: the Restorer decides, the guard applies. -----------
+
+    def _roll_back(self, step: int, state: Any, verdict: VerdictLike, position: Any,
+                   sign_cutoff: tuple[int, int], alerts: list[Any]) -> Response:
+        """Red: the :class:`Restorer`'s rollback applied to the guard's record, told to
+        the monitor, announced and saved."""
+        done = self._restorer.restore_target(step, state, verdict, position, sign_cutoff,
+                                             Record(self.lr_scale, self.history, self.remedies))
+        self.lr_scale, self.position, self.remedies = done.lr_scale, done.position, done.remedies
+        self.history.append(done.entry)
+        note = None
+        if self.monitor is not None and hasattr(self.monitor, "note_rollback"):
+            note = self.monitor.note_rollback(step, done.target.step)
+        alerts = alerts + done.alerts + [self._restorer.announce(step, done, len(self.history),
+                                                                 None if note is None else note.id,
+                                                                 list(verdict.alerts))]
+        rec, saved = done.target, None
+        if self.actions.save_on_rollback:
+            source = done.entry["source_step"]
+            saved = self._save(step, done.state, done.position, rec.level, ROLLBACK_SAVE, source)
+        metrics = {**self.metrics(), "rollback/from_step": float(step), "rollback/to_step": float(rec.step)}
+        return Response(Action.ROLLBACK, done.state, step, saved, rec.step, self.lr_scale,
+                        tuple(alerts + self._outbox.take_alerts(self._disk)), metrics,
+                        tuple(self._outbox.take_events()), self.position)
+
+    def _resume(self, state: Any, position: Any) -> Response:
+        """The :class:`Restorer`'s resume applied: the guard's record and the monitor read
+        back from the checkpoint's metadata (RESUMED), or the inputs (CONTINUE)."""
+        found = self._restorer.resume(state)
+        rec, meta = found.target, found.meta
+        if rec is None:
+            self.position = position
+            return Response(Action.CONTINUE, state, -1, None, None, self.lr_scale,
+                            tuple(self._outbox.take_alerts(self._disk)), self.metrics(),
+                            tuple(self._outbox.take_events()), position)
+        if self.monitor is not None and meta.get("monitor") is not None:
+            load_monitor(self.monitor, meta["monitor"])
+        self.lr_scale = float(meta.get("lr_scale", 1.0))
+        self.history = list(meta.get("rollbacks", []))
+        self.remedies = dict(meta.get("remedies") or {})
+        self.resumed_step = rec.step
+        self.position = own_position(meta)
+        self._restorer.update_pins(self.history, None)
+        self._outbox.event({"event": "resume", "step": rec.step, "store": rec.store, "kind": rec.kind,
+                            "skipped": found.skipped})
+        return Response(Action.RESUMED, found.state, rec.step, None, rec.step, self.lr_scale,
+                        tuple(self._outbox.take_alerts(self._disk)), self.metrics(),
+                        tuple(self._outbox.take_events(keep=True)), self.position)
+
     # -- Saving. -----------------------------------------------------
 
     def _save(self, step: int, state: Any, position: Any, level: int, kind: str,
@@ -474,9 +528,6 @@ class Rollback:
         return self._saver.save(step, state, position, record, level=level, kind=kind, open_peak=open_peak,
                                 provenance=Provenance(restored_from, self.lr_scale))
 
-    def _settle(self, stores: Iterable[Any] | None = None, poll: bool = False) -> None:
-        """Waits for the stores' pending saves (:meth:`Saver.settle`)."""
-        self._saver.settle(stores, poll)
 
     # -- Small helpers. ----------------------------------------------
 

@@ -1,32 +1,21 @@
 """The rollback target: which checkpoint a red verdict restores, as a pure function.
 
-:func:`choose_target` takes what the guard knows at a red check, the alerts it has
-seen (:class:`AlertRecord`, one per alert id, kept by
-:class:`jvitals.guard.alertlog.AlertLog`) and the checkpoints on disk
-(:class:`CheckpointInfo`, kept by :class:`jvitals.guard.checkpoints.CheckpointStore`),
-and returns a :class:`Target`: the fault's earliest sign, the step a target must
-be older than, and the checkpoints to try in order (the first that restores is
-the target; one that does not is quarantined by the store and the next is tried).
-It reads no file and imports neither orbax nor JAX, so a test calls it with
-hand-built histories.
-
-It runs in three steps, each a function here: :func:`earliest_sign` (the chain of
-alerts that escalated to the red and the earliest of their signs),
-:func:`cutoff_before` (one host cadence before that sign) and :func:`pick_target`
-(the relapse suspects, then the newest healthy checkpoint below the cutoff). On
-several processes :class:`jvitals.Rollback` agrees on process 0's sign and
-cutoff between the second and the third step; on one process its choice is
-:func:`choose_target`'s.
-
-The pins (:func:`pins`: what retention never deletes) apply the same rule to each
-open alert, so the checkpoint a later red would restore is still on disk.
+:func:`choose_target` takes the alerts the guard has seen (:class:`AlertRecord`, kept
+by :class:`jvitals.guard.alertlog.AlertLog`) and the checkpoints on disk
+(:class:`CheckpointInfo`) and returns a :class:`Target`: the fault's earliest sign,
+the step a target must be older than, and the checkpoints to try in order. It reads
+no file and imports neither orbax nor JAX, so a test calls it with hand-built
+histories. Its three steps, :func:`earliest_sign`, :func:`cutoff_before` and
+:func:`pick_target` (on several processes the guard agrees on process 0's sign and
+cutoff between the second and the third), and the pins (:func:`pins`) are in
+docs/GUARD.md, "Decisions".
 """
+
 
 from __future__ import annotations
 
 import collections.abc
 import dataclasses
-import warnings
 from typing import Any, Collection, Iterable, Mapping, NamedTuple, Sequence
 
 from jvitals.monitor.types import Level
@@ -399,14 +388,10 @@ def pick_target(checkpoints: Iterable[CheckpointInfo], *, sign: int, cutoff: int
     return Target(int(sign), int(cutoff), not_after, tuple(order), tuple(suspects), reason)
 
 
-_PAST = ("checks", "calm", "history", "last_healthy_check")
-_POLICY = ("onset_margin", "healthy_levels", "rewind_steps")
-
-
 def choose_target(alerts: Iterable[AlertRecord] | Mapping[int, AlertRecord],
                   checkpoints: Iterable[CheckpointInfo], *, step: int, past: Past = Past(),
                   remedied: Iterable[int] = (), onset: int | None = None,
-                  policy: RestorePolicy = RestorePolicy(), **legacy: Any) -> Target:
+                  policy: RestorePolicy = RestorePolicy()) -> Target:
     """The rollback target of a red at ``step``: newest healthy checkpoint before ``E - k``.
 
     ``E`` is :func:`earliest_sign` (the earliest onset or change point of the chain
@@ -428,23 +413,10 @@ def choose_target(alerts: Iterable[AlertRecord] | Mapping[int, AlertRecord],
       onset: the verdict's onset step, the sign when no alert is in the chain.
       policy: the :class:`RestorePolicy` (``onset_margin``, ``healthy_levels``,
         ``rewind_steps``; ``check_finite`` is the restore's, not used here).
-      **legacy: the keywords of 0.1 (``checks=``, ``calm=``, ``history=``,
-        ``last_healthy_check=``, ``onset_margin=``, ``healthy_levels=``,
-        ``rewind_steps=``): deprecated, folded into ``past`` and ``policy``.
-
     Returns:
       A :class:`Target` (``target.step`` is None when nothing qualifies: the guard
       raises :class:`jvitals.RollbackError` with :func:`no_target_message`).
     """
-    if legacy:
-        unknown = sorted(set(legacy) - set(_PAST) - set(_POLICY))
-        if unknown:
-            raise TypeError(f"choose_target() got an unexpected keyword argument {unknown[0]!r}")
-        warnings.warn(f"choose_target({', '.join(f'{k}=' for k in legacy)}) is deprecated: pass "
-                      "past=Past(checks, calm, history, last_healthy_check) and policy=RestorePolicy("
-                      "onset_margin, healthy_levels, rewind_steps).", DeprecationWarning, stacklevel=2)
-        past = past._replace(**{k: v for k, v in legacy.items() if k in _PAST})
-        policy = dataclasses.replace(policy, **{k: v for k, v in legacy.items() if k in _POLICY})
     sign = earliest_sign(alerts, step=step, calm=past.calm, remedied=remedied, onset=onset)
     cutoff = cutoff_before(sign, past.checks, policy.onset_margin)
     return pick_target(checkpoints, sign=sign, cutoff=cutoff, step=step, healthy_levels=policy.healthy_levels,

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from jvitals.guard.events import EVENTS_TAG, ROLLBACK_COUNT, ROLLBACK_LR_SCALE, events_json, json_default
+from jvitals.guard.verdict import VerdictLike
 from jvitals.monitor.replicas import REPLICA_PREFIX, replica_summaries, replica_vectors
 
 __all__ = [
@@ -113,7 +114,7 @@ def _check_write(writer: Any, step: Any, metrics: Any, verdict: Any, events: Any
     return step
 
 
-def write(writer: MetricWriterLike, step: int, metrics: Mapping[str, Any], verdict: Any = None, *,
+def write(writer: MetricWriterLike, step: int, metrics: Mapping[str, Any], verdict: VerdictLike | None = None, *,
           events: Iterable[Mapping[str, Any]] | None = (), histograms: bool = True) -> None:
     """Write one step's metrics, verdict and events through a clu writer.
 

@@ -1,17 +1,13 @@
-"""The actions after a rollback's restore, each a function of the restored state.
+"""The steps after a rollback's restore, each a function of the restored state.
 
-:meth:`jvitals.Rollback` restores the target, then, in this order, each recorded
-as an action (a dict with ``action``) in the rollback's history and event:
-
-- :func:`scale_lr`: the LR scale x ``lr_factor`` (compounding over rollbacks);
-- :func:`keep_step`: the train state's step field keeps going forward (the
-  restored state gets the current one);
-- :func:`reset_moments`: the Adam moments of the named parameter groups zeroed
-  (:func:`reset_adam_moments`; the count too when every moment is reset);
-- the remedies of the alerts' causes (:mod:`jvitals.guard.remedies`);
-- :func:`skip_batches`: the data position moved past the bad stretch.
-
-:func:`action_text` says an action in words for the rollback alert's message.
+The guard restores the target, then, in this order, each step recorded as a dict
+(``{"action": ...}``) in the rollback's history entry and event: :func:`scale_lr`
+(the LR scale x ``lr_factor``, compounding), :func:`keep_step` (the train state's
+step field keeps going forward), :func:`reset_moments` (the Adam moments of the
+named parameter groups zeroed: :func:`reset_adam_moments`), the remedies of the
+alerts' causes (:mod:`jvitals.guard.remedies`) and :func:`skip_batches` (the data
+position moved past the bad stretch). :func:`step_text` says a step in words for
+the rollback alert's message.
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ from jvitals.guard.stores import own_position
 
 __all__ = [
     "MOMENTS",
-    "action_text",
     "check_lr_scale",
     "get_field",
     "keep_step",
@@ -42,6 +37,7 @@ __all__ = [
     "scale_lr",
     "set_field",
     "skip_batches",
+    "step_text",
 ]
 
 MOMENTS = ("mu", "nu")
@@ -158,7 +154,7 @@ def reset_adam_moments(state: Any, spec: Sequence[tuple[str, Sequence[str]]]) ->
         return _reset_nnx_moments(state, spec)
     out = jax.tree.map(node, state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
     if not total["found"]:
-        raise ValueError("Rollback(reset_optimizer=...) expects an Adam-family optimizer state "
+        raise ValueError("RollbackActions(reset_optimizer=...) expects an Adam-family optimizer state "
                          "(optax.ScaleByAdamState, as in adam/adamw) in the train state; found none. "
                          "Pass reset_optimizer=None for this optimizer.")
     count_reset = total["all"] and bool(done["mu"] or done["nu"])
@@ -175,7 +171,7 @@ def _reset_nnx_moments(state: Any, spec: Sequence[tuple[str, Sequence[str]]]) ->
                     if any(q.startswith(p[: -len("count")] + "mu/") for q in paths)
                     and any(q.startswith(p[: -len("count")] + "nu/") for q in paths)})
     if not adams:
-        raise ValueError("Rollback(reset_optimizer=...) expects an Adam-family optimizer state "
+        raise ValueError("RollbackActions(reset_optimizer=...) expects an Adam-family optimizer state "
                          "(optax's ScaleByAdamState: count, mu, nu) in the nnx.State; found none. "
                          "Pass reset_optimizer=None for this optimizer.")
     done: dict[str, list[str]] = {m: [] for m in MOMENTS}
@@ -203,7 +199,7 @@ def check_lr_scale(state: Any, lr_factor: float) -> None:
     if lr_factor == 1.0 or has_lr_scale(state):
         return
     raise ValueError(
-        f"Rollback(lr_factor={lr_factor}) expects the train state's optimizer to be "
+        f"RollbackActions(lr_factor={lr_factor}) expects the train state's optimizer to be "
         "wrapped with jvitals.with_lr_scale(tx) (an inject_hyperparams state holding "
         f"'lr_scale'), found none in the {type(state).__name__}. Build the optimizer as "
         "tx = jvitals.with_lr_scale(tx), or pass lr_factor=1.0 to keep the LR.")
@@ -263,7 +259,8 @@ def skip_batches(position: Any, meta: Mapping[str, Any], skip_data: bool | int) 
                            "position": new_position}]
 
 
-def action_text(a: Mapping[str, Any]) -> str:
+def step_text(a: Mapping[str, Any]) -> str:
+    """A step after the restore (its dict) in words."""
     kind = a.get("action")
     if kind == "lr_scale":
         return f"LR scale {a['value']:.4g} (x{a['factor']} per rollback)"
