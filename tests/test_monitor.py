@@ -175,7 +175,7 @@ def test_grad_norm_climb_levels_onset_localization(cadence, layer_every):
     # A lookback long enough for the lead of this stream (layer 1 moves 1500+
     # steps before the grad norm; the reference covers 3+ samples at 500-step
     # cadence); the default's 250 steps say "no earlier sign".
-    # The fixed baseline of METRICS.md §5 (Policy(baseline="fixed")): 2x / 3x of the median
+    # The fixed baseline of METRICS.md §5 (Policy(baselines=BaselineConfig(kind="fixed"))): 2x / 3x of the median
     # after warm-up. (The default reference follows the run's own slow drift: see
     # test_grad_norm_climb_with_the_default_drift_reference.)
     # confirm_checks=2 (the default, 3, keeps two spiky real-text batches from confirming).

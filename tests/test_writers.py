@@ -28,7 +28,8 @@ def read_events(logdir):
 
 
 def drive_monitor_to_an_alert():
-    monitor = vitals.Monitor(vitals.Policy(baseline_steps=20, red_after=3))
+    monitor = vitals.Monitor(vitals.Policy(baselines=vitals.BaselineConfig(steps=20),
+                                           health=vitals.HealthConfig(red_after=3)))
     verdict = None
     for step in range(60):
         gnorm = 1.0 if step < 40 else 5.0

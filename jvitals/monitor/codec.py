@@ -10,10 +10,9 @@ import collections
 import math
 import numbers
 import re
-import warnings
 from typing import Any, Mapping
 
-__all__ = ["NAN", "LegacyDict", "dec_any", "dec_float", "dec_floats", "dec_state", "enc_float", "enc_floats", "enc_state",
+__all__ = ["NAN", "dec_any", "dec_float", "dec_floats", "dec_state", "enc_float", "enc_floats", "enc_state",
            "split_group"]
 
 NAN = math.nan
@@ -88,9 +87,9 @@ def enc_state(x: Any) -> Any:
         return sorted(enc_state(v) for v in x)
     if isinstance(x, (list, tuple, collections.deque)):
         return [enc_state(v) for v in x]
-    to_dict = getattr(x, "state_dict", None) or getattr(x, "to_dict", None)
-    if to_dict is not None:
-        return to_dict()
+    state_dict = getattr(x, "state_dict", None)
+    if state_dict is not None:
+        return state_dict()
     raise TypeError(f"enc_state: cannot write a {type(x).__name__} ({x!r:.60}) as JSON state")
 
 
@@ -128,23 +127,3 @@ def dec_state(x: Any, like: Any, value_type: Any = None) -> Any:
     if isinstance(like, float):
         return dec_float(x)
     return dec_any(x)
-
-
-class LegacyDict:
-    """``to_dict`` / ``from_dict``: deprecated aliases of ``state_dict`` / ``from_state_dict``
-    (the monitor's one convention), kept for one release for older callers and checkpoints'
-    code paths."""
-
-    __slots__ = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        warnings.warn(f"{type(self).__name__}.to_dict is deprecated: use state_dict", DeprecationWarning,
-                      stacklevel=2)
-        return self.state_dict()  # type: ignore[attr-defined]
-
-    @classmethod
-    def from_dict(cls, d: Any, *args: Any, **kw: Any) -> Any:
-        warnings.warn(f"{cls.__name__}.from_dict is deprecated: use from_state_dict", DeprecationWarning,
-                      stacklevel=2)
-        return cls.from_state_dict(d, *args, **kw)  # type: ignore[attr-defined]
-

@@ -31,7 +31,6 @@ __all__ = [
 
 from jvitals.monitor.codec import (  # noqa: F401  (re-exported: the rules import them from here)
     NAN,
-    LegacyDict,
     dec_any,
     dec_float,
     dec_floats,
@@ -265,7 +264,7 @@ RULE_PRESCRIPTION: Mapping[str, str] = types.MappingProxyType({
 
 
 @dataclasses.dataclass(frozen=True)
-class Localization(LegacyDict):
+class Localization:
     """One ranked entry of an alert's localization.
 
     Attributes:
@@ -317,7 +316,7 @@ class Localization(LegacyDict):
 
 
 @dataclasses.dataclass
-class Alert(LegacyDict):
+class Alert:
     """One anomaly: a condition on a metric, opened once and updated in place.
 
     An ongoing condition is one ``Alert`` object (same ``id``) whose ``step``,
@@ -437,7 +436,7 @@ class Alert(LegacyDict):
 
 
 @dataclasses.dataclass(frozen=True)
-class Spike(LegacyDict):
+class Spike:
     """Anatomy of one completed spike of ``loss`` or ``grad/global_norm``.
 
     The band: a spike starts when ``x > trend + max(spike_z * scale,
