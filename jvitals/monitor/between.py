@@ -1,33 +1,12 @@
-"""Rules for what the README's cadence sees: the window since the last check, the first
-checks before the baselines are armed, a degrading data pipeline, the run's own throughput.
+"""Rules for what the cadence leaves between two checks: the window since the last check,
+the first checks before the baselines are armed, a degrading data pipeline, the run's own
+throughput.
 
-The host checks once per ``cadence`` steps; the recorder's window
-(:mod:`jvitals.metrics.window`) hands it what happened in between. These rules read it,
-and judge what a sparse cadence needs judged its own way::
-
-    class            rule id     level     condition
-    NonFiniteRule    nonfinite   ORANGE    loss / grad norm non-finite at the check, a non-finite
-                                           gradient count, or a non-finite step in the window
-                                           (onset: that step)
-    SkipRule         skip        YELLOW,   an update skipped in the step since the last check
-                                 ORANGE    (onset: its step); ORANGE when skips recur at
-                                           ``skip_orange_checks`` checks running
-    EarlyRule        early       ORANGE    before the baselines are armed: the loss x2 or the
-                                           grad norm x10 the median of the last checks
-    RepeatRule       repeat      YELLOW    the loss collapsing 3x below its recent median after
-                                           the baselines are armed: the data repeats
-    DataRule         data        YELLOW    the loss rising while the update, gradient and
-                                           parameter figures stay in their bands: the data,
-                                           not the optimizer (the loss-spike alert and its
-                                           divergence step aside: no rollback loop)
-    ThroughputRule   throughput  YELLOW    tokens/s down beyond the run's own noise
-                                           (``throughput_z`` sd, at least ``throughput_drop``,
-                                           30%) for ``throughput_hold_steps``
-
-Window names: ``window/{figure}.max`` (``.min``, ``.mean``, ``.std``, ``.max_ago``, ``.n``),
-``window/steps``, ``window/nonfinite_steps``, ``window/first_nonfinite_ago``,
-``window/skipped_steps``, ``window/first_skipped_ago``; "ago" counts updates before the
-check: the event's step is ``check step - ago``.
+The host checks once per ``cadence`` steps and the recorder's window
+(:mod:`jvitals.metrics.window`) hands it what happened in between: a non-finite or skipped
+step is dated to its own step, not to the check that saw it. The rules, their ids and
+levels: the rule table in docs/MONITOR.md; the window's names and why each rule judges
+the way it does: docs/MONITOR.md, "The window rules (between the checks)".
 """
 
 from __future__ import annotations
