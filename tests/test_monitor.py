@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from jvitals.monitor import config as C
-from jvitals.monitor import monitor as mon
-from jvitals.monitor.monitor import Alert, Level, Monitor, Policy, Spike, Verdict
+from jvitals.monitor import types as mon
+from jvitals.monitor.types import Alert, Level, Spike, Verdict
+from jvitals.monitor.monitor import Monitor
+from jvitals.monitor.policy import Policy
 
 
 # --------------------------------------------------------------------------

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from jvitals.monitor import config as C
-from jvitals.monitor.policy import _FLAT, Policy
+from jvitals.monitor.flat_names import FLAT as _FLAT
+from jvitals.monitor.policy import Policy
 from jvitals.monitor.rules import check_order, default_rules
 
 

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from jvitals.monitor import config as C
 import jvitals as vitals
 from jvitals import reference_model as rm
-from jvitals.monitor.replicas import replica_summaries, replica_vectors, robust_z
+from jvitals.monitor.rules_replicas import replica_summaries, replica_vectors, robust_z
 
 AUTO = jax.sharding.AxisType.Auto
 

@@ -781,7 +781,7 @@ def test_late_onset_between_checks_takes_the_checkpoint_before(tmp_path):
 
 
 def _alert(id_, level, step, onset, rule="grad_norm", clearing=None, closed=None, deps=(), lead=None):
-    from jvitals.monitor.monitor import Localization
+    from jvitals.monitor.types import Localization
     locs = [Localization("grad/norm/layer_0", d, 1.0, 2.0, 2.0, onset - d, "line") for d in deps]
     return Alert(id=id_, rule=rule, metric="grad/global_norm", level=Level(level), step=step, value=9.0,
                  baseline=1.0, ratio=9.0, onset_step=onset, opened_step=onset, message=f"[{Level(level).name}] #{id_}",

@@ -113,7 +113,7 @@ def test_events_none_and_the_guard_writes_its_figures(tmp_path):
     ``rollback/lr_scale`` and its events at each call, read back from the event files."""
     import optax
 
-    from jvitals.monitor.monitor import Alert, Level, Verdict
+    from jvitals.monitor.types import Alert, Level, Verdict
     from jvitals.guard.rollback import Rollback
     from jvitals.report.writers import EVENTS_TAG, ROLLBACK_COUNT, ROLLBACK_LR_SCALE
 

@@ -9,11 +9,9 @@ from __future__ import annotations
 import collections
 import math
 import numbers
-import re
 from typing import Any, Mapping
 
-__all__ = ["NAN", "dec_any", "dec_float", "dec_floats", "dec_state", "enc_float", "enc_floats", "enc_state",
-           "split_group"]
+__all__ = ["NAN", "dec_any", "dec_float", "dec_floats", "dec_state", "enc_float", "enc_floats", "enc_state"]
 
 NAN = math.nan
 """Not a number: the one NaN constant of the monitor modules."""
@@ -22,20 +20,6 @@ NAN = math.nan
 # --------------------------------------------------------------------------
 # JSON helpers (non-finite floats survive as strings).
 # --------------------------------------------------------------------------
-
-
-_GROUP = re.compile(r"^(?P<fam>.+)/(?P<g>embedding|lm_head|layer_(?P<i>\d+))$")
-
-
-def split_group(name: str) -> tuple[str, str, int | None] | None:
-    """A per-group metric name split as ``(family, group, layer index or None)``:
-    ``"update/param_ratio/layer_3"`` -> ``("update/param_ratio", "layer_3", 3)``,
-    ``"grad/share/embedding"`` -> ``("grad/share", "embedding", None)``; None for a
-    name that does not end in a group (``embedding``, ``lm_head``, ``layer_{i}``)."""
-    m = _GROUP.match(name)
-    if m is None:
-        return None
-    return m["fam"], m["g"], None if m["i"] is None else int(m["i"])
 
 
 def enc_float(x: float) -> float | str:

@@ -350,7 +350,7 @@ class SystemConfig:
 
 @dataclasses.dataclass(frozen=True)
 class BetweenConfig:
-    """The rules on what happened between two checks (``Policy.between``; between.py).
+    """The rules on what happened between two checks (``Policy.between``; rules_window.py).
 
     Args:
       early_jumps, early_min_samples, early_min_span: before the baselines are armed, a
@@ -495,7 +495,7 @@ class BandConfig:
       group_min_share: ``grad/share`` figures below this share are not judged.
       group_global_ratio: fires only while the global norms stay below this x baseline.
       group_growth: families also judged for a growth that does not slow
-        (:class:`~jvitals.monitor.bands.DriftBand`'s growth departure).
+        (:class:`~jvitals.monitor.trackers_bands.DriftBand`'s growth departure).
       logit_bands: metric -> band ratio of the logits rule (rises only).
       router_bands, router_z, router_steps: metric -> least excess over its baseline;
         YELLOW when beyond ``max(router_z * 1.4826 MAD, excess)`` for ``router_steps``.

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jvitals.monitor.policy import Policy
-from jvitals.monitor.history import LayerHistory
+from jvitals.monitor.trackers_history import LayerHistory
 from jvitals.monitor.types import Localization, split_group
 
 __all__ = ["NO_EARLIER_SIGN", "lead_phrase", "localize"]

@@ -21,42 +21,19 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from jvitals.monitor.codec import NAN as _NAN
 from jvitals.monitor.coverage import Coverage, coverage
-
 from jvitals.monitor.localize import group_of, lead_phrase, localize
 from jvitals.monitor.policy import Policy
-from jvitals.monitor.rules import RatioRule, ThroughputRule, default_rules
+from jvitals.monitor.rules import default_rules
 from jvitals.monitor.rules_base import Figures, Plan
-from jvitals.monitor.types import Change
-from jvitals.monitor.baselines import BaselineStart
-from jvitals.monitor.history import LayerHistory
-from jvitals.monitor.types import NAN as _NAN
-from jvitals.monitor.types import (
-    PRESCRIPTIONS,
-    RULE_PRESCRIPTION,
-    Alert,
-    Level,
-    Localization,
-    Prescription,
-    Spike,
-    Verdict,
-)
+from jvitals.monitor.rules_ratio import RatioRule
+from jvitals.monitor.rules_window import ThroughputRule
+from jvitals.monitor.trackers_baselines import BaselineStart
+from jvitals.monitor.trackers_history import LayerHistory
+from jvitals.monitor.types import PRESCRIPTIONS, RULE_PRESCRIPTION, Alert, Change, Level, Localization, Spike, Verdict
 
-__all__ = [
-    "Alert",
-    "Change",
-    "Figures",
-    "Level",
-    "Localization",
-    "Monitor",
-    "PRESCRIPTIONS",
-    "Policy",
-    "Prescription",
-    "RULE_PRESCRIPTION",
-    "Spike",
-    "Verdict",
-    "default_rules",
-]
+__all__ = ["Monitor"]
 
 _FORMAT_VERSION = 3
 _PLANS = 8  # key sets remembered (a loop alternates a few: per-layer families every N steps)

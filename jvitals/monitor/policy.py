@@ -15,9 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from jvitals.monitor.flat_names import FLAT as _FLAT
 from jvitals.monitor.config import (
-    BASELINE_KINDS,
     AlertConfig,
     BandConfig,
     BaselineConfig,
@@ -31,8 +29,9 @@ from jvitals.monitor.config import (
     SystemConfig,
     ValidationConfig,
 )
+from jvitals.monitor.flat_names import FLAT as _FLAT
 
-__all__ = ["BASELINE_KINDS", "Policy"]
+__all__ = ["Policy"]
 
 _CONFIGS: Mapping[str, type] = {
     "baselines": BaselineConfig, "ratio": RatioConfig, "alerts": AlertConfig, "system": SystemConfig,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import types
 from typing import Any, Mapping, NamedTuple
 
@@ -26,20 +27,23 @@ __all__ = [
     "RULE_PRESCRIPTION",
     "Spike",
     "Verdict",
+    "split_group",
 ]
 
+from jvitals.monitor.codec import NAN, dec_float, dec_state, enc_float, enc_state
 
-from jvitals.monitor.codec import (  # noqa: F401  (re-exported: the rules import them from here)
-    NAN,
-    dec_any,
-    dec_float,
-    dec_floats,
-    dec_state,
-    enc_float,
-    enc_floats,
-    enc_state,
-    split_group,
-)
+_GROUP = re.compile(r"^(?P<fam>.+)/(?P<g>embedding|lm_head|layer_(?P<i>\d+))$")
+
+
+def split_group(name: str) -> tuple[str, str, int | None] | None:
+    """A per-group metric name split as ``(family, group, layer index or None)``:
+    ``"update/param_ratio/layer_3"`` -> ``("update/param_ratio", "layer_3", 3)``,
+    ``"grad/share/embedding"`` -> ``("grad/share", "embedding", None)``; None for a
+    name that does not end in a group (``embedding``, ``lm_head``, ``layer_{i}``)."""
+    m = _GROUP.match(name)
+    if m is None:
+        return None
+    return m["fam"], m["g"], None if m["i"] is None else int(m["i"])
 
 
 # --------------------------------------------------------------------------
@@ -181,7 +185,7 @@ PRESCRIPTIONS: Mapping[str, Prescription] = types.MappingProxyType({
         "restore the latest healthy checkpoint (params and optimizer state), "
         "cut the learning rate by 10% (20-50% if it recurs), keep the data "
         "position"),
-    # The replica rule (monitor/replicas.py), by what it suspects.
+    # The replica rule (monitor/rules_replicas.py), by what it suspects.
     "replica_device": Prescription(
         "one replica's figures off the others' while its data moves",
         "a sick device (a chip returning wrong numbers or NaN)",
@@ -532,7 +536,7 @@ class Verdict:
 
 
 # --------------------------------------------------------------------------
-# The changes a rule returns (rules.py and replicas.py build them).
+# The changes a rule returns (the rules_<topic> modules build them).
 # --------------------------------------------------------------------------
 
 

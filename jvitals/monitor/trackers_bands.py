@@ -12,8 +12,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jvitals.monitor.types import NAN as _NAN
-from jvitals.monitor.types import dec_floats, dec_state, enc_floats, enc_state
+from jvitals.monitor.codec import NAN as _NAN
+from jvitals.monitor.codec import dec_floats, dec_state, enc_floats, enc_state
 
 __all__ = ["BandSettings", "BucketSeries", "DriftBand", "GapSeries"]
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from jvitals.monitor.codec import dec_floats, enc_floats
 from jvitals.monitor.policy import Policy
-from jvitals.monitor.types import dec_floats, enc_floats
 
 __all__ = ["LayerHistory"]
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from jvitals.monitor.codec import NAN as _NAN
+from jvitals.monitor.codec import dec_float, dec_floats, enc_float, enc_floats
 from jvitals.monitor.policy import Policy
 from jvitals.monitor.robust import median, theil_sen
-from jvitals.monitor.types import NAN as _NAN
-from jvitals.monitor.types import dec_float, dec_floats, enc_float, enc_floats
 
 __all__ = ["BASELINES", "BaselineStart", "DriftBaseline", "EmaBaseline", "FixedBaseline", "RollingBaseline"]
 

@@ -14,15 +14,14 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from jvitals.monitor.policy import Policy
 import numpy as np
 
-from jvitals.monitor.baselines import DriftBaseline
+from jvitals.monitor.codec import NAN as _NAN
+from jvitals.monitor.policy import Policy
 from jvitals.monitor.robust import mann_kendall_z, median, theil_sen
 from jvitals.monitor.rules_base import Figures
-from jvitals.monitor.types import Reading, NAN as _NAN
-from jvitals.monitor.types import Change, Level, RuleBase, Spike, release, set_
-
+from jvitals.monitor.trackers_baselines import DriftBaseline
+from jvitals.monitor.types import Change, Level, Reading, RuleBase, Spike, release, set_
 
 __all__ = ["DataRule", "EarlyRule", "NonFiniteRule", "SkipRule", "ThroughputRule", "WINDOW", "WindowSpikes",
            "window_peak"]
@@ -460,7 +459,7 @@ class ThroughputRule(RuleBase):
     """Throughput down beyond the run's own variability.
 
     The first present ``throughput_metrics`` ``x`` against a
-    :class:`~jvitals.monitor.trackers.DriftBaseline` reference (learning only from checks
+    :class:`~jvitals.monitor.trackers_baselines.DriftBaseline` reference (learning only from checks
     within the band: it follows a machine's slow changes, not a drop), with the run's own
     noise ``sd``: the root of an EMA (half-life ``throughput_noise_halflife`` steps) of
     ``d^2``, ``d = log(x / ref)`` clipped at twice the band, learned while no alert holds

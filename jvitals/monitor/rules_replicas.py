@@ -20,9 +20,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from jvitals.monitor.codec import NAN as _NAN
 from jvitals.monitor.policy import Policy
-from jvitals.monitor.types import Reading, NAN as _NAN
-from jvitals.monitor.types import PRESCRIPTIONS, Level, RuleBase, Spike, release, set_
+from jvitals.monitor.types import PRESCRIPTIONS, Level, Reading, RuleBase, Spike, release, set_
 
 __all__ = [
     "DATA_FIGURE",

@@ -8,11 +8,11 @@ import collections
 import math
 from typing import Any
 
-
+from jvitals.monitor.codec import NAN as _NAN
+from jvitals.monitor.codec import dec_float, dec_floats, enc_float, enc_floats
 from jvitals.monitor.policy import Policy
 from jvitals.monitor.robust import median
-from jvitals.monitor.types import NAN as _NAN
-from jvitals.monitor.types import Spike, dec_float, dec_floats, enc_float, enc_floats
+from jvitals.monitor.types import Spike
 
 __all__ = ["ScoreWindow", "SpikeTracker"]
 
