@@ -20,7 +20,7 @@ from jvitals.guard.checkpoints import (
     ROLLBACK_SAVE,
     CheckpointStore,
 )
-from jvitals.monitor.monitor import Level
+from jvitals.monitor.types import Level
 
 
 def tree(v: float) -> dict:

@@ -110,23 +110,24 @@ def test_no_import_circle():
     assert not cycles, cycles
 
 
+_TRACKERS = tuple(f"jvitals.monitor.trackers_{m}" for m in ("bands", "baselines", "history", "spikes"))
+_RULES = tuple(f"jvitals.monitor.rules_{m}" for m in ("bands", "health", "ratio", "replicas", "scale", "validation",
+                                                      "window"))
+
+
 @pytest.mark.parametrize("mod, banned", [
-    ("jvitals.monitor.trackers", ("jvitals.monitor.monitor", "jvitals.monitor.rules")),
-    ("jvitals.monitor.policy", ("jvitals.monitor.monitor", "jvitals.monitor.trackers", "jvitals.monitor.rules")),
-    ("jvitals.monitor.localize", ("jvitals.monitor.monitor", "jvitals.monitor.rules")),
-    ("jvitals.monitor.replicas", ("jvitals.monitor.monitor", "jvitals.monitor.rules")),
-    ("jvitals.monitor.types", ("jvitals.monitor.monitor", "jvitals.monitor.rules", "jvitals.monitor.replicas")),
+    ("jvitals.monitor.policy", ("jvitals.monitor.monitor", "jvitals.monitor.rules", *_TRACKERS, *_RULES)),
+    ("jvitals.monitor.localize", ("jvitals.monitor.monitor", "jvitals.monitor.rules", *_RULES)),
+    ("jvitals.monitor.types", ("jvitals.monitor.monitor", "jvitals.monitor.rules", *_RULES)),
     ("jvitals.monitor.rules", ("jvitals.monitor.monitor",)),
-    *[(f"jvitals.monitor.{m}", ("jvitals.monitor.monitor", "jvitals.monitor.rules", "jvitals.monitor.rules_base",
-                                "jvitals.monitor.trackers"))
-      for m in ("robust", "baselines", "spikes", "bands", "history")],
-    ("jvitals.monitor.rules_base", ("jvitals.monitor.monitor", "jvitals.monitor.rules", "jvitals.monitor.between",
-                                    "jvitals.monitor.trackers", "jvitals.monitor.replicas")),
-    *[(f"jvitals.monitor.rules_{m}", ("jvitals.monitor.monitor", "jvitals.monitor.rules"))
-      for m in ("ratio", "bands", "health", "validation")],
+    *[(m, ("jvitals.monitor.monitor", "jvitals.monitor.rules", "jvitals.monitor.rules_base", *_RULES))
+      for m in ("jvitals.monitor.robust", *_TRACKERS)],
+    ("jvitals.monitor.rules_base", ("jvitals.monitor.monitor", "jvitals.monitor.rules", *_TRACKERS, *_RULES)),
+    *[(m, ("jvitals.monitor.monitor", "jvitals.monitor.rules")) for m in _RULES],
 ])
 def test_monitor_helpers_import_nothing_above_them(mod, banned):
-    """Trackers, policy, types, localization and the replica rule import nothing from the monitor or the rules."""
+    """Trackers, policy, types and localization import nothing from the monitor or the rules; a rule module
+    imports nothing from the monitor or the default list."""
     g = graph()
     seen, todo = set(), [mod]
     while todo:  # everything mod pulls in, transitively, apart from package re-exports
@@ -136,6 +137,34 @@ def test_monitor_helpers_import_nothing_above_them(mod, banned):
         seen.add(m)
         todo += [d for d in g[m] if d != "jvitals.monitor"]
     assert not seen & set(banned), (mod, sorted(seen & set(banned)))
+
+
+def test_monitor_modules_say_what_they_hold():
+    """Every rule class lives in a ``rules_<topic>`` module, every tracker in a ``trackers_<topic>``
+    one, and no monitor module lists in its ``__all__`` a name it imports (one door per name: the
+    package's ``__init__`` is the only gathering)."""
+    pkg = ROOT / "monitor"
+    for path in sorted(pkg.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        defined, exported = set(), []
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+                if isinstance(node, ast.ClassDef) and node.name.endswith("Rule"):
+                    assert path.stem.startswith("rules_"), f"{node.name} in monitor/{path.name}"
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+                defined.update(names)
+                if "__all__" in names:
+                    exported = [e.value for e in node.value.elts]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                defined.add(node.target.id)
+        if path.name != "__init__.py":
+            assert set(exported) <= defined, (path.name, sorted(set(exported) - defined))
+    for name in ("BucketSeries", "DriftBand", "GapSeries", "BaselineStart", "DriftBaseline", "SpikeTracker",
+                 "LayerHistory"):
+        hits = [p.stem for p in pkg.glob("trackers_*.py") if f"class {name}" in p.read_text()]
+        assert len(hits) == 1, (name, hits)
 
 
 def test_the_monitor_package_runs_without_jax_and_the_guard_without_the_report():

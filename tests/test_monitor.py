@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from jvitals.monitor import config as C
-from jvitals.monitor import monitor as mon
-from jvitals.monitor.monitor import Alert, Level, Monitor, Policy, Spike, Verdict
+from jvitals.monitor import types as mon
+from jvitals.monitor.types import Alert, Level, Spike, Verdict
+from jvitals.monitor.monitor import Monitor
+from jvitals.monitor.policy import Policy
 
 
 # --------------------------------------------------------------------------
@@ -175,7 +177,7 @@ def test_grad_norm_climb_levels_onset_localization(cadence, layer_every):
     # A lookback long enough for the lead of this stream (layer 1 moves 1500+
     # steps before the grad norm; the reference covers 3+ samples at 500-step
     # cadence); the default's 250 steps say "no earlier sign".
-    # The fixed baseline of METRICS.md §5 (Policy(baseline="fixed")): 2x / 3x of the median
+    # The fixed baseline of METRICS.md §5 (Policy(baselines=BaselineConfig(kind="fixed"))): 2x / 3x of the median
     # after warm-up. (The default reference follows the run's own slow drift: see
     # test_grad_norm_climb_with_the_default_drift_reference.)
     # confirm_checks=2 (the default, 3, keeps two spiky real-text batches from confirming).

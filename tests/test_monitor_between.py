@@ -1,4 +1,4 @@
-"""Issue 35's rules for what a sparse cadence sees (jvitals/monitor/between.py): the early rule
+"""The rules for what a sparse cadence sees (jvitals/monitor/rules_window.py): the early rule
 on real training (a jump 250 steps into a run, checked every 5 steps), the data rule on the
 tuning corpus' degrading-pipeline streams (real training), the throughput rule on a steady
 run and on this machine's healthy runs."""

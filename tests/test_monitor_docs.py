@@ -11,7 +11,7 @@ DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "MONITOR.md"
 
 
 def _table() -> list[list[str]]:
-    lines = DOC.read_text().split("## The rule table", 1)[1].splitlines()
+    lines = DOC.read_text().split("## The rule table", 1)[1].split("\n## ", 1)[0].splitlines()
     rows = [ln for ln in lines if ln.startswith("| ") and not ln.startswith("| #")]
     out = []
     for ln in rows:
@@ -44,3 +44,22 @@ def test_the_table_is_not_written_again_in_the_code():
     root = DOC.parents[1] / "jvitals" / "monitor"
     for f in ("rules.py", "monitor.py", "__init__.py"):
         assert "Rule table" not in (root / f).read_text(), f
+
+
+def test_monitor_module_docstrings_are_short():
+    """A module's docstring says what it holds and why in at most 15 lines; the long
+    explanations live in docs/MONITOR.md (or the doc they belong to), under a heading it names."""
+    import ast
+
+    pkg = pathlib.Path(__file__).resolve().parents[1] / "jvitals" / "monitor"
+    long = {}
+    for path in sorted(pkg.glob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False)
+        assert doc, f"{path.name} has no module docstring"
+        if len(doc.strip("\n").splitlines()) > 15:
+            long[path.name] = len(doc.strip("\n").splitlines())
+    assert not long, long
+    text = DOC.read_text()
+    for heading in ("The monitor's update", "The window rules (between the checks)",
+                    "Localization: the earliest sign", "The trackers"):
+        assert f"## {heading}\n" in text, heading

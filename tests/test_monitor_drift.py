@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 from jvitals.monitor import config as C
-from jvitals.monitor.monitor import Level, Monitor, Policy
-from jvitals.monitor.replicas import flat_replicas
+from jvitals.monitor.types import Level
+from jvitals.monitor.monitor import Monitor
+from jvitals.monitor.policy import Policy
+from jvitals.monitor.rules_replicas import flat_replicas
 from jvitals.monitor.rules import default_rules
 
 WARM, PEAK = 200, 3e-3
@@ -340,7 +342,7 @@ def test_a_dip_shorter_than_the_episode_gap_is_the_same_episode():
 def test_two_spiky_batches_on_consecutive_checks_are_no_alert():
     """Real text: 1-5% of the batches have a grad norm 2x+ their neighbours'. Two of them
     on consecutive checks (2.4x, 4.4x, then back) are no alert; a grad norm x4 that
-    stays is ORANGE at its third check (Policy.confirm_checks) and RED there too (the
+    stays is ORANGE at its third check (policy.ratio.confirm_checks) and RED there too (the
     divergence rule counts the confirmed run's checks)."""
     spiky = {1100: 2.4, 1110: 4.4}
 

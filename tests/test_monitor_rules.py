@@ -14,9 +14,13 @@ import pytest
 
 from jvitals.monitor import config as C
 from jvitals.monitor.localize import localize
-from jvitals.monitor.rules import Change, Figures, default_rules, set_
-from jvitals.monitor.trackers import LayerHistory, mann_kendall_z, theil_sen
-from jvitals.monitor.monitor import Level, Monitor, Policy
+from jvitals.monitor.types import Change, Level, set_
+from jvitals.monitor.rules_base import Figures
+from jvitals.monitor.rules import default_rules
+from jvitals.monitor.trackers_history import LayerHistory
+from jvitals.monitor.robust import mann_kendall_z, theil_sen
+from jvitals.monitor.monitor import Monitor
+from jvitals.monitor.policy import Policy
 
 
 def power_loss(s):
@@ -203,7 +207,7 @@ def test_embedding_lr_mismatch_is_a_group_yellow_naming_the_embedding(mult, shar
         return d
 
     # The one-sample change of the update ratio (relative to the trunk) at 2000, from
-    # the stream itself: >= log(5) (Policy.group_jump) opens at once, else at 2050.
+    # the stream itself: >= log(5) (policy.bands.group_jump) opens at once, else at 2050.
     ref = warmup_stream(5, warm=200)
     before = after = None
     for s in range(0, 2001):

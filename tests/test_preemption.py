@@ -22,7 +22,7 @@ import pytest
 
 from jvitals.guard.preemption import PREEMPT, Preemption
 from jvitals.guard.rollback import Action, Rollback
-from jvitals.monitor.monitor import Alert, Level, Verdict
+from jvitals.monitor.types import Alert, Level, Verdict
 from jvitals.optim.lr_scale import get_lr_scale, with_lr_scale
 from jvitals.guard import Retention, Saving
 

@@ -20,7 +20,7 @@ import optax
 import pytest
 
 from jvitals.optim.lr_scale import get_lr_scale, get_lr_scales, get_remedy, with_lr_scale
-from jvitals.monitor.monitor import Alert, Level, Verdict
+from jvitals.monitor.types import Alert, Level, Verdict
 from jvitals.reference_model import ModelConfig, init_params
 from jvitals.guard.remedies import (
     DEFAULT_REMEDIES,

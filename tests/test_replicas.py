@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from jvitals.monitor import config as C
 import jvitals as vitals
 from jvitals import reference_model as rm
-from jvitals.monitor.replicas import replica_summaries, replica_vectors, robust_z
+from jvitals.monitor.rules_replicas import replica_summaries, replica_vectors, robust_z
 
 AUTO = jax.sharding.AxisType.Auto
 
@@ -472,10 +472,11 @@ def test_state_round_trip_mid_streak_and_rollback():
 
 
 def test_policy_fields_are_checked():
-    with pytest.raises(ValueError,
-                       match=r"ReplicaConfig.min_replicas \(Policy.replica_min_replicas\) expects an integer >= 3"):
+    with pytest.raises(ValueError, match=r"ReplicaConfig.min_replicas \(Policy.state_dict key 'replica_min_replicas'\) "
+                                         r"expects an integer >= 3"):
         vitals.Monitor(vitals.Policy(replica=C.ReplicaConfig(min_replicas=2)))
-    with pytest.raises(ValueError, match=r"ReplicaConfig.min_ratio \(Policy.replica_min_ratio\) expects a value > 1"):
+    with pytest.raises(ValueError, match=r"ReplicaConfig.min_ratio \(Policy.state_dict key 'replica_min_ratio'\) "
+                                         r"expects a value > 1"):
         vitals.Monitor(vitals.Policy(replica=C.ReplicaConfig(min_ratio=1.0)))
     p = vitals.Policy(replica=C.ReplicaConfig(z=5.0))
     assert vitals.Policy.from_state_dict(json.loads(json.dumps(p.state_dict()))) == p

@@ -451,7 +451,7 @@ state = State(jnp.zeros([], jnp.int32), params, tx.init(params))
 position = 0
 
 writer = metric_writers.create_default_writer(logdir)
-monitor = vitals.Monitor(vitals.Policy(warmup_steps=10, baseline_steps=20))
+monitor = vitals.Monitor(vitals.Policy(baselines=vitals.BaselineConfig(warmup_steps=10, steps=20)))
 guard = Rollback(ckpt_dir, writer=writer, save_every=20)
 state, position = guard.resume(state, position, monitor)   # after a crash or a restart
 for step in range(int(state.step), num_steps):

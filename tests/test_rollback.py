@@ -1,6 +1,6 @@
 """Tests of jvitals.rollback: cadence saves, retention, orange pause, red rollback, faults.
 
-Every verdict here is a real :class:`jvitals.monitor.monitor.Verdict` (built directly for the
+Every verdict here is a real :class:`jvitals.monitor.types.Verdict` (built directly for the
 unit tests, produced by a real :class:`jvitals.monitor.monitor.Monitor` in the end-to-end
 tests); every checkpoint is a real orbax checkpoint on disk.
 """
@@ -26,7 +26,10 @@ import pytest
 from flax.training import train_state
 
 from jvitals.optim.lr_scale import get_lr_scale, set_lr_scale, with_lr_scale
-from jvitals.monitor.monitor import Alert, Level, Monitor, Policy, Verdict
+from jvitals.monitor.config import AlertConfig, BaselineConfig, RatioConfig
+from jvitals.monitor.monitor import Monitor
+from jvitals.monitor.policy import Policy
+from jvitals.monitor.types import Alert, Level, Verdict
 from jvitals.guard import RestorePolicy, RollbackActions, Retention, Saving
 from jvitals.guard.rollback import (
     QUARANTINE_FILE,
@@ -296,7 +299,7 @@ def _feed(monitor, steps, base=1.0):
 
 
 def test_restart_resumes_right_checkpoint_with_monitor_baselines(tmp_path):
-    monitor = Monitor(Policy(warmup_steps=0, baseline_steps=20))
+    monitor = Monitor(Policy(baselines=BaselineConfig(warmup_steps=0, steps=20)))
     guard = Rollback(tmp_path, save_every=10)
     guard.resume(make_state(0), {"epoch": 0, "index": 0}, monitor)      # empty: fresh start
     for s in range(0, 40, 5):
@@ -310,7 +313,7 @@ def test_restart_resumes_right_checkpoint_with_monitor_baselines(tmp_path):
     guard.wait()
     del guard                                               # "crash": nothing closed
 
-    fresh_monitor = Monitor(Policy(warmup_steps=0, baseline_steps=20))
+    fresh_monitor = Monitor(Policy(baselines=BaselineConfig(warmup_steps=0, steps=20)))
     guard2 = Rollback(tmp_path, save_every=10)
     state, position = guard2.resume(make_state(0, step=1), {"epoch": 0, "index": 0}, fresh_monitor)
     # The newest usable checkpoint is the rollback one at step 40 (no cadence save at 45).
@@ -568,7 +571,7 @@ def _train(directory, fault: str, fault_step: int, num_steps: int):
     """USER-LOOP.md's loop, checking every step; returns what happened."""
     state = train_state.TrainState.create(apply_fn=None, params=init_params(CFG, jax.random.key(0)),
                                           tx=LM_TX)
-    monitor = Monitor(Policy(warmup_steps=5, baseline_steps=20))
+    monitor = Monitor(Policy(baselines=BaselineConfig(warmup_steps=5, steps=20)))
     guard = Rollback(directory, save_every=10, retention=Retention(keep_last=5))
     state, position = guard.resume(state, 0, monitor)
     consumed, losses, rollbacks = [], {}, []
@@ -671,7 +674,7 @@ def _assert_tree_equal(got, want):
 def _loop(directory, num_steps, *, lr_mult=lambda step: 1.0, weight=lambda step: 1.0,
           check_every=1, guard=None, monitor=None, **guard_kwargs):
     """The loop, checking every ``check_every`` steps; stops at a RollbackLimitError."""
-    monitor = monitor or Monitor(Policy(warmup_steps=5, baseline_steps=20))
+    monitor = monitor or Monitor(Policy(baselines=BaselineConfig(warmup_steps=5, steps=20)))
     guard = guard or Rollback(directory, save_every=10, retention=Retention(keep_last=3, keep_every=None),
                               **guard_kwargs)
     state, position = guard.resume(_fresh_state(), 0, monitor)
@@ -733,7 +736,7 @@ def test_persistent_fault_limit_keeps_targets_and_restart_resumes_healthy(tmp_pa
     # A restart with a larger max_rollbacks resumes a healthy one: the params of a
     # pre-fault step of the fault-free run, not the diverged ones.
     guard2 = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=3, keep_every=None), actions=RollbackActions(max_rollbacks=4))
-    state, position = guard2.resume(_fresh_state(), 0, Monitor(Policy(warmup_steps=5, baseline_steps=20)))
+    state, position = guard2.resume(_fresh_state(), 0, Monitor(Policy(baselines=BaselineConfig(warmup_steps=5, steps=20))))
     assert guard2.resumed_step == err.healthy[0]
     rec = next(c for c in guard2.checkpoints if c.step == guard2.resumed_step)
     source = rec.restored_from if rec.restored_from is not None else rec.step
@@ -780,7 +783,7 @@ def test_late_onset_between_checks_takes_the_checkpoint_before(tmp_path):
 
 
 def _alert(id_, level, step, onset, rule="grad_norm", clearing=None, closed=None, deps=(), lead=None):
-    from jvitals.monitor.monitor import Localization
+    from jvitals.monitor.types import Localization
     locs = [Localization("grad/norm/layer_0", d, 1.0, 2.0, 2.0, onset - d, "line") for d in deps]
     return Alert(id=id_, rule=rule, metric="grad/global_norm", level=Level(level), step=step, value=9.0,
                  baseline=1.0, ratio=9.0, onset_step=onset, opened_step=onset, message=f"[{Level(level).name}] #{id_}",
@@ -834,8 +837,8 @@ def test_closed_noise_yellow_before_a_fault_does_not_move_the_target_real_monito
         return 300.0 if s == fault else 1.0
 
     def monitor():   # a YELLOW from one check above 2x; closes 10 steps after it stops
-        return Monitor(Policy(warmup_steps=5, baseline_steps=20, confirm_checks=1,
-                              clear_steps=10))
+        return Monitor(Policy(baselines=BaselineConfig(warmup_steps=5, steps=20),
+                              ratio=RatioConfig(confirm_checks=1), alerts=AlertConfig(clear_steps=10)))
 
     clean = _loop(tmp_path / "clean", 150, lr_mult=lr, monitor=monitor())
     noisy = _loop(tmp_path / "noisy", 150, lr_mult=lr, weight=lambda s: 2.4 if s == 45 else 1.0,
@@ -861,7 +864,7 @@ def test_blip_then_fault_restores_the_newest_healthy_save_before_the_fault(tmp_p
     run = _loop(tmp_path, 200, lr_mult=lambda s: 300.0 if s >= fault else 1.0,
                 weight=lambda s: 2.8 if s in blip else 1.0, actions=RollbackActions(max_rollbacks=1))
     monitor, guard = run["monitor"], run["guard"]
-    assert monitor.policy.clear_steps == 100
+    assert monitor.policy.alerts.clear_steps == 100
     gn = sorted((a for a in monitor.history + monitor.alerts if a.rule == "grad_norm"),
                 key=lambda a: a.id)
     assert gn[0].onset_step in blip and gn[0].peak_level == Level.YELLOW

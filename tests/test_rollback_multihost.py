@@ -17,7 +17,10 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jvitals.optim.lr_scale import get_lr_scale, with_lr_scale
-from jvitals.monitor.monitor import Alert, Level, Monitor, Policy, Verdict
+from jvitals.monitor.config import BaselineConfig, SystemConfig
+from jvitals.monitor.monitor import Monitor
+from jvitals.monitor.policy import Policy
+from jvitals.monitor.types import Alert, Level, Verdict
 from jvitals.guard.rollback import Action, Rollback
 from jvitals.guard import Retention
 
@@ -47,7 +50,8 @@ def local(x):
 
 directory = os.environ["CKPT_DIR"]
 # A drop held 10 steps (the default 40 is for long runs): process 1's throughput falls at 30.
-monitor = Monitor(Policy(warmup_steps=0, baseline_steps=20, throughput_hold_steps=10))
+monitor = Monitor(Policy(baselines=BaselineConfig(warmup_steps=0, steps=20),
+                         system=SystemConfig(throughput_hold_steps=10)))
 guard = Rollback(directory, save_every=10, retention=Retention(keep_last=10))
 _, pos = guard.resume(state(0), {"pid": pid, "i": 0}, monitor)
 out = {"levels": [], "actions": []}
@@ -69,7 +73,7 @@ out["a70"] = guard.act(70, r.state, red(70, False, 0), {"pid": pid, "i": 71}).ac
 guard.close()
 
 guard2 = Rollback(directory, save_every=10)
-s, pos = guard2.resume(state(0), None, Monitor(Policy(warmup_steps=0, baseline_steps=20)))
+s, pos = guard2.resume(state(0), None, Monitor(Policy(baselines=BaselineConfig(warmup_steps=0, steps=20))))
 out["resume"] = [guard2.resumed_step, pos, local(s["params"]["w"]), get_lr_scale(s),
                  s["params"]["w"].sharding == shard, sorted(guard2.quarantined)]
 guard2.close()

@@ -15,7 +15,9 @@ import optax
 import pytest
 
 import jvitals as vitals
-from jvitals.monitor.monitor import Level, Monitor, Policy
+from jvitals.monitor.types import Level
+from jvitals.monitor.monitor import Monitor
+from jvitals.monitor.policy import Policy
 from jvitals.monitor.config import ScaleConfig
 
 LAYERS = 3

@@ -113,8 +113,8 @@ def test_window_names_are_the_monitor_and_the_corpus_contract():
     got = bench_windows.window({f: np.arange(5.0) + 1 for f in W.WINDOW_FIGURES}, np.zeros(5, bool), 0, 4)
     # the corpus' trainers revert the recorder with their loss-scale skip: no skip reaches a window there
     assert set(got) == set(names) - {"window/skipped_steps", "window/first_skipped_ago"}
-    from jvitals.monitor import between
-    assert between.WINDOW == W.WINDOW_PREFIX
+    from jvitals.monitor import rules_window
+    assert rules_window.WINDOW == W.WINDOW_PREFIX
 
 
 def test_window_on_real_training_matches_numpy_and_the_corpus_simulation():
@@ -309,7 +309,7 @@ def test_a_one_step_loss_spike_between_checks_reaches_the_next_check_with_its_st
     np.testing.assert_allclose(v.scores["monitor/loss_window_peak"], host["window/loss.max"])
     assert not any("monitor/loss_window_peak" in w.scores for w in verdicts if w.step != 260)
     # the loss's spike tracker took it at its own step (recovered by 260; its record completes
-    # after Policy.post_window)
+    # after policy.spike.post_window)
     tr = mon.rule("spike").trackers["loss"]
     assert [q["onset"] for q in tr.pending] == [255] and tr.pending[0]["recovery_step"] == 260
     # one recovered spike is physiological: no alert

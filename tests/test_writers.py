@@ -28,7 +28,8 @@ def read_events(logdir):
 
 
 def drive_monitor_to_an_alert():
-    monitor = vitals.Monitor(vitals.Policy(baseline_steps=20, red_after=3))
+    monitor = vitals.Monitor(vitals.Policy(baselines=vitals.BaselineConfig(steps=20),
+                                           health=vitals.HealthConfig(red_after=3)))
     verdict = None
     for step in range(60):
         gnorm = 1.0 if step < 40 else 5.0
@@ -112,7 +113,7 @@ def test_events_none_and_the_guard_writes_its_figures(tmp_path):
     ``rollback/lr_scale`` and its events at each call, read back from the event files."""
     import optax
 
-    from jvitals.monitor.monitor import Alert, Level, Verdict
+    from jvitals.monitor.types import Alert, Level, Verdict
     from jvitals.guard.rollback import Rollback
     from jvitals.report.writers import EVENTS_TAG, ROLLBACK_COUNT, ROLLBACK_LR_SCALE
 

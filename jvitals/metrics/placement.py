@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import socket
-import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
 import jax
@@ -93,18 +92,6 @@ class ReplicaLayout:
     def state_dict(self) -> dict[str, Any]:
         """Plain JSON: what the monitor's rule and the report read."""
         return {"axes": list(self.axes), "replicas": [p.state_dict() for p in self.places]}
-
-    def to_dict(self) -> dict[str, Any]:
-        """Deprecated alias of :meth:`state_dict` (one release)."""
-        warnings.warn("ReplicaLayout.to_dict is deprecated: use state_dict", DeprecationWarning, stacklevel=2)
-        return self.state_dict()
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ReplicaLayout":
-        """Deprecated alias of :meth:`from_state_dict` (one release)."""
-        warnings.warn("ReplicaLayout.from_dict is deprecated: use from_state_dict", DeprecationWarning,
-                      stacklevel=2)
-        return cls.from_state_dict(d)
 
     @classmethod
     def from_state_dict(cls, d: Mapping[str, Any]) -> "ReplicaLayout":

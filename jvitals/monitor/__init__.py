@@ -2,25 +2,16 @@
 
 Plain Python and NumPy, no JAX: ``types`` (``Level``, ``Alert``, ``Verdict``, the
 prescriptions), ``config`` (one small config per rule family) and ``policy`` (their
-composition), ``robust`` / ``baselines`` / ``spikes`` / ``bands`` / ``history`` (the
-trackers; ``trackers`` re-exports them), ``rules`` (one small class each, in
-``rules_ratio``, ``rules_bands``, ``rules_health``, ``rules_validation`` and ``between``),
-``localize`` (the earliest sign) and ``monitor`` (runs the rules, builds the verdict);
-``replicas`` (the per-replica figures' host side and the rule that names a sick device or
-data shard). A verdict never acts by itself. The rule table: docs/MONITOR.md.
+composition), ``robust`` and the ``trackers_<topic>`` modules (baselines, bands, spikes,
+the per-layer history), the ``rules_<topic>`` modules (one small class per rule: window,
+ratio, bands, scale, health, validation, replicas; ``rules_base`` what they share,
+``rules`` the default list), ``localize`` (the earliest sign) and ``monitor`` (runs the
+rules, builds the verdict). A verdict never acts by itself. The rule table and the
+modules' long explanations: docs/MONITOR.md.
 """
 
-from jvitals.monitor.types import (
-    Alert,
-    Level,
-    Localization,
-    Prescription,
-    PRESCRIPTIONS,
-    RULE_PRESCRIPTION,
-    Spike,
-    Verdict,
-)
 from jvitals.monitor.config import (
+    BASELINE_KINDS,
     AlertConfig,
     BandConfig,
     BaselineConfig,
@@ -34,41 +25,28 @@ from jvitals.monitor.config import (
     SystemConfig,
     ValidationConfig,
 )
-from jvitals.monitor.policy import (
-    BASELINE_KINDS,
-    Policy,
-)
-from jvitals.monitor.rules import (
-    AttnLogitRule,
-    BrokenModelRule,
-    Change,
-    default_rules,
-    DivergenceRule,
-    Figures,
-    GapRule,
-    Notes,
-    GroupRule,
-    JumpRule,
-    LogitRule,
-    LossScaleRule,
-    NonFiniteRule,
-    OutputLogitRule,
-    RatioRule,
-    RouterRule,
-    Rule,
-    SpikeRule,
-    ThroughputRule,
-    TrendRule,
-    UpdateSizeRule,
-    ValRiseRule,
-)
 from jvitals.monitor.coverage import Coverage
-from jvitals.monitor.monitor import (
-    Monitor,
-)
-from jvitals.monitor.replicas import (
-    flat_replicas,
-    ReplicaRule,
+from jvitals.monitor.monitor import Monitor
+from jvitals.monitor.policy import Policy
+from jvitals.monitor.rules import default_rules
+from jvitals.monitor.rules_bands import GroupRule, LogitRule, RouterRule
+from jvitals.monitor.rules_base import Figures, Notes, Rule
+from jvitals.monitor.rules_health import BrokenModelRule, DivergenceRule, LossScaleRule, SpikeRule
+from jvitals.monitor.rules_ratio import JumpRule, RatioRule, TrendRule
+from jvitals.monitor.rules_replicas import ReplicaRule, flat_replicas
+from jvitals.monitor.rules_scale import AttnLogitRule, OutputLogitRule, UpdateSizeRule
+from jvitals.monitor.rules_validation import GapRule, ValRiseRule
+from jvitals.monitor.rules_window import NonFiniteRule, ThroughputRule
+from jvitals.monitor.types import (
+    PRESCRIPTIONS,
+    RULE_PRESCRIPTION,
+    Alert,
+    Change,
+    Level,
+    Localization,
+    Prescription,
+    Spike,
+    Verdict,
 )
 
 __all__ = [

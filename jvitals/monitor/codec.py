@@ -9,12 +9,9 @@ from __future__ import annotations
 import collections
 import math
 import numbers
-import re
-import warnings
 from typing import Any, Mapping
 
-__all__ = ["NAN", "LegacyDict", "dec_any", "dec_float", "dec_floats", "dec_state", "enc_float", "enc_floats", "enc_state",
-           "split_group"]
+__all__ = ["NAN", "dec_any", "dec_float", "dec_floats", "dec_state", "enc_float", "enc_floats", "enc_state"]
 
 NAN = math.nan
 """Not a number: the one NaN constant of the monitor modules."""
@@ -23,20 +20,6 @@ NAN = math.nan
 # --------------------------------------------------------------------------
 # JSON helpers (non-finite floats survive as strings).
 # --------------------------------------------------------------------------
-
-
-_GROUP = re.compile(r"^(?P<fam>.+)/(?P<g>embedding|lm_head|layer_(?P<i>\d+))$")
-
-
-def split_group(name: str) -> tuple[str, str, int | None] | None:
-    """A per-group metric name split as ``(family, group, layer index or None)``:
-    ``"update/param_ratio/layer_3"`` -> ``("update/param_ratio", "layer_3", 3)``,
-    ``"grad/share/embedding"`` -> ``("grad/share", "embedding", None)``; None for a
-    name that does not end in a group (``embedding``, ``lm_head``, ``layer_{i}``)."""
-    m = _GROUP.match(name)
-    if m is None:
-        return None
-    return m["fam"], m["g"], None if m["i"] is None else int(m["i"])
 
 
 def enc_float(x: float) -> float | str:
@@ -88,9 +71,9 @@ def enc_state(x: Any) -> Any:
         return sorted(enc_state(v) for v in x)
     if isinstance(x, (list, tuple, collections.deque)):
         return [enc_state(v) for v in x]
-    to_dict = getattr(x, "state_dict", None) or getattr(x, "to_dict", None)
-    if to_dict is not None:
-        return to_dict()
+    state_dict = getattr(x, "state_dict", None)
+    if state_dict is not None:
+        return state_dict()
     raise TypeError(f"enc_state: cannot write a {type(x).__name__} ({x!r:.60}) as JSON state")
 
 
@@ -128,23 +111,3 @@ def dec_state(x: Any, like: Any, value_type: Any = None) -> Any:
     if isinstance(like, float):
         return dec_float(x)
     return dec_any(x)
-
-
-class LegacyDict:
-    """``to_dict`` / ``from_dict``: deprecated aliases of ``state_dict`` / ``from_state_dict``
-    (the monitor's one convention), kept for one release for older callers and checkpoints'
-    code paths."""
-
-    __slots__ = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        warnings.warn(f"{type(self).__name__}.to_dict is deprecated: use state_dict", DeprecationWarning,
-                      stacklevel=2)
-        return self.state_dict()  # type: ignore[attr-defined]
-
-    @classmethod
-    def from_dict(cls, d: Any, *args: Any, **kw: Any) -> Any:
-        warnings.warn(f"{cls.__name__}.from_dict is deprecated: use from_state_dict", DeprecationWarning,
-                      stacklevel=2)
-        return cls.from_state_dict(d, *args, **kw)  # type: ignore[attr-defined]
-

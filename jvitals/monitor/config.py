@@ -2,11 +2,11 @@
 composes them.
 
 Every window is in steps (not checks), so a config works at any host cadence. Each
-config checks its own fields: an error names the field (``SpikeConfig.z``, with the old
-flat ``Policy`` name beside it) and what it expected. The calibration behind the defaults
+config checks its own fields: an error names the field (``SpikeConfig.z``, with its key
+in the checkpoint's flat policy dict beside it) and what it expected. The calibration behind the defaults
 (the tuning corpus, the papers) is in docs/MONITOR_POLICY.md.
 
-Imports nothing from the other monitor modules.
+Imports nothing from the other monitor modules but the flat names.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import re
 import types
 from typing import Any, Iterable, Mapping
 
-from jvitals.monitor.flat_names import OLD_NAMES
+from jvitals.monitor.flat_names import FLAT_KEY
 
 __all__ = [
     "AlertConfig",
@@ -41,10 +41,11 @@ BASELINE_KINDS = ("drift", "fixed", "rolling", "ema")
 
 
 def _name(obj: Any, field: str) -> str:
-    """``Cls.field``, with the old flat ``Policy`` name beside it: ``SpikeConfig.z (Policy.spike_z)``."""
+    """``Cls.field``, with its key in the checkpoint's flat dict beside it:
+    ``SpikeConfig.z (Policy.state_dict key 'spike_z')``."""
     cls = type(obj).__name__
-    old = OLD_NAMES.get(cls, {}).get(field, field)
-    return f"{cls}.{field} (Policy.{old})"
+    key = FLAT_KEY.get(cls, {}).get(field, field)
+    return f"{cls}.{field} (Policy.state_dict key {key!r})"
 
 
 def _set(obj: Any, field: str, value: Any) -> None:
@@ -349,7 +350,7 @@ class SystemConfig:
 
 @dataclasses.dataclass(frozen=True)
 class BetweenConfig:
-    """The rules on what happened between two checks (``Policy.between``; between.py).
+    """The rules on what happened between two checks (``Policy.between``; rules_window.py).
 
     Args:
       early_jumps, early_min_samples, early_min_span: before the baselines are armed, a
@@ -494,7 +495,7 @@ class BandConfig:
       group_min_share: ``grad/share`` figures below this share are not judged.
       group_global_ratio: fires only while the global norms stay below this x baseline.
       group_growth: families also judged for a growth that does not slow
-        (:class:`~jvitals.monitor.bands.DriftBand`'s growth departure).
+        (:class:`~jvitals.monitor.trackers_bands.DriftBand`'s growth departure).
       logit_bands: metric -> band ratio of the logits rule (rises only).
       router_bands, router_z, router_steps: metric -> least excess over its baseline;
         YELLOW when beyond ``max(router_z * 1.4826 MAD, excess)`` for ``router_steps``.

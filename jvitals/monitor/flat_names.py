@@ -1,17 +1,19 @@
-"""0.1's flat ``Policy`` field names and where each lives now (``Policy.<config>.<field>``).
+"""The flat dict a checkpoint holds for the policy: each key and its config field.
 
-One table, read by ``policy.py`` (the old keywords, attributes and flat dicts) and by
-``config.py`` (each error names the old field beside the new one:
-``ValidationConfig.gap_halflife (Policy.val_gap_halflife)``). Plain data, no imports.
+``Policy.state_dict`` writes one key per config field (``spike_z`` for ``policy.spike.z``)
+and ``Policy.from_state_dict`` reads it back. One table, read by ``policy.py`` (that dict
+and the error for a flat key given as a ``Policy`` keyword) and by ``config.py`` (each
+error names the key beside the field: ``ValidationConfig.gap_halflife (Policy.state_dict
+key 'val_gap_halflife')``). Plain data, no imports.
 """
 
 from __future__ import annotations
 
 from typing import Mapping
 
-__all__ = ["FLAT", "OLD_NAMES"]
+__all__ = ["FLAT", "FLAT_KEY"]
 
-# The old flat field -> (config, field), in the order of the flat dict ``Policy.state_dict`` writes.
+# The flat key -> (config, field), in the order of the flat dict ``Policy.state_dict`` writes.
 FLAT: Mapping[str, tuple[str, str]] = {
     "warmup_steps": ("baselines", "warmup_steps"), "lr_metric": ("baselines", "lr_metric"),
     "lr_plateau_tol": ("baselines", "lr_plateau_tol"), "settle_metric": ("baselines", "settle_metric"),
@@ -103,6 +105,6 @@ _CLASS_OF: Mapping[str, str] = {
     "scale": "ScaleConfig",
 }
 
-OLD_NAMES: Mapping[str, Mapping[str, str]] = {
-    cls: {new: old for old, (sub, new) in FLAT.items() if sub == key} for key, cls in _CLASS_OF.items()}
-"""``{config class name: {field: old flat Policy field}}``."""
+FLAT_KEY: Mapping[str, Mapping[str, str]] = {
+    cls: {new: key for key, (sub, new) in FLAT.items() if sub == name} for name, cls in _CLASS_OF.items()}
+"""``{config class name: {field: its flat key}}``."""

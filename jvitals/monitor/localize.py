@@ -1,39 +1,11 @@
 """Localization: which candidate metric changed first, from its own history.
 
-A service the monitor calls when an alert opens or escalates (not a rule).
-The candidates are the columns of a :class:`~jvitals.monitor.trackers.LayerHistory`
-(per-layer and per-group metrics: ``grad/share/layer_3``,
-``update/param_ratio/embedding``, ...).
-
-A candidate *departed* when its own recent history changed: a line is
-fitted (least squares; to the log of a positive figure) to its samples in
-the ``localize_reference`` steps before the lookback window ``[onset -
-localize_lookback, now]`` (at least 3 samples, none from before the
-baselines' start: the warm-up's dynamics are not a reference); the slope is kept only when significant (``|b|
-sqrt(S_uu) / sigma > 3``), else the reference is its mean level. A window
-sample is off when::
-
-    |x - prediction| > max(localize_z * sigma * sqrt(1 + 1/n + (u - u_mean)^2 / S_uu),
-                           localize_min_ratio * |prediction|,     (log space: log1p(min_ratio))
-                           localize_drift_slack * |b| * (u - u_last))
-
-(``sigma``: 1.4826 x the median absolute residual, ``n`` the reference
-samples; the root is the least-squares prediction interval; the last term
-lets the extrapolated drift stop or run twice as fast, ``u_last`` the last
-reference sample: a decelerating drift overshoots its line, and that is no
-departure). The latest
-sample must be off, on the side it moved to from the reference's level
-(a drift that merely stopped is no departure); the departure is the first
-sample of that final run of off samples. So a metric drifting as it did
-before (growth the line extrapolates) has no departure, however far it is
-from a baseline frozen at the start, and a change older than the window is
-not named. Non-finite samples count as off. Times are model time (after a
-rollback the abandoned steps do not count).
-
-Entries are ranked by departure step, then by size (``|x - prediction| /
-band`` of the latest sample); for a group's own alert (the router, a group
-band, logits), that group's members first. An alert whose candidates departed only after
-its onset (or none did) has "no earlier sign found" (:func:`lead_phrase`).
+A service the monitor calls when an alert opens or escalates (not a rule). A candidate
+(a column of a :class:`LayerHistory`: ``grad/share/layer_3``, ...) *departed* when its
+recent samples leave the prediction interval of a robust line fitted to its own reference
+window before the onset, so a metric drifting as it did before has no departure and the
+earliest real change is named first; none before the onset reads "no earlier sign found".
+The formula and the ranking: docs/MONITOR.md, "Localization: the earliest sign".
 """
 
 from __future__ import annotations
@@ -44,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jvitals.monitor.policy import Policy
-from jvitals.monitor.history import LayerHistory
+from jvitals.monitor.trackers_history import LayerHistory
 from jvitals.monitor.types import Localization, split_group
 
 __all__ = ["NO_EARLIER_SIGN", "lead_phrase", "localize"]

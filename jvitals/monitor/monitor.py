@@ -1,44 +1,13 @@
-"""Host-side monitor: a list of rules turning metrics into tiered verdicts.
+"""The host-side monitor: a list of rules turning the fetched figures into tiered verdicts.
 
-The monitor reads the flat metric dict the host fetched at its cadence and
-returns a :class:`Verdict` (a :class:`Level` and the open :class:`Alert` s,
-each with a likely cause, a prescription from METRICS.md §6 and a ranked
-localization). It never acts: saving, pausing and rolling back are the
-rollback module's job. Plain Python + NumPy; memory is bounded and
-``update`` is O(1) amortized in the number of steps.
-
-``Monitor.update`` validates the step, reads the figures, finds when the
-baselines start (the end of the LR warm-up, read from ``opt/learning_rate``;
-else the grad norm settling; an explicit ``Policy.baselines.warmup_steps`` wins), runs
-its rules in order (each a small class of ``jvitals.monitor.rules`` that
-returns alert changes) and applies their changes; localization
-(``jvitals.monitor.localize``) is a service it calls when an alert opens or
-escalates. The rules, their order, ids and levels: the table in docs/MONITOR.md (every
-number a field of the rule's config in :class:`Policy`).
-
-An alert is one episode: once its condition has been clear for
-``Policy.alerts.episode_gap`` steps, a new crossing closes it and opens a new alert with its
-own onset (``Policy.alerts.clear_steps`` only keeps a cleared alert visible meanwhile).
-
-Baselines start as medians over ``Policy.baselines.steps`` steps from the start.
-Localization ranks the per-group candidates by the change point of their own
-recent history (drift the history extrapolates is no departure); without
-one before the onset the message says "no earlier sign found".
-
-Example::
-
-    monitor = Monitor()                       # Policy() = METRICS.md §5
-    for step in range(num_steps):
-        ...
-        if step % 50 == 0:
-            verdict = monitor.update(step, jax.device_get(metrics))
-            if verdict.level >= Level.ORANGE:
-                print(verdict.alerts[0].message)
-    ckpt["monitor"] = monitor.state_dict()     # JSON-safe, resumes exactly
-
-A rule of your own: any object with a unique ``name`` and ``check(figures)
--> list[Change]`` (``state_dict``/``load_state_dict``/``rollback``
-optional), e.g. ``Monitor(rules=default_rules(policy) + [MyRule()])``.
+:meth:`Monitor.update` reads the flat metric dict the host fetched at its cadence, finds
+when the baselines start, runs its rules in order (the table in docs/MONITOR.md) and
+returns a :class:`~jvitals.monitor.types.Verdict`: a level and the open alerts, each with
+a likely cause, a prescription (METRICS.md §6) and a ranked localization. It never acts:
+saving, pausing and rolling back are the guard's job. Plain Python and NumPy; memory is
+bounded, so a run of any length can be watched, and ``state_dict`` resumes it exactly.
+How an update runs, an alert's episodes and an example: docs/MONITOR.md, "The monitor's
+update".
 """
 
 from __future__ import annotations
@@ -52,42 +21,19 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from jvitals.monitor.codec import NAN as _NAN
 from jvitals.monitor.coverage import Coverage, coverage
-
 from jvitals.monitor.localize import group_of, lead_phrase, localize
 from jvitals.monitor.policy import Policy
-from jvitals.monitor.rules import RatioRule, ThroughputRule, default_rules
+from jvitals.monitor.rules import default_rules
 from jvitals.monitor.rules_base import Figures, Plan
-from jvitals.monitor.types import Change
-from jvitals.monitor.baselines import BaselineStart
-from jvitals.monitor.history import LayerHistory
-from jvitals.monitor.types import NAN as _NAN
-from jvitals.monitor.types import (
-    PRESCRIPTIONS,
-    RULE_PRESCRIPTION,
-    Alert,
-    Level,
-    Localization,
-    Prescription,
-    Spike,
-    Verdict,
-)
+from jvitals.monitor.rules_ratio import RatioRule
+from jvitals.monitor.rules_window import ThroughputRule
+from jvitals.monitor.trackers_baselines import BaselineStart
+from jvitals.monitor.trackers_history import LayerHistory
+from jvitals.monitor.types import PRESCRIPTIONS, RULE_PRESCRIPTION, Alert, Change, Level, Localization, Spike, Verdict
 
-__all__ = [
-    "Alert",
-    "Change",
-    "Figures",
-    "Level",
-    "Localization",
-    "Monitor",
-    "PRESCRIPTIONS",
-    "Policy",
-    "Prescription",
-    "RULE_PRESCRIPTION",
-    "Spike",
-    "Verdict",
-    "default_rules",
-]
+__all__ = ["Monitor"]
 
 _FORMAT_VERSION = 3
 _PLANS = 8  # key sets remembered (a loop alternates a few: per-layer families every N steps)

@@ -1,27 +1,21 @@
 """The monitor's policy: the composition of one small config per rule family.
 
 ``Policy()`` gives METRICS.md §5's defaults. Each family's thresholds live in its own
-frozen config (:mod:`jvitals.monitor.config`): ``Policy(spike=SpikeConfig(z=5.0))``. The
-old flat names (``Policy(spike_z=5.0)``, ``policy.spike_z``) still work for one release,
-with a ``DeprecationWarning`` naming the new place; :meth:`Policy.state_dict` writes the
-flat dict checkpoints have always held and :meth:`Policy.from_state_dict` reads it.
+frozen config (:mod:`jvitals.monitor.config`): ``Policy(spike=SpikeConfig(z=5.0))``.
+:meth:`Policy.state_dict` writes the flat dict checkpoints hold (one key per field, named
+by :mod:`jvitals.monitor.flat_names`) and :meth:`Policy.from_state_dict` reads it.
 docs/MONITOR_POLICY.md has every field and the calibration behind it.
 
-Imports nothing from the other monitor modules but the configs and the codec: the rules and trackers
-read a :class:`Policy`, it never reads them.
+Imports nothing from the other monitor modules but the configs and the flat names: the
+rules and trackers read a :class:`Policy`, it never reads them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import warnings
 from typing import Any, Mapping
 
-from jvitals.monitor.codec import LegacyDict
-from jvitals.monitor.flat_names import FLAT as _FLAT
 from jvitals.monitor.config import (
-    BASELINE_KINDS,
     AlertConfig,
     BandConfig,
     BaselineConfig,
@@ -35,12 +29,9 @@ from jvitals.monitor.config import (
     SystemConfig,
     ValidationConfig,
 )
+from jvitals.monitor.flat_names import FLAT as _FLAT
 
-__all__ = ["BASELINE_KINDS", "Policy"]
-
-# The old Policy properties -> (config, property).
-_MOVED: Mapping[str, tuple[str, str]] = {"settle_span": ("baselines", "settle_span"),
-                                         "settle_cap": ("baselines", "settle_cap")}
+__all__ = ["Policy"]
 
 _CONFIGS: Mapping[str, type] = {
     "baselines": BaselineConfig, "ratio": RatioConfig, "alerts": AlertConfig, "system": SystemConfig,
@@ -49,9 +40,13 @@ _CONFIGS: Mapping[str, type] = {
 }
 
 
-def _new_place(old: str) -> str:
-    sub, new = _FLAT[old]
-    return f"Policy({sub}={_CONFIGS[sub].__name__}({new}=...)) / policy.{sub}.{new}"
+def _unknown_keyword(key: str) -> str:
+    """The error for a keyword ``Policy`` does not take; a flat dict key names its config field."""
+    if key in _FLAT:
+        sub, new = _FLAT[key]
+        return (f"Policy got unknown keyword {key!r}: it lives in Policy({sub}={_CONFIGS[sub].__name__}({new}=...)) "
+                f"(read as policy.{sub}.{new})")
+    return f"Policy got unknown keyword {key!r}; its keywords are the configs {list(_CONFIGS)}"
 
 
 def _plain(v: Any) -> Any:
@@ -61,27 +56,14 @@ def _plain(v: Any) -> Any:
     return list(v) if isinstance(v, tuple) else v
 
 
-def _grouped(flat: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
-    """``given`` configs with the flat fields applied (``dataclasses.replace``)."""
-    changes: dict[str, dict[str, Any]] = {}
-    for old, v in flat.items():
-        sub, new = _FLAT[old]
-        changes.setdefault(sub, {})[new] = v
-    out = dict(given)
-    for sub, kw in changes.items():
-        base = out.get(sub)
-        out[sub] = dataclasses.replace(base if base is not None else _CONFIGS[sub](), **kw)
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
-class Policy(LegacyDict):
+class Policy:
     """Alert thresholds and windows: one config per rule family (defaults: METRICS.md §5).
 
     Every window is in steps, so the same policy works at any host cadence; ``red_after``
     counts checks, as §5 does. The rule table is in docs/MONITOR.md, every field and its
-    calibration in docs/MONITOR_POLICY.md. The old flat keywords (``Policy(spike_z=...)``)
-    are still accepted, with a ``DeprecationWarning``.
+    calibration in docs/MONITOR_POLICY.md. A keyword other than the configs' names (the
+    flat dict's ``spike_z``, say) raises a ``TypeError`` naming the config field it is.
 
     Args:
       baselines: when the baselines start and what the ratio rules judge against.
@@ -111,20 +93,18 @@ class Policy(LegacyDict):
     replica: ReplicaConfig = dataclasses.field(default_factory=ReplicaConfig)
     scale: ScaleConfig = dataclasses.field(default_factory=ScaleConfig)
 
+    def __new__(cls, *args: Any, **kw: Any) -> "Policy":
+        # Runs before the dataclass's __init__: an unknown keyword gets an error naming its place.
+        for key in kw:
+            if key not in _CONFIGS:
+                raise TypeError(_unknown_keyword(key))
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         for sub, cls in _CONFIGS.items():
             v = getattr(self, sub)
             if not isinstance(v, cls):
                 raise TypeError(f"Policy.{sub} expects a {cls.__name__}, got {type(v).__name__}")
-
-    def __getattr__(self, name: str) -> Any:
-        # Only called when the normal lookup fails: the old flat names.
-        if name in _FLAT or name in _MOVED:
-            sub, new = _FLAT.get(name) or _MOVED[name]
-            warnings.warn(f"Policy.{name} is deprecated: read policy.{sub}.{new}", DeprecationWarning,
-                          stacklevel=2)
-            return getattr(object.__getattribute__(self, sub), new)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def state_dict(self) -> dict[str, Any]:
         """The flat JSON-serialisable dict checkpoints hold (:meth:`from_state_dict` inverts it)."""
@@ -141,25 +121,8 @@ class Policy(LegacyDict):
         if unknown:
             raise ValueError(f"Policy.from_state_dict got unknown fields {unknown}; expected a subset of "
                              f"{sorted(_FLAT)}")
-        return cls(**_grouped(d, {}))
-
-
-_dataclass_init = Policy.__init__
-
-
-@functools.wraps(_dataclass_init)
-def _init(self: Policy, *args: Any, **kw: Any) -> None:
-    """The dataclass's ``__init__``, also taking the old flat field names (deprecated)."""
-    flat = {k: kw.pop(k) for k in list(kw) if k in _FLAT}
-    unknown = sorted(set(kw) - set(_CONFIGS))
-    if unknown:
-        raise TypeError(f"Policy got unexpected keyword arguments {unknown}")
-    if flat:
-        warnings.warn("Policy's flat fields are deprecated: " + ", ".join(
-            f"{k} -> {_new_place(k)}" for k in flat), DeprecationWarning, stacklevel=2)
-        kw = _grouped(flat, {**dict(zip(_CONFIGS, args)), **kw})
-        args = ()
-    _dataclass_init(self, *args, **kw)
-
-
-Policy.__init__ = _init  # type: ignore[method-assign]
+        kw: dict[str, dict[str, Any]] = {}
+        for key, v in d.items():
+            sub, new = _FLAT[key]
+            kw.setdefault(sub, {})[new] = v
+        return cls(**{sub: _CONFIGS[sub](**fields) for sub, fields in kw.items()})

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from jvitals.monitor.types import NAN as _NAN
+from jvitals.monitor.codec import NAN as _NAN
 
 __all__ = ["mann_kendall_z", "median", "theil_sen"]
 

@@ -1,71 +1,38 @@
-"""The monitor's rules: one small class per condition.
+"""The default rule list, in the order ``Monitor.update`` runs it, and the check of that order.
 
-A rule reads one check's :class:`Figures` and returns the alert
-:class:`Change` s it makes (open/update at a level, release, close). Its
-parameters come from its config in the :class:`~jvitals.monitor.policy.Policy`; its state
-has ``state_dict`` / ``load_state_dict`` (plain JSON). ``Monitor.update``
-runs the rules in order and applies each one's changes before the next
-runs, so a later rule sees what an earlier one published in
-``Figures.notes`` (a typed :class:`Notes`: the loss trend, the global ratios) and the divergence
-rule sees the divergent alerts of the rules before it.
-
-A user rule is any object with a ``name`` (unique) and ``check(figures) ->
-list[Change]``; ``state_dict``/``load_state_dict``/``rollback`` are optional.
-
-The rules, their order, alert ids and levels: the table in docs/MONITOR.md (checked
-against :func:`default_rules` by tests/test_monitor_docs.py). The rule classes live in
-``rules_ratio`` (ratio, trend, jump), ``rules_bands`` (group, logits, router),
-``rules_health`` (spike, loss scale, broken model, divergence), ``rules_scale`` (the
-attention logits' absolute scale), ``rules_validation`` (val
-gap, val rise), ``between`` (the window rules) and ``replicas``; this module re-exports them.
+A rule reads one check's :class:`~jvitals.monitor.rules_base.Figures` and returns the alert
+changes it makes; a later rule sees what an earlier one published in ``Figures.notes``, so
+the order matters (:func:`check_order` asserts it). The rule classes live in the
+``rules_<topic>`` modules: ``rules_window`` (the steps between checks), ``rules_ratio``,
+``rules_bands``, ``rules_scale``, ``rules_health``, ``rules_validation`` and
+``rules_replicas``; ``rules_base`` holds what they share. The rules, their order, alert ids
+and levels: the table in docs/MONITOR.md (checked against :func:`default_rules` by
+tests/test_monitor_docs.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from jvitals.monitor.between import (DataRule, EarlyRule, NonFiniteRule, RepeatRule, SkipRule, ThroughputRule,
-                                     WindowSpikes)
 from jvitals.monitor.policy import Policy
-from jvitals.monitor.replicas import ReplicaRule
 from jvitals.monitor.rules_bands import GroupRule, LogitRule, RouterRule
-from jvitals.monitor.rules_base import NOTE_WRITERS, Figures, Notes, Plan, Rule, schedule_factor  # noqa: F401  (Plan, schedule_factor: re-exported)
+from jvitals.monitor.rules_base import NOTE_WRITERS
 from jvitals.monitor.rules_health import BrokenModelRule, DivergenceRule, LossScaleRule, SpikeRule
 from jvitals.monitor.rules_ratio import JumpRule, RatioRule, TrendRule
+from jvitals.monitor.rules_replicas import ReplicaRule
 from jvitals.monitor.rules_scale import AttnLogitRule, OutputLogitRule, UpdateSizeRule
 from jvitals.monitor.rules_validation import GapRule, ValRiseRule
-from jvitals.monitor.types import Change, set_  # noqa: F401  (set_: re-exported)
+from jvitals.monitor.rules_window import (
+    DataRule,
+    EarlyRule,
+    NonFiniteRule,
+    RepeatRule,
+    SkipRule,
+    ThroughputRule,
+    WindowSpikes,
+)
 
-__all__ = [
-    "AttnLogitRule",
-    "BrokenModelRule",
-    "Change",
-    "DataRule",
-    "DivergenceRule",
-    "EarlyRule",
-    "Figures",
-    "Notes",
-    "GapRule",
-    "GroupRule",
-    "JumpRule",
-    "LogitRule",
-    "LossScaleRule",
-    "NonFiniteRule",
-    "OutputLogitRule",
-    "RatioRule",
-    "RepeatRule",
-    "RouterRule",
-    "Rule",
-    "SkipRule",
-    "SpikeRule",
-    "ThroughputRule",
-    "TrendRule",
-    "UpdateSizeRule",
-    "ValRiseRule",
-    "WindowSpikes",
-    "check_order",
-    "default_rules",
-]
+__all__ = ["check_order", "default_rules"]
 
 
 def check_order(rules: list[Any]) -> None:

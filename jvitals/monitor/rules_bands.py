@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import math
 
-
+from jvitals.monitor.codec import NAN as _NAN
 from jvitals.monitor.policy import Policy
-from jvitals.monitor.rules_base import Figures
-from jvitals.monitor.bands import BandSettings, DriftBand
 from jvitals.monitor.robust import median
-from jvitals.monitor.types import Reading, NAN as _NAN
-from jvitals.monitor.types import Change, Level, RuleBase, Spike, release, set_, split_group
+from jvitals.monitor.rules_base import Figures
+from jvitals.monitor.trackers_bands import BandSettings, DriftBand
+from jvitals.monitor.types import Change, Level, Reading, RuleBase, Spike, release, set_, split_group
 
 __all__ = ["GroupRule", "LogitRule", "RouterRule"]
 
@@ -30,7 +29,7 @@ class GroupRule(RuleBase):
     an attention LR fault makes them, is not read as theirs), so a schedule moving
     every group together is not a departure, and
     ``y = log(x / trunk)`` is judged against its own history by a
-    :class:`~jvitals.monitor.trackers.DriftBand` (``band`` = the family's
+    :class:`~jvitals.monitor.trackers_bands.DriftBand` (``band`` = the family's
     ``group_bands`` ratio, ``W = group_window``)::
 
         jump   |y - y_prev| >= max(log(group_jump), group_z * noise)     YELLOW at once
@@ -196,7 +195,7 @@ class LogitRule(RuleBase):
     For each ``(metric, band)`` of ``Policy.bands.logit_bands`` (``act/attn_logits_abs.max``,
     ``act/output_layer_logits_abs.max``), the metric and its per-layer figures
     (``{metric}/layer_{i}``) are judged as the group rule judges a group figure, on
-    ``y = log(x)`` with a :class:`~jvitals.monitor.trackers.DriftBand` (its
+    ``y = log(x)`` with a :class:`~jvitals.monitor.trackers_bands.DriftBand` (its
     ``group_*`` settings): a one-sample jump ``>= group_jump`` x (and ``group_z`` x
     its noise) opens at once; a step beyond ``band`` or a rise over
     ``group_window`` (or 4x it) beyond ``group_drift_k`` x the rise the figure

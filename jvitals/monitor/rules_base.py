@@ -1,8 +1,7 @@
 """What the monitor's rules read and return: :class:`Figures`, :class:`Plan`, the
 :class:`Rule` protocol, and the threshold helpers the ratio-like rules share.
 
-Imports only the policy and the types, so every rule module (and ``between.py``)
-can import it.
+Imports only the policy and the types, so every rule module can import it.
 """
 
 from __future__ import annotations
@@ -12,8 +11,9 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 
+from jvitals.monitor.codec import NAN
 from jvitals.monitor.policy import Policy
-from jvitals.monitor.types import NAN, Alert, Change, Level, Spike
+from jvitals.monitor.types import Alert, Change, Level, Spike
 
 __all__ = ["Figures", "NOTE_WRITERS", "Notes", "Plan", "Rule", "hysteresis_level", "level_of", "no_why",
            "schedule_factor"]

@@ -8,13 +8,12 @@ import collections
 import math
 from typing import Any, Mapping
 
-
-from jvitals.monitor.between import window_peak
+from jvitals.monitor.codec import NAN as _NAN
 from jvitals.monitor.policy import Policy
 from jvitals.monitor.rules_base import Figures
-from jvitals.monitor.spikes import SpikeTracker
-from jvitals.monitor.types import Reading, NAN as _NAN
-from jvitals.monitor.types import Change, Level, RuleBase, Spike, clear, release, set_
+from jvitals.monitor.rules_window import window_peak
+from jvitals.monitor.trackers_spikes import SpikeTracker
+from jvitals.monitor.types import Change, Level, Reading, RuleBase, Spike, clear, release, set_
 
 __all__ = ["BrokenModelRule", "DivergenceRule", "LossScaleRule", "SpikeRule"]
 

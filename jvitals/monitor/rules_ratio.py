@@ -7,14 +7,13 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-
+from jvitals.monitor.codec import NAN as _NAN
 from jvitals.monitor.policy import Policy
-from jvitals.monitor.rules_base import Figures, hysteresis_level, no_why, schedule_factor
-from jvitals.monitor.baselines import BASELINES, DriftBaseline, FixedBaseline, RollingBaseline
-from jvitals.monitor.bands import BandSettings, BucketSeries, DriftBand
 from jvitals.monitor.robust import theil_sen
-from jvitals.monitor.types import Reading, NAN as _NAN
-from jvitals.monitor.types import Alert, Change, Level, RuleBase, Spike, release, set_
+from jvitals.monitor.rules_base import Figures, hysteresis_level, no_why, schedule_factor
+from jvitals.monitor.trackers_bands import BandSettings, BucketSeries, DriftBand
+from jvitals.monitor.trackers_baselines import BASELINES, DriftBaseline, FixedBaseline, RollingBaseline
+from jvitals.monitor.types import Alert, Change, Level, Reading, RuleBase, Spike, release, set_
 
 __all__ = ["JumpRule", "RatioRule", "TrendRule"]
 
@@ -185,7 +184,7 @@ class TrendRule(RuleBase):
     closed bucket's mean,
     smoothed (``y += 0.3 (mean - y)``: one noisy check a bucket at a sparse
     cadence), feeds a
-    :class:`~jvitals.monitor.trackers.DriftBand` (drift departures only, windows
+    :class:`~jvitals.monitor.trackers_bands.DriftBand` (drift departures only, windows
     ``W`` = ``trend_window`` and 4x it)::
 
         YELLOW when log(x / factor) rose over the last W steps by more than

@@ -2,13 +2,11 @@
 
 The other rules judge a figure against the run's own history, which learns a growth that
 starts before the baselines do (the warm-up) as the figure's drift. These rules judge what
-a number means regardless of the run (``Policy.scale``, :class:`~jvitals.monitor.config.ScaleConfig`):
+a number means regardless of the run (:class:`~jvitals.monitor.config.ScaleConfig`):
 
 - :class:`AttnLogitRule`: a pre-softmax attention logit of 30 gives every other key of its
-  row a weight below ``e^-30``, under float32's precision: the row is one-hot. Logits rising
-  into that range, several-fold within a few hundred steps, are the attention-logit growth
-  of Dehghani et al. 2023 and Wortsman et al. 2023 (no qk-layernorm at a high LR), whose
-  attention entropy collapses.
+  row a weight below ``e^-30``, under float32's precision: the row is one-hot (the
+  attention-logit growth of Dehghani et al. 2023 and Wortsman et al. 2023).
 - :class:`OutputLogitRule`: output logits of 100 have a bfloat16 spacing of half a nat:
   PaLM's output-logit divergence, which the z-loss prevents.
 - :class:`UpdateSizeRule`: ``update/param_ratio`` is the fraction of the weights' norm one

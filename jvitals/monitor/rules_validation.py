@@ -10,12 +10,12 @@ import math
 
 import numpy as np
 
+from jvitals.monitor.codec import NAN as _NAN
 from jvitals.monitor.policy import Policy
-from jvitals.monitor.rules_base import Figures
-from jvitals.monitor.bands import GapSeries
 from jvitals.monitor.robust import mann_kendall_z, theil_sen
-from jvitals.monitor.types import Reading, NAN as _NAN
-from jvitals.monitor.types import Change, Level, RuleBase, Spike, clear, release, set_
+from jvitals.monitor.rules_base import Figures
+from jvitals.monitor.trackers_bands import GapSeries
+from jvitals.monitor.types import Change, Level, Reading, RuleBase, Spike, clear, release, set_
 
 __all__ = ["GapRule", "ValRiseRule"]
 

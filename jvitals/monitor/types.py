@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import types
 from typing import Any, Mapping, NamedTuple
 
@@ -26,21 +27,23 @@ __all__ = [
     "RULE_PRESCRIPTION",
     "Spike",
     "Verdict",
+    "split_group",
 ]
 
+from jvitals.monitor.codec import NAN, dec_float, dec_state, enc_float, enc_state
 
-from jvitals.monitor.codec import (  # noqa: F401  (re-exported: the rules import them from here)
-    NAN,
-    LegacyDict,
-    dec_any,
-    dec_float,
-    dec_floats,
-    dec_state,
-    enc_float,
-    enc_floats,
-    enc_state,
-    split_group,
-)
+_GROUP = re.compile(r"^(?P<fam>.+)/(?P<g>embedding|lm_head|layer_(?P<i>\d+))$")
+
+
+def split_group(name: str) -> tuple[str, str, int | None] | None:
+    """A per-group metric name split as ``(family, group, layer index or None)``:
+    ``"update/param_ratio/layer_3"`` -> ``("update/param_ratio", "layer_3", 3)``,
+    ``"grad/share/embedding"`` -> ``("grad/share", "embedding", None)``; None for a
+    name that does not end in a group (``embedding``, ``lm_head``, ``layer_{i}``)."""
+    m = _GROUP.match(name)
+    if m is None:
+        return None
+    return m["fam"], m["g"], None if m["i"] is None else int(m["i"])
 
 
 # --------------------------------------------------------------------------
@@ -182,7 +185,7 @@ PRESCRIPTIONS: Mapping[str, Prescription] = types.MappingProxyType({
         "restore the latest healthy checkpoint (params and optimizer state), "
         "cut the learning rate by 10% (20-50% if it recurs), keep the data "
         "position"),
-    # The replica rule (monitor/replicas.py), by what it suspects.
+    # The replica rule (monitor/rules_replicas.py), by what it suspects.
     "replica_device": Prescription(
         "one replica's figures off the others' while its data moves",
         "a sick device (a chip returning wrong numbers or NaN)",
@@ -265,7 +268,7 @@ RULE_PRESCRIPTION: Mapping[str, str] = types.MappingProxyType({
 
 
 @dataclasses.dataclass(frozen=True)
-class Localization(LegacyDict):
+class Localization:
     """One ranked entry of an alert's localization.
 
     Attributes:
@@ -317,7 +320,7 @@ class Localization(LegacyDict):
 
 
 @dataclasses.dataclass
-class Alert(LegacyDict):
+class Alert:
     """One anomaly: a condition on a metric, opened once and updated in place.
 
     An ongoing condition is one ``Alert`` object (same ``id``) whose ``step``,
@@ -437,7 +440,7 @@ class Alert(LegacyDict):
 
 
 @dataclasses.dataclass(frozen=True)
-class Spike(LegacyDict):
+class Spike:
     """Anatomy of one completed spike of ``loss`` or ``grad/global_norm``.
 
     The band: a spike starts when ``x > trend + max(spike_z * scale,
@@ -533,7 +536,7 @@ class Verdict:
 
 
 # --------------------------------------------------------------------------
-# The changes a rule returns (rules.py and replicas.py build them).
+# The changes a rule returns (the rules_<topic> modules build them).
 # --------------------------------------------------------------------------
 
 

@@ -292,7 +292,7 @@ def plot_replica_heatmap(run: Run, figure: str, ax=None, *, clip: float = 10.0):
     Returns:
         The Axes, or ``None`` when the figure was not logged.
     """
-    from jvitals.monitor.replicas import robust_z
+    from jvitals.monitor.rules_replicas import robust_z
 
     got = replica_matrices(run).get(figure)
     if got is None:

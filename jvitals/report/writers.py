@@ -25,7 +25,7 @@ import numpy as np
 
 from jvitals.guard.events import EVENTS_TAG, ROLLBACK_COUNT, ROLLBACK_LR_SCALE, events_json, json_default
 from jvitals.guard.verdict import VerdictLike
-from jvitals.monitor.replicas import REPLICA_PREFIX, replica_summaries, replica_vectors
+from jvitals.monitor.rules_replicas import REPLICA_PREFIX, replica_summaries, replica_vectors
 
 __all__ = [
     "ALERTS_MD_TAG",

@@ -12,14 +12,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jvitals.monitor.codec import LegacyDict
-from jvitals.monitor.types import NAN as _NAN
-from jvitals.monitor.types import dec_floats, dec_state, enc_floats, enc_state
+from jvitals.monitor.codec import NAN as _NAN
+from jvitals.monitor.codec import dec_floats, dec_state, enc_floats, enc_state
 
 __all__ = ["BandSettings", "BucketSeries", "DriftBand", "GapSeries"]
 
 
-class BucketSeries(LegacyDict):
+class BucketSeries:
     """Means of ``k`` parallel series in fixed step buckets, last ``n`` kept.
 
     Bucket ``b = s // width``; ``add`` returns True when it closed a bucket
@@ -104,7 +103,7 @@ class BandSettings(NamedTuple):
     growth: bool = False
 
 
-class DriftBand(LegacyDict):
+class DriftBand:
     """Departures of one figure ``y`` (a log) from its own recent history.
 
     At each sample ``(t, y)`` (model time), for each window ``W`` of ``windows``::
@@ -320,7 +319,7 @@ class DriftBand(LegacyDict):
         return b
 
 
-class GapSeries(LegacyDict):
+class GapSeries:
     """(t, gap) samples covering the last ``2 * val_gap_window`` steps.
 
     Keeps one sample at or before ``t - 2W`` so both window ends can be

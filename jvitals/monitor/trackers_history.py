@@ -9,14 +9,13 @@ from typing import Any
 
 import numpy as np
 
+from jvitals.monitor.codec import dec_floats, enc_floats
 from jvitals.monitor.policy import Policy
-from jvitals.monitor.codec import LegacyDict
-from jvitals.monitor.types import dec_floats, enc_floats
 
 __all__ = ["LayerHistory"]
 
 
-class LayerHistory(LegacyDict):
+class LayerHistory:
     """Fixed-size NumPy history of the localization candidates.
 
     One row per ``stride`` steps of model time (later samples within a stride

@@ -13,16 +13,15 @@ from typing import Any
 
 import numpy as np
 
+from jvitals.monitor.codec import NAN as _NAN
+from jvitals.monitor.codec import dec_float, dec_floats, enc_float, enc_floats
 from jvitals.monitor.policy import Policy
 from jvitals.monitor.robust import median, theil_sen
-from jvitals.monitor.codec import LegacyDict
-from jvitals.monitor.types import NAN as _NAN
-from jvitals.monitor.types import dec_float, dec_floats, enc_float, enc_floats
 
 __all__ = ["BASELINES", "BaselineStart", "DriftBaseline", "EmaBaseline", "FixedBaseline", "RollingBaseline"]
 
 
-class BaselineStart(LegacyDict):
+class BaselineStart:
     """Model time at which the baselines start (``start``; ``None`` before).
 
     ``Policy.baselines.warmup_steps`` set: that step. Else, with ``Policy.baselines.lr_metric``
@@ -110,7 +109,7 @@ class BaselineStart(LegacyDict):
         return b
 
 
-class FixedBaseline(LegacyDict):
+class FixedBaseline:
     """Median over the first ``baseline_steps`` steps after the start.
 
     ``baseline = median(x_t for start <= t < start + baseline_steps)``; if
@@ -156,7 +155,7 @@ class FixedBaseline(LegacyDict):
         return b
 
 
-class RollingBaseline(LegacyDict):
+class RollingBaseline:
     """OLMo-core style: mean and std over a rolling window of steps.
 
     ``gate = x > mean + rolling_k * std`` over the samples of the last
@@ -207,7 +206,7 @@ class RollingBaseline(LegacyDict):
         return b
 
 
-class EmaBaseline(LegacyDict):
+class EmaBaseline:
     """ZClip style: EMA of the mean and variance, z-score gate.
 
     After ``adaptive_min_samples`` samples (their plain mean and variance
@@ -267,7 +266,7 @@ class EmaBaseline(LegacyDict):
         return b
 
 
-class DriftBaseline(LegacyDict):
+class DriftBaseline:
     """A reference that follows the run's own slow drift (the default).
 
     Starts as :class:`FixedBaseline` (the median over the first ``baseline_steps``

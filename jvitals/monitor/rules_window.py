@@ -1,33 +1,12 @@
-"""Rules for what the README's cadence sees: the window since the last check, the first
-checks before the baselines are armed, a degrading data pipeline, the run's own throughput.
+"""Rules for what the cadence leaves between two checks: the window since the last check,
+the first checks before the baselines are armed, a degrading data pipeline, the run's own
+throughput.
 
-The host checks once per ``cadence`` steps; the recorder's window
-(:mod:`jvitals.metrics.window`) hands it what happened in between. These rules read it,
-and judge what a sparse cadence needs judged its own way::
-
-    class            rule id     level     condition
-    NonFiniteRule    nonfinite   ORANGE    loss / grad norm non-finite at the check, a non-finite
-                                           gradient count, or a non-finite step in the window
-                                           (onset: that step)
-    SkipRule         skip        YELLOW,   an update skipped in the step since the last check
-                                 ORANGE    (onset: its step); ORANGE when skips recur at
-                                           ``skip_orange_checks`` checks running
-    EarlyRule        early       ORANGE    before the baselines are armed: the loss x2 or the
-                                           grad norm x10 the median of the last checks
-    RepeatRule       repeat      YELLOW    the loss collapsing 3x below its recent median after
-                                           the baselines are armed: the data repeats
-    DataRule         data        YELLOW    the loss rising while the update, gradient and
-                                           parameter figures stay in their bands: the data,
-                                           not the optimizer (the loss-spike alert and its
-                                           divergence step aside: no rollback loop)
-    ThroughputRule   throughput  YELLOW    tokens/s down beyond the run's own noise
-                                           (``throughput_z`` sd, at least ``throughput_drop``,
-                                           30%) for ``throughput_hold_steps``
-
-Window names: ``window/{figure}.max`` (``.min``, ``.mean``, ``.std``, ``.max_ago``, ``.n``),
-``window/steps``, ``window/nonfinite_steps``, ``window/first_nonfinite_ago``,
-``window/skipped_steps``, ``window/first_skipped_ago``; "ago" counts updates before the
-check: the event's step is ``check step - ago``.
+The host checks once per ``cadence`` steps and the recorder's window
+(:mod:`jvitals.metrics.window`) hands it what happened in between: a non-finite or skipped
+step is dated to its own step, not to the check that saw it. The rules, their ids and
+levels: the rule table in docs/MONITOR.md; the window's names and why each rule judges
+the way it does: docs/MONITOR.md, "The window rules (between the checks)".
 """
 
 from __future__ import annotations
@@ -35,15 +14,14 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from jvitals.monitor.policy import Policy
 import numpy as np
 
-from jvitals.monitor.baselines import DriftBaseline
+from jvitals.monitor.codec import NAN as _NAN
+from jvitals.monitor.policy import Policy
 from jvitals.monitor.robust import mann_kendall_z, median, theil_sen
 from jvitals.monitor.rules_base import Figures
-from jvitals.monitor.types import Reading, NAN as _NAN
-from jvitals.monitor.types import Change, Level, RuleBase, Spike, release, set_
-
+from jvitals.monitor.trackers_baselines import DriftBaseline
+from jvitals.monitor.types import Change, Level, Reading, RuleBase, Spike, release, set_
 
 __all__ = ["DataRule", "EarlyRule", "NonFiniteRule", "SkipRule", "ThroughputRule", "WINDOW", "WindowSpikes",
            "window_peak"]
@@ -481,7 +459,7 @@ class ThroughputRule(RuleBase):
     """Throughput down beyond the run's own variability.
 
     The first present ``throughput_metrics`` ``x`` against a
-    :class:`~jvitals.monitor.trackers.DriftBaseline` reference (learning only from checks
+    :class:`~jvitals.monitor.trackers_baselines.DriftBaseline` reference (learning only from checks
     within the band: it follows a machine's slow changes, not a drop), with the run's own
     noise ``sd``: the root of an EMA (half-life ``throughput_noise_halflife`` steps) of
     ``d^2``, ``d = log(x / ref)`` clipped at twice the band, learned while no alert holds

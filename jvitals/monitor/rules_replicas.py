@@ -1,50 +1,15 @@
-"""The host side of the per-replica vitals: flat figures, robust scores, the rule that names a part.
+"""The host side of the per-replica vitals, and the rule that names a sick device or data shard.
 
-:func:`jvitals.replica_metrics` gives, inside the step, small ``(R,)`` vectors over
-the data-parallel replicas (``replica/loss``, ``replica/hidden_states_rms``, ...).
-On the host:
-
-- :func:`flat_replicas` turns each vector into per-replica scalars
-  (``replica/loss/3``) that :meth:`jvitals.Monitor.update` accepts, and adds the data
-  shard each replica read at this step (``replica/data/3``, from ``data=``): the
-  monitor keeps the vector for the check. :func:`jvitals.write` never writes them one
-  by one: it writes per figure the worst replica's robust z-score and its index
-  (:func:`replica_summaries`) and the vectors as one JSON text for the report's
-  replica x step heat maps.
-- :class:`ReplicaRule` (rule id ``replica``, last in :func:`default_rules`) judges
-  them. Per figure, the robust z-score of each replica against the others::
-
-      med = median_r x_r,   mad = median_r |x_r - med|
-      s   = max(1.4826 mad, replica_rel_floor |med|)
-      z_r = (x_r - med) / max(s, spread |med|)
-
-  where ``spread`` is the figure's typical ``s / |med|`` over the past checks (an EMA,
-  half-life ``replica_spread_halflife`` checks): a check whose replicas happen to
-  agree closely does not turn a noisy one into an outlier.
-
-  A replica is an outlier when ``|z_r| > replica_z`` and its ratio to the median is
-  beyond ``replica_min_ratio`` (either way); the same replica, or the same data
-  shard, an outlier on ``replica_confirm`` consecutive checks -> YELLOW. Non-finite
-  values on some replicas while the others are finite -> ORANGE at once. The
-  message names the replica, its devices, process(es) and host(s) (from the
-  :class:`~jvitals.metrics.replicas.ReplicaLayout` set as ``rule.layout``) and what
-  it suspects, from the data shards of the checks:
-
-  ======================================================  =========================
-  the outlier ...                                          suspect
-  ======================================================  =========================
-  stays on the same replica while its data shard changed   ``device`` (the hardware)
-  moves to another replica with the data shard             ``data``
-  stays on the same replica with the same data shard,      ``unknown``: it cannot tell,
-  or no data shards were logged                            and says so
-  ======================================================  =========================
-
-  On a device suspicion the prescription is to restart without that host from the
-  healthy checkpoint, not to lower the learning rate; the alert's ``details`` carry
-  the names, the suspicion and the prescription, which the guard's remedy table
-  reads (``jvitals.guard.remedies``: ``restart_without``).
-
-NumPy only, as the rest of the monitor.
+:func:`jvitals.replica_metrics` gives, inside the step, small ``(R,)`` vectors over the
+data-parallel replicas. On the host, :func:`flat_replicas` turns each into per-replica
+scalars (``replica/loss/3``, with the data shard each replica read) that
+``Monitor.update`` accepts; :func:`replica_summaries` / :func:`replica_vectors` give the
+writer the worst replica's robust z-score and the vectors for the report's heat maps.
+:class:`ReplicaRule` (rule id ``replica``) flags a replica whose figure is a robust outlier
+against the others (median/MAD across replicas) on consecutive checks, and says whether it
+suspects the device or the data, because the cures differ (restart without that host, or
+skip the shard). The formula, the suspect table and the remedies: docs/REPLICAS.md, "The
+rule". NumPy only, as the rest of the monitor.
 """
 
 from __future__ import annotations
@@ -55,9 +20,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from jvitals.monitor.codec import NAN as _NAN
 from jvitals.monitor.policy import Policy
-from jvitals.monitor.types import Reading, NAN as _NAN
-from jvitals.monitor.types import PRESCRIPTIONS, Level, RuleBase, Spike, release, set_
+from jvitals.monitor.types import PRESCRIPTIONS, Level, Reading, RuleBase, Spike, release, set_
 
 __all__ = [
     "DATA_FIGURE",

@@ -8,17 +8,16 @@ import collections
 import math
 from typing import Any
 
-
+from jvitals.monitor.codec import NAN as _NAN
+from jvitals.monitor.codec import dec_float, dec_floats, enc_float, enc_floats
 from jvitals.monitor.policy import Policy
 from jvitals.monitor.robust import median
-from jvitals.monitor.codec import LegacyDict
-from jvitals.monitor.types import NAN as _NAN
-from jvitals.monitor.types import Spike, dec_float, dec_floats, enc_float, enc_floats
+from jvitals.monitor.types import Spike
 
 __all__ = ["ScoreWindow", "SpikeTracker"]
 
 
-class ScoreWindow(LegacyDict):
+class ScoreWindow:
     """Fraction of flagged checks over the last ``window`` steps.
 
     The window is cut into ``buckets`` fixed buckets of
@@ -80,7 +79,7 @@ def _margin(trend: float, scale: float, z: float, ratio: float) -> float:
     return max(z * scale, (ratio - 1.0) * abs(trend))
 
 
-class SpikeTracker(LegacyDict):
+class SpikeTracker:
     """Trend, band, spike anatomy and periodicity of one metric.
 
     Trend and scale (between spikes, ``dt`` = steps since the last sample)::
