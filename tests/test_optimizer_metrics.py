@@ -302,3 +302,36 @@ def test_systematic_sample_keeps_small_trees_whole_and_walks_every_column():
     got = np.asarray(systematic_sample({(): [x]}, size=512)[()][0])   # k = 8 | 1 = 9
     np.testing.assert_array_equal(got, np.arange(0, 64 * 64, 9))
     assert len(set(got.astype(int) % 64)) == 64                        # every column, across the rows
+
+
+@pytest.mark.parametrize("q", [0.5, 0.3])
+def test_window_quantile_reads_the_bins_of_numpy_around_a_sample(q):
+    """window_quantile (the GPU/TPU form): max |x| exact, the quantile within the 4-bin
+    interval its docstring bounds (one bin where the sample's bin is within 4 of the true one)
+    of NumPy's, on leaves whose rows differ in scale (the sample: every 32nd block of 8 rows)."""
+    from jvitals.metrics.optimizer import window_quantile
+    rng = np.random.default_rng(3)
+    xs = [np.exp(rng.normal(-10, 3, size=(512, 384))).astype(np.float32),
+          np.exp(rng.normal(-14, 2, size=(4096, 1)) + rng.normal(0, 1, size=(4096, 256))).astype(np.float32),
+          np.exp(rng.normal(-8, 1, size=(256,))).astype(np.float32)]
+    amax, got = jax.jit(lambda *a: window_quantile({(): list(a)}, q))(*xs)
+    every = np.concatenate([x.ravel() for x in xs]).astype(np.float64)
+    assert float(amax) == every.max()
+    assert abs(np.log10(float(got)) - np.log10(np.quantile(every, q))) <= 4 * BIN_DECADES
+    bad = xs[0].copy()
+    bad[3, 3] = np.nan
+    assert all(np.isnan(v) for v in jax.jit(lambda a: window_quantile({(): [a]}))(bad))
+
+
+def test_window_median_in_optimizer_metrics_is_near_numpys():
+    state = optax.adam(1e-3).init({"w": jnp.zeros((1024, 256)), "b": jnp.zeros((256,))})
+    rng = np.random.default_rng(4)
+    nu = {"w": jnp.asarray(np.exp(rng.normal(-12, 2, size=(1024, 256))), jnp.float32),
+          "b": jnp.asarray(np.exp(rng.normal(-9, 1, size=(256,))), jnp.float32)}
+    state = (state[0]._replace(nu=nu),) + tuple(state[1:])
+    win = jax.jit(lambda s: optimizer_metrics(s, median="window"))(state)
+    exact = jax.jit(lambda s: optimizer_metrics(s, median="search"))(state)
+    assert float(win["opt/adam_nu_abs.max"]) == float(exact["opt/adam_nu_abs.max"])
+    every = np.concatenate([np.ravel(v) for v in nu.values()]).astype(np.float64)
+    assert abs(np.log10(float(win["opt/adam_nu_median"])) - np.log10(np.median(every))) <= 4 * BIN_DECADES
+    assert abs(float(win["opt/adam_nu_log10_spread"]) - float(exact["opt/adam_nu_log10_spread"])) <= 4 * BIN_DECADES

@@ -38,7 +38,7 @@ def bench():
 def rows(bench):
     """The families of the issue's table on the benchmark's Llama-like step (d256, 4 layers,
     grouped K/V, vocabulary 4096, 4 x 64 tokens, full tensors sown), compiled for one v5e chip."""
-    families = ("sow", "attn", "light", "heavy", "readme", "full")
+    families = ("sow", "attn", "light", "heavy", "opt", "readme", "full")
     got = bench.measure(TOPOLOGY, bench.sizes()["d256"], (4, 64), families, bench.tpu_sharding(TOPOLOGY))
     return {r.family: r for r in got}
 
@@ -64,11 +64,25 @@ def test_the_readme_light_step_is_nearly_free(rows):
     assert r.extra_mb <= 0.2 * r.limit_mb, (r.extra_mb, r.limit_mb)
 
 
+def test_the_optimizer_statistics_stay_within_their_measured_cost(rows):
+    """Adam ``nu``'s maximum and median (``window_quantile``: a sample's counting passes, then
+    one kernel per leaf): 3.34x of one read of ``nu`` on d256 (docs/COST.md), a regression bound."""
+    r = rows["opt"]
+    assert r.extra_mb <= 3.6 * r.limit_mb, (r.extra_mb, r.limit_mb)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 41's target, not met on d256: the sample's passes are "
+                                       "charged whole leaves (docs/COST.md)")
+def test_the_optimizer_statistics_within_one_and_a_half_reads(rows):
+    r = rows["opt"]
+    assert r.extra_mb <= 1.5 * r.limit_mb, (r.extra_mb, r.limit_mb)
+
+
 def test_the_readme_heavy_step_as_a_whole(rows):
     """The heavy step (every family: per-role gradients, every activation, the optimizer
-    statistics) as a whole; the Adam-``nu`` median's search passes are most of it."""
+    statistics) as a whole (1.17 on d256, docs/COST.md)."""
     r = rows["full"]
-    assert r.step_x <= 1.45, r.step_x
+    assert r.step_x <= 1.25, r.step_x
 
 
 def test_libtpu_pin_follows_jax(bench):

@@ -20,9 +20,13 @@ denormals below ``9.2e-41``) reads as 0, so a model whose ``nu`` is mostly zero 
 an infinite spread, as NumPy would. Cost on the CPU: one read and a 32768-bin
 scatter-add per leaf; no sort, no concatenation, no host sync. On GPUs and TPUs a
 scatter-add of many equal indices serialises (as long as a whole training step on a
-GPU, docs/COST.md), so there the same bins are found by :func:`search_quantile` instead:
-four compare-and-count reads of each leaf, narrowing the median's bin 16-fold per pass
-(``median=`` chooses).
+GPU, docs/COST.md), so there ``'auto'`` takes :func:`window_quantile`: the bin of a
+sample's median (every 32nd block of 8 rows of each leaf), then **one read of each leaf**
+that takes its maximum and counts it at 16 edges around that bin (one kernel per leaf on
+the TPU); the median is the bin's midpoint, as above, when it lies within 4 bins of the
+sample's, else interpolated across a wider interval (the function's docstring).
+:func:`search_quantile` finds the exact bins in four reads of each leaf (``median=``
+chooses).
 
 **On the CPU, above** ``2 NU_SAMPLE`` **values** (about a million), the median is that of a
 systematic sample (:func:`systematic_sample`: every ``k``-th value of each leaf, ``k`` odd,
@@ -32,7 +36,8 @@ step there (the d256 benchmark, 4.9M ``nu``: +16% of the step, against +1.5% sam
 sample's median is exact to the bin on the sample; on real Adam ``nu`` (the reference
 models after 1, 10 and 60 steps) it fell within 0.0024 decades of NumPy's median of every
 value (the bins' own bound: 0.0034). ``median='histogram'`` or ``'search'`` reads every
-value on any backend; ``'sample'`` the sample on any. The maximum reads every value.
+value on any backend; ``'sample'`` the sample on any; ``'window'``
+:func:`window_quantile` on any. The maximum reads every value.
 
 ``opt/loss_scale`` comes from a dynamic loss scale carried in the state (flax's
 ``DynamicScale``, jmp's ``DynamicLossScale``, or any leaf named ``loss_scale``), or
@@ -47,6 +52,7 @@ per-group ones), as the recorder logs it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -63,8 +69,9 @@ from jvitals.metrics.stats import Summary, summarize_max
 from jvitals.metrics.axes import check_axes, make_varying, psum_over, reduction_axes
 from jvitals.metrics.checks import check_opt_state
 
-__all__ = ["LR_SCALE", "LR_SCALE_ARG", "NU_BINS", "NU_SAMPLE", "histogram_quantile", "injected_hyperparams",
-           "log_histogram", "optimizer_metrics", "search_quantile", "systematic_sample"]
+__all__ = ["LR_SCALE", "LR_SCALE_ARG", "NU_BINS", "NU_SAMPLE", "WINDOW_SAMPLE", "block_sample", "histogram_quantile",
+           "injected_hyperparams", "log_histogram", "optimizer_metrics", "search_quantile", "systematic_sample",
+           "window_quantile"]
 
 _F32 = jnp.float32
 LR_SCALE = "lr_scale"
@@ -266,25 +273,157 @@ def search_quantile(groups: Mapping[tuple[str, ...], Sequence[jax.Array]], q: fl
       float32 scalar: the ``q``-quantile of ``|x|`` over every leaf, each rank
       read as its bin's midpoint (0 for bin 0); NaN if there is no element.
     """
-    def total(local: list[jax.Array]) -> jax.Array:
-        out = jnp.zeros(local[0].shape, _F32)
-        for red, c in zip(groups, local):
-            c = c.astype(_F32)
-            # lax.psum, not psum_over: n is a constant, invariant yet to be summed.
-            out = out + (lax.psum(make_varying(c, red), red) if red else c)
-        return out
-
-    n = total([jnp.asarray(sum(x.size for x in xs), _F32) for xs in groups.values()])
+    n = _total(groups, [jnp.asarray(sum(x.size for x in xs), _F32) for xs in groups.values()])
     pos, lo_rank, hi_rank = _linear_rule(n, q)
     ranks = jnp.stack([lo_rank, hi_rank])
     lo = jnp.zeros([2], jnp.int32)
     for width, k in _SEARCH_PASSES:
         edges = (lo[:, None] + width * jnp.arange(1, k + 1, dtype=jnp.int32)[None, :]).reshape(-1)
-        counts = total([sum(jnp.sum(_bins(x)[..., None] < edges.reshape((1,) * x.ndim + (-1,)),
-                                    axis=tuple(range(x.ndim)), dtype=jnp.int32)
-                            for x in xs) for xs in groups.values()]).reshape(2, k)
+        counts = _total(groups, [sum(jnp.sum(_bins(x)[..., None] < edges.reshape((1,) * x.ndim + (-1,)),
+                                             axis=tuple(range(x.ndim)), dtype=jnp.int32)
+                                     for x in xs) for xs in groups.values()]).reshape(2, k)
         lo = lo + width * jnp.sum(counts <= ranks[:, None], axis=1, dtype=jnp.int32)
     return _read_bins(lo[0], lo[1], pos, n)
+
+
+def _total(groups: Mapping[tuple[str, ...], Sequence[jax.Array]], local: list[jax.Array]) -> jax.Array:
+    """The per-group counts ``local`` summed, each ``psum``-ed over its group's axes (float32)."""
+    out = jnp.zeros(local[0].shape, _F32)
+    for red, c in zip(groups, local):
+        c = c.astype(_F32)
+        # lax.psum, not psum_over: n is a constant, invariant yet to be summed.
+        out = out + (lax.psum(make_varying(c, red), red) if red else c)
+    return out
+
+
+# window_quantile's edges, as offsets from the sample's bin b: unit-wide bins from b - 4 to
+# b + 4 (exact there), then 4-, 16- and 72-bin-wide ones out to b -+ 96 (about 0.33 decades).
+_WINDOW = (-96, -24, -8, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 9, 25, 97)
+WINDOW_SAMPLE = 32
+"""About one ``nu`` value in how many :func:`window_quantile`'s sample reads (:func:`block_sample`)."""
+
+
+def block_sample(x: jax.Array, every: int = WINDOW_SAMPLE) -> jax.Array:
+    """Every ``every``-th block of 8 rows of ``x`` viewed as a matrix ``[prod(shape[:-1]),
+    shape[-1]]`` (its major dimension split only), about one element in ``every``, spread over
+    its rows. A leaf of one dimension or of fewer than ``8 every`` rows is taken whole."""
+    x = jnp.asarray(x)
+    if x.ndim < 2:
+        return x
+    r, c = int(np.prod(x.shape[:-1])), x.shape[-1]
+    nb = r // (8 * every)
+    if nb == 0:
+        return x
+    return x.reshape(r, c)[:nb * 8 * every].reshape(nb, every, 8, c)[:, 0]
+
+
+def _interval_bins(edges: jax.Array, counts: jax.Array, rank: jax.Array) -> jax.Array:
+    """The continuous bin of ``rank`` from running counts at ``edges`` (ascending, ``counts[0]
+    = 0``, ``counts[-1]`` above every rank): the bin's midpoint when the interval holding the
+    rank is one bin wide, else interpolated by rank across the interval."""
+    a = jnp.clip(jnp.sum(counts <= rank, dtype=jnp.int32), 1, edges.shape[0] - 1)
+    e0, e1 = edges[a - 1].astype(_F32), edges[a].astype(_F32)
+    c0, c1 = counts[a - 1], counts[a]
+    t = (rank - c0 + 0.5) / jnp.maximum(c1 - c0, 1.0)
+    return jnp.where(e1 - e0 <= 1.0, e0 + 0.5, e0 + jnp.clip(t, 0.0, 1.0) * (e1 - e0))
+
+
+def _value_of(f: jax.Array) -> jax.Array:
+    """The float32 whose top 16 bits are the continuous bin ``f`` (0 in bin 0, as :func:`_bin_value`)."""
+    bits = jnp.clip(f * 65536.0, 0.0, float(_NONFINITE_BIN << 16)).astype(jnp.int32)
+    return jnp.where(f < 1.0, 0.0, lax.bitcast_convert_type(bits, _F32)).astype(_F32)
+
+
+def _sample_bin(sample: Mapping[tuple[str, ...], Sequence[jax.Array]],
+                weights: Mapping[tuple[str, ...], Sequence[float]], q: float) -> jax.Array:
+    """The bin, to 7, of the weighted sample's ``q``-quantile (its lower rank; each element of a
+    sample leaf counts ``weights`` times, its leaf's size over the sample's, so every leaf
+    weighs as much as it holds): three passes of 16 edges counted as sibling reductions
+    (``((bin - e) >> 31) & 1``), each narrowing the range 17-fold (2^15, 1928, 114, 7 bins);
+    the middle of the last range."""
+    n = _total(sample, [jnp.asarray(sum(x.size * w for x, w in zip(xs, weights[red])), _F32)
+                        for red, xs in sample.items()])
+    rank = _linear_rule(n, q)[1]
+    lo, width = jnp.int32(0), NU_BINS
+    while width > 8:
+        step = -(-width // 17)
+        edges = lo + step * jnp.arange(1, 17, dtype=jnp.int32)
+        local = []
+        for red, xs in sample.items():
+            c = jnp.zeros([16], _F32)
+            for x, w in zip(xs, weights[red]):
+                b = _bins(x)
+                c = c + jnp.stack([jnp.sum(((b - edges[j]) >> 31) & 1) for j in range(16)]).astype(_F32) * w
+            local.append(c)
+        counts = _total(sample, local)
+        lo = lo + step * jnp.sum(counts <= rank, dtype=jnp.int32)
+        width = step
+    return lo + width // 2
+
+
+def window_quantile(groups: Mapping[tuple[str, ...], Sequence[jax.Array]], q: float = 0.5,
+                    every: int = WINDOW_SAMPLE) -> tuple[jax.Array, jax.Array]:
+    """``(max |x|, q-quantile of |x|)`` over every leaf, reading each leaf once (GPUs, TPUs).
+
+    1. The bin ``b`` of the ``q``-quantile of a sample (:func:`block_sample`: every
+       ``every``-th block of 8 rows of each leaf, copied out behind a barrier), each leaf
+       weighted by its size over its sample's, to 7 bins in three passes over the sample.
+    2. One pass over every leaf, each behind its own ``optimization_barrier`` (read as the
+       step writes it): ``max`` and ``min`` of ``bits(|x|)`` and the running counts
+       ``C(e) = #{x : bin(x) < e}`` at the 16 edges ``e = b + o``, ``o`` in ``_WINDOW``, as
+       sibling reductions (``((bin - e) >> 31) & 1``: no comparison, no boolean) that the
+       compiler fuses into one kernel reading the leaf once.
+    3. Each rank of NumPy's linear rule is placed between the two edges (or the data's
+       lowest bin and its highest bin + 1) whose counts bracket it.
+
+    **Precision**: within ``b - 4 <= B <= b + 4`` (``B`` the quantile's bin over every
+    value) the bins are one wide and the value is :func:`search_quantile`'s: its bin's
+    midpoint, within ``log10(1 + 2^-7) < 0.0034`` decades. Further out the value is
+    interpolated by rank across an interval 4, 16 or 72 bins wide (an error below 0.014,
+    0.054, 0.24 decades), or between ``b -+ 96`` and the data's extreme bin. The sample is
+    spread over every leaf's rows (an embedding's tokens, from the first to the last), not
+    random: on rows whose scale varies (rare tokens) its bin may stand some bins off ``B``.
+
+    Returns:
+      float32 scalars ``(max |x|, quantile)``, both NaN if any element is not finite
+      (Inf or NaN) or there is none.
+    """
+    groups = {red: [jnp.asarray(x) for x in xs if x.size] for red, xs in groups.items()}
+    sample = {red: [lax.optimization_barrier(block_sample(x, every)) for x in xs] for red, xs in groups.items()}
+    weights = {red: [x.size / max(v.size, 1) for x, v in zip(groups[red], vs)] for red, vs in sample.items()}
+    centre = _sample_bin(sample, weights, q)
+    edges = jnp.clip(centre + jnp.asarray(_WINDOW, jnp.int32), 0, _NONFINITE_BIN)
+    hi_bits, lo_bits, local = [], [], []
+    for red, xs in groups.items():
+        his, los, cs = [], [], []
+        for x in xs:
+            x = lax.optimization_barrier(x)
+            bits = lax.bitcast_convert_type(x.astype(_F32), jnp.int32) & 0x7FFFFFFF
+            b = bits >> 16
+            his.append(jnp.max(bits))
+            los.append(jnp.min(bits))
+            cs.append(jnp.stack([jnp.sum(((b - edges[j]) >> 31) & 1) for j in range(len(_WINDOW))]))
+        if not his:  # only empty leaves: nothing to count
+            his, los, cs = [jnp.int32(0)], [jnp.int32(0x7F800000)], [jnp.zeros([len(_WINDOW)], jnp.int32)]
+        hi, lo = functools.reduce(jnp.maximum, his), functools.reduce(jnp.minimum, los)
+        if red:
+            hi, lo = lax.pmax(make_varying(hi, red), red), lax.pmin(make_varying(lo, red), red)
+        hi_bits.append(hi)
+        lo_bits.append(lo)
+        local.append(sum(cs))
+    hi, lo = functools.reduce(jnp.maximum, hi_bits), functools.reduce(jnp.minimum, lo_bits)
+    counts = _total(groups, local)
+    n = _total(groups, [jnp.asarray(sum(x.size for x in xs), _F32) for xs in groups.values()])
+    pos, lo_rank, hi_rank = _linear_rule(n, q)
+    all_edges = jnp.concatenate([(lo >> 16)[None], jnp.clip(edges, lo >> 16, (hi >> 16) + 1),
+                                 ((hi >> 16) + 1)[None]])
+    all_counts = jnp.concatenate([jnp.zeros([1], _F32), counts, n[None]])
+    frac = pos - jnp.floor(pos)
+    v = (_value_of(_interval_bins(all_edges, all_counts, lo_rank)) * (1.0 - frac)
+         + _value_of(_interval_bins(all_edges, all_counts, hi_rank)) * frac)
+    bad = (hi >= 0x7F800000) | (n <= 0)
+    amax = lax.bitcast_convert_type(hi, _F32)
+    return (jnp.where(bad, jnp.nan, amax).astype(_F32), jnp.where(bad, jnp.nan, v).astype(_F32))
 
 
 def _histogram_median(groups: Mapping[tuple[str, ...], Sequence[jax.Array]]) -> jax.Array:
@@ -296,7 +435,7 @@ def _histogram_median(groups: Mapping[tuple[str, ...], Sequence[jax.Array]]) -> 
     return histogram_quantile(hist, 0.5)
 
 
-_MEDIAN_METHODS = ("auto", "histogram", "search", "sample")
+_MEDIAN_METHODS = ("auto", "histogram", "search", "sample", "window")
 
 
 def optimizer_metrics(opt_state: Any, *, specs: Any = None, axes: Sequence[str] | str = (),
@@ -321,8 +460,10 @@ def optimizer_metrics(opt_state: Any, *, specs: Any = None, axes: Sequence[str] 
         (:func:`log_histogram`, one read and a scatter-add per leaf) or ``'search'``
         (:func:`search_quantile`, four reads, no scatter), the same value either way;
         ``'sample'``: the histogram of :func:`systematic_sample` (every value below
-        ``2 NU_SAMPLE``); ``'auto'``: the sample's histogram on the CPU, the search on
-        other backends (``lax.platform_dependent``: the backend compiling the step decides).
+        ``2 NU_SAMPLE``); ``'window'``: :func:`window_quantile` (a sample's bin, then one
+        read of every value for the maximum and 16 counts around it); ``'auto'``: the
+        sample's histogram on the CPU, the window on other backends
+        (``lax.platform_dependent``: the backend compiling the step decides).
 
     Returns:
       ``{name: scalar}``: ``opt/adam_nu_abs.max``, ``opt/adam_nu_median``,
@@ -401,33 +542,52 @@ def systematic_sample(groups: Mapping[tuple[str, ...], Sequence[jax.Array]],
 
 def _median(groups: Mapping[tuple[str, ...], Sequence[jax.Array]], median: str) -> jax.Array:
     """The ``nu`` median by the method asked for (``'auto'``: on the CPU the histogram of
-    a systematic sample of about ``NU_SAMPLE`` elements, the search over every element
-    elsewhere; the backend compiling the step decides)."""
+    a systematic sample of about ``NU_SAMPLE`` elements, :func:`window_quantile` elsewhere;
+    the backend compiling the step decides)."""
     if median == "histogram":
         return _histogram_median(groups)
     if median == "search":
         return search_quantile(groups, 0.5)
     if median == "sample":
         return _histogram_median(systematic_sample(groups))
+    if median == "window":
+        return window_quantile(groups, 0.5)[1]
     # Inside fold.one_read() on the CPU: the histogram of every value (XLA:CPU materialises
-    # the search's compares: its bytes say nothing of a GPU's).
+    # the window's compares: its bytes say nothing of a GPU's).
     return fold.on_cpu(lambda: _histogram_median(systematic_sample(groups)),
                        lambda: lax.platform_dependent(cpu=lambda: _histogram_median(groups),
-                                                      default=lambda: search_quantile(groups, 0.5)))
+                                                      default=lambda: window_quantile(groups, 0.5)[1]))
+
+
+def _max_and_median(groups: Mapping[tuple[str, ...], Sequence[jax.Array]], median: str,
+                    ) -> tuple[jax.Array, jax.Array]:
+    """``(max |nu|, median)`` over every leaf: the maximum and non-finite count by
+    :func:`~jvitals.metrics.stats.summarize_max` (one read), the median by ``median``'s
+    method (NaN with a non-finite ``nu``)."""
+    acc = Accumulator()
+    for red, xs in groups.items():  # nu >= 0: only its max and non-finite count
+        acc.add(red, "nu", summarize_max(xs))
+    s = acc.result().get("nu", Summary.empty())
+    return s.abs_max, jnp.where(s.nonfinite > 0, jnp.nan, _median(groups, median)).astype(_F32)
 
 
 def _nu_figures(adam: Sequence[Any], *, specs: Any, axes: tuple[str, ...], median: str,
                 prefix: str) -> dict[str, jax.Array]:
     """``{p}/adam_nu_abs.max``, ``_median`` (NaN with a non-finite ``nu``) and
-    ``_log10_spread`` over every ``nu`` leaf (``max |nu|`` and the count: one read each)."""
+    ``_log10_spread`` over every ``nu`` leaf. ``'auto'`` on GPUs and TPUs (and ``'window'``):
+    :func:`window_quantile`, the maximum and the median's counts in one read of each leaf;
+    on the CPU the maximum and the median (a sample's histogram) apart."""
     groups = _nu_groups(adam, specs, axes)
-    acc = Accumulator()
-    for red, xs in groups.items():  # nu >= 0: only its max and non-finite count
-        acc.add(red, "nu", summarize_max(xs))
-    s = acc.result().get("nu", Summary.empty())
-    med = jnp.where(s.nonfinite > 0, jnp.nan, _median(groups, median)).astype(_F32)
-    return {f"{prefix}/adam_nu_abs.max": s.abs_max, f"{prefix}/adam_nu_median": med,
-            f"{prefix}/adam_nu_log10_spread": (jnp.log10(s.abs_max) - jnp.log10(med)).astype(_F32)}
+    if median == "window":
+        amax, med = window_quantile(groups, 0.5)
+    elif median == "auto":
+        amax, med = fold.on_cpu(lambda: _max_and_median(groups, "auto"),
+                                lambda: lax.platform_dependent(cpu=lambda: _max_and_median(groups, "histogram"),
+                                                               default=lambda: window_quantile(groups, 0.5)))
+    else:
+        amax, med = _max_and_median(groups, median)
+    return {f"{prefix}/adam_nu_abs.max": amax, f"{prefix}/adam_nu_median": med,
+            f"{prefix}/adam_nu_log10_spread": (jnp.log10(amax) - jnp.log10(med)).astype(_F32)}
 
 
 def _find_loss_scale(opt_state: Any, loss_scale: Any) -> jax.Array | None:
