@@ -312,7 +312,7 @@ def build_trainer(adapter: ModelAdapter, optimizer: str, schedule: optax.Schedul
 
         (_, (loss, inter)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
         grads = jax.tree.map(lambda g: g / ls["scale"], grads)
-        updates, new_opt = tx.update(grads, opt_state, params, vitals_layers=full, fault_ctl=ctl)
+        updates, new_opt = tx.update(grads, opt_state, params, vitals_heavy=full, fault_ctl=ctl)
         new = _param_faults(adapter, optax.apply_updates(params, updates), ctl)
         if adapter.top_k:
             new = rm.update_expert_bias(new, inter, rate=1e-3)   # aux-loss-free balancing

@@ -82,13 +82,13 @@ PEAK_LR, END_LR_FRACTION, WARMUP, WEIGHT_DECAY = 3e-3, 0.1, 200, 0.01
 HORIZON = 10_000            # cosine decay length (steps) unless a run says otherwise
 LAYERS_EVERY = 50           # per-layer / group / activation families and val/loss
 VAL_BATCHES = 4
-#: The recorder's every-step family (record.py's "global"); its other figures are fresh only
-#: on the steps that compute the per-layer family.
+#: The recorder's every-step family (record.py's "light"); its other figures are fresh only
+#: on the steps that compute the heavy family.
 RECORDER_GLOBAL = frozenset({"grad/global_norm", "grad/nonfinite_count", "param/global_norm",
                              "grad/global_norm_post_clip", "grad/clip_ratio", "grad/clipped",
                              "update/global_norm", "update/param_ratio", "update/nonfinite_count"})
-def _per_layer_family(name: str) -> bool:
-    """A recorder figure computed only on the steps that compute the per-layer family."""
+def _heavy_family(name: str) -> bool:
+    """A recorder figure computed only on the steps that compute the heavy family."""
     return name.startswith(("grad/", "param/")) and name not in RECORDER_GLOBAL
 
 
@@ -461,7 +461,7 @@ def _trainer(model: str, horizon: int) -> Any:
             return loss * ctl["loss_weight"], inter
 
         (loss, inter), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params, vitals_layers=full)
+        updates, opt_state = tx.update(grads, opt_state, params, vitals_heavy=full)
         # The faults' update multipliers: global (an LR the logged schedule does not show) and
         # the embedding's (a per-group LR).
         updates = {k: jax.tree.map(lambda u: u * ctl["lr_mult"] * (ctl["emb_mult"] if k == "embed" else 1.0), v)
@@ -561,9 +561,9 @@ def generate_run(run: Run, out_dir: Path, log: Callable[[str], None] = print) ->
         if host["sleep"]:
             _busy(sleep_s)   # the throughput fault: a slow loader's extra host work in the loop
         host_m = jax.device_get(metrics)   # this step's host sync
-        # On a light step the recorder still returns its per-layer family's previous values
+        # On a light step the recorder still returns its heavy family's previous values
         # (stale): keep only what was computed this step.
-        row = {k: float(v) for k, v in host_m.items() if full or not _per_layer_family(k)}
+        row = {k: float(v) for k, v in host_m.items() if full or not _heavy_family(k)}
         step_times.append(time.perf_counter() - ts)
         cpu_times.append(time.process_time() - cs)
         timer.step()
@@ -611,7 +611,7 @@ def drop_stale(path: Path) -> bool:
     rows: list[dict[str, float]] = [{} for _ in range(st.steps)]
     for n, (idx, v) in st.series.items():
         keep = np.ones(len(idx), bool)
-        if _per_layer_family(n) and len(idx) == st.steps:
+        if _heavy_family(n) and len(idx) == st.steps:
             keep = idx % every == 0
             changed = True
         for i, x in zip(idx[keep], v[keep]):

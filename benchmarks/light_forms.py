@@ -1,6 +1,6 @@
 """Forms of the recorder's light step, side by side: which way of taking its norms is cheapest.
 
-The light step (``record(chain(clip, adamw))`` with ``vitals_layers=False``, every
+The light step (``record(chain(clip, adamw))`` with ``vitals_heavy=False``, every
 step) measures the global norms of the gradients, the parameters and the updates.
 This compiles the reference model's step once without vitals and once per form of
 :func:`jvitals.metrics.light.light_metrics` (swapped in while tracing), and prints

@@ -3,7 +3,7 @@
 The figures as the recorder returns them after ``jax.device_get`` (0-d
 float32/int32 NumPy arrays): 31 global figures every call (with
 ``opt/learning_rate`` on a warm-up + cosine schedule); every
-``--layers-every`` steps (50, as the recorder's ``vitals_layers`` step) also
+``--layers-every`` steps (50, as the recorder's ``vitals_heavy`` step) also
 9 per-layer families x 30 layers and the group figures of ``embedding`` and
 ``lm_head`` (``grad/norm``, ``grad/share``, ``param/norm``,
 ``update/param_ratio``, and ``update/param_ratio/layer_i``): 31 + 270 + 38 =

@@ -195,7 +195,7 @@ class LinenTrainer:
 
             (_, (loss, figs, inter, checks)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
             grads = jax.tree.map(lambda g: g / ls["scale"], grads)
-            updates, new_opt = self.tx.update(grads, opt_state, params, loss=loss, vitals_layers=full,
+            updates, new_opt = self.tx.update(grads, opt_state, params, loss=loss, vitals_heavy=full,
                                               vitals_read=read)
             new = optax.apply_updates(params, updates)
             m = _metrics(spec, loss, figs, inter, batch, full, new_opt, checks)
@@ -265,7 +265,7 @@ class NNXTrainer:
             inter, chk = sown
             before = nnx.state(model, nnx.Param)
             before = jax.tree.map(lambda x: x + 0, before)
-            optimizer.update(model, grads, loss=loss, vitals_layers=full, vitals_read=read)
+            optimizer.update(model, grads, loss=loss, vitals_heavy=full, vitals_read=read)
             ent = [e[0] for _, e in sorted(_flat(nnx.to_pure_dict(chk)).items(), key=lambda kv: _layer(kv[0]))]
             checks = _checks(logits, batch["mask"], ent)
             m = _metrics(spec, loss, figs, inter, batch, full, optimizer.opt_state, checks)
@@ -392,7 +392,7 @@ def train_guarded(spec: Spec, ckpt_dir: str, *, remedies: bool, cadence: int = 5
             return loss + z, (loss, sown["intermediates"], figs)
 
         (_, (loss, inter, figs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params, loss=loss, vitals_layers=full,
+        updates, opt_state = tx.update(grads, state.opt_state, state.params, loss=loss, vitals_heavy=full,
                                        vitals_read=read)
         metrics = {"loss": loss} | figs
         metrics |= vitals.activation_metrics(inter, mask=batch["mask"], names=("attn_logits",))

@@ -37,10 +37,10 @@ family         what the step adds                                           one-
 ``instrument`` ``activation_metrics`` of what ``jvitals.instrument()``      the tensors it summarises
                sows around the model's ``apply``                            (recorded while tracing)
 ``light``      ``record(chain(clip, adamw), schedule=...)`` with            params + updates (the grad
-               ``vitals_layers=False``: global norms, post-clip, update     norm is the clip's: XLA
+               ``vitals_heavy=False``: global norms, post-clip, update      norm is the clip's: XLA
                norm and ratio, learning rate, every layer's and group's     computes it once)
                norms and ratios, the window (``loss=``, ``vitals_read``)
-``heavy``      the same with ``vitals_layers=True``: + every per-role       gradients + params + updates
+``heavy``      the same with ``vitals_heavy=True``: + every per-role        gradients + params + updates
                figure
 ``skip``       ``light`` around ``skip_step(chain(clip, adamw))``: the      params + updates
                in-step skip's cost
@@ -229,8 +229,8 @@ def _family_metrics(cfg: rm.ModelConfig, fams: frozenset[str], inter: Any, opt_s
 
 
 def make_step(cfg: rm.ModelConfig, tx: optax.GradientTransformation, fams: Iterable[str] = (),
-              layers: bool | None = None, extra: Callable[[Any, dict], dict] | None = None) -> Callable:
-    """A train step with the families ``fams``; ``layers`` is the recorder's ``vitals_layers``
+              heavy: bool | None = None, extra: Callable[[Any, dict], dict] | None = None) -> Callable:
+    """A train step with the families ``fams``; ``heavy`` is the recorder's ``vitals_heavy``
     (None: not passed); ``extra(sown, batch)``: more figures. Without families it returns the
     loss only (the sown tensors are dead)."""
     fams = frozenset(fams)
@@ -242,8 +242,8 @@ def make_step(cfg: rm.ModelConfig, tx: optax.GradientTransformation, fams: Itera
         # As the README's loop calls it: the loss (into the recorder's window, or judged by
         # skip_step) and whether the host reads after this step (traced: no recompile).
         args = {"loss": loss, "vitals_read": state.step % 50 == 0}
-        if layers is not None:
-            args["vitals_layers"] = layers
+        if heavy is not None:
+            args["vitals_heavy"] = heavy
         updates, opt_state = tx.update(grads, state.opt_state, state.params, **args)
         params = optax.apply_updates(state.params, updates)
         if cfg.moe:  # aux-loss-free balancing: training, not vitals; every step does it
@@ -284,16 +284,16 @@ def variants(cfg: rm.ModelConfig, placement: str, families: Iterable[str] = FAMI
             out[fam] = (make_step(cfg, plain, [fam]), plain)
     for fam, flag in (("light", False), ("heavy", True)):
         if fam in families:
-            out[fam] = (make_step(cfg, rec, layers=flag), rec)
+            out[fam] = (make_step(cfg, rec, heavy=flag), rec)
     if "ce" in families and placement == "chain":     # the light step with the loss's logit figures
-        out["ce"] = (make_step(cfg, rec, ["ce"], layers=False), rec)
+        out["ce"] = (make_step(cfg, rec, ["ce"], heavy=False), rec)
     if "attn" in families and placement == "chain":   # ... and with the largest attention logit
-        out["attn"] = (make_step(cfg, rec, ["attn"], layers=False), rec)
+        out["attn"] = (make_step(cfg, rec, ["attn"], heavy=False), rec)
     if "skip" in families and placement == "chain":   # the light step with the in-step skip
         skip = vitals.record(vitals.skip_step(base_tx()), schedule=1e-3)
-        out["skip"] = (make_step(cfg, skip, layers=False), skip)
+        out["skip"] = (make_step(cfg, skip, heavy=False), skip)
     if "all" in families:
-        out["all"] = (make_step(cfg, rec, ["sow", "opt", "moe"], layers=True), rec)
+        out["all"] = (make_step(cfg, rec, ["sow", "opt", "moe"], heavy=True), rec)
     return out
 
 

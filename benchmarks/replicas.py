@@ -115,7 +115,7 @@ def make_step(r_count: int, tx: optax.GradientTransformation, replicas: bool, ac
                                                 replicas=r_count)
 
         (loss, rep), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params, vitals_layers=False)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params, vitals_heavy=False)
         metrics = {"loss": loss} | rep
         new = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
         return new, metrics

@@ -25,7 +25,7 @@ family         what the step adds                                           one-
                ``vitals.cross_entropy`` and the largest attention logit     scores (+ the expert counts)
                (+ ``moe_metrics`` on an MoE config)
 ``full``       the README's heavy step: ``readme`` with                     ``heavy`` + every sown tensor
-               ``vitals_layers=True``, ``activation_metrics`` of every      + Adam ``nu``
+               ``vitals_heavy=True``, ``activation_metrics`` of every       + Adam ``nu``
                sown tensor and ``optimizer_metrics``
 =============  ===========================================================  ==============================
 
@@ -189,9 +189,9 @@ def variants(cfg: rm.ModelConfig, families: Iterable[str]) -> dict[str, tuple[Ca
         out["replicas"] = (oh.make_step(cfg, plain, extra=_replica_metrics), plain)
     moe = ["moe"] if cfg.moe else []
     if "readme" in fams:
-        out["readme"] = (oh.make_step(cfg, rec, ["ce", "attn"] + moe, layers=False), rec)
+        out["readme"] = (oh.make_step(cfg, rec, ["ce", "attn"] + moe, heavy=False), rec)
     if "full" in fams:
-        out["full"] = (oh.make_step(cfg, rec, ["ce", "sow", "opt"] + moe, layers=True), rec)
+        out["full"] = (oh.make_step(cfg, rec, ["ce", "sow", "opt"] + moe, heavy=True), rec)
     return out
 
 

@@ -2,7 +2,7 @@
 light step carries its windows and its free per-group figures (issue 35).
 
 The corpus streams (``tests/data/corpus``, ``tests/data/streams``) hold every step's light
-figures (the loss and the recorder's global family) and the heavy family every 50 steps.
+figures (the loss and the recorder's light family) and the heavy family every 50 steps.
 From them this module rebuilds, with NumPy, what the device would hand the host at a check
 every ``cadence`` steps:
 

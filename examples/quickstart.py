@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup_steps=20, decay_steps=args.steps,
                                                   end_value=args.lr * 0.1)
     tx = vitals.with_lr_scale(optax.chain(
-        vitals.record(optax.clip_by_global_norm(1.0), every={"layers": args.check_every}),
+        vitals.record(optax.clip_by_global_norm(1.0), every={"heavy": args.check_every}),
         optax.adamw(schedule, weight_decay=0.01),
     ))
     params = rm.init_params(cfg, jax.random.key(0))

@@ -89,7 +89,7 @@ def _step_bytes(bench, tx, p, g, **kw):
 
 
 def test_light_step_shares_the_clips_norm_and_counts_non_finite_only_when_needed():
-    """The recorder's light step (vitals_layers=False): its gradient norm is the clip's
+    """The recorder's light step (vitals_heavy=False): its gradient norm is the clip's
     (optax's own expression: XLA computes it once), so around the clip it reads only
     the parameters; the non-finite count sits in a branch a healthy step skips (on the
     CPU); around the whole optimizer it adds the updates' read, and XLA:CPU (no
@@ -102,10 +102,10 @@ def test_light_step_shares_the_clips_norm_and_counts_non_finite_only_when_needed
     base, none_skipped = _step_bytes(bench, optax.chain(clip, optax.adam(1e-3)), p, g)
     assert none_skipped == 0
     around_clip, skipped = _step_bytes(bench, optax.chain(vitals.record(clip), optax.adam(1e-3)), p, g,
-                                       vitals_layers=False)
+                                       vitals_heavy=False)
     assert around_clip - base <= 1.1 * nbytes, (around_clip - base) / nbytes  # the params' read
     assert nbytes <= skipped <= 3.1 * nbytes, skipped / nbytes               # the count: 1 read (+ a cast)
-    whole, _ = _step_bytes(bench, vitals.record(optax.chain(clip, optax.adam(1e-3))), p, g, vitals_layers=False)
+    whole, _ = _step_bytes(bench, vitals.record(optax.chain(clip, optax.adam(1e-3))), p, g, vitals_heavy=False)
     assert whole - base <= 5.1 * nbytes, (whole - base) / nbytes
 
 

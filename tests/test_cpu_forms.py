@@ -103,12 +103,12 @@ def test_a_nan_gradient_is_counted_where_it_is_in_both_forms(cfg):
 
 @pytest.mark.parametrize("cfg", [LLAMA, MOE], ids=["fused_qkv", "scan_moe"])
 def test_the_recorders_heavy_step_on_the_cpu(cfg):
-    """record(chain(clip, adamw)) with vitals_layers=True under jit on this backend: every
+    """record(chain(clip, adamw)) with vitals_heavy=True under jit on this backend: every
     figure ``gradient_metrics`` gives, the gradient ones equal to it, the parameter ones to
     NumPy, the update ratios to NumPy's of the change the step applies."""
     params, grads = _trees(cfg)
     tx = vitals.record(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)))
-    updates, state = jax.jit(lambda g, s, p: tx.update(g, s, p, vitals_layers=True))(grads, tx.init(params), params)
+    updates, state = jax.jit(lambda g, s, p: tx.update(g, s, p, vitals_heavy=True))(grads, tx.init(params), params)
     m = jax.device_get(vitals.recorded(state))
     one = jax.device_get(jax.jit(lambda g, p, u: G.gradient_metrics(g, params=p, updates=u))(grads, params, updates))
     assert set(one) <= set(m)
@@ -264,7 +264,7 @@ def test_one_read_forces_the_accelerators_forms_on_the_cpu():
     params, grads = _trees(LLAMA)
     params = jax.tree.map(lambda p: p * 0 + 1e4, params)
     tx = vitals.record(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)))
-    step = lambda g, s, p: tx.update(g, s, p, vitals_layers=True)  # noqa: E731
+    step = lambda g, s, p: tx.update(g, s, p, vitals_heavy=True)  # noqa: E731
     u_cpu, s_cpu = jax.jit(step)(grads, tx.init(params), params)
     with fold.one_read():
         u_one, s_one = jax.jit(lambda g, s, p: step(g, s, p))(grads, tx.init(params), params)

@@ -70,7 +70,7 @@ def test_the_recorder_on_the_cpu_takes_the_applied_change():
     import jvitals as vitals
     params, grads = tree(0), tree(1)
     tx = vitals.record(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)))
-    updates, state = jax.jit(lambda g, s, p: tx.update(g, s, p, vitals_layers=False))(grads, tx.init(params), params)
+    updates, state = jax.jit(lambda g, s, p: tx.update(g, s, p, vitals_heavy=False))(grads, tx.init(params), params)
     m = jax.device_get(vitals.recorded(state))
     applied = jax.tree.map(applied_change, params, updates)
     np.testing.assert_allclose(float(m["update/global_norm"]), np_norm(applied), rtol=1e-6)

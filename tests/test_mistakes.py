@@ -205,19 +205,23 @@ RECORDER = [
     ("update with another model's params", lambda: _recorder_args("other"), ValueError,
      "params does not hold the leaves of grads"),
     ("typo vitals_layer", lambda: _recorder_update(vitals_layer=True), TypeError,
-     r"unknown keyword argument vitals_layer=True; did you mean vitals_layers=\?.*'vitals_read'"),
+     r"unknown keyword argument vitals_layer=True; did you mean vitals_heavy=\?.*'vitals_read'"),
+    ("the former vitals_layers", lambda: _recorder_update(vitals_layers=True), TypeError,
+     r"unknown keyword argument vitals_layers=True; did you mean vitals_heavy=\?.*'vitals_heavy'"),
     ("typo vitals_lr_scales", lambda: _recorder_update(vitals_lr_scales=0.5), TypeError,
      r"did you mean vitals_lr_scale=\?"),
     ("unknown vitals_every", lambda: _recorder_update(vitals_every=10), TypeError,
-     r"vitals_every=10.*the vitals_\* keywords are \['vitals_layers', 'vitals_lr_scale', 'vitals_read'\]"),
+     r"vitals_every=10.*the vitals_\* keywords are \['vitals_heavy', 'vitals_lr_scale', 'vitals_read'\]"),
     ("uncalled factory", lambda: vitals.record(optax.adam), TypeError, "it is a factory: call it"),
     ("a string for the transform", lambda: vitals.record("adam"), TypeError,
      r"record\(inner=...\) expects an optax GradientTransformation, got str 'adam'"),
     ("every an int", lambda: vitals.record(every=10), TypeError,
-     r"record\(every=10\) expects a mapping.*every=\{'layers': 10\}"),
+     r"record\(every=10\) expects a mapping.*every=\{'heavy': 10\}"),
     ("every unknown family", lambda: vitals.record(every={"grads": 10}), ValueError, "unknown family 'grads'"),
-    ("every zero", lambda: vitals.record(every={"layers": 0}), ValueError, "a cadence must be >= 1 update"),
-    ("every a float", lambda: vitals.record(every={"layers": 2.5}), TypeError, "a cadence is an int"),
+    ("every a former family name", lambda: vitals.record(every={"layers": 10}), ValueError,
+     r"unknown family 'layers'; families are \['light', 'heavy'\]; did you mean 'heavy'\?"),
+    ("every zero", lambda: vitals.record(every={"heavy": 0}), ValueError, "a cadence must be >= 1 update"),
+    ("every a float", lambda: vitals.record(every={"heavy": 2.5}), TypeError, "a cadence is an int"),
     ("post misspelled", lambda: vitals.record(post="clipped"), ValueError,
      r"post='clipped' is not one of \['auto', 'clip', 'update'\]; did you mean 'clip'"),
     ("roles a dict", lambda: vitals.record(roles={"q": "wq"}), TypeError,
@@ -660,7 +664,7 @@ def test_a_single_mesh_axis_name_is_a_tuple_of_one_for_the_recorder():
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     g = {"w": jnp.arange(32.0).reshape(8, 4)}
     specs = {"w": P("data")}
-    tx = vitals.record(axes="data", specs=specs, every={"layers": 1})
+    tx = vitals.record(axes="data", specs=specs, every={"heavy": 1})
     state_specs = jax.tree.map(lambda _: P(), tx.init(g))
     step = jax.jit(jax.shard_map(lambda g, s: tx.update(g, s)[1], mesh=mesh, in_specs=(specs, state_specs),
                                  out_specs=state_specs))

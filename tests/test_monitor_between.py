@@ -52,7 +52,7 @@ def test_a_jump_250_steps_in_is_seen_at_once_and_goes_red():
     @jax.jit
     def step(state, batch, read):
         (loss, _), grads = jax.value_and_grad(lambda p: rm.loss_fn(p, batch, CFG), has_aux=True)(state.params)
-        updates, opt = tx.update(grads, state.opt_state, state.params, loss=loss, vitals_layers=False,
+        updates, opt = tx.update(grads, state.opt_state, state.params, loss=loss, vitals_heavy=False,
                                  vitals_read=read)
         return State(optax.apply_updates(state.params, updates), opt), loss
 

@@ -422,7 +422,7 @@ def _record_tx(schedule, clip=1.0, **kw):
 
 
 def test_recorder_in_nnx_optimizer_gives_the_linen_paths_figures():
-    """nnx.Optimizer(model, record(...)); optimizer.update(model, grads, vitals_layers=full);
+    """nnx.Optimizer(model, record(...)); optimizer.update(model, grads, vitals_heavy=full);
     vitals.recorded(optimizer.opt_state) as it is: the same names and values as the same
     transformation applied to the plain arrays (the Linen path), the pre-clip norm
     optax.global_norm's, the per-role figures NumPy's."""
@@ -437,14 +437,14 @@ def test_recorder_in_nnx_optimizer_gives_the_linen_paths_figures():
     @nnx.jit(static_argnames="full")
     def step(model, optimizer, full):
         grads = nnx.grad(loss_fn(call, tokens, mask))(model)
-        optimizer.update(model, grads, vitals_layers=full)
+        optimizer.update(model, grads, vitals_heavy=full)
         return grads
 
     grads = step(model, optimizer, True)
     got = jax.device_get(vitals.recorded(optimizer.opt_state))
     assert all(np.ndim(v) == 0 for v in got.values())        # scalars, not the wrapped vector
     pure_grads = nnx.to_pure_dict(grads)
-    _, linen_state = jax.jit(lambda g, s, p: tx.update(g, s, p, vitals_layers=True))(pure_grads, opt_state0, params0)
+    _, linen_state = jax.jit(lambda g, s, p: tx.update(g, s, p, vitals_heavy=True))(pure_grads, opt_state0, params0)
     linen = jax.device_get(vitals.recorded(linen_state))
     assert set(got) == set(linen)
     for k in linen:
@@ -455,14 +455,14 @@ def test_recorder_in_nnx_optimizer_gives_the_linen_paths_figures():
     for k in ("grad/Wq_rms", "grad/Wv_abs.max", "grad/W_down_rms/layer_2", "grad/output_layer_abs.max",
               "grad/word_embeddings_abs.max", "grad/norm/layer_1"):
         np.testing.assert_allclose(got[k], want[k], rtol=2e-4, err_msg=k)
-    # the light step: the global family only, every update
+    # the light step: the light family only, every update
     grads = step(model, optimizer, False)
     light = jax.device_get(vitals.recorded(optimizer.opt_state))
     assert "grad/Wq_rms" not in light
     np.testing.assert_allclose(light["grad/global_norm"], float(optax.tree.norm(grads)), rtol=1e-6)
     np.testing.assert_allclose(light["opt/learning_rate"], float(schedule(1)), rtol=1e-6)
     steps = {k: int(v) for k, v in vitals.recorded_steps(optimizer.opt_state).items()}
-    assert (steps["global"], steps["layers"]) == (1, 0)          # the light step counted, no layers
+    assert (steps["light"], steps["heavy"]) == (1, 0)            # the light step counted, no heavy one
 
 
 def test_optimizer_metrics_and_lr_scale_on_nnx_optimizer_state():
@@ -507,7 +507,7 @@ def _nnx_run(directory, *, num_steps, fault_step=None, check_every=5, seed=0):
         def lossf(m):
             return rm.cross_entropy(m(batch["tokens"], batch["mask"]), batch["labels"], batch["mask"])
         loss, grads = nnx.value_and_grad(lossf)(model)
-        updates = optimizer.update(model, grads, vitals_layers=False)
+        updates = optimizer.update(model, grads, vitals_heavy=False)
         params = nnx.as_pure(nnx.state(model, nnx.Param))
         nnx.update(model, jax.tree.map(lambda p, u: p + (mult - 1.0) * u, params, updates))  # x mult
         return {"loss": loss}
@@ -700,7 +700,7 @@ def test_nnx_model_sharded_on_a_mesh_figures_and_checkpoints(tmp_path, devices):
     @nnx.jit
     def step(model, optimizer, tokens, mask):
         grads = nnx.grad(loss_fn(call, tokens, mask))(model)
-        optimizer.update(model, grads, vitals_layers=True)
+        optimizer.update(model, grads, vitals_heavy=True)
         return vitals.gradient_metrics(grads)
 
     got = jax.device_get(step(model, optimizer, tokens, mask))

@@ -47,7 +47,7 @@ def applied_change(p, u):
 
 def test_first_in_chain_records_pre_clip_and_params():
     params, grads = tree(0), tree(1, scale=5.0)
-    tx = optax.chain(vitals.record(every={"layers": 1}), optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    tx = optax.chain(vitals.record(every={"heavy": 1}), optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
     state = tx.init(params)
     _, state = jax.jit(tx.update)(grads, state, params)
     m = vitals.recorded(state)
@@ -135,7 +135,7 @@ def test_post_kind_can_be_forced_for_stateless_sgd():
 def test_nonfinite_gradients_are_recorded_not_raised():
     params, grads = tree(0), tree(6)
     grads["layers_1"]["mlp"]["up_proj"]["kernel"] = grads["layers_1"]["mlp"]["up_proj"]["kernel"].at[0, :3].set(jnp.nan)
-    tx = optax.chain(vitals.record(optax.clip_by_global_norm(1.0), every={"layers": 1}), optax.adamw(1e-3))
+    tx = optax.chain(vitals.record(optax.clip_by_global_norm(1.0), every={"heavy": 1}), optax.adamw(1e-3))
     _, state = jax.jit(tx.update)(grads, tx.init(params), params)
     m = vitals.recorded(state)
     assert np.isnan(float(m["grad/global_norm"]))
@@ -181,7 +181,7 @@ def test_multisteps_inside_records_the_accumulated_gradient_at_the_boundary():
     mean_grad = jax.tree.map(lambda *g: sum(g) / 3, *micro)
     assert np.isnan(norms[0]) and np.isnan(norms[1])  # nothing applied yet: nothing recorded
     np.testing.assert_allclose(norms[2], np_norm(mean_grad), rtol=1e-5)
-    assert int(vitals.recorded_steps(state)["global"]) == 0
+    assert int(vitals.recorded_steps(state)["light"]) == 0
 
 
 def test_multisteps_outside_records_every_micro_batch():
@@ -195,10 +195,10 @@ def test_multisteps_outside_records_every_micro_batch():
 
 
 def test_cadence_values_and_last_steps():
-    """Per-role figures at the per-layer cadence; per-layer and per-group norms (from the light
+    """Per-role figures at the heavy cadence; per-layer and per-group norms (from the light
     step's per-leaf sums) and the global figures at the global one; NumPy references."""
     params = tree(0)
-    tx = vitals.record(optax.clip_by_global_norm(1.0), every={"global": 2, "layers": 3})
+    tx = vitals.record(optax.clip_by_global_norm(1.0), every={"light": 2, "heavy": 3})
     state = tx.init(params)
     step = jax.jit(tx.update)
     seen = []
@@ -212,22 +212,22 @@ def test_cadence_values_and_last_steps():
         rec, last = jax.device_get(vitals.recorded(state)), vitals.recorded_steps(state)
         m = rec.latest()
         seen.append((i, float(m["grad/global_norm"]), float(m["grad/norm/layer_0"]), float(m["grad/Wq_abs.max"]),
-                     int(last["global"]), int(last["layers"])))
+                     int(last["light"]), int(last["heavy"])))
         # only what was computed at this update is shown
         assert ("grad/Wq_abs.max" in rec) == (i % 3 == 0), i
         assert ("grad/global_norm" in rec) == ("grad/norm/layer_0" in rec) == (i % 2 == 0 or i % 3 == 0), i
     grads = [tree(30 + i) for i in range(7)]
-    for i, gnorm, l0, wq, last_global, last_layers in seen:
-        lg = max(j for j in range(i + 1) if j % 2 == 0 or j % 3 == 0)  # layers steps refresh globals too
+    for i, gnorm, l0, wq, last_light, last_heavy in seen:
+        lg = max(j for j in range(i + 1) if j % 2 == 0 or j % 3 == 0)  # heavy steps refresh the light figures too
         ll = max(j for j in range(i + 1) if j % 3 == 0)
-        assert (last_global, last_layers) == (lg, ll), i
+        assert (last_light, last_heavy) == (lg, ll), i
         np.testing.assert_allclose(gnorm, np_norm(grads[lg]), rtol=1e-6)
         np.testing.assert_allclose(l0, np_norm(grads[lg]["layers_0"]), rtol=1e-6)
         np.testing.assert_allclose(wq, wq_max(grads[ll]), rtol=1e-6)
 
 
 def test_off_cadence_steps_do_not_compute_the_heavy_family(monkeypatch):
-    """A test-only build: a host callback counts how often the per-layer family runs."""
+    """A test-only build: a host callback counts how often the heavy family runs."""
     calls = []
     original = record_module._heavy_figures
 
@@ -237,7 +237,7 @@ def test_off_cadence_steps_do_not_compute_the_heavy_family(monkeypatch):
 
     monkeypatch.setattr(record_module, "_heavy_figures", counting)
     params = tree(0)
-    tx = vitals.record(every={"layers": 4})
+    tx = vitals.record(every={"heavy": 4})
     state = tx.init(params)
     step = jax.jit(tx.update)
     for i in range(9):
@@ -275,13 +275,13 @@ def test_sharded_equals_unsharded():
     # shard by its local norm. A threshold that does not fire keeps both views equal.
     clip = optax.clip_by_global_norm(1e3)
 
-    one = vitals.record(clip, every={"layers": 1})
+    one = vitals.record(clip, every={"heavy": 1})
     _, s1 = one.update(grads, one.init(params), params)
     ref = vitals.recorded(s1)
 
     # specs: the clip's outputs vary (by type) along `expert` through its norm, so
     # only the specs can say that the replicated leaves are still replicated.
-    sharded = vitals.record(clip, every={"layers": 1}, axes=("data", "expert"), specs=specs)
+    sharded = vitals.record(clip, every={"heavy": 1}, axes=("data", "expert"), specs=specs)
     put = lambda t: jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), t, specs)  # noqa: E731
     state_specs = jax.tree.map(lambda _: P(), sharded.init(params))
 
@@ -308,7 +308,7 @@ def test_reference_model_tree_and_orbax_round_trip(tmp_path):
     cfg = ModelConfig(moe=True, attention="mla", attn_gate=True, n_mtp=1, scan_layers=True)
     params = init_params(cfg, jax.random.key(0))
     grads = jax.tree.map(lambda p: p * 0.5, params)
-    tx = optax.chain(vitals.record(optax.clip_by_global_norm(1.0), every={"layers": 1}), optax.adamw(1e-3))
+    tx = optax.chain(vitals.record(optax.clip_by_global_norm(1.0), every={"heavy": 1}), optax.adamw(1e-3))
     _, state = jax.jit(tx.update)(grads, tx.init(params), params)
     m = vitals.recorded(state)
     np.testing.assert_allclose(float(m["grad/global_norm"]), np_norm(grads), rtol=1e-6)
@@ -333,7 +333,7 @@ def test_bad_cadence_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown family 'activations'"):
         vitals.record(every={"activations": 10})
     with pytest.raises(ValueError, match="a cadence must be >= 1"):
-        vitals.record(every={"layers": 0})
+        vitals.record(every={"heavy": 0})
 
 
 def test_two_recorders_with_the_same_names_are_an_error():
@@ -354,8 +354,8 @@ def test_packed_metrics_reads_as_a_flat_dict_and_is_one_leaf():
     assert isinstance(rec.metrics, vitals.PackedMetrics)
     assert len(jax.tree.leaves(rec.metrics)) == 1
     assert rec.metrics.vector.shape == (len(rec.metrics.names) + len(rec.metrics.flags),)
-    # no layer, no role: the per-layer family is empty; the window's flags, no loss given
-    assert rec.metrics.flags == ("global", "window", "window_loss")
+    # no layer, no role: the heavy family is empty; the window's flags, no loss given
+    assert rec.metrics.flags == ("light", "window", "window_loss")
     shown = {n for n, f in zip(rec.metrics.names, rec.metrics.families) if f != "window_loss"}
     want = float(optax.tree.norm(grads))
     on_device = vitals.recorded(state)
@@ -373,8 +373,8 @@ def test_packed_metrics_reads_as_a_flat_dict_and_is_one_leaf():
     assert jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(rec)[0][1][0]) == ".metrics.vector"
 
 
-def test_static_vitals_layers_flag_picks_the_family_at_trace_time(monkeypatch):
-    """``vitals_layers`` as a Python bool: no per-layer pass traced when False; values as NumPy says."""
+def test_static_vitals_heavy_flag_picks_the_family_at_trace_time(monkeypatch):
+    """``vitals_heavy`` as a Python bool: no heavy pass traced when False; values as NumPy says."""
     traced = []
     original = record_module._gradients.plain_grad_figures   # the per-role pass under jit (float32)
 
@@ -385,7 +385,7 @@ def test_static_vitals_layers_flag_picks_the_family_at_trace_time(monkeypatch):
     monkeypatch.setattr(record_module._gradients, "plain_grad_figures", counting)
     params = tree(0)
     tx = optax.chain(vitals.record(optax.clip_by_global_norm(1.0)), optax.adamw(1e-3))
-    step = jax.jit(lambda g, s, p, full: tx.update(g, s, p, vitals_layers=full), static_argnames="full")
+    step = jax.jit(lambda g, s, p, full: tx.update(g, s, p, vitals_heavy=full), static_argnames="full")
     state = tx.init(params)
     traced.clear()  # init traces it once (abstractly) for the names
     flags = [True, False, False, True, False]
@@ -396,19 +396,19 @@ def test_static_vitals_layers_flag_picks_the_family_at_trace_time(monkeypatch):
         m = rec.latest()
         assert ("grad/W_up_rms/layer_1" in rec) == full and "grad/norm/layer_1" in rec
         ll = max(j for j in range(i + 1) if flags[j])
-        assert (int(last["global"]), int(last["layers"])) == (i, ll), i
+        assert (int(last["light"]), int(last["heavy"])) == (i, ll), i
         np.testing.assert_allclose(float(m["grad/global_norm"]), np_norm(g), rtol=1e-6)
         np.testing.assert_allclose(float(m["grad/norm/layer_1"]), np_norm(g["layers_1"]), rtol=1e-6)
         up = np.asarray(grads[ll]["layers_1"]["mlp"]["up_proj"]["kernel"], np.float64)
         np.testing.assert_allclose(float(m["grad/W_up_rms/layer_1"]), np.sqrt(np.mean(up ** 2)), rtol=1e-6)
         np.testing.assert_allclose(float(m["grad/global_norm_post_clip"]), min(np_norm(g), 1.0), rtol=1e-6)
-    assert len(traced) == 1  # the True variant only; the False one never traces the per-layer pass
+    assert len(traced) == 1  # the True variant only; the False one never traces the heavy pass
     # A traced flag is the conditional's predicate.
-    dyn = jax.jit(lambda g, s, p, full: tx.update(g, s, p, vitals_layers=full))
+    dyn = jax.jit(lambda g, s, p, full: tx.update(g, s, p, vitals_heavy=full))
     _, state = dyn(grads[0], state, params, jnp.asarray(False))
-    assert int(vitals.recorded_steps(state)["layers"]) == 3
+    assert int(vitals.recorded_steps(state)["heavy"]) == 3
     _, state = dyn(grads[1], state, params, jnp.asarray(True))
-    assert int(vitals.recorded_steps(state)["layers"]) == 6
+    assert int(vitals.recorded_steps(state)["heavy"]) == 6
     np.testing.assert_allclose(float(vitals.recorded(state)["grad/norm/layer_0"]),
                                np_norm(grads[1]["layers_0"]), rtol=1e-6)
     _, state = dyn(grads[0], state, params, jnp.asarray(False))
@@ -439,7 +439,7 @@ def test_wrapped_optax_clip_post_norm_is_known_without_a_pass():
 
 
 def test_light_step_shares_the_clip_sum_of_squares():
-    """With vitals_layers=False the recorder reads the gradients only in its cold path.
+    """With vitals_heavy=False the recorder reads the gradients only in its cold path.
 
     Reductions in the compiled update, branches included: the clip's sum of
     squares (one per leaf) is the recorder's too; the recorder adds ||params||
@@ -457,7 +457,7 @@ def test_light_step_shares_the_clip_sum_of_squares():
 
     n_bare = reductions(bare)
     assert n_bare >= n  # the clip's own sum of squares, one per leaf
-    assert reductions(rec, vitals_layers=False) <= n_bare + 3 * n
+    assert reductions(rec, vitals_heavy=False) <= n_bare + 3 * n
 
 
 # ---------------------------------------------------------------------------------- group figures, LR
@@ -492,7 +492,7 @@ def test_readme_placement_gives_group_update_figures_and_the_learning_rate(scan)
     schedule = optax.linear_schedule(1e-3, 3e-3, 4)
     tx = vitals.with_lr_scale(vitals.record(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule)),
                                             schedule=schedule))
-    step = jax.jit(lambda g, s, p: tx.update(g, s, p, vitals_layers=True))
+    step = jax.jit(lambda g, s, p: tx.update(g, s, p, vitals_heavy=True))
     state = vitals.set_lr_scale(tx.init(params), 0.5)
     for k in range(2):
         grads = jax.tree.map(lambda p: p * (0.3 + k) + 0.01, params)
@@ -506,9 +506,9 @@ def test_readme_placement_gives_group_update_figures_and_the_learning_rate(scan)
         np.testing.assert_allclose(float(m["grad/global_norm_post_clip"]), min(pre, 1.0), rtol=1e-6)
         np.testing.assert_allclose(float(m["opt/learning_rate"]), 0.5 * float(schedule(k)), rtol=1e-6)
         params = optax.apply_updates(params, updates)
-    # The light step (vitals_layers=False): no per-role pass, but the every-update figures,
+    # The light step (vitals_heavy=False): no per-role pass, but the every-update figures,
     # every layer's and group's from the per-leaf (per-slice, scan) sums it takes anyway.
-    light = jax.jit(lambda g, s, p: tx.update(g, s, p, vitals_layers=False))
+    light = jax.jit(lambda g, s, p: tx.update(g, s, p, vitals_heavy=False))
     updates, state = light(grads, state, params)
     m = jax.device_get(vitals.recorded(state))
     np.testing.assert_allclose(float(m["update/global_norm"]), np_norm(updates), rtol=1e-5)
@@ -527,7 +527,7 @@ def test_readme_placement_gives_group_update_figures_and_the_learning_rate(scan)
 def test_tied_head_has_no_lm_head_figures():
     params = tree(0)
     del params["lm_head"]
-    tx = vitals.record(optax.adamw(1e-3), every={"layers": 1})
+    tx = vitals.record(optax.adamw(1e-3), every={"heavy": 1})
     grads = {k: v for k, v in tree(1).items() if k != "lm_head"}
     updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
     m = vitals.recorded(state)
@@ -574,7 +574,7 @@ def test_group_and_update_figures_on_a_mesh():
     specs = jax.tree_util.tree_map_with_path(spec, params)
     put = lambda t: jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), t, specs)  # noqa: E731
     grads = jax.tree.map(lambda p: p * 2.0 + 0.05, params)
-    tx = vitals.record(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), every={"layers": 1})
+    tx = vitals.record(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), every={"heavy": 1})
     updates, state = jax.jit(tx.update)(put(grads), tx.init(put(params)), put(params))
     m = jax.device_get(vitals.recorded(state))
     updates = jax.device_get(updates)
@@ -593,13 +593,13 @@ def test_only_fresh_figures_reach_the_host_and_a_real_writer(tmp_path):
     from test_writers import read_events
 
     params = tree(0)
-    tx = vitals.record(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), every={"layers": 4})
+    tx = vitals.record(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), every={"heavy": 4})
     state = tx.init(params)
     step = jax.jit(tx.update)  # the lax.cond cadence
     fam = dict(zip(state.metrics.names, state.metrics.families))
-    layer_names = {k for k, f in fam.items() if f == "layers"}
+    layer_names = {k for k, f in fam.items() if f == "heavy"}
     assert {"grad/Wq_abs.max", "grad/W_up_rms/layer_1"} <= layer_names
-    assert {fam[k] for k in ("grad/norm/layer_0", "update/param_ratio/layer_1", "grad/share/embedding")} == {"global"}
+    assert {fam[k] for k in ("grad/norm/layer_0", "update/param_ratio/layer_1", "grad/share/embedding")} == {"light"}
     writer = metric_writers.create_default_writer(str(tmp_path), asynchronous=False)
     for i in range(9):
         grads = tree(70 + i)
@@ -634,10 +634,10 @@ def test_packed_metrics_freshness_survives_jit_device_get_pickle_and_merge():
     from jvitals.metrics.packed import PackedMetrics
 
     names = ("a", "b/layer_0", "c")
-    fams = ("global", "layers", "global")
-    vec = np.array([1.0, 2.0, 3.0, 1.0, 0.0], np.float32)  # figures, then flags: global, layers
+    fams = ("light", "heavy", "light")
+    vec = np.array([1.0, 2.0, 3.0, 1.0, 0.0], np.float32)  # figures, then flags: light, heavy
     m = PackedMetrics(names, vec, fams)
-    assert m.flags == ("global", "layers") and m.fresh == {"global": True, "layers": False}
+    assert m.flags == ("light", "heavy") and m.fresh == {"light": True, "heavy": False}
     assert dict(m) == {"a": 1.0, "c": 3.0} and len(m) == 2 and "b/layer_0" not in m and m.get("b/layer_0") is None
     assert m.latest()["b/layer_0"] == 2.0
     with pytest.raises(KeyError, match="not computed at the latest update"):
@@ -650,7 +650,7 @@ def test_packed_metrics_freshness_survives_jit_device_get_pickle_and_merge():
     assert dict(pickle.loads(pickle.dumps(m))) == dict(m)
     inside = jax.jit(lambda x: jnp.stack([x[k] for k in x]))(on_device)  # traced: every name
     assert inside.shape == (3,)
-    other = PackedMetrics(("d",), np.array([4.0, 0.0], np.float32), ("global",))  # not fresh
+    other = PackedMetrics(("d",), np.array([4.0, 0.0], np.float32), ("light",))  # not fresh
     merged = PackedMetrics.merge([m, other])
     assert dict(merged) == {"a": 1.0, "c": 3.0} and merged.latest()["d"] == 4.0
     assert {**merged, "loss": 1.0} == {"a": 1.0, "c": 3.0, "loss": 1.0}
@@ -778,17 +778,17 @@ def test_plan_decides_the_post_clip_update_and_lr_figures():
 
 def test_due_decides_the_families_at_trace_time_or_in_the_graph():
     r = record_module
-    cadence = {"global": 1, "layers": 50}
+    cadence = {"light": 1, "heavy": 50}
     due, static = r._due(cadence, jnp.asarray(100), None)
-    assert static is None and bool(due["layers"]) and bool(due["global"])
+    assert static is None and bool(due["heavy"]) and bool(due["light"])
     due, static = r._due(cadence, jnp.asarray(7), None)
-    assert static is None and not bool(due["layers"])
+    assert static is None and not bool(due["heavy"])
     due, static = r._due(cadence, jnp.asarray(7), True)       # a Python bool: decided at trace time
-    assert static is True and bool(due["layers"])
+    assert static is True and bool(due["heavy"])
     due, static = r._due(cadence, jnp.asarray(100), np.bool_(False))
-    assert static is False and not bool(due["layers"])
+    assert static is False and not bool(due["heavy"])
     due, static = r._due(cadence, jnp.asarray(7), jnp.asarray(True))  # traced: the predicate
-    assert static is None and bool(due["layers"])
+    assert static is None and bool(due["heavy"])
 
 
 def test_needs_out_norm_only_where_no_pass_gives_it():
@@ -801,7 +801,7 @@ def test_needs_out_norm_only_where_no_pass_gives_it():
 
     upd = r._Plan(None, True, False)
     assert r._needs_out_norm(step(upd), heavy_static=False)          # the light step measures ||u||
-    assert not r._needs_out_norm(step(upd), heavy_static=True)       # the per-layer pass gives it
+    assert not r._needs_out_norm(step(upd), heavy_static=True)       # the heavy pass gives it
     assert r._needs_out_norm(step(upd, params=None), heavy_static=True)  # no params: no per-layer update
     assert r._needs_out_norm(step(r._Plan("measured", False, False)), heavy_static=True)
     assert not r._needs_out_norm(step(r._Plan("max_norm", False, False)), heavy_static=False)
@@ -809,7 +809,7 @@ def test_needs_out_norm_only_where_no_pass_gives_it():
 
 @pytest.mark.parametrize("bad", [None, "nan", "inf"])
 def test_light_step_norms_and_nonfinite_count_match_numpy(bad):
-    """The light step (vitals_layers=False, around the whole optimizer): the gradient
+    """The light step (vitals_heavy=False, around the whole optimizer): the gradient
     norm is the clip's expression, the count taken only when it is not finite (a
     lax.cond on the CPU); figures against NumPy on the same arrays."""
     params, grads = tree(0), tree(8)
@@ -819,7 +819,7 @@ def test_light_step_norms_and_nonfinite_count_match_numpy(bad):
         q = grads["layers_0"]["self_attn"]["q_proj"]["kernel"]
         grads["layers_0"]["self_attn"]["q_proj"]["kernel"] = q.at[1, 1].set(-jnp.inf)
     tx = vitals.record(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)))
-    step = jax.jit(lambda g, s, p: tx.update(g, s, p, vitals_layers=False))
+    step = jax.jit(lambda g, s, p: tx.update(g, s, p, vitals_heavy=False))
     updates, state = step(grads, tx.init(params), params)
     m = vitals.recorded(state)
     g = [np.asarray(x, np.float64) for x in jax.tree.leaves(grads)]

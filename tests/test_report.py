@@ -438,7 +438,7 @@ def train_step(state, batch, full=False, fault=1.0):
         logits, sown = model.apply({"params": params}, batch["tokens"], mutable=["intermediates"])
         return cross_entropy(logits, batch), sown["intermediates"]
     (loss, inter), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params, vitals_layers=full)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params, vitals_heavy=full)
     updates = jax.tree.map(lambda u: u * fault, updates)          # the injected fault
     metrics = {"loss": loss, **vitals.moe_metrics(inter, top_k=2)}
     if full:

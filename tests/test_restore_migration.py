@@ -2,7 +2,8 @@
 
 The recorder's state (``RecordState``) lives in the optax state and its layout follows
 the jvitals version: issue 35 added the window's entries to its figure vector and the
-``"read"`` family to ``last_step``. A checkpoint of 0.1 (tests/data/ckpt_0_1, written by
+``"read"`` family to ``last_step``, issue 43 renamed its ``"global"`` and ``"layers"`` keys
+``"light"`` and ``"heavy"``. A checkpoint of 0.1 (tests/data/ckpt_0_1, written by
 that version's code) must still resume (the figures taken from today's fresh state,
 everything else bitwise from disk, one warning, nothing quarantined); a model whose arrays
 changed shape must not be patched: a clear error naming the path, the shapes and the
@@ -58,7 +59,7 @@ def make_run(cfg: rm.ModelConfig):
 
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params, loss=loss,
-                                       vitals_layers=full, vitals_read=read)
+                                       vitals_heavy=full, vitals_read=read)
         return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), {"loss": loss}
 
     def fresh() -> TrainState:
@@ -141,6 +142,9 @@ def test_a_checkpoint_jvitals_0_1_wrote_resumes_at_its_step_with_one_warning(tmp
         if recorder_own(name):
             assert_bitwise(got[name], want, name)
     assert int(recorder(restored.opt_state).count) == 6 and vitals.recorded_steps(restored.opt_state)["read"] == -1
+    # 0.1 named the families "global" and "layers" (last_step's keys on disk): today's names, fresh
+    assert {k: int(v) for k, v in vitals.recorded_steps(restored.opt_state).items()} == {
+        "light": -1, "heavy": -1, "read": -1}
     warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warned) == 1, [r.getMessage() for r in warned]
     msg = warned[0].getMessage()

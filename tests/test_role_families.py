@@ -492,7 +492,7 @@ def test_fused_and_shared_kernels_are_split_or_named_as_their_source_says():
 
 @pytest.mark.parametrize("name", ["gemma4_tunix", "olmo"])
 def test_recorder_in_nnx_optimizer_on_nnx_families(name):
-    """record() inside nnx.Optimizer, the per-layer family due: the recorded per-role and
+    """record() inside nnx.Optimizer, the heavy family due: the recorded per-role and
     per-layer figures of the update's gradients equal NumPy's."""
     fam = FAMILIES[name]
     model = tunix_gemma4() if name == "gemma4_tunix" else nf.OLMo()
@@ -502,7 +502,7 @@ def test_recorder_in_nnx_optimizer_on_nnx_families(name):
 
     @nnx.jit
     def step(model, optimizer, grads):
-        optimizer.update(model, grads, vitals_layers=True)
+        optimizer.update(model, grads, vitals_heavy=True)
 
     step(model, optimizer, grads)
     got = jax.device_get(vitals.recorded(optimizer.opt_state))
@@ -520,7 +520,7 @@ def test_recorder_on_linen_families(name):
     grads = random_grads(params, seed=3)
     tx = vitals.record(optax.sgd(0.1), post="update")
     state = tx.init(params)
-    _, state = jax.jit(lambda g, s, p: tx.update(g, s, p, vitals_layers=True))(grads, state, params)
+    _, state = jax.jit(lambda g, s, p: tx.update(g, s, p, vitals_heavy=True))(grads, state, params)
     got = jax.device_get(vitals.recorded(state))
     for k, v in reference(fam, flat(grads)).items():
         np.testing.assert_allclose(got[k], v, rtol=2e-4, atol=1e-12, err_msg=f"{name}: {k}")

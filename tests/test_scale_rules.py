@@ -290,7 +290,7 @@ def test_update_rms_counts_the_global_parameters_inside_shard_map(every):
                            "router": {"kernel": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32)}}}
     grads = jax.tree.map(lambda p: 1e-3 * jnp.sin(p), params)
     specs = {"layers_0": {"experts": {"up_proj": P("expert")}, "router": {"kernel": P()}}}
-    kw = {"every": {"layers": 1}} if every else {}
+    kw = {"every": {"heavy": 1}} if every else {}
     tx = vitals.record(optax.sgd(0.1), axes=("expert", "data"), specs=specs, post="update", **kw)
     state_specs = jax.tree.map(lambda _: P(), tx.init(params))
     put = lambda t: jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), t, specs)  # noqa: E731

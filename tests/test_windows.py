@@ -59,7 +59,7 @@ def _step_fn(skip: bool, finite: bool):
             loss, _ = rm.loss_fn(p, batch, CFG)
             return loss * weight
         loss, grads = jax.value_and_grad(loss_of)(state.params)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params, loss=loss, vitals_layers=False,
+        updates, opt_state = tx.update(grads, state.opt_state, state.params, loss=loss, vitals_heavy=False,
                                        vitals_read=read)
         return State(optax.apply_updates(state.params, updates), opt_state), loss
 

@@ -17,8 +17,13 @@ from typing import Any, Collection, Iterable, Iterator, Mapping
 import jax
 import numpy as np
 
-__all__ = ["check_cadence", "check_choice", "check_extra_kwargs", "check_names", "check_not_none", "check_number",
+__all__ = ["RENAMED", "check_cadence", "check_choice", "check_extra_kwargs", "check_names", "check_not_none", "check_number",
            "check_opt_state", "check_same_structure", "check_schedule", "check_transform", "not_nested", "show"]
+
+#: Former names (keywords and recorder families) and what they are called now: the hint of a
+#: "did you mean" where an old name is passed (issue 43: one word per idea).
+RENAMED: Mapping[str, str] = {"vitals_layers": "vitals_heavy", "vitals_layer": "vitals_heavy",
+                              "vitals_full": "vitals_heavy", "global": "light", "layers": "heavy"}
 
 _OPEN: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("jvitals_open", default=frozenset())
 
@@ -95,11 +100,13 @@ def check_names(value: Any, where: str, arg: str, known: Collection[str] | None 
 
 
 def check_extra_kwargs(extra: Mapping[str, Any], known: Collection[str], where: str, prefix: str = "vitals_") -> None:
-    """No keyword argument starting with ``prefix`` outside ``known`` (a typo of ``vitals_layers``
-    would otherwise be passed on and dropped by optax, silently)."""
+    """No keyword argument starting with ``prefix`` outside ``known`` (a typo of ``vitals_heavy``,
+    or a former name such as ``vitals_layers`` (:data:`RENAMED`), would otherwise be passed on
+    and dropped by optax, silently)."""
     for k in extra:
         if k.startswith(prefix) and k not in known:
-            near = difflib.get_close_matches(k, list(known), n=1, cutoff=0.6)
+            near = [RENAMED[k]] if RENAMED.get(k) in known else \
+                difflib.get_close_matches(k, list(known), n=1, cutoff=0.6)
             hint = f"did you mean {near[0]}=? " if near else ""
             raise TypeError(f"{where}: unknown keyword argument {k}={extra[k]!r}; {hint}"
                             f"the {prefix}* keywords are {sorted(known)}")
@@ -130,16 +137,20 @@ def check_choice(value: Any, choices: Collection[str], where: str, arg: str) -> 
 
 
 def check_cadence(every: Any, defaults: Mapping[str, int], where: str) -> dict[str, int]:
-    """``defaults`` updated by ``every`` (``{family: int >= 1}``; the families are ``defaults``' keys)."""
+    """``defaults`` updated by ``every`` (``{family: int >= 1}``; the families are ``defaults``' keys;
+    a former family name (:data:`RENAMED`) is an error that names the new one)."""
     if every is None:
         return dict(defaults)
     if not isinstance(every, Mapping):
         raise TypeError(f"{where}(every={every!r}) expects a mapping {{family: updates}}, e.g. "
-                        f"every={{'layers': {every!r}}}; families are {list(defaults)}")
+                        f"every={{{list(defaults)[-1]!r}: {every!r}}}; families are {list(defaults)}")
     out = dict(defaults)
     for k, v in every.items():
         if k not in defaults:
-            raise ValueError(f"{where}(every=...): unknown family {k!r}; families are {list(defaults)}")
+            near = [RENAMED[k]] if isinstance(k, str) and RENAMED.get(k) in defaults else \
+                difflib.get_close_matches(str(k), list(defaults), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ValueError(f"{where}(every=...): unknown family {k!r}; families are {list(defaults)}{hint}")
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             raise TypeError(f"{where}(every={{{k!r}: {v!r}}}): a cadence is an int number of updates, e.g. 50")
         if v < 1:

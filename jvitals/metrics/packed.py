@@ -5,7 +5,7 @@ pytree leaf, i.e. a buffer XLA copies in and out of every jitted step (its cost 
 the CPU: docs/COST.md); packed, they are one.
 
 The figures come in families computed at different cadences (the recorder's
-``"global"`` figures every update, its ``"layers"`` figures every 50). A figure
+``"light"`` figures every update, its ``"heavy"`` figures every 50). A figure
 not computed at the latest update still holds its last value in the vector, but
 the dict shows only the *fresh* ones: the vector ends with one flag per family
 (1.0: computed at the latest update), so what reaches a writer, the monitor or

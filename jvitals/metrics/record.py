@@ -4,13 +4,14 @@
 
     tx = vitals.with_lr_scale(vitals.record(                   # the placement that gives every figure
         optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule)), schedule=schedule))
-    updates, opt_state = tx.update(grads, opt_state, params, vitals_layers=full)
+    updates, opt_state = tx.update(grads, opt_state, params, vitals_heavy=heavy)
     metrics = vitals.recorded(opt_state)     # {'grad/global_norm': ..., ...}
 
 The recorder passes updates through unchanged (or through ``inner``) and keeps the latest
-figures in its state. Two families: ``"global"`` (every update: global norms, every layer's
-and group's figures, the clip's and the update's, the learning rate) and ``"layers"`` (at a
-cadence, or ``vitals_layers=True``: the per-role figures). Placement, cadence, what each step
+figures in its state. Two families: ``"light"`` (the light step, every update: global norms,
+every layer's and group's figures, the clip's and the update's, the learning rate) and
+``"heavy"`` (the heavy step, at a cadence, every 50 updates by default, or
+``vitals_heavy=True``: the per-role figures). Placement, cadence, what each step
 reads, and the recorder with ``MultiSteps``, ``apply_if_finite`` and NNX: docs/RECORDER.md.
 """
 
@@ -42,9 +43,9 @@ from jvitals.metrics.variables import unwrap
 
 __all__ = ["RecordState", "record", "recorded", "recorded_steps", "DEFAULT_EVERY"]
 
-DEFAULT_EVERY: Mapping[str, int] = {"global": 1, "layers": 50}
-_FAMILIES = ("global", "layers")
-_KEYWORDS = ("vitals_layers", "vitals_read", LR_SCALE_ARG)  # the update's own keyword arguments
+DEFAULT_EVERY: Mapping[str, int] = {"light": 1, "heavy": 50}
+_FAMILIES = ("light", "heavy")
+_KEYWORDS = ("vitals_heavy", "vitals_read", LR_SCALE_ARG)  # the update's own keyword arguments
 _READ = "read"   # last_step[_READ]: the update after which the host last read the window
 
 
@@ -99,16 +100,17 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
         ``optax.clip_by_global_norm``, or a transform whose state has a
         ``clip_threshold`` field, such as :func:`jvitals.adaptive_clip`) is
         recognised: its post-clip figures come from the pre-clip norm.
-      roles: parameter roles for the per-role/per-layer family (default
+      roles: parameter roles for the per-role figures of the heavy family (default
         ``Roles()``, which recognises common Flax naming).
-      every: cadence per family, e.g. ``{"global": 1, "layers": 500}``.
+      every: cadence per family in updates, e.g. ``{"light": 1, "heavy": 500}``
+        (default :data:`DEFAULT_EVERY`: light every update, heavy every 50).
       specs: ``PartitionSpec`` pytree of the gradients/params (inside
         ``shard_map``, where JAX cannot tell what is sharded).
       axes: mesh axes bound by an enclosing ``shard_map``; ``()`` under ``jit``.
       post: what ``inner``'s outputs are: ``"clip"`` (clipped gradients:
         ``grad/global_norm_post_clip``, ``grad/clip_ratio``, ``grad/clipped``) or
         ``"update"`` (final updates: ``update/global_norm``,
-        ``update/param_ratio``, and in the per-layer family
+        ``update/param_ratio``, and in the light family
         ``update/param_ratio/layer_{i}`` and per group). ``"auto"``: ``"clip"`` if
         ``inner`` is a recognised clip; ``"update"`` (plus the clip figures) if it
         is a chain starting with one; else ``"update"`` if ``inner`` keeps any
@@ -123,14 +125,14 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
       :class:`RecordState` (wrapping ``inner``'s). Its update takes the extra
-      keyword arguments ``vitals_layers`` (a Python bool: the per-layer family
+      keyword arguments ``vitals_heavy`` (a Python bool: the heavy family
       this update or not, decided at trace time; a traced bool: the
       conditional's predicate; None: ``every``; not passed on) and
       ``vitals_lr_scale`` (the global learning-rate scale in force, which
       :func:`jvitals.with_lr_scale` passes: it multiplies ``opt/learning_rate``
       and the update figures; 1.0 if absent); every extra argument but
-      ``vitals_layers`` is passed to ``inner``; any other ``vitals_*`` keyword (a typo such
-      as ``vitals_layer=``) is a ``TypeError`` naming the known ones.
+      ``vitals_heavy`` is passed to ``inner``; any other ``vitals_*`` keyword (a typo, or a
+      former name such as ``vitals_layers=``) is a ``TypeError`` naming the known ones.
 
     Raises:
       TypeError: ``inner`` not a transform (an uncalled factory such as ``optax.adamw``),
@@ -153,7 +155,7 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
                            {f: jnp.full((), -1, jnp.int32) for f in _FAMILIES + (_READ,)}, inner_state)
 
     def update_fn(updates: Any, state: RecordState, params: Any = None, *,
-                  vitals_layers: bool | jax.Array | None = None, vitals_read: bool | jax.Array | None = None,
+                  vitals_heavy: bool | jax.Array | None = None, vitals_read: bool | jax.Array | None = None,
                   **extra: Any):
         _check_update_args(updates, state, params, extra)
         if inner is not None:
@@ -163,7 +165,7 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
         step = _Step(grads=updates, out=out, params=params, count=state.count, inner_state=inner_state,
                      plan=_plan(cfg, inner, inner_state), outer=_outer_scale(extra),
                      names=state.metrics.names)
-        return out, _recorded_state(cfg, step, state, vitals_layers, vitals_read, extra.get("loss"))
+        return out, _recorded_state(cfg, step, state, vitals_heavy, vitals_read, extra.get("loss"))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -181,24 +183,24 @@ def _check_update_args(updates: Any, state: Any, params: Any, extra: Mapping[str
     check_same_structure(updates, params, "record: tx.update", "grads", "params")
 
 
-def _recorded_state(cfg: "_Config", step: "_Step", state: RecordState, vitals_layers: Any, vitals_read: Any,
+def _recorded_state(cfg: "_Config", step: "_Step", state: RecordState, vitals_heavy: Any, vitals_read: Any,
                     loss: Any) -> RecordState:
     """The recorder's state after one update: the due families' figures, the ones set
     outside any conditional, the window (``loss``: the update's ``loss=``), the flags."""
-    due, static = _due(cfg.cadence, state.count, vitals_layers)
+    due, static = _due(cfg.cadence, state.count, vitals_heavy)
     prev = state.metrics.vector[:len(step.names)]
-    vec, out_norm, heavy_static = _family_vector(cfg, step, prev, due, static, vitals_layers)
+    vec, out_norm, heavy_static = _family_vector(cfg, step, prev, due, static, vitals_heavy)
     if heavy_static:
-        due["layers"] = jnp.asarray(True)
-    fresh = due["global"] | due["layers"]
+        due["heavy"] = jnp.asarray(True)
+    fresh = due["light"] | due["heavy"]
     vec = _set_outside(cfg, step, vec, prev, out_norm, fresh)
     vec = _set_window(cfg, step, vec, state.last_step[_READ] >= state.count - 1, loss, fresh)
     flags = PackedMetrics.flag_vector(state.metrics.flags, {
-        "global": fresh, "layers": due["layers"], "window": True, "window_loss": loss is not None})
+        "light": fresh, "heavy": due["heavy"], "window": True, "window_loss": loss is not None})
     metrics = PackedMetrics(step.names, jnp.concatenate([vec, flags]), state.metrics.families)
     read = True if vitals_read is None else jnp.asarray(vitals_read, bool).reshape(())
-    last = {"global": jnp.where(fresh, state.count, state.last_step["global"]),
-            "layers": jnp.where(due["layers"], state.count, state.last_step["layers"]),
+    last = {"light": jnp.where(fresh, state.count, state.last_step["light"]),
+            "heavy": jnp.where(due["heavy"], state.count, state.last_step["heavy"]),
             _READ: jnp.where(read, state.count, state.last_step[_READ])}
     return RecordState(state.count + 1, metrics, last, step.inner_state)
 
@@ -272,7 +274,7 @@ def _empty_metrics(params: Any, pl: _Plan, roles: Roles) -> PackedMetrics:
 
     heavy_names, light_names = jax.eval_shape(names, params)
     keys = list({**heavy_names, **light_names})
-    families = ["global" if k in light_names else "layers" for k in keys]
+    families = ["light" if k in light_names else "heavy" for k in keys]
     win = _window.window_names(keys + ["loss"])
     keys += win
     families += ["window_loss" if k.startswith(_window.WINDOW_PREFIX + "loss.") else "window" for k in win]
@@ -290,16 +292,16 @@ def _outer_scale(extra: Mapping[str, Any]) -> jax.Array | None:
 
 
 def _due(cadence: Mapping[str, int], count: jax.Array,
-         vitals_layers: bool | jax.Array | None) -> tuple[dict[str, jax.Array], bool | None]:
-    """Which families are due at update ``count`` (traced booleans), and the per-layer
+         vitals_heavy: bool | jax.Array | None) -> tuple[dict[str, jax.Array], bool | None]:
+    """Which families are due at update ``count`` (traced booleans), and the heavy
     family decided at trace time (a Python bool; None when it is not)."""
     due = {f: (count % cadence[f]) == 0 for f in _FAMILIES}
     static = None
-    if isinstance(vitals_layers, (bool, np.bool_)):
-        static = bool(vitals_layers)
-        due["layers"] = jnp.asarray(static)
-    elif vitals_layers is not None:
-        due["layers"] = jnp.asarray(vitals_layers, bool).reshape(())
+    if isinstance(vitals_heavy, (bool, np.bool_)):
+        static = bool(vitals_heavy)
+        due["heavy"] = jnp.asarray(static)
+    elif vitals_heavy is not None:
+        due["heavy"] = jnp.asarray(vitals_heavy, bool).reshape(())
     return due, static
 
 
@@ -344,18 +346,18 @@ def _heavy_figures(cfg: _Config, step: _Step) -> dict[str, jax.Array]:
 
 
 def _needs_out_norm(step: _Step, heavy_static: bool) -> bool:
-    """Whether ``||out||`` is needed: a measured clip, or update figures the per-layer
+    """Whether ``||out||`` is needed: a measured clip, or update figures the heavy
     pass does not give this update."""
     return step.plan.clip == "measured" or (step.plan.update and not (heavy_static and step.with_updates))
 
 
 def _family_vector(cfg: _Config, step: _Step, prev: jax.Array, due: Mapping[str, jax.Array],
-                   static: bool | None, vitals_layers: Any) -> tuple[jax.Array, jax.Array | None, bool]:
+                   static: bool | None, vitals_heavy: Any) -> tuple[jax.Array, jax.Array | None, bool]:
     """The families' figures into the vector, and ``||out||`` where it is needed.
 
-    Static per-layer flag: no cadence conditional (the light step's gradient norm
+    Static heavy flag: no cadence conditional (the light step's gradient norm
     is the clip's and every group's figures come from the same per-leaf sums, see
-    :mod:`jvitals.metrics.light`; the per-layer step reads gradient, parameter and
+    :mod:`jvitals.metrics.light`; the heavy step reads gradient, parameter and
     output in one kernel per leaf). Traced cadence: a ``lax.cond``/``lax.switch`` on
     the update count (the outputs' norm outside it, so XLA need not hand them to the
     conditional for it).
@@ -363,7 +365,7 @@ def _family_vector(cfg: _Config, step: _Step, prev: jax.Array, due: Mapping[str,
     Returns:
       ``(vector, ||out|| or None, heavy_static)``.
     """
-    heavy_static = static is True or (static is None and vitals_layers is None and cfg.cadence["layers"] == 1)
+    heavy_static = static is True or (static is None and vitals_heavy is None and cfg.cadence["heavy"] == 1)
     want_out = _needs_out_norm(step, heavy_static)
 
     def light(v: jax.Array) -> jax.Array:
@@ -372,19 +374,19 @@ def _family_vector(cfg: _Config, step: _Step, prev: jax.Array, due: Mapping[str,
     def heavy(v: jax.Array) -> jax.Array:
         return _fill(step, cfg.axes, _heavy_figures(cfg, step), v)
 
-    if static is False and cfg.cadence["global"] == 1:
+    if static is False and cfg.cadence["light"] == 1:
         m, out_norm = _light_figures(cfg, step, want_out)
         return _fill(step, cfg.axes, m, prev), out_norm, False
     out_norm = _out_norm(cfg, step.out) if want_out else None
     if heavy_static:
         return heavy(prev), out_norm, True
     if static is False:
-        return lax.cond(due["global"], light, lambda v: v, prev), out_norm, False
-    if cfg.cadence["global"] == 1:
+        return lax.cond(due["light"], light, lambda v: v, prev), out_norm, False
+    if cfg.cadence["light"] == 1:
         # Measured on XLA:CPU, one conditional holding both costs less than the
         # global pass outside it and a conditional for the rest.
-        return lax.cond(due["layers"], heavy, light, prev), out_norm, False
-    which = jnp.where(due["layers"], 2, jnp.where(due["global"], 1, 0))
+        return lax.cond(due["heavy"], heavy, light, prev), out_norm, False
+    which = jnp.where(due["heavy"], 2, jnp.where(due["light"], 1, 0))
     return lax.switch(which, (lambda v: v, light, heavy), prev), out_norm, False
 
 
@@ -580,8 +582,8 @@ def recorded(opt_state: Any) -> PackedMetrics:
         dict(host)   # only the figures computed at the latest update
 
     The result is a :class:`~jvitals.metrics.packed.PackedMetrics`: a read-only dict of
-    the *fresh* figures (a per-layer figure appears only at the updates where the
-    per-layer family ran; ``.latest()`` gives every figure's last value,
+    the *fresh* figures (a heavy figure appears only at the updates where the
+    heavy family ran; ``.latest()`` gives every figure's last value,
     :func:`recorded_steps` when each family last ran), one vector as a pytree, so
     ``jax.device_get`` moves it in one transfer.
 
