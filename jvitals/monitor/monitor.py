@@ -459,7 +459,7 @@ class Monitor:
         - closes every open alert (``details['closed_by'] = 'rollback'``),
           records a ``'rollback'`` alert in :attr:`history`, resets the
           consecutive-divergence count, and ends open spikes (recorded as
-          ``rolled_back``) and periodic patterns (each rule's ``rollback``);
+          ``rolled_back``) and periodic patterns (each rule's ``rewind``, if it has one);
         - keeps every baseline (fixed, rolling, EMA, per-layer) and the
           loss/grad-norm trends (frozen at their pre-spike values while a
           spike was open);
@@ -501,7 +501,7 @@ class Monitor:
         self._events.clear()
         t_to = to - self._offset_at(to)
         for r in self.rules:
-            fn = getattr(r, "rollback", None)
+            fn = getattr(r, "rewind", None)
             if fn is not None:
                 self._spikes.extend(fn(s, t_to) or [])
         self._layers.drop_after(t_to)

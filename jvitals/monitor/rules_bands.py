@@ -182,9 +182,9 @@ class GroupRule(RuleBase):
                 details={"group": g, "family": fam, "kind": b.kind}))
         return changes
 
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
+    def rewind(self, step: int, t_to: int) -> list[Spike]:
         for b in self.bands.values():
-            b.rollback(t_to)
+            b.rewind(t_to)
         return []
 
 
@@ -277,9 +277,9 @@ class LogitRule(RuleBase):
                             details={"kind": b.kind}))
         return out
 
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
+    def rewind(self, step: int, t_to: int) -> list[Spike]:
         for b in self.bands.values():
-            b.rollback(t_to)
+            b.rewind(t_to)
         self.last_t = -(10 ** 9)
         return []
 
@@ -343,7 +343,7 @@ class RouterRule(RuleBase):
                 out.append(release("router", m))
         return out
 
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
+    def rewind(self, step: int, t_to: int) -> list[Spike]:
         for c in self.cols.values():
             c[3] = None
         return []

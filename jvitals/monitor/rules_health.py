@@ -113,10 +113,10 @@ class SpikeRule(RuleBase):
         self.trackers = {m: self.trackers.get(m) or SpikeTracker(m, self.p)
                          for m in self.p.spike.metrics}
 
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
+    def rewind(self, step: int, t_to: int) -> list[Spike]:
         done = []
         for tr in self.trackers.values():
-            done.extend(tr.rollback(step, self.p))
+            done.extend(tr.rewind(step, self.p))
         return done
 
 
@@ -167,7 +167,7 @@ class LossScaleRule(RuleBase):
             self.drop = None
         return out
 
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
+    def rewind(self, step: int, t_to: int) -> list[Spike]:
         self.prev, self.drop, self.peak = _NAN, None, [_NAN, 0]
         return []
 
@@ -309,7 +309,7 @@ class BrokenModelRule(RuleBase):
         q.append((s, pn, _NAN if level is None or not math.isfinite(level) else level))
         return bad, ref
 
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
+    def rewind(self, step: int, t_to: int) -> list[Spike]:
         self.pn.clear()
         self.state = None
         return []
@@ -372,6 +372,6 @@ class DivergenceRule(RuleBase):
             return [release("divergence", "")]
         return []
 
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
+    def rewind(self, step: int, t_to: int) -> list[Spike]:
         self.consecutive, self.start, self.keys = 0, None, set()
         return []

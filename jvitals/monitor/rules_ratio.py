@@ -165,7 +165,7 @@ class RatioRule(RuleBase):
         self.above = {m: v for m, v in self.above.items() if m in self.baselines}
         self.last_ratio = {m: r for m, r in self.last_ratio.items() if m in self.baselines}
 
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
+    def rewind(self, step: int, t_to: int) -> list[Spike]:
         self.above = {}
         return []
 
@@ -275,11 +275,11 @@ class TrendRule(RuleBase):
                     details={"rise": r, "window": band.window, "natural": math.exp(nat),
                              "loss_slope_per_step": lslope})
 
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
+    def rewind(self, step: int, t_to: int) -> list[Spike]:
         for bs in self.buckets.values():
             bs.clear()
         for band in self.bands.values():
-            band.rollback(t_to)
+            band.rewind(t_to)
         self.smooth, self.last_t = {}, -(10 ** 9)
         return []
 
@@ -341,6 +341,6 @@ class JumpRule(RuleBase):
                             details={"per_lr_before": a[0], "per_lr": r}))
         return out
 
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
+    def rewind(self, step: int, t_to: int) -> list[Spike]:
         self.prev, self.anchor = {}, {}
         return []

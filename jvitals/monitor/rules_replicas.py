@@ -490,7 +490,7 @@ class ReplicaRule(RuleBase):
 
     # -- state --------------------------------------------------------------------
 
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
+    def rewind(self, step: int, t_to: int) -> list[Spike]:
         """Forgets the streaks (the replicas run from the restored state); keeps the spreads."""
         del step, t_to
         self.streaks.clear()

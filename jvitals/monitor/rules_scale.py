@@ -137,7 +137,7 @@ class _RisingIntoRange(RuleBase):
                      onset=self.onset, diverging=lvl >= Level.ORANGE, prescription=c.prescription,
                      details={"layers": [int(x) for x in layers], "level": c.level, **self._details()})]
 
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
+    def rewind(self, step: int, t_to: int) -> list[Spike]:
         for h in self.hist.values():
             h[:] = [r for r in h if r[0] <= t_to]
         self.onset = None
@@ -289,7 +289,7 @@ class UpdateSizeRule(RuleBase):
                      "Adam's updates vanish", key=m, onset=self.low[0], prescription="adam_epsilon",
                      details={"since": self.low[0]})]
 
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
+    def rewind(self, step: int, t_to: int) -> list[Spike]:
         self.last = self.onset = None
         self.low = []
         return []

@@ -145,7 +145,7 @@ class GapRule(RuleBase):
         self.run = 0
         return [clear("val_gap", "val/gap")]
 
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
+    def rewind(self, step: int, t_to: int) -> list[Spike]:
         self.gap.drop_after(t_to)
         self.ema = self.gap.gs[-1] if self.gap.gs else _NAN
         self.t_last = self.gap.ts[-1] if self.gap.ts else 0
@@ -261,7 +261,7 @@ class ValRiseRule(RuleBase):
             return None
         return rise, span, val[0]
 
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
+    def rewind(self, step: int, t_to: int) -> list[Spike]:
         while self.ts and self.ts[-1] > t_to:
             self.ts.pop()
             self.val.pop()

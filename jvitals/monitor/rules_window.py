@@ -106,7 +106,7 @@ class WindowSpikes(RuleBase):
             return None
         return f.step - int(round(ago)), mx
 
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
+    def rewind(self, step: int, t_to: int) -> list[Spike]:
         self.pools = {m: [x for x in pool if x[0] <= t_to] for m, pool in self.pools.items()}
         return []
 
@@ -203,7 +203,7 @@ class SkipRule(RuleBase):
                      "an update was skipped", key="skip", onset=None if active else first,
                      diverging=lvl >= Level.ORANGE, details={"skipped": k, "first_step": first})]
 
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
+    def rewind(self, step: int, t_to: int) -> list[Spike]:
         self.run = 0
         return []
 
@@ -258,7 +258,7 @@ class EarlyRule(RuleBase):
             del h[:-8]
         return out
 
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
+    def rewind(self, step: int, t_to: int) -> list[Spike]:
         self.anchor = {}
         for h in self.hist.values():
             h[:] = [x for x in h if x[0] <= t_to]
@@ -322,7 +322,7 @@ class RepeatRule(RuleBase):
                     f"{p.between.repeat_collapse:g}x): a model does not learn that fast from fresh batches; it "
                     "is memorising batches it has seen.", "the loss collapsed", key="loss")
 
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
+    def rewind(self, step: int, t_to: int) -> list[Spike]:
         self.hist = [r for r in self.hist if r[0] <= t_to]
         self.ref = _NAN
         return []
@@ -448,7 +448,7 @@ class DataRule(RuleBase):
         self.run, self.onset = 0, None
         return [release("data", "loss")] if ("data", "loss") in f.open else []
 
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
+    def rewind(self, step: int, t_to: int) -> list[Spike]:
         width = max(1, self.p.between.data_window // 32)
         self.buckets = [x for x in self.buckets if x[0] <= t_to // width]
         self.run, self.onset = 0, None
@@ -540,6 +540,6 @@ class ThroughputRule(RuleBase):
         super().load_state_dict(d)
         self.baselines = {m: self.baselines.get(m) or DriftBaseline() for m in self.p.system.throughput_metrics}
 
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
+    def rewind(self, step: int, t_to: int) -> list[Spike]:
         self.since = {}
         return []

@@ -295,7 +295,7 @@ class DriftBand:
         self.anchor, self.sign, self.onset, self.run = anchor, 1 if change > 0 else -1, s, run
         self.kind, self.stat, self.window = kind, change, 0
 
-    def rollback(self, t_to: int) -> None:
+    def rewind(self, t_to: int) -> None:
         """Forgets samples after model time ``t_to`` and any open departure."""
         k = bisect.bisect_right(self.ts, t_to)
         del self.ts[k:], self.ys[k:]

@@ -277,7 +277,7 @@ class SpikeTracker:
                          "shrinking": shrinking, "last_onset": ons[-1], "first_onset": ons[-m - 1],
                          "intervals": run}
 
-    def rollback(self, s: int, p: Policy) -> list[Spike]:
+    def rewind(self, s: int, p: Policy) -> list[Spike]:
         """Closes what a rollback abandons; returns the spikes it completes."""
         done = [self._finish(q, s, p) for q in self.pending]
         self.pending = []

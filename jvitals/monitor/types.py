@@ -620,7 +620,7 @@ def clear(rule: str, key: str) -> Change:
 
 
 class RuleBase:
-    """What every default rule shares: its policy, its state, a no-op rollback.
+    """What every default rule shares: its policy, its state, a no-op rewind.
 
     A rule's state is the attributes named in ``state_fields``: ``state_dict``
     writes each with :func:`~jvitals.monitor.types.enc_state` (plain JSON) and
@@ -647,6 +647,6 @@ class RuleBase:
             if k in d:
                 setattr(self, k, dec_state(d[k], getattr(self, k), self.state_types.get(k)))
 
-    def rollback(self, step: int, t_to: int) -> list[Spike]:
+    def rewind(self, step: int, t_to: int) -> list[Spike]:
         del step, t_to
         return []
