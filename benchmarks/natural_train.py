@@ -376,7 +376,7 @@ def train_guarded(spec: Spec, ckpt_dir: str, *, remedies: bool, cadence: int = 5
     """``spec`` (Linen, fp32) in the README's loop with the monitor and the guard on orbax
     checkpoints, the step applying the guard's in-flight remedies (QK-clip at
     ``vitals.remedy(opt_state, "qk_clip_tau")``, the z-loss at ``vitals.remedy(opt_state,
-    "z_loss")``); ``remedies``: ``RollbackActions(remedies="default")`` or the LR cut alone."""
+    "z_loss")``); ``remedies``: ``Recovery(remedies="default")`` or the LR cut alone."""
     model = nm.LinenDecoder(spec.model)
     schedule = schedule_of(spec)
     tx = optimizer_of(spec, schedule)
@@ -406,8 +406,8 @@ def train_guarded(spec: Spec, ckpt_dir: str, *, remedies: bool, cadence: int = 5
                         jnp.ones((1, spec.seq), bool))["params"]
     state, position = TrainState(jnp.zeros([], jnp.int32), params, tx.init(params)), 0
     monitor = vitals.Monitor()
-    actions = vitals.RollbackActions(remedies="default" if remedies else None, max_rollbacks=None)
-    guard = vitals.Rollback(ckpt_dir, save_every=save_every, actions=actions)
+    recovery = vitals.Recovery(remedies="default" if remedies else None, max_rollbacks=None)
+    guard = vitals.Rollback(ckpt_dir, save_every=save_every, recovery=recovery)
     state, position = guard.resume(state, position, monitor)
     losses = np.full(spec.steps, np.nan)
     attn = np.full(spec.steps, np.nan)

@@ -9,8 +9,8 @@ mismatch that lives in the loop, so no restore undoes it). A real
 updates, every step); a real :class:`jvitals.Rollback` on orbax checkpoints acts
 on its verdicts. Two arms, the same seed and fault:
 
-- ``global``: ``Rollback(actions=RollbackActions(lr_factor=0.9))`` (today: the global LR x0.9 per rollback);
-- ``remedy``: ``Rollback(actions=RollbackActions(lr_factor=0.9, remedies="default"))`` (plus the alert's
+- ``global``: ``Rollback(recovery=Recovery(lr_factor=0.9))`` (today: the global LR x0.9 per rollback);
+- ``remedy``: ``Rollback(recovery=Recovery(lr_factor=0.9, remedies="default"))`` (plus the alert's
   group LR x0.5: the embedding's).
 
 Measured per arm: the first group alert naming the embedding, the first red, the
@@ -40,7 +40,7 @@ import optax
 import jvitals as vitals
 from jvitals import reference_model as rm
 from jvitals.monitor import BaselineConfig, Monitor, Policy
-from jvitals.guard import Action, Retention, Rollback, RollbackActions, RollbackLimitError
+from jvitals.guard import Action, Retention, Rollback, Recovery, RollbackLimitError
 
 CFG = rm.ModelConfig(vocab=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64,
                      sow_attn_logits=False)
@@ -125,7 +125,7 @@ def run_arm(directory: str | Path, *, remedies: Any, mult: float, steps: int = 4
     state = {"params": params, "opt_state": TX.init(params), "step": jnp.asarray(0, jnp.int32)}
     monitor = Monitor(policy())
     guard = Rollback(directory, save_every=save_every, retention=Retention(keep_last=3, keep_every=None),
-                     actions=RollbackActions(max_rollbacks=max_rollbacks, lr_factor=0.9, remedies=remedies))
+                     recovery=Recovery(max_rollbacks=max_rollbacks, lr_factor=0.9, remedies=remedies))
     state, position = guard.resume(state, 0, monitor)
     losses: dict[int, float] = {}
     out: dict[str, Any] = {"group_alert_step": None, "first_red": None, "rollbacks": [],
@@ -153,7 +153,7 @@ def run_arm(directory: str | Path, *, remedies: Any, mult: float, steps: int = 4
             if out["first_red"] is None:
                 out["first_red"] = step
             out["rollbacks"].append({"step": step, "to_step": r.target_step,
-                                     "actions": guard.history[-1]["actions"]})
+                                     "recovery": guard.history[-1]["recovery"]})
             out["responses"].append(r)
     guard.wait()
     out["guard"] = guard

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from jvitals.guard import RollbackActions, RestorePolicy, Retention, Rollback, Saving, Snapshots
+from jvitals.guard import Recovery, RestorePolicy, Retention, Rollback, Saving, Snapshots
 from jvitals.guard.configs import MOVED
 from jvitals.monitor.types import Level
 
@@ -19,8 +19,8 @@ from jvitals.monitor.types import Level
     (Retention, "keep_last", 0), (Retention, "keep_every", 0), (Retention, "keep_green", -1),
     (Retention, "keep_quarantined", -1), (RestorePolicy, "onset_margin", -1),
     (RestorePolicy, "rewind_steps", -2), (RestorePolicy, "healthy_levels", 3),
-    (RollbackActions, "lr_factor", 0.0), (RollbackActions, "lr_factor", 1.5), (RollbackActions, "max_rollbacks", -1),
-    (RollbackActions, "skip_data", -3), (RollbackActions, "skip_data", "yes"), (Saving, "on_save_error", "ignore"),
+    (Recovery, "lr_factor", 0.0), (Recovery, "lr_factor", 1.5), (Recovery, "max_rollbacks", -1),
+    (Recovery, "skip_data", -3), (Recovery, "skip_data", "yes"), (Saving, "on_save_error", "ignore"),
     (Saving, "snapshots", Snapshots(every=0)),
 ])
 def test_each_config_names_its_bad_field(config, field, value):
@@ -32,30 +32,30 @@ def test_configs_are_frozen_with_the_documented_defaults():
     assert Retention() == Retention(keep_last=5, keep_every=5000, keep_green=1, keep_quarantined=3)
     assert RestorePolicy().healthy_levels == frozenset({int(Level.GREEN), int(Level.YELLOW)})
     assert RestorePolicy(healthy_levels=[Level.GREEN]).healthy_levels == frozenset({0})
-    assert RollbackActions().lr_factor == 0.9 and RollbackActions().max_rollbacks == 3 and Saving().snapshots is None
+    assert Recovery().lr_factor == 0.9 and Recovery().max_rollbacks == 3 and Saving().snapshots is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         Retention().keep_last = 3   # type: ignore[misc]
     with pytest.raises(ValueError, match="reset_optimizer"):
-        RollbackActions(reset_optimizer=("adam",))
+        Recovery(reset_optimizer=("adam",))
 
 
 def test_the_signature_names_every_keyword():
     params = inspect.signature(Rollback.__init__).parameters
     assert list(params) == ["self", "directory", "save_every", "monitor", "writer", "retention", "restore",
-                            "actions", "saving"]
+                            "recovery", "saving"]
     assert all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def test_configs_reach_the_guard_and_its_store(tmp_path):
     guard = Rollback(tmp_path, retention=Retention(keep_last=2, keep_every=None),
                      restore=RestorePolicy(onset_margin=3, rewind_steps=10),
-                     actions=RollbackActions(lr_factor=0.5, max_rollbacks=1, skip_data=4),
+                     recovery=Recovery(lr_factor=0.5, max_rollbacks=1, skip_data=4),
                      save_every=7, saving=Saving(pause="raise", preemption=False, sync=True,
                                                  snapshots=Snapshots(every=3, keep=1)))
     try:
         assert guard.save_every == 7 and guard.pause == "raise"
         assert guard.store.keep_last == 2 and guard.store.keep_every is None
-        assert guard.restore_policy.onset_margin == 3 and guard.actions.lr_factor == 0.5
+        assert guard.restore_policy.onset_margin == 3 and guard.recovery.lr_factor == 0.5
         assert guard.saving.sync and guard.snapshot_store is not None and guard.preemption is None
         assert guard.snapshot_store.keep_last == 1
     finally:

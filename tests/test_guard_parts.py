@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from jvitals.guard import Rollback, RollbackActions
+from jvitals.guard import Rollback, Recovery
 from jvitals.guard.restore import Record, Restored, Restorer
 from jvitals.guard.verdict import VERDICT_FIELDS, VerdictLike, check_verdict
 from jvitals.monitor.types import Alert, Level, Verdict
@@ -59,11 +59,11 @@ def test_the_restorer_holds_no_guard_and_returns_what_it_decided(tmp_path):
     """The Restorer is given the stores, the guard's bookkeeping and the settings, never the
     Rollback or its save; a rollback's result is a Restored the guard applies."""
     params = inspect.signature(Restorer).parameters
-    assert list(params) == ["disk", "state", "outbox", "saver", "policy", "actions"]
+    assert list(params) == ["disk", "state", "outbox", "saver", "policy", "recovery"]
     for name in ("restore_target", "resume", "update_pins"):
         assert "guard" not in inspect.signature(getattr(Restorer, name)).parameters, name
 
-    guard = Rollback(tmp_path, save_every=10, actions=RollbackActions(lr_factor=0.5))
+    guard = Rollback(tmp_path, save_every=10, recovery=Recovery(lr_factor=0.5))
     for s in range(0, 40, 5):
         guard.act(s, make_state(s), None, s + 1)
     red = [alert(1, Level.RED, 40, 33)]
@@ -75,7 +75,7 @@ def test_the_restorer_holds_no_guard_and_returns_what_it_decided(tmp_path):
     assert isinstance(done, Restored) and done.target.step == 20
     assert done.lr_scale == 0.5 and get_lr_scale(done.state) == pytest.approx(0.5)
     assert done.position == 41 and done.entry["to_step"] == 20 and done.entry["onset_step"] == 33
-    assert [a["action"] for a in done.entry["actions"]] == ["restore", "lr_scale"]
+    assert [a["kind"] for a in done.entry["recovery"]] == ["restore", "lr_scale"]
     # Nothing of the guard's record moved: applying it is the Rollback's.
     assert guard.lr_scale == 1.0 and guard.history == [] and guard.position == 36
     guard.close()

@@ -2,7 +2,7 @@
 qk-layernorm at a high learning rate (``benchmarks/natural.py``'s TUNING pair), trained in the
 README's loop with the monitor and the guard on real orbax checkpoints.
 
-With ``RollbackActions(remedies="default")`` the red verdict's attention-logit alert turns
+With ``Recovery(remedies="default")`` the red verdict's attention-logit alert turns
 QK-clip on in flight (the step reads ``vitals.remedy(opt_state, "qk_clip_tau")``): one rollback,
 the largest attention logit held below the alert's level afterwards, no relapse, GREEN at the
 end. With the learning-rate cut alone the growth comes back after the rollback.
@@ -38,7 +38,7 @@ def test_the_qk_clip_remedy_ends_the_attention_logit_growth_without_relapse(tmp_
     run = nt.train_guarded(_spec(), str(tmp_path / "remedy"), remedies=True, cadence=50, log=lambda s: None)
     assert len(run.history) == 1, run.history
     (rb,) = run.history
-    texts = [a.get("text", "") for a in rb["actions"] if a.get("action") == "remedy"]
+    texts = [a.get("text", "") for a in rb["recovery"] if a.get("kind") == "remedy"]
     assert any(t.startswith("QK-clip at tau=15") and "in flight" in t for t in texts), texts
     assert run.remedies["qk_clip_tau"] == 15.0
     first = [a for a in run.alerts if "attn_logits" in a]

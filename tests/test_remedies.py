@@ -32,7 +32,7 @@ from jvitals.guard.remedies import (
 )
 from jvitals.report.page import remedy_texts
 from jvitals.guard.rollback import Action, Rollback
-from jvitals.guard import RollbackActions, Retention
+from jvitals.guard import Recovery, Retention
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab=32, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32,
@@ -147,9 +147,9 @@ def test_user_dict_rule_ids_regexes_and_callables():
 
 def test_bad_remedies_are_value_errors_naming_the_value_and_the_allowed(tmp_path):
     with pytest.raises(ValueError, match=r"'halve_lr'.*does not exist.*group_lr.*layer_decay.*qk_clip.*z_loss"):
-        Rollback(tmp_path / "a", actions=RollbackActions(remedies={"grad/share/embedding": "halve_lr"}))
+        Rollback(tmp_path / "a", recovery=Recovery(remedies={"grad/share/embedding": "halve_lr"}))
     with pytest.raises(ValueError, match=r"remedies='defaults'.*'default'"):
-        Rollback(tmp_path / "b", actions=RollbackActions(remedies="defaults"))
+        Rollback(tmp_path / "b", recovery=Recovery(remedies="defaults"))
     with pytest.raises(ValueError, match=r"key '\(' is not a regular expression"):
         parse_remedies({"(": "z_loss"})
     with pytest.raises(ValueError, match=r"name among .*or a callable, got 3"):
@@ -172,7 +172,7 @@ def make_state(value: float) -> dict:
 def test_guard_applies_records_checkpoints_and_resumes_the_remedies(tmp_path):
     emb = alert("update/param_ratio/embedding", group="embedding", id_=1, onset=33)
     attn = alert("act/attn_logits_abs.max", "ratio", id_=2, baseline=20.0, value=90.0, onset=33)
-    guard = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=5, keep_every=None), actions=RollbackActions(remedies="default"))
+    guard = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=5, keep_every=None), recovery=Recovery(remedies="default"))
     for s in (0, 10, 20, 30):
         guard.act(s, make_state(s), green(s), s + 1)
     r = guard.act(40, make_state(40), red_verdict(40, emb, attn, onset=35), 41)
@@ -184,15 +184,17 @@ def test_guard_applies_records_checkpoints_and_resumes_the_remedies(tmp_path):
     assert get_lr_scale(r.state, "lm_head") == pytest.approx(1.0)
     assert guard.remedies == {"lr_groups": {"embedding": 0.5}, "qk_clip_tau": 20.0}
     # History, event, message, report.
-    acts = guard.history[-1]["actions"]
-    assert [a["action"] for a in acts] == ["restore", "lr_scale", "remedy", "remedy"]
+    acts = guard.history[-1]["recovery"]
+    assert [a["kind"] for a in acts] == ["restore", "lr_scale", "remedy", "remedy"]
     assert acts[2]["text"] == "embedding LR x0.5" and acts[2]["metric"] == "update/param_ratio/embedding"
     (ev,) = [e for e in r.events if e["event"] == "rollback"]
     assert ev["remedies"] == ["embedding LR x0.5",
                               "QK-clip at tau=20 (the pre-fault max of act/attn_logits_abs.max; "
                               "in flight: the step reads vitals.remedy(opt_state, 'qk_clip_tau'))"]
     assert get_remedy(r.state, "qk_clip_tau") == 20.0       # set in the optimizer state, in flight
-    assert remedy_texts(ev) == ev["remedies"] and remedy_texts({"actions": acts}) == ev["remedies"]
+    assert remedy_texts(ev) == ev["remedies"] and remedy_texts({"recovery": acts}) == ev["remedies"]
+    older = {"actions": [{("action" if k == "kind" else k): v for k, v in a.items()} for a in acts]}
+    assert remedy_texts(older) == ev["remedies"]               # an older jvitals's log: actions/action
     (msg,) = [a.message for a in r.alerts if a.rule == "rollback"]
     assert "applied: embedding LR x0.5; QK-clip at tau=20" in msg
     pytest.importorskip("matplotlib")
@@ -214,12 +216,12 @@ def test_guard_applies_records_checkpoints_and_resumes_the_remedies(tmp_path):
     # What is on disk: the flags in the newest checkpoint's metadata; resume restores them.
     _, meta = guard.restore(70, make_state(0))
     assert meta["remedies"] == {"lr_groups": {"embedding": 0.25}, "qk_clip_tau": 20.0}
-    fresh = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=5, keep_every=None), actions=RollbackActions(remedies="default"))
+    fresh = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=5, keep_every=None), recovery=Recovery(remedies="default"))
     state, position = fresh.resume(make_state(0), 0)
     assert fresh.resumed_step == 70 and position == 71
     assert fresh.remedies == {"lr_groups": {"embedding": 0.25}, "qk_clip_tau": 20.0}
     assert get_lr_scale(state, "embedding") == pytest.approx(0.25)
-    assert [a["text"] for h in fresh.history for a in h["actions"] if a["action"] == "remedy"] == [
+    assert [a["text"] for h in fresh.history for a in h["recovery"] if a["kind"] == "remedy"] == [
         "embedding LR x0.5", ev["remedies"][1], "embedding LR x0.5"]
     fresh.close()
 
@@ -230,7 +232,7 @@ def test_without_remedies_the_guard_does_what_it_did(tmp_path):
     for s in (0, 10, 20, 30):
         guard.act(s, make_state(s), green(s), s + 1)
     r = guard.act(40, make_state(40), red_verdict(40, emb, onset=35), 41)
-    assert [a["action"] for a in guard.history[-1]["actions"]] == ["restore", "lr_scale"]
+    assert [a["kind"] for a in guard.history[-1]["recovery"]] == ["restore", "lr_scale"]
     assert get_lr_scale(r.state, "embedding") == 1.0 and guard.remedies == {}
     (ev,) = [e for e in r.events if e["event"] == "rollback"]
     assert ev["remedies"] == [] and "applied:" not in [a for a in r.alerts if a.rule == "rollback"][0].message
@@ -266,7 +268,7 @@ def test_end_to_end_embedding_lr_fault_group_remedy_recovers_where_global_cut_le
         assert r["limit"] is None
     # The remedy: one rollback, the embedding's LR halved (its alert named in the action) ...
     assert len(cure["rollbacks"]) == 1 and cure["relapses"] == 0
-    (rem,) = [a for a in cure["rollbacks"][0]["actions"] if a["action"] == "remedy"]
+    (rem,) = [a for a in cure["rollbacks"][0]["recovery"] if a["kind"] == "remedy"]
     assert rem["remedy"] == "group_lr" and rem["group"] == "embedding" and rem["text"] == "embedding LR x0.5"
     (msg,) = [a.message for a in cure["responses"][0].alerts if a.rule == "rollback"]
     assert "applied: embedding LR x0.5" in msg

@@ -188,9 +188,9 @@ def test_activations_x1e3_on_one_device_is_named_as_the_device(setup):
 def test_nan_on_one_device_is_orange_at_once_and_the_guard_says_where(setup, tmp_path):
     step = lambda s, b, on: setup["device_step"](s, b, jnp.float32(np.nan if on else 1.0), jnp.int32(BAD))  # noqa: E731
     raising = vitals.Rollback(tmp_path / "pause", save_every=1000, saving=vitals.Saving(pause="raise"),
-                              actions=vitals.RollbackActions(lr_factor=1.0))
+                              recovery=vitals.Recovery(lr_factor=1.0))
     rolling = vitals.Rollback(tmp_path / "roll", save_every=1000, saving=vitals.Saving(pause="return"),
-                              actions=vitals.RollbackActions(lr_factor=1.0, remedies="default"))
+                              recovery=vitals.Recovery(lr_factor=1.0, remedies="default"))
     paused, rolled = [], []
 
     def guard(step_no, state, verdict, c):
@@ -211,7 +211,7 @@ def test_nan_on_one_device_is_orange_at_once_and_the_guard_says_where(setup, tmp
     assert later.details["suspect"] == "device", later.message
     assert paused and setup["layout"][BAD].describe() in paused[0], paused
     assert rolled, [v.level for v in verdicts]
-    texts = [x["text"] for x in rolled[0]["actions"] if x["action"] == "remedy"]
+    texts = [x["text"] for x in rolled[0]["recovery"] if x["kind"] == "remedy"]
     host = setup["layout"][BAD].hosts[0]
     assert any(f"restart without host {host}" in t for t in texts), texts
     assert rolling.remedies["exclude_hosts"] == [host]

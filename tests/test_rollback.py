@@ -30,7 +30,7 @@ from jvitals.monitor.config import AlertConfig, BaselineConfig, RatioConfig
 from jvitals.monitor.monitor import Monitor
 from jvitals.monitor.policy import Policy
 from jvitals.monitor.types import Alert, Level, Verdict
-from jvitals.guard import RestorePolicy, RollbackActions, Retention, Saving
+from jvitals.guard import RestorePolicy, Recovery, Retention, Saving
 from jvitals.guard.rollback import (
     QUARANTINE_FILE,
     Action,
@@ -179,7 +179,7 @@ def test_red_restores_newest_healthy_before_onset_not_the_newest(tmp_path):
 
 
 def test_save_after_rollback_lands_on_disk_and_steps_go_forward(tmp_path):
-    guard = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=10), actions=RollbackActions(save_on_rollback=False))
+    guard = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=10), recovery=Recovery(save_on_rollback=False))
     drive(guard, [0, 10, 20, 30])
     # Onset 32: the target is older than the last check before it (30).
     r = guard.act(33, make_state(33), verdict(33, Level.RED, onset=32), 34)
@@ -193,7 +193,7 @@ def test_save_after_rollback_lands_on_disk_and_steps_go_forward(tmp_path):
 
 
 def test_lr_scale_compounds_and_limit_error_names_steps_and_alerts(tmp_path):
-    guard = Rollback(tmp_path, save_every=10, actions=RollbackActions(max_rollbacks=2))
+    guard = Rollback(tmp_path, save_every=10, recovery=Recovery(max_rollbacks=2))
     drive(guard, [0, 10, 20])
     r1 = guard.act(25, make_state(25), verdict(25, Level.RED, onset=22), 26)
     drive(guard, [30, 40])                                  # healthy checks: no relapse
@@ -257,7 +257,7 @@ def test_state_types_survive_and_lr_scale_is_required(tmp_path):
     plain = {"params": {"w": jnp.ones(3)}, "opt_state": optax.adam(1e-3).init({"w": jnp.ones(3)})}
     with pytest.raises(ValueError, match="with_lr_scale"):
         Rollback(tmp_path / "x").respond(0, plain, verdict(0, 0), 0)
-    guard = Rollback(tmp_path / "y", actions=RollbackActions(lr_factor=1.0))          # no scale needed then
+    guard = Rollback(tmp_path / "y", recovery=Recovery(lr_factor=1.0))          # no scale needed then
     assert guard.respond(0, plain, None, 0) is plain
     with pytest.raises(TypeError, match="JSON-serialisable"):
         guard.respond(1, plain, None, object())
@@ -711,7 +711,7 @@ def _cut(sign, check_every):
 def test_persistent_fault_limit_keeps_targets_and_restart_resumes_healthy(tmp_path):
     fault = 60
     run = _loop(tmp_path, 200, lr_mult=lambda s: 300.0 if s >= fault else 1.0,
-                actions=RollbackActions(max_rollbacks=2))
+                recovery=Recovery(max_rollbacks=2))
     guard, err = run["guard"], run["error"]
     assert len(run["rollbacks"]) == 2 and isinstance(err, RollbackLimitError)
     targets = [r.target_step for r in run["rollbacks"]]
@@ -735,7 +735,7 @@ def test_persistent_fault_limit_keeps_targets_and_restart_resumes_healthy(tmp_pa
     guard.close()
     # A restart with a larger max_rollbacks resumes a healthy one: the params of a
     # pre-fault step of the fault-free run, not the diverged ones.
-    guard2 = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=3, keep_every=None), actions=RollbackActions(max_rollbacks=4))
+    guard2 = Rollback(tmp_path, save_every=10, retention=Retention(keep_last=3, keep_every=None), recovery=Recovery(max_rollbacks=4))
     state, position = guard2.resume(_fresh_state(), 0, Monitor(Policy(baselines=BaselineConfig(warmup_steps=5, steps=20))))
     assert guard2.resumed_step == err.healthy[0]
     rec = next(c for c in guard2.checkpoints if c.step == guard2.resumed_step)
@@ -755,7 +755,7 @@ def test_fault_at_a_cadence_save_with_a_late_onset_restores_no_faulty_update(tmp
     effect is in the metrics of step 61, which the monitor sees at the check of 65."""
     fault, every = 60, 5
     run = _loop(tmp_path, 100, lr_mult=lambda s: 300.0 if s >= fault else 1.0, check_every=every,
-                actions=RollbackActions(max_rollbacks=1))
+                recovery=Recovery(max_rollbacks=1))
     assert run["rollbacks"], "the fault never went red"
     r = run["rollbacks"][0]
     sign = run["guard"].history[0]["onset_step"]
@@ -862,7 +862,7 @@ def test_blip_then_fault_restores_the_newest_healthy_save_before_the_fault(tmp_p
     the fault (saves every 10 steps: 140), not the blip's (30)."""
     blip, fault, every = tuple(range(40, 65)), 145, 10
     run = _loop(tmp_path, 200, lr_mult=lambda s: 300.0 if s >= fault else 1.0,
-                weight=lambda s: 2.8 if s in blip else 1.0, actions=RollbackActions(max_rollbacks=1))
+                weight=lambda s: 2.8 if s in blip else 1.0, recovery=Recovery(max_rollbacks=1))
     monitor, guard = run["monitor"], run["guard"]
     assert monitor.policy.alerts.clear_steps == 100
     gn = sorted((a for a in monitor.history + monitor.alerts if a.rule == "grad_norm"),
@@ -902,7 +902,7 @@ def test_an_alert_whose_remedy_is_applied_moves_the_target(tmp_path):
     targets = {}
     for remedies in (None, "default"):
         guard = Rollback(tmp_path / str(remedies), save_every=10, retention=Retention(keep_last=20, keep_every=None),
-                         actions=RollbackActions(remedies=remedies))
+                         recovery=Recovery(remedies=remedies))
         for s in range(0, 80, 5):
             alerts = ([group(s)] if s >= 60 else []) + (
                 [_alert(5, Level.ORANGE, s, 75)] if s >= 75 else [])
@@ -921,7 +921,7 @@ def test_variants_rewind_skip_data_and_reset_optimizer_on_a_real_loop(tmp_path):
     fault, rewind = 85, 30
     lr = lambda s: 300.0 if s == fault else 1.0  # noqa: E731
     run = _loop(tmp_path / "a", 130, lr_mult=lr, restore=RestorePolicy(rewind_steps=rewind),
-                actions=RollbackActions(skip_data=True, reset_optimizer=("mu", "nu")))
+                recovery=Recovery(skip_data=True, reset_optimizer=("mu", "nu")))
     guard = run["guard"]
     r = run["rollbacks"][0]
     end = run["rollbacks"][1].step if len(run["rollbacks"]) > 1 else 129
@@ -951,11 +951,11 @@ def test_variants_rewind_skip_data_and_reset_optimizer_on_a_real_loop(tmp_path):
     assert jax.tree.structure(adam_got[0].mu) == jax.tree.structure(adam_want[0].mu)
     assert get_lr_scale(r.state.opt_state) == pytest.approx(0.9)
     # Each recorded in the history and the event.
-    kinds = [a["action"] for a in guard.history[0]["actions"]]
+    kinds = [a["kind"] for a in guard.history[0]["recovery"]]
     assert kinds == ["restore", "lr_scale", "reset_optimizer", "skip_data"]
-    assert guard.history[0]["actions"][2]["count_reset"] is True
+    assert guard.history[0]["recovery"][2]["count_reset"] is True
     ev = [e for e in guard.events if e["event"] == "rollback"][0]
-    assert ev["actions"] == guard.history[0]["actions"] and ev["position"] == r.position
+    assert ev["recovery"] == guard.history[0]["recovery"] and ev["position"] == r.position
     # The rollback checkpoint keeps the skipped position for a restart.
     _, meta = guard.restore(red, _fresh_state())
     assert meta["position"] == r.position
@@ -985,9 +985,9 @@ def test_reset_optimizer_per_group_and_a_fresh_adam(tmp_path):
                if isinstance(x, optax.ScaleByAdamState)]
     assert int(adam.count) == 0 and summary["count_reset"]
     with pytest.raises(ValueError, match="moments among"):
-        Rollback(tmp_path, actions=RollbackActions(reset_optimizer=("nu", "v")))
+        Rollback(tmp_path, recovery=Recovery(reset_optimizer=("nu", "v")))
     with pytest.raises(TypeError, match="int data position"):
-        Rollback(tmp_path / "b", actions=RollbackActions(skip_data=True)).act(0, make_state(0), None, {"i": 0})
+        Rollback(tmp_path / "b", recovery=Recovery(skip_data=True)).act(0, make_state(0), None, {"i": 0})
 
 
 def test_snapshots_cut_the_lost_steps_and_are_targets(tmp_path):
@@ -999,7 +999,7 @@ def test_snapshots_cut_the_lost_steps_and_are_targets(tmp_path):
                                saving=Saving(snapshots=Snapshots(every=5, keep=2))))
     guard = run["guard"]
     (r,) = run["rollbacks"]
-    assert guard.history[0]["actions"][0]["store"] == "snapshots"
+    assert guard.history[0]["recovery"][0]["store"] == "snapshots"
     assert fault - 10 <= r.target_step < fault
     _assert_tree_equal(r.state.params, _reference(r.target_step)[0])
     snaps = sorted(int(p) for p in os.listdir(tmp_path / "snapshots") if p.isdigit())

@@ -146,5 +146,5 @@ def test_events_none_and_the_guard_writes_its_figures(tmp_path):
     rb = [e for e in events[20] if e["event"] == "rollback"][0]
     assert rb["to_step"] == 10 and rb["lr_scale"] == pytest.approx(0.9)     # older than the check of 15
     assert "save" in [e["event"] for e in events[20]]                      # the rollback checkpoint
-    assert [a["action"] for a in rb["actions"]] == ["restore", "lr_scale"]
+    assert [a["kind"] for a in rb["recovery"]] == ["restore", "lr_scale"]
     assert got["loss"][0] == 1.0

@@ -22,7 +22,7 @@ from jvitals.guard.checkpoints import (
     ROLLBACK_SAVE,
     SNAPSHOT,
 )
-from jvitals.guard.configs import RollbackActions, RestorePolicy, Retention, Saving
+from jvitals.guard.configs import Recovery, RestorePolicy, Retention, Saving
 from jvitals.guard.preemption import PREEMPT, Preemption
 from jvitals.guard.remedies import (
     Cause,
@@ -42,7 +42,6 @@ from jvitals.guard.target import choose_target, Past, Target
 
 __all__ = [
     "Action",
-    "RollbackActions",
     "CADENCE",
     "Cause",
     "CheckpointInfo",
@@ -56,6 +55,7 @@ __all__ = [
     "Past",
     "PREEMPT",
     "Preemption",
+    "Recovery",
     "REMEDY_NAMES",
     "Response",
     "RestorePolicy",

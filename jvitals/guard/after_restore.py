@@ -1,13 +1,14 @@
 """The steps after a rollback's restore, each a function of the restored state.
 
 The guard restores the target, then, in this order, each step recorded as a dict
-(``{"action": ...}``) in the rollback's history entry and event: :func:`scale_lr`
-(the LR scale x ``lr_factor``, compounding), :func:`keep_step` (the train state's
-step field keeps going forward), :func:`reset_moments` (the Adam moments of the
-named parameter groups zeroed: :func:`reset_adam_moments`), the remedies of the
-alerts' causes (:mod:`jvitals.guard.remedies`) and :func:`skip_batches` (the data
-position moved past the bad stretch). :func:`step_text` says a step in words for
-the rollback alert's message.
+(``{"kind": ...}``) in the ``recovery`` list of the rollback's history entry and
+event: :func:`scale_lr` (the LR scale x ``lr_factor``, compounding),
+:func:`keep_step` (the train state's step field keeps going forward),
+:func:`reset_moments` (the Adam moments of the named parameter groups zeroed:
+:func:`reset_adam_moments`), the remedies of the alerts' causes
+(:mod:`jvitals.guard.remedies`) and :func:`skip_batches` (the data position moved
+past the bad stretch). :func:`step_text` says a step in words for the rollback
+alert's message.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def reset_adam_moments(state: Any, spec: Sequence[tuple[str, Sequence[str]]]) ->
         return _reset_nnx_moments(state, spec)
     out = jax.tree.map(node, state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
     if not total["found"]:
-        raise ValueError("RollbackActions(reset_optimizer=...) expects an Adam-family optimizer state "
+        raise ValueError("Recovery(reset_optimizer=...) expects an Adam-family optimizer state "
                          "(optax.ScaleByAdamState, as in adam/adamw) in the train state; found none. "
                          "Pass reset_optimizer=None for this optimizer.")
     count_reset = total["all"] and bool(done["mu"] or done["nu"])
@@ -171,7 +172,7 @@ def _reset_nnx_moments(state: Any, spec: Sequence[tuple[str, Sequence[str]]]) ->
                     if any(q.startswith(p[: -len("count")] + "mu/") for q in paths)
                     and any(q.startswith(p[: -len("count")] + "nu/") for q in paths)})
     if not adams:
-        raise ValueError("RollbackActions(reset_optimizer=...) expects an Adam-family optimizer state "
+        raise ValueError("Recovery(reset_optimizer=...) expects an Adam-family optimizer state "
                          "(optax's ScaleByAdamState: count, mu, nu) in the nnx.State; found none. "
                          "Pass reset_optimizer=None for this optimizer.")
     done: dict[str, list[str]] = {m: [] for m in MOMENTS}
@@ -199,20 +200,20 @@ def check_lr_scale(state: Any, lr_factor: float) -> None:
     if lr_factor == 1.0 or has_lr_scale(state):
         return
     raise ValueError(
-        f"RollbackActions(lr_factor={lr_factor}) expects the train state's optimizer to be "
+        f"Recovery(lr_factor={lr_factor}) expects the train state's optimizer to be "
         "wrapped with jvitals.with_lr_scale(tx) (an inject_hyperparams state holding "
         f"'lr_scale'), found none in the {type(state).__name__}. Build the optimizer as "
         "tx = jvitals.with_lr_scale(tx), or pass lr_factor=1.0 to keep the LR.")
 
 
 def scale_lr(restored: Any, lr_scale: float, lr_factor: float) -> tuple[Any, float, list[dict[str, Any]]]:
-    """The LR scale x ``lr_factor`` in ``restored``: ``(state, new scale, actions)``
-    (no action and the state untouched when ``lr_factor`` is 1)."""
+    """The LR scale x ``lr_factor`` in ``restored``: ``(state, new scale, steps)``
+    (no step and the state untouched when ``lr_factor`` is 1)."""
     new_scale = lr_scale * lr_factor
     if lr_factor == 1.0:
         return restored, new_scale, []
     return set_lr_scale(restored, new_scale), new_scale, [
-        {"action": "lr_scale", "factor": lr_factor, "value": new_scale}]
+        {"kind": "lr_scale", "factor": lr_factor, "value": new_scale}]
 
 
 def keep_step(restored: Any, state: Any, step_attr: str | None) -> Any:
@@ -232,20 +233,20 @@ def keep_step(restored: Any, state: Any, step_attr: str | None) -> Any:
 
 
 def reset_moments(restored: Any, spec: Sequence[tuple[str, Sequence[str]]]) -> tuple[Any, list[dict[str, Any]]]:
-    """:func:`reset_adam_moments` as an action: ``(state, actions)`` (none for an empty ``spec``)."""
+    """:func:`reset_adam_moments` as a step: ``(state, steps)`` (none for an empty ``spec``)."""
     if not spec:
         return restored, []
     restored, summary = reset_adam_moments(restored, spec)
-    return restored, [{"action": "reset_optimizer", "spec": {p: list(m) for p, m in spec},
+    return restored, [{"kind": "reset_optimizer", "spec": {p: list(m) for p, m in spec},
                        "moments": sorted(summary["leaves"]),
                        "leaves": sum(len(v) for v in summary["leaves"].values()),
                        "count_reset": summary["count_reset"]}]
 
 
 def skip_batches(position: Any, meta: Mapping[str, Any], skip_data: bool | int) -> tuple[Any, list[dict[str, Any]]]:
-    """The data position after the restore: ``(position, actions)``.
+    """The data position after the restore: ``(position, steps)``.
 
-    ``skip_data=False``: unchanged, no action. ``True``: as many batches again as
+    ``skip_data=False``: unchanged, no step. ``True``: as many batches again as
     were consumed between the target (its saved position, this process's) and now.
     An int ``N``: ``N`` batches.
     """
@@ -255,13 +256,13 @@ def skip_batches(position: Any, meta: Mapping[str, Any], skip_data: bool | int) 
     n = int(skip_data) if not isinstance(skip_data, bool) else \
         max(0, int(position) - int(then if isinstance(then, (int, float)) else position))
     new_position = int(position) + n
-    return new_position, [{"action": "skip_data", "batches": n, "from_position": int(position),
+    return new_position, [{"kind": "skip_data", "batches": n, "from_position": int(position),
                            "position": new_position}]
 
 
 def step_text(a: Mapping[str, Any]) -> str:
     """A step after the restore (its dict) in words."""
-    kind = a.get("action")
+    kind = a.get("kind")
     if kind == "lr_scale":
         return f"LR scale {a['value']:.4g} (x{a['factor']} per rollback)"
     if kind == "skip_data":

@@ -4,7 +4,7 @@
 frozen dataclass with its own fields, defaults and validation (an error names
 the config and the field): :class:`Retention` (which checkpoints are kept),
 :class:`RestorePolicy` (which one a rollback or a resume restores),
-:class:`RollbackActions` (what a rollback does after the restore) and
+:class:`Recovery` (what a rollback does after the restore) and
 :class:`Saving` (when and how checkpoints are written). A keyword ``Rollback``
 no longer takes is a TypeError naming its config (:data:`MOVED`).
 """
@@ -20,7 +20,7 @@ from jvitals.guard.remedies import parse_remedies
 from jvitals.guard.response import Snapshots
 from jvitals.guard.target import RestorePolicy, fail as _fail
 
-__all__ = ["MOVED", "RestorePolicy", "Retention", "RollbackActions", "Saving", "check_config", "refuse_moved"]
+__all__ = ["MOVED", "Recovery", "RestorePolicy", "Retention", "Saving", "check_config", "refuse_moved"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Retention:
 
 
 @dataclasses.dataclass(frozen=True)
-class RollbackActions:
+class Recovery:
     """What a rollback does after the restore, and how many it may do.
 
     Attributes:
@@ -88,12 +88,12 @@ class RollbackActions:
 
     def __post_init__(self) -> None:
         if not 0.0 < float(self.lr_factor) <= 1.0:
-            _fail("RollbackActions", "lr_factor", "in (0, 1]", self.lr_factor)
+            _fail("Recovery", "lr_factor", "in (0, 1]", self.lr_factor)
         if self.max_rollbacks is not None and int(self.max_rollbacks) < 0:
-            _fail("RollbackActions", "max_rollbacks", ">= 0 or None", self.max_rollbacks)
+            _fail("Recovery", "max_rollbacks", ">= 0 or None", self.max_rollbacks)
         skip = self.skip_data
         if not (isinstance(skip, bool) or (isinstance(skip, int) and skip >= 0)):
-            _fail("RollbackActions", "skip_data", "False, True or an int >= 0", skip)
+            _fail("Recovery", "skip_data", "False, True or an int >= 0", skip)
         parse_reset(self.reset_optimizer)       # raises a ValueError naming reset_optimizer
         parse_remedies(self.remedies)           # raises a ValueError naming the remedy
 
@@ -143,9 +143,10 @@ MOVED: dict[str, str] = {
     **{k: f"retention=Retention({k}=...)" for k in ("keep_last", "keep_every", "keep_green", "keep_quarantined")},
     **{k: f"restore=RestorePolicy({k}=...)" for k in ("healthy_levels", "check_finite", "onset_margin",
                                                        "rewind_steps")},
-    **{k: f"actions=RollbackActions({k}=...)" for k in ("lr_factor", "max_rollbacks", "skip_data",
-                                                         "reset_optimizer", "remedies", "save_on_rollback",
-                                                         "step_attr")},
+    **{k: f"recovery=Recovery({k}=...)" for k in ("lr_factor", "max_rollbacks", "skip_data",
+                                                   "reset_optimizer", "remedies", "save_on_rollback",
+                                                   "step_attr")},
+    "actions": "recovery=Recovery(...)",
     "sync_save": "saving=Saving(sync=...)",
     **{k: f"saving=Saving({k}=...)" for k in ("on_save_error", "snapshots", "pause", "preemption")},
 }

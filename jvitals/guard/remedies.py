@@ -1,6 +1,6 @@
 """The guard's prescriptions: from an alert's cause to a remedy applied at a rollback.
 
-:class:`jvitals.Rollback` (``RollbackActions(remedies="default")`` or a dict) calls
+:class:`jvitals.Rollback` (``Recovery(remedies="default")`` or a dict) calls
 :func:`apply_remedies` after it has restored the healthy checkpoint. Each alert of
 the red verdict (open and just closed) is read as a :class:`Cause` (its rule, its
 metric, the group the metric names) and matched against a table ``{pattern:
@@ -191,7 +191,7 @@ def causes_of(alerts: Iterable[Any]) -> list[Cause]:
 
 def check_regex(pattern: str, where: str) -> None:
     """Raises a ValueError naming ``where`` and ``pattern`` if ``pattern`` is not a
-    regular expression (a table key of ``RollbackActions(remedies=)`` or ``reset_optimizer=``)."""
+    regular expression (a table key of ``Recovery(remedies=)`` or ``reset_optimizer=``)."""
     try:
         re.compile(pattern)
     except re.error as e:
@@ -199,7 +199,7 @@ def check_regex(pattern: str, where: str) -> None:
 
 
 def parse_remedies(remedies: None | str | Mapping[str, Remedy]) -> RemedyTable:
-    """The ``RollbackActions(remedies=...)`` argument as an ordered table.
+    """The ``Recovery(remedies=...)`` argument as an ordered table.
 
     Args:
       remedies: None (no table), ``"default"`` (:data:`DEFAULT_REMEDIES`) or a
@@ -219,26 +219,26 @@ def parse_remedies(remedies: None | str | Mapping[str, Remedy]) -> RemedyTable:
         return ()
     if isinstance(remedies, str):
         if remedies != "default":
-            raise ValueError(f"RollbackActions(remedies={remedies!r}): expected None, 'default' or a dict "
+            raise ValueError(f"Recovery(remedies={remedies!r}): expected None, 'default' or a dict "
                              f"{{rule id or metric regex: remedy}} with remedies among "
                              f"{list(REMEDY_NAMES)} or callables")
         remedies = DEFAULT_REMEDIES
     if not isinstance(remedies, Mapping):
-        raise ValueError(f"RollbackActions(remedies=...) expects None, 'default' or a dict, got "
+        raise ValueError(f"Recovery(remedies=...) expects None, 'default' or a dict, got "
                          f"{type(remedies).__name__} {remedies!r}")
     out = []
     for pattern, remedy in remedies.items():
         if not isinstance(pattern, str):
-            raise ValueError(f"RollbackActions(remedies=...): a key must be a rule id or a metric regex "
+            raise ValueError(f"Recovery(remedies=...): a key must be a rule id or a metric regex "
                              f"(str), got {pattern!r}")
-        check_regex(pattern, "RollbackActions(remedies=...):")
+        check_regex(pattern, "Recovery(remedies=...):")
         if isinstance(remedy, str):
             if remedy not in REMEDY_NAMES:
-                raise ValueError(f"RollbackActions(remedies=...): remedy {remedy!r} (for {pattern!r}) does "
+                raise ValueError(f"Recovery(remedies=...): remedy {remedy!r} (for {pattern!r}) does "
                                  f"not exist; the remedies are {list(REMEDY_NAMES)} or a callable "
                                  "fn(state, cause, flags) -> state")
         elif not callable(remedy):
-            raise ValueError(f"RollbackActions(remedies=...): the remedy for {pattern!r} must be a name "
+            raise ValueError(f"Recovery(remedies=...): the remedy for {pattern!r} must be a name "
                              f"among {list(REMEDY_NAMES)} or a callable, got {remedy!r}")
         out.append((pattern, remedy))
     return tuple(out)
@@ -288,7 +288,7 @@ def reapply_remedies(state: Any, flags: Mapping[str, Any]) -> Any:
 
 
 def _action(name: str, cause: Cause, text: str, **extra: Any) -> dict[str, Any]:
-    return {"action": "remedy", "remedy": name, "rule": cause.rule, "metric": cause.metric,
+    return {"kind": "remedy", "remedy": name, "rule": cause.rule, "metric": cause.metric,
             "group": cause.group, "text": text, **extra}
 
 
@@ -396,14 +396,14 @@ def apply_remedies(state: Any, alerts: Sequence[Any], table: RemedyTable,
       lr_factor: the guard's global factor (named by a fallback's text).
 
     Returns:
-      ``(state, flags, actions)``: the new state, the new flags, and one action
-      dict per application (``{"action": "remedy", "remedy", "rule", "metric",
+      ``(state, flags, steps)``: the new state, the new flags, and one step
+      dict per application (``{"kind": "remedy", "remedy", "rule", "metric",
       "group", "text", "applied", ...}``). A remedy is applied once per
       ``(remedy, group)`` at a rollback (two alerts on the embedding halve its LR
       once).
     """
     flags = copy.deepcopy(dict(flags))
-    actions: list[dict[str, Any]] = []
+    steps: list[dict[str, Any]] = []
     done: set[tuple[str, str | None]] = set()
     for cause in causes_of(alerts):
         hit = next((r for p, r in table if _matches(p, cause)), None)
@@ -424,12 +424,12 @@ def apply_remedies(state: Any, alerts: Sequence[Any], table: RemedyTable,
             else:
                 state = got
             act = _action(name, cause, text, applied=True)
-        actions.append(act)
-    return state, flags, actions
+        steps.append(act)
+    return state, flags, steps
 
 
-def applied_text(actions: Iterable[Mapping[str, Any]]) -> str:
-    """``'applied: embedding LR x0.5; z-loss on (...)'`` of the remedy actions ('' if none)."""
-    texts = [str(a.get("text")) for a in actions if a.get("action") == "remedy"]
+def applied_text(steps: Iterable[Mapping[str, Any]]) -> str:
+    """``'applied: embedding LR x0.5; z-loss on (...)'`` of the remedy steps ('' if none)."""
+    texts = [str(a.get("text")) for a in steps if a.get("kind") == "remedy"]
     return ("applied: " + "; ".join(texts)) if texts else ""
 

@@ -107,7 +107,7 @@ class RollbackLimitError(RollbackError):
     Attributes:
       step: the step of the red verdict.
       history: the previous rollbacks (dicts with ``step``, ``to_step``, ``onset_step``,
-        ``lr_scale``, ``actions``, ``alerts``).
+        ``lr_scale``, ``recovery``, ``alerts``).
       alerts: the red verdict's alerts.
       position: the data position at the red step.
       healthy: the healthy checkpoints on disk a restart can continue from, newest first.

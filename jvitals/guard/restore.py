@@ -23,7 +23,7 @@ from jvitals.monitor.types import Alert, Level
 from jvitals.guard.after_restore import keep_step, parse_reset, reset_moments, scale_lr, skip_batches, step_text
 from jvitals.guard.events import ROLLBACK_COUNT
 from jvitals.guard.preemption import PREEMPT
-from jvitals.guard.configs import RollbackActions, RestorePolicy
+from jvitals.guard.configs import Recovery, RestorePolicy
 from jvitals.guard.remedies import applied_text, apply_remedies, parse_remedies, reapply_remedies
 from jvitals.guard.response import (
     RollbackError,
@@ -97,7 +97,7 @@ class Restored(NamedTuple):
       position: the data position to continue from.
       remedies: the new remedies' flags.
       entry: the rollback's history entry (``step``, ``to_step``, ``source_step``,
-        ``onset_step``, ``cutoff``, ``lr_scale``, ``position``, ``actions``, ``alerts``).
+        ``onset_step``, ``cutoff``, ``lr_scale``, ``position``, ``recovery``, ``alerts``).
       alerts: the alerts raised on the way (corrupt candidates skipped).
     """
 
@@ -131,15 +131,15 @@ class Restorer:
       outbox: the guard's :class:`jvitals.guard.state.Outbox`.
       saver: the guard's :class:`jvitals.guard.saver.Saver` (its waits).
       policy: the :class:`jvitals.guard.configs.RestorePolicy`.
-      actions: the :class:`jvitals.guard.configs.RollbackActions`.
+      recovery: the :class:`jvitals.guard.configs.Recovery`.
     """
 
     def __init__(self, disk: Any, state: GuardState, outbox: Outbox, saver: Any, policy: RestorePolicy,
-                 actions: RollbackActions) -> None:
+                 recovery: Recovery) -> None:
         self.disk, self.state, self.outbox, self.saver = disk, state, outbox, saver
-        self.policy, self.actions = policy, actions
-        self.reset = parse_reset(actions.reset_optimizer)
-        self.remedy_table = parse_remedies(actions.remedies)
+        self.policy, self.recovery = policy, recovery
+        self.reset = parse_reset(recovery.reset_optimizer)
+        self.remedy_table = parse_remedies(recovery.remedies)
 
     def resume(self, tree: Any) -> Resumed:
         """The newest healthy checkpoint restored onto ``tree`` (see :meth:`jvitals.Rollback.resume`)."""
@@ -188,7 +188,7 @@ class Restorer:
         sign, cutoff = sign_cutoff
         verdict_alerts = list(verdict.alerts)
         self.saver.settle()
-        limit = self.actions.max_rollbacks
+        limit = self.recovery.max_rollbacks
         if limit is not None and len(record.history) >= int(limit):
             self._limit(step, verdict_alerts, position, sign_cutoff, record)
         target = pick_target([r for r in self.disk.records() if r.kind != PREEMPT], sign=sign,
@@ -212,7 +212,7 @@ class Restorer:
         restored, new_scale, new_position, remedies, steps = self._after_restore(
             rec, (restored, meta, tree), verdict, position, record)
         entry = {"step": step, "to_step": rec.step, "source_step": source, "onset_step": sign, "cutoff": cutoff,
-                 "lr_scale": new_scale, "position": jsonable(new_position), "actions": steps,
+                 "lr_scale": new_scale, "position": jsonable(new_position), "recovery": steps,
                  "alerts": [alert_lines([a]) for a in verdict_alerts[:5]]}
         self.disk.write_quarantine()
         self.state.orange_saved = False
@@ -236,8 +236,8 @@ class Restorer:
         ``got = (restored, metadata, current state)``: ``(state, LR scale, data position,
         remedies' flags, steps done)``."""
         restored, meta, current = got
-        cfg = self.actions
-        steps: list[dict[str, Any]] = [{"action": "restore", "to_step": rec.step, "store": rec.store}]
+        cfg = self.recovery
+        steps: list[dict[str, Any]] = [{"kind": "restore", "to_step": rec.step, "store": rec.store}]
         restored, new_scale, did = scale_lr(restored, record.lr_scale, float(cfg.lr_factor))
         steps += did
         restored = keep_step(restored, current, cfg.step_attr)
@@ -257,8 +257,8 @@ class Restorer:
                  verdict_alerts: Sequence[Alert]) -> Alert:
         """The rollback's alert (RED, rule ``'rollback'``) and event, once ``done`` is
         applied (``count``: the rollbacks so far; ``monitor_alert_id``: the monitor's note of it)."""
-        rec, steps, sign = done.target, done.entry["actions"], done.entry["onset_step"]
-        did = ", ".join(step_text(a) for a in steps[1:] if a["action"] != "remedy") or "no other action"
+        rec, steps, sign = done.target, done.entry["recovery"], done.entry["onset_step"]
+        did = ", ".join(step_text(a) for a in steps[1:] if a["kind"] != "remedy") or "no other action"
         cure = applied_text(steps)
         did += f"; {cure}" if cure else ""
         message = (f"[RED] rolled back at step {step} (earliest sign {sign}) to the healthy {rec.store[:-1]} "
@@ -267,10 +267,10 @@ class Restorer:
                    f"Cause: {alert_lines(verdict_alerts, 2)}")
         self.outbox.event({"event": "rollback", "step": step, "to_step": rec.step, "onset_step": sign,
                            "lr_scale": done.lr_scale, "position": jsonable(done.position),
-                           "actions": steps, "remedies": [a["text"] for a in steps if a["action"] == "remedy"],
+                           "recovery": steps, "remedies": [a["text"] for a in steps if a["kind"] == "remedy"],
                            "reason": alert_lines(verdict_alerts, 1)})
         return make_alert("rollback", ROLLBACK_COUNT, Level.RED, step, count, sign,
-                          message, {"to_step": rec.step, "lr_scale": done.lr_scale, "actions": steps,
+                          message, {"to_step": rec.step, "lr_scale": done.lr_scale, "recovery": steps,
                                     "monitor_alert_id": monitor_alert_id})
 
     def _limit(self, step: int, verdict_alerts: list[Alert], position: Any, sign_cutoff: tuple[int, int],
@@ -288,10 +288,10 @@ class Restorer:
         raise RollbackLimitError(
             f"Rollback: {len(record.history)} rollback(s) already (steps {done}; LR scale now "
             f"{record.lr_scale:.4g}) and the run went red again at step {step} (earliest sign "
-            f"{sign}): {alert_lines(verdict_alerts)}. max_rollbacks={self.actions.max_rollbacks} "
+            f"{sign}): {alert_lines(verdict_alerts)}. max_rollbacks={self.recovery.max_rollbacks} "
             f"reached: lower the learning rate further or inspect the data at position "
             f"{position!r}. Healthy checkpoints on disk in {str(self.disk.main.directory)!r}, newest "
-            f"first: {healthy or 'none'}; a restart (Rollback(..., actions=RollbackActions(max_rollbacks=N))"
+            f"first: {healthy or 'none'}; a restart (Rollback(..., recovery=Recovery(max_rollbacks=N))"
             f".resume()) continues from {healthy[0] if healthy else 'nothing'}; quarantined: "
             f"{sorted(self.disk.main.quarantined)}.",
             step=step, history=list(record.history), alerts=verdict_alerts, position=position,

@@ -4,7 +4,7 @@
 :meth:`Rollback.respond` saves (GREEN/YELLOW, on the cadence), pauses (ORANGE) or
 rolls back (RED). It is built from parts, each in a module of its own: its
 settings (:mod:`jvitals.guard.configs`: :class:`Retention`, :class:`RestorePolicy`,
-:class:`RollbackActions`, :class:`Saving`), its state and outbox (:mod:`jvitals.guard.state`),
+:class:`Recovery`, :class:`Saving`), its state and outbox (:mod:`jvitals.guard.state`),
 its saves (:mod:`jvitals.guard.saver`), its restores (:mod:`jvitals.guard.restore`),
 the target (:mod:`jvitals.guard.target`), the stores (:mod:`jvitals.guard.stores`,
 :mod:`jvitals.guard.checkpoints`) and the preemption save
@@ -35,7 +35,7 @@ from jvitals.guard.checkpoints import (
     Provenance,
     allgather_ints,
 )
-from jvitals.guard.configs import RestorePolicy, Retention, RollbackActions, Saving, check_config, refuse_moved
+from jvitals.guard.configs import Recovery, RestorePolicy, Retention, Saving, check_config, refuse_moved
 from jvitals.guard.events import ROLLBACK_COUNT, ROLLBACK_LR_SCALE, write_events
 from jvitals.guard.preemption import PREEMPT, Preemption, save_on_notice
 from jvitals.guard.remedies import remedied_ids
@@ -59,10 +59,10 @@ from jvitals.guard.verdict import VerdictLike, check_verdict
 
 __all__ = [
     "Action",
-    "RollbackActions",
     "CheckpointInfo",
     "CheckpointSaveError",
     "QUARANTINE_FILE",
+    "Recovery",
     "Response",
     "RestorePolicy",
     "Retention",
@@ -116,7 +116,7 @@ class Rollback:
         ``keep_every=5000``, ``keep_green=1``, ``keep_quarantined=3``).
       restore: a :class:`RestorePolicy`: which checkpoint a rollback restores
         (``healthy_levels``, ``check_finite``, ``onset_margin``, ``rewind_steps``).
-      actions: a :class:`RollbackActions`: what a rollback does after the restore
+      recovery: a :class:`Recovery`: what a rollback does after the restore
         (``lr_factor=0.9``, ``max_rollbacks=3``, ``skip_data``, ``reset_optimizer``,
         ``remedies``, ``save_on_rollback``, ``step_attr``).
       saving: a :class:`Saving`: how checkpoints are written (``sync``,
@@ -137,7 +137,7 @@ class Rollback:
       level: the level the guard last acted on (GREEN before any check).
       store: the :class:`~jvitals.guard.checkpoints.CheckpointStore` of the checkpoints.
       snapshot_store: the store of the snapshots (None without snapshots).
-      retention, restore_policy, actions, saving: the settings (frozen configs).
+      retention, restore_policy, recovery, saving: the settings (frozen configs).
       remedies: the remedies' flags for the loop (a plain JSON dict, saved with
         each checkpoint, restored by :meth:`resume`): ``"qk_clip_tau"`` (call
         :func:`jvitals.qk_clip` with it), ``"z_loss"`` (the weight of
@@ -159,12 +159,12 @@ class Rollback:
 
     def __init__(self, directory: str | os.PathLike, *, save_every: int = 500, monitor: Any = None,
                  writer: Any = None, retention: Retention = Retention(), restore: RestorePolicy = RestorePolicy(),
-                 actions: RollbackActions = RollbackActions(), saving: Saving = Saving()) -> None:
+                 recovery: Recovery = Recovery(), saving: Saving = Saving()) -> None:
         for name, value, cls in (("retention", retention, Retention), ("restore", restore, RestorePolicy),
-                                 ("actions", actions, RollbackActions), ("saving", saving, Saving)):
+                                 ("recovery", recovery, Recovery), ("saving", saving, Saving)):
             check_config(name, value, cls)
         _check_init(directory, save_every, monitor, writer)
-        self.retention, self.restore_policy, self.actions, self.saving = retention, restore, actions, saving
+        self.retention, self.restore_policy, self.recovery, self.saving = retention, restore, recovery, saving
         self.save_every, self.monitor, self.writer = int(save_every), monitor, writer
         self._pause = PauseOnOrange(saving.pause)
         self.pause = self._pause.how
@@ -189,7 +189,7 @@ class Rollback:
         self.directory = self.store.directory
         self._saver = Saver(self._disk, self.save_every, self.saving, self._state, self._outbox, levels)
         self._restorer = Restorer(self._disk, self._state, self._outbox, self._saver, self.restore_policy,
-                                  self.actions)
+                                  self.recovery)
         self._outbox.collect_failures(self._disk)
         regular = [r.step for r in self.store.checkpoints if r.kind in REGULAR_KINDS and r.quarantined is None]
         self._state.last_regular = max(regular) if regular else None
@@ -264,9 +264,9 @@ class Rollback:
         self._last_check, self._rewound = step, False
         check_verdict(verdict)
         check_position(position)
-        skip = self.actions.skip_data
+        skip = self.recovery.skip_data
         if skip is not False and not isinstance(position, (int, np.integer)):
-            raise TypeError(f"Rollback(actions=RollbackActions(skip_data={skip!r})) expects an int data position "
+            raise TypeError(f"Rollback(recovery=Recovery(skip_data={skip!r})) expects an int data position "
                             f"(batches consumed), got {type(position).__name__} {position!r}; pass "
                             "an int, or skip_data=False and skip in your loader.")
         self._state.alerts.observe(step, verdict)
@@ -483,7 +483,7 @@ class Rollback:
                                                                  None if note is None else note.id,
                                                                  list(verdict.alerts))]
         rec, saved = done.target, None
-        if self.actions.save_on_rollback:
+        if self.recovery.save_on_rollback:
             source = done.entry["source_step"]
             saved = self._save(step, done.state, done.position, rec.level, ROLLBACK_SAVE, source)
         metrics = {**self.metrics(), "rollback/from_step": float(step), "rollback/to_step": float(rec.step)}
@@ -533,7 +533,7 @@ class Rollback:
 
     def _check_lr_scale(self, state: Any) -> None:
         if not self._lr_checked:
-            check_lr_scale(state, float(self.actions.lr_factor))
+            check_lr_scale(state, float(self.recovery.lr_factor))
             self._lr_checked = True
 
     def _finish(self, step: int | None, response: Response) -> None:

@@ -121,17 +121,28 @@ def _lr_scale_text(run: Run) -> str:
 def remedy_texts(rollback_event: Mapping[str, Any]) -> list[str]:
     """The remedies a ``rollback`` event applied (``'embedding LR x0.5'``, ...), in order.
 
-    Read from the event's ``remedies`` list, else from its ``actions`` of kind
+    Read from the event's ``remedies`` list, else from its ``recovery`` steps of kind
     ``'remedy'`` (their ``text``); empty for a rollback without remedies.
     """
     got = rollback_event.get("remedies")
     if isinstance(got, list):
         return [str(x) for x in got]
-    acts = rollback_event.get("actions")
-    if not isinstance(acts, list):
+    steps = _recovery_steps(rollback_event)
+    if not isinstance(steps, list):
         return []
-    return [str(a.get("text", a.get("remedy", ""))) for a in acts
-            if isinstance(a, Mapping) and a.get("action") == "remedy"]
+    return [str(a.get("text", a.get("remedy", ""))) for a in steps if _step_kind(a) == "remedy"]
+
+
+def _recovery_steps(rollback_event: Mapping[str, Any]) -> Any:
+    """A ``rollback`` event's steps after the restore (its ``recovery`` list; an older
+    jvitals's log named it ``actions``)."""
+    return rollback_event.get("recovery", rollback_event.get("actions"))
+
+
+def _step_kind(step: Any) -> Any:
+    """A recovery step's kind (``'restore'``, ``'lr_scale'``, ``'remedy'``, ...; ``action`` in
+    an older jvitals's log); None for anything but a dict."""
+    return step.get("kind", step.get("action")) if isinstance(step, Mapping) else None
 
 
 def build_html(run: Run, *, title: str | None = None, phase: str | None = None,
@@ -189,7 +200,7 @@ def _header_section(run: Run, cur_phase: str, *, given: bool) -> list[str]:
 
 
 def _timeline_section(run: Run) -> list[str]:
-    """The level timeline, then one row per rollback (remedies apart from the other actions)."""
+    """The level timeline, then one row per rollback (remedies apart from the other recovery steps)."""
     p = ["<h2>Timeline</h2>"]
     fig = _figure((12, 1.3))
     plot_timeline(run, fig.add_subplot())
@@ -198,17 +209,17 @@ def _timeline_section(run: Run) -> list[str]:
     if not rbs:
         return p
     p.append("<table><tr><th>rollback at step</th><th>restored step</th><th>earliest sign</th>"
-             "<th>lr scale</th><th>remedies applied</th><th>actions</th><th>reason</th></tr>")
+             "<th>lr scale</th><th>remedies applied</th><th>recovery</th><th>reason</th></tr>")
     for r in rbs:
-        acts = r.get("actions") or []
+        steps = _recovery_steps(r) or []
         cures = remedy_texts(r)
-        acts = "; ".join(", ".join(f"{k}={v}" for k, v in a.items()) if isinstance(a, Mapping) else str(a)
-                         for a in acts if not (isinstance(a, Mapping) and a.get("action") == "remedy")
-                         ) if isinstance(acts, list) else str(acts)
+        steps = "; ".join(", ".join(f"{k}={v}" for k, v in a.items()) if isinstance(a, Mapping) else str(a)
+                          for a in steps if _step_kind(a) != "remedy"
+                          ) if isinstance(steps, list) else str(steps)
         p.append(f"<tr><td class='num'>{_e(r.get('step'))}</td><td class='num'>{_e(r.get('to_step', ''))}</td>"
                  f"<td class='num'>{_e(r.get('onset_step', ''))}</td>"
                  f"<td class='num'>{_num(r.get('lr_scale', ''))}</td>"
-                 f"<td>{_e('; '.join(cures) or 'none')}</td><td>{_e(acts)}</td>"
+                 f"<td>{_e('; '.join(cures) or 'none')}</td><td>{_e(steps)}</td>"
                  f"<td>{_e(r.get('reason', ''))}</td></tr>")
     p.append("</table>")
     return p
