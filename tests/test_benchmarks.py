@@ -17,7 +17,7 @@ from jax import lax
 import jvitals as vitals
 import pytest
 
-pytestmark = pytest.mark.slow   # an end-to-end run in fresh processes: the full tier (README)
+pytestmark = pytest.mark.slow   # the slow tier (README): end-to-end runs in fresh processes
 
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "overhead.py"
 

@@ -78,6 +78,7 @@ def test_the_part_is_there_and_held_out(split):
     assert NEW_FAMILY[split] in families, families     # a model family never used for tuning
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("cadence,heavy", CADENCES)
 def test_quiet_when_healthy(split, cadence, heavy):

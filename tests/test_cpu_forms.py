@@ -40,7 +40,7 @@ def _grad_keys(m):
     return {k: v for k, v in m.items() if k.startswith("grad/")}
 
 
-@pytest.mark.parametrize("cfg", [LLAMA, MOE], ids=["fused_qkv", "scan_moe"])
+@pytest.mark.parametrize("cfg", [LLAMA, pytest.param(MOE, marks=pytest.mark.slow)], ids=["fused_qkv", "scan_moe"])
 def test_plain_gradient_figures_equal_the_one_read_forms(cfg):
     _, grads = _trees(cfg)
     plain = jax.device_get(jax.jit(G.plain_grad_figures)(grads))
@@ -101,7 +101,7 @@ def test_a_nan_gradient_is_counted_where_it_is_in_both_forms(cfg):
         np.testing.assert_allclose(plain[k], one[k], rtol=2e-6, err_msg=k)
 
 
-@pytest.mark.parametrize("cfg", [LLAMA, MOE], ids=["fused_qkv", "scan_moe"])
+@pytest.mark.parametrize("cfg", [LLAMA, pytest.param(MOE, marks=pytest.mark.slow)], ids=["fused_qkv", "scan_moe"])
 def test_the_recorders_heavy_step_on_the_cpu(cfg):
     """record(chain(clip, adamw)) with vitals_heavy=True under jit on this backend: every
     figure ``gradient_metrics`` gives, the gradient ones equal to it, the parameter ones to

@@ -148,6 +148,7 @@ def test_sharded_under_jit_and_inside_shard_map_equal_the_whole_batch():
         np.testing.assert_allclose(float(figs[k]), want[k], rtol=2e-6, err_msg=k)
 
 
+@pytest.mark.slow
 def test_on_the_readme_step_the_figures_equal_the_heavy_step_s():
     """A training step with the loss's figures every step: at the step where the sown
     logits are read too, both give the same figures; training is unchanged (the same

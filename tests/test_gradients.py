@@ -407,6 +407,7 @@ def _scanned_moe_with_qkv():
     return ents
 
 
+@pytest.mark.slow
 def test_shard_map_expert_parallel_equals_one_device():
     mesh = _mesh()
     grads, gm = build(_scanned_moe_with_qkv(), seed=7)

@@ -203,6 +203,7 @@ def _rms(x, valid):
     return np.sqrt(np.mean(x * x))
 
 
+@pytest.mark.slow
 def test_loss_and_gradients_unchanged(run):
     np.testing.assert_allclose(run["loss"], run["p_loss"], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(run["grads"]), jax.tree.leaves(run["p_grads"])):

@@ -150,6 +150,7 @@ def test_loss_and_grads_unchanged_under_jit_and_grad():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.slow
 def test_scan_stacked_layers():
     cfg = ModelConfig(n_layers=3, scan_layers=True)
     params = init_params(cfg, jax.random.key(2))

@@ -41,6 +41,7 @@ class _LM(nnx.Module):
         return self.lm_head(x)
 
 
+@pytest.mark.slow
 def test_nnx_multi_head_attention_under_nnx_jit_matches_numpy():
     model = _LM(vocab=32, d=16, n_layers=2, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)

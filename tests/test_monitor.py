@@ -564,6 +564,7 @@ def healthy_stream(seed, n):
     return stream
 
 
+@pytest.mark.slow
 def test_healthy_runs_have_no_orange_or_red():
     # 10 synthetic seeds (the real runs: tests/test_corpus.py replays 100,000 held-out and
     # blind healthy steps through the default monitor).
@@ -672,6 +673,7 @@ def test_state_dict_is_plain_json():
         Monitor.from_state_dict({"foo": 1})
 
 
+@pytest.mark.slow
 def test_from_state_dict_policy_override():
     m = Monitor(Policy(health=C.HealthConfig(red_after=3)))
     stream = grad_climb_stream(14)
@@ -725,6 +727,7 @@ def test_empty_and_unknown_metrics_are_fine():
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_note_rollback():
     stream = grad_climb_stream(16)
     m = Monitor(Policy(baselines=C.BaselineConfig(kind="fixed"), localize=C.LocalizeConfig(lookback=3000)))

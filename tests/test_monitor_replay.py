@@ -23,7 +23,7 @@ import pytest
 import verdict_digest as vd
 
 
-@pytest.mark.parametrize("cadence,heavy", vd.CADENCES)
+@pytest.mark.parametrize("cadence,heavy", [vd.CADENCES[0], *(pytest.param(*c, marks=pytest.mark.slow) for c in vd.CADENCES[1:])])
 def test_default_policy_gives_the_recorded_verdicts(cadence, heavy):
     want, differ = vd.changed(cadence, heavy)     # a stream gone or new is a difference too
     first = next(iter(differ), "")

@@ -421,6 +421,7 @@ def _record_tx(schedule, clip=1.0, **kw):
         optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule)), schedule=schedule, **kw), **{})
 
 
+@pytest.mark.slow
 def test_recorder_in_nnx_optimizer_gives_the_linen_paths_figures():
     """nnx.Optimizer(model, record(...)); optimizer.update(model, grads, vitals_heavy=full);
     vitals.recorded(optimizer.opt_state) as it is: the same names and values as the same
@@ -465,6 +466,7 @@ def test_recorder_in_nnx_optimizer_gives_the_linen_paths_figures():
     assert (steps["light"], steps["heavy"]) == (1, 0)            # the light step counted, no heavy one
 
 
+@pytest.mark.slow
 def test_optimizer_metrics_and_lr_scale_on_nnx_optimizer_state():
     model, call, vocab = build("plain", seed=9)
     optimizer = nnx.Optimizer(model, vitals.with_lr_scale(optax.adam(1e-3), groups="roles"), wrt=nnx.Param)
@@ -540,6 +542,7 @@ def _pure(state):
     return jax.tree.map(np.asarray, nnx.to_pure_dict(state) if isinstance(state, nnx.State) else state)
 
 
+@pytest.mark.slow
 def test_guard_rolls_an_nnx_run_back_to_before_the_fault(tmp_path):
     """One update x1000 at step 130: RED, a rollback to a checkpoint saved before the fault
     whose parameters the restored state holds exactly, LR scale 0.9 in nnx.Optimizer's
@@ -559,6 +562,7 @@ def test_guard_rolls_an_nnx_run_back_to_before_the_fault(tmp_path):
     assert all(np.isfinite(v) and v < 1.5 * pre for s, v in losses.items() if s >= red + 20)
 
 
+@pytest.mark.slow
 def test_guard_resumes_an_nnx_run_and_resets_moments(tmp_path):
     """resume() onto a fresh model and optimizer hands back nnx.state that nnx.update applies:
     the newest checkpoint's parameters, optimizer step and LR scale; reset_adam_moments on
@@ -648,6 +652,7 @@ def test_qk_clip_on_llamas_per_head_weights():
     np.testing.assert_array_equal(out["layers/0/attn/v_proj/w"], before["layers/0/attn/v_proj/w"])
 
 
+@pytest.mark.slow
 def test_instrument_counts_the_experts_of_tunixs_qwen3_moe():
     """Qwen 3's MoE layer: the router (an nnx.Linear) is found by its role, the top-k by the
     calling MoE layer's ``experts_per_tok``; moe_metrics of the sown choices over the valid
@@ -677,6 +682,7 @@ def test_instrument_counts_the_experts_of_tunixs_qwen3_moe():
     np.testing.assert_allclose(got["moe/maxvio.max"], vio.max(), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_nnx_model_sharded_on_a_mesh_figures_and_checkpoints(tmp_path, devices):
     """An NNX model whose kernels are sharded over 'model' (NamedSharding) and a batch over
     'data': under nnx.jit the recorder's and gradient_metrics' figures are those of the

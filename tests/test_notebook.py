@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow   # an end-to-end run in fresh processes: the full tier (README)
+pytestmark = pytest.mark.slow   # the slow tier (README): end-to-end runs in fresh processes
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")

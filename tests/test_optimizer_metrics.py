@@ -255,6 +255,7 @@ def test_median_method_is_chosen_by_the_argument_or_the_backend():
     assert "scatter" not in jax.jit(lambda a: opt_mod._median({(): [a]}, "search")).lower(x).as_text()
 
 
+@pytest.mark.slow
 def test_the_cpus_median_of_many_nu_reads_a_systematic_sample():
     """Above NU_SAMPLE values (2.4 M here) 'auto' on the CPU takes the median of every k-th
     value (k odd): exact to the bin on that sample (NumPy on the same slices), and on real
@@ -304,7 +305,7 @@ def test_systematic_sample_keeps_small_trees_whole_and_walks_every_column():
     assert len(set(got.astype(int) % 64)) == 64                        # every column, across the rows
 
 
-@pytest.mark.parametrize("q", [0.5, 0.3])
+@pytest.mark.parametrize("q", [0.5, pytest.param(0.3, marks=pytest.mark.slow)])
 def test_window_quantile_reads_the_bins_of_numpy_around_a_sample(q):
     """window_quantile (the GPU/TPU form): max |x| exact, the quantile within the 4-bin
     interval its docstring bounds (one bin where the sample's bin is within 4 of the true one)

@@ -26,8 +26,6 @@ from jvitals.monitor.types import Alert, Level, Verdict
 from jvitals.optim.lr_scale import get_lr_scale, with_lr_scale
 from jvitals.guard import Retention, Saving
 
-pytestmark = pytest.mark.slow   # an end-to-end run in fresh processes: the full tier (README)
-
 REPO = Path(__file__).resolve().parents[1]
 TX = with_lr_scale(optax.adam(1e-2))
 USR1 = signal.SIGUSR1
@@ -326,6 +324,7 @@ def big_like() -> dict:
             "step": jnp.asarray(0)}
 
 
+@pytest.mark.slow
 def test_a_kill_during_a_rollback_never_resumes_a_sick_checkpoint(tmp_path):
     """Checks 0..30 are GREEN; the red at 40 (sign 25) restores 10: 20 and 30 are sick,
     though saved GREEN. Killed during the rollback, before its save began (the restore

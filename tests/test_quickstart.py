@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 import pytest
 
-pytestmark = pytest.mark.slow   # an end-to-end run in fresh processes: the full tier (README)
+pytestmark = pytest.mark.slow   # the slow tier (README): end-to-end runs in fresh processes
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -59,7 +59,7 @@ def check_run(proc: subprocess.CompletedProcess, cwd: Path, name: str = "usage")
     assert ckpts, "the guard saved no checkpoint"
 
 
-@pytest.mark.parametrize("variant", ["dense", "moe"])
+@pytest.mark.parametrize("variant", ["dense", pytest.param("moe", marks=pytest.mark.slow)])
 def test_readme_usage_block_runs_as_written(tmp_path, variant):
     code = usage_block()
     if variant == "moe":
@@ -74,6 +74,7 @@ def test_readme_usage_block_runs_as_written(tmp_path, variant):
         assert "moe/dead_expert_ratio" in run.scalars
 
 
+@pytest.mark.slow
 def test_readme_nnx_block_runs_as_written(tmp_path):
     """The Flax NNX loop: trains, writes the light figures every 50 steps and the heavy
     family (per-role gradients, instrument()'s activations) at step 0 and 500, saves."""

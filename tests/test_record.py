@@ -99,6 +99,7 @@ def test_optax_tree_get_reads_the_recorder():
                                float(optax.tree.norm(tree(3))), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_wrapping_the_whole_optimizer_records_the_update():
     params, grads = tree(0), tree(4)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
@@ -144,6 +145,7 @@ def test_nonfinite_gradients_are_recorded_not_raised():
     assert np.isnan(float(m["grad/W_up_rms"]))
 
 
+@pytest.mark.slow
 def test_apply_if_finite_placement_keeps_the_nan_visible():
     params, grads = tree(0), tree(7)
     bad = jax.tree.map(lambda g: g.at[..., 0].set(jnp.inf), grads)
@@ -304,6 +306,7 @@ def test_sharded_equals_unsharded():
     np.testing.assert_allclose(float(vitals.recorded(g3)["grad/global_norm"]), np_norm(grads), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_reference_model_tree_and_orbax_round_trip(tmp_path):
     cfg = ModelConfig(moe=True, attention="mla", attn_gate=True, n_mtp=1, scan_layers=True)
     params = init_params(cfg, jax.random.key(0))
@@ -483,7 +486,7 @@ def _np_group_and_layer_figures(grads, params, updates, n_layers, scan):
     return out
 
 
-@pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.parametrize("scan", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_readme_placement_gives_group_update_figures_and_the_learning_rate(scan):
     """with_lr_scale(record(chain(clip, adamw(schedule)), schedule=schedule)): every figure
     against NumPy on the updates the step really applies (lr_scale included)."""
@@ -538,6 +541,7 @@ def test_tied_head_has_no_lm_head_figures():
                                np_norm(grads["embed_tokens"]) ** 2 / np_norm(grads) ** 2, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_learning_rate_from_inject_hyperparams_and_the_scale_argument():
     params, grads = tree(0), tree(1)
     schedule = optax.cosine_decay_schedule(2e-3, 10)
@@ -700,6 +704,7 @@ def _check_threshold_clip(tx, grads_seq, params, *, clip_state_of):
     return state
 
 
+@pytest.mark.slow
 def test_a_clip_with_a_threshold_state_is_recognised_alone_and_first_in_a_chain():
     params = tree(0)
     grads_seq = [tree(80 + i, scale=s) for i, s in enumerate([5.0, 0.1, 5.0, 0.1])]

@@ -253,6 +253,7 @@ def _bench():
     return mod
 
 
+@pytest.mark.slow
 def test_end_to_end_embedding_lr_fault_group_remedy_recovers_where_global_cut_leaves_the_cause(tmp_path):
     """x100 on the embedding's updates from step 150 (in the loop, so no restore undoes it):
     the group alert names the embedding, the guard rolls back with the embedding LR halved

@@ -173,6 +173,7 @@ def assert_names_device(setup, a):
     assert place.describe() in a.message
 
 
+@pytest.mark.slow
 def test_activations_x1e3_on_one_device_is_named_as_the_device(setup):
     step = lambda s, b, on: setup["device_step"](s, b, jnp.float32(1e3 if on else 1.0), jnp.int32(BAD))  # noqa: E731
     seen, _ = run(setup, step, loader(setup["mesh"]))

@@ -103,6 +103,7 @@ def results(tmp_path_factory):
     return got
 
 
+@pytest.mark.slow
 def test_both_processes_agree_and_the_layout_names_each_process(results):
     a, b = results
     assert a["figures"] == b["figures"] and a["layout"] == b["layout"] and a["alerts"] == b["alerts"]

@@ -268,6 +268,7 @@ def test_plot_helpers_for_notebooks(run):
     plt.close(fig)
 
 
+@pytest.mark.slow
 def test_console_script(logdir, tmp_path):
     out = str(tmp_path / "sub" / "r.html")
     exe = shutil.which("jvitals")
@@ -292,6 +293,7 @@ def test_empty_logdir(tmp_path):
         assert "No metrics were found" in f.read()
 
 
+@pytest.mark.slow
 def test_chromium_renders_non_blank(html_path, tmp_path):
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
     if exe is None:
@@ -468,6 +470,7 @@ print("ROLLBACKS", len(guard.history), guard.lr_scale)
 """
 
 
+@pytest.mark.slow
 def test_readme_loop_as_written_report_shows_the_rollback_and_lr_scale(tmp_path):
     """The README's Usage loop (its lines, with a tiny reference model and a fault at
     step 60) in a fresh process; the report of its log directory shows the rollback

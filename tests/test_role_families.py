@@ -402,8 +402,12 @@ def _third_party_broadcasting():
 # ----------------------------------------------------------------------------------
 # Every figure against NumPy.
 
+# the four largest models: in the slow tier
+SLOW_FAMILIES = {"t5x", "t5x_relu", "gemma4_tunix", "gemma4_linen"}
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_FAMILIES else n
+                                  for n in sorted(FAMILIES)])
 def test_gradient_figures_of_each_family_match_numpy(name):
     """gradient_metrics(random grads) per role and per layer equals NumPy on the slices the
     hand table names; the per-role figures are exactly the table's (none missing, none
@@ -658,6 +662,7 @@ def test_fused_axis_rules_and_errors_name_the_path_and_the_fix():
         vitals.gradient_metrics(gemma, roles=bad)
 
 
+@pytest.mark.slow
 def test_fused_gate_up_sharded_inside_shard_map(devices):
     """Gemma 4's MoE gating_einsum [E, 2, F, D] sharded over its experts, the dense
     gating_einsum [2, F, D] and kv_einsum [2, KVH, D, Dh] sharded along the axis that holds

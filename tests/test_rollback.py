@@ -594,7 +594,7 @@ def _train(directory, fault: str, fault_step: int, num_steps: int):
     return state, position, consumed, losses, rollbacks, guard
 
 
-@pytest.mark.parametrize("fault,fault_step,expected_target", [("lr", 67, 60), ("nan", 85, 80)])
+@pytest.mark.parametrize("fault,fault_step,expected_target", [pytest.param("lr", 67, 60, marks=pytest.mark.slow), ("nan", 85, 80)])
 def test_end_to_end_fault_rolls_back_and_recovers(tmp_path, fault, fault_step, expected_target):
     n = 150
     state, position, consumed, losses, rollbacks, guard = _train(tmp_path, fault, fault_step, n)

@@ -8,6 +8,8 @@ shardings, and get its own data position back on resume.
 
 import json
 
+import pytest
+
 from multiprocess_util import run_workers
 
 WORKER = """
@@ -100,6 +102,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_two_processes_take_process_0s_decision(tmp_path):
     outs = run_workers(WORKER, nproc=2, devices_per_process=4, timeout=240,
                        extra_env={"CKPT_DIR": str(tmp_path / "ck")}, tmp_path=tmp_path)

@@ -257,6 +257,7 @@ def test_a_healthy_loss_curve_never_collapses():
         assert [e for e in events if e[2] == "repeat"] == []
 
 
+@pytest.mark.slow
 def test_the_recorder_gives_the_updates_rms_and_adams_scale_with_a_small_epsilon():
     """``update/rms = ||u|| / sqrt(n)`` (NumPy on the applied update); per unit LR it is
     Adam's 0.1-1 with eps 1e-8, and far below it with an epsilon above the gradients' scale."""

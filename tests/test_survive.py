@@ -33,7 +33,7 @@ import numpy as np
 from test_readme import usage_block
 import pytest
 
-pytestmark = pytest.mark.slow   # an end-to-end run in fresh processes: the full tier (README)
+pytestmark = pytest.mark.slow   # the slow tier (README): end-to-end runs in fresh processes
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_STEPS = 300

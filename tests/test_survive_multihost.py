@@ -20,7 +20,7 @@ import numpy as np
 from multiprocess_util import REPO, WORKER_PRELUDE, free_port, run_workers
 import pytest
 
-pytestmark = pytest.mark.slow   # an end-to-end run in fresh processes: the full tier (README)
+pytestmark = pytest.mark.slow   # the slow tier (README): end-to-end runs in fresh processes
 
 NUM_STEPS = 400
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow   # an end-to-end run in fresh processes: the full tier (README)
+pytestmark = pytest.mark.slow   # the slow tier (README): end-to-end runs in fresh processes
 
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "tpu_cost.py"
 TOPOLOGY = "v5e:2x2"

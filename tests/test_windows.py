@@ -144,6 +144,7 @@ def test_window_on_real_training_matches_numpy_and_the_corpus_simulation():
     assert s17 - h17["window/loss.max_ago"] == 17
 
 
+@pytest.mark.slow
 def test_without_vitals_read_each_update_is_its_own_window():
     tx = _tx()
     params = rm.init_params(CFG, jax.random.key(0))
@@ -316,6 +317,7 @@ def test_a_one_step_loss_spike_between_checks_reaches_the_next_check_with_its_st
     assert all(w.level == vitals.Level.GREEN for w in verdicts)
 
 
+@pytest.mark.slow
 def test_a_skipped_update_between_checks_is_yellow_at_the_next_check_with_its_step():
     mon = vitals.Monitor()
     per_step, checks, verdicts = train(200, 10, skip=True, corrupt_at=(175,), monitor=mon, every_step=True)
