@@ -260,7 +260,7 @@ def test_exact_metric_names(runs, metrics_fn):
     assert all(np.ndim(v) == 0 and v.dtype == jnp.float32 for v in got_b.values())
 
 
-@pytest.mark.parametrize("key", list(CONFIGS))
+@pytest.mark.parametrize("key", ["dense_fused_list", pytest.param("moe_mla_gate_mtp_scan", marks=pytest.mark.slow)])
 def test_probes_equal_raw_path(runs, metrics_fn, key):
     r = runs[key]
     cfg = dataclasses.replace(r["cfg"], use_probes=True)
@@ -431,7 +431,7 @@ def _mesh():
     return jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
-@pytest.mark.parametrize("probes", [False, True])
+@pytest.mark.parametrize("probes", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_shard_map_equals_one_device(runs, metrics_fn, probes):
     r = runs["moe_mla_gate_mtp_scan"]
     cfg = dataclasses.replace(r["cfg"], use_probes=probes)

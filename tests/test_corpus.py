@@ -30,6 +30,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow   # the slow tier: the calibration corpus replayed under four policies
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "data" / "corpus"
 SCORER = ROOT / "benchmarks" / "corpus.py"
@@ -78,7 +80,6 @@ def test_the_part_is_there_and_held_out(split):
     assert NEW_FAMILY[split] in families, families     # a model family never used for tuning
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("cadence,heavy", CADENCES)
 def test_quiet_when_healthy(split, cadence, heavy):

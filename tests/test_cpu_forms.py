@@ -78,7 +78,7 @@ def test_plain_role_figures_against_numpy():
     np.testing.assert_allclose(m["grad/global_norm"], np_norm(grads), rtol=1e-5)
 
 
-@pytest.mark.parametrize("cfg", [LLAMA, MOE], ids=["fused_qkv", "scan_moe"])
+@pytest.mark.parametrize("cfg", [LLAMA, pytest.param(MOE, marks=pytest.mark.slow)], ids=["fused_qkv", "scan_moe"])
 def test_a_nan_gradient_is_counted_where_it_is_in_both_forms(cfg):
     _, grads = _trees(cfg)
     flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
@@ -101,6 +101,7 @@ def test_a_nan_gradient_is_counted_where_it_is_in_both_forms(cfg):
         np.testing.assert_allclose(plain[k], one[k], rtol=2e-6, err_msg=k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [LLAMA, pytest.param(MOE, marks=pytest.mark.slow)], ids=["fused_qkv", "scan_moe"])
 def test_the_recorders_heavy_step_on_the_cpu(cfg):
     """record(chain(clip, adamw)) with vitals_heavy=True under jit on this backend: every
@@ -198,6 +199,7 @@ def test_logits_row_statistics_both_forms_against_numpy(spoil):
     assert plain[-1].dtype == one[-1].dtype == np.int32
 
 
+@pytest.mark.slow
 def test_the_plain_forms_run_where_asked_and_a_non_finite_logit_takes_the_masked_branch():
     """Inside cpu_plain() on this backend the logits' figures and argmax are the plain forms
     (no custom reduction left in the compiled HLO), behind one lax.cond on the logits'
@@ -254,6 +256,7 @@ def test_the_maximum_of_many_arrays_on_the_cpu():
             assert float(plain[0]) == float(one[0])
 
 
+@pytest.mark.slow
 def test_one_read_forces_the_accelerators_forms_on_the_cpu():
     """fold.one_read() takes the form a GPU or TPU takes. The recorder's update figures have
     one form on every backend (the change the step applies: with parameters of 1e4 and

@@ -277,7 +277,8 @@ TREES = {
 }
 
 
-@pytest.mark.parametrize("name", list(TREES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("reference_unscanned_fused_qkv_gqa",
+                                  "reference_scanned_mla_moe") else n for n in TREES])
 def test_matches_numpy(name):
     make, roles = TREES[name]
     grads, gm = build(make(), seed=1)
@@ -495,7 +496,8 @@ def _label_reference_model(params, cfg):
 
 
 @pytest.mark.parametrize("kw", [dict(attention="fused_qkv", n_layers=3),
-                                dict(attention="mla", attn_gate=True, moe=True, n_mtp=1, scan_layers=True)],
+                                pytest.param(dict(attention="mla", attn_gate=True, moe=True, n_mtp=1, scan_layers=True),
+                                             marks=pytest.mark.slow)],
                          ids=["fused_qkv_unscanned", "mla_moe_mtp_scanned"])
 def test_reference_model_init_params_default_roles(kw):
     rm = pytest.importorskip("jvitals.reference_model")

@@ -28,6 +28,8 @@ from jvitals.metrics.instrument import instrument  # noqa: E402
 from jvitals.metrics.roles import QKVSplit, Roles  # noqa: E402
 from jvitals.metrics.explain import explain_roles
 
+pytestmark = pytest.mark.slow   # the slow tier: seven Hugging Face Flax models built
+
 B, T, V, D, H, L = 2, 8, 64, 32, 4, 2
 DH = D // H
 
@@ -203,7 +205,6 @@ def _rms(x, valid):
     return np.sqrt(np.mean(x * x))
 
 
-@pytest.mark.slow
 def test_loss_and_gradients_unchanged(run):
     np.testing.assert_allclose(run["loss"], run["p_loss"], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(run["grads"]), jax.tree.leaves(run["p_grads"])):

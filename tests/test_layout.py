@@ -10,6 +10,7 @@ nothing of jvitals outside itself and no JAX.
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import subprocess
 import sys
@@ -53,6 +54,7 @@ def imports_of(path: pathlib.Path, known: set[str]) -> set[str]:
     return {m for m in out if m in known}
 
 
+@functools.cache   # read-only: parsed once per session
 def graph() -> dict[str, set[str]]:
     mods = modules()
     known = set(mods)

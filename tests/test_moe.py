@@ -154,7 +154,7 @@ def test_shard_map_counts_psummed_over_token_axes():
     np.testing.assert_array_equal(w.counts, total)
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["unscanned", "scanned"])
 def test_reference_model_sown_intermediates(scan):
     rm = pytest.importorskip("jvitals.reference_model")
     cfg = rm.ModelConfig(d_model=16, head_dim=4, d_expert=8, vocab=32, n_layers=3, moe=True, scan_layers=scan)

@@ -618,7 +618,8 @@ def kitchen_sink_stream(seed):
     return stream
 
 
-@pytest.mark.parametrize("baseline", ["drift", "fixed", "rolling", "ema"])
+@pytest.mark.parametrize("baseline", [pytest.param("drift", marks=pytest.mark.slow), "fixed", pytest.param("rolling", marks=pytest.mark.slow),
+                                      pytest.param("ema", marks=pytest.mark.slow)])
 def test_resume_round_trip_gives_identical_verdicts(baseline):
     policy = Policy(baselines=C.BaselineConfig(kind=baseline, warmup_steps=100))
     steps = list(range(0, 10400, 2))
@@ -824,6 +825,7 @@ def test_bad_inputs_raise_with_the_metric_name():
     assert v.step == 6 and type(v.step) is int
 
 
+@pytest.mark.slow
 def test_memory_is_bounded():
     stream = healthy_stream(3, 60_000)
     m = Monitor(Policy(alerts=C.AlertConfig(spikes_size=16, history_size=16),

@@ -43,6 +43,7 @@ class State(NamedTuple):
     opt_state: Any
 
 
+@pytest.mark.slow
 def test_a_jump_250_steps_in_is_seen_at_once_and_goes_red():
     """Real training checked every 5 steps; the learning rate x300 at step 250 (before the
     baselines are armed): ORANGE at the first check after it, RED while it does not recover."""

@@ -67,7 +67,7 @@ def lion_stream(seed, horizon=8000, g0=0.65, jump_at=None, jump=1.0):
     return stream
 
 
-@pytest.mark.parametrize("cadence", [1, 50])
+@pytest.mark.parametrize("cadence", [pytest.param(1, marks=pytest.mark.slow), 50])
 def test_the_schedules_grad_norm_rise_is_quiet(cadence):
     """The grad norm rises sqrt(10) = 3.2x as the cosine decays the LR to 0.1x: no alert
     (against a baseline frozen after warm-up, without the schedule's factor, it is

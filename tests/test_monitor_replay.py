@@ -51,6 +51,7 @@ def test_the_record_tolerates_a_last_bit_and_catches_a_changed_figure():
     assert p.n == 2
 
 
+@pytest.mark.slow
 def test_the_record_holds_under_the_other_numpy_kernels():
     """The README's cadence replayed in a fresh process under the other set of NumPy's CPU
     kernels than this one's (AVX-512 off where it is on, on where it was turned off), against

@@ -35,6 +35,12 @@ pytestmark = [pytest.mark.filterwarnings(f"ignore:{m}:DeprecationWarning") for m
 # The models and, by hand, what each parameter is.
 
 FAMILIES = ("plain", "llama3", "qwen3", "gemma", "gemma_mha")
+SLOW_FAMILIES = ("qwen3", "gemma", "gemma_mha")   # the fast tier: plain and llama3
+
+
+def tiered(names):
+    """``names`` as parameters, those in SLOW_FAMILIES marked slow."""
+    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_FAMILIES else n for n in names]
 
 
 def build(family: str, seed: int = 0):
@@ -203,7 +209,7 @@ def test_path_drops_the_variable_level_only():
     assert vitals.Roles().role_of(path_str(p))[0] == "v"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", tiered(FAMILIES))
 def test_explain_roles_on_nnx_state(family):
     """explain_roles(nnx.state(model, nnx.Param)) gives every leaf the role the hand table
     gives it, unmatched none (before: every leaf read as 'v (Wv)', 'unmatched: none')."""
@@ -252,7 +258,7 @@ def test_a_leaf_no_role_matches_is_unmatched_not_defaulted():
 # Gradient figures.
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=tiered(FAMILIES))
 def trained_grads(request):
     family = request.param
     model, call, vocab = build(family, seed=3)
@@ -316,7 +322,7 @@ def act_reference(hidden, logits, mask):
             "act/output_layer_logits_abs.max": np.abs(z).max()}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", tiered(FAMILIES))
 @pytest.mark.parametrize("idiom", ["capture", "pop"])
 def test_instrument_inside_nnx_jit_matches_numpy(family, idiom):
     """instrument() around an NNX model's call inside nnx.jit sows per-token summaries that
@@ -376,6 +382,7 @@ def test_instrument_sows_summaries_never_the_logits_and_reads_attention_input():
     np.testing.assert_allclose(act["act/attn_out_before_proj_rms/layer_0"], np.sqrt(np.mean(o ** 2)), rtol=2e-4)
 
 
+@pytest.mark.slow
 def test_instrument_in_an_nnx_training_step_changes_nothing():
     """Inside nnx.value_and_grad + nnx.Optimizer under nnx.jit: the loss and the gradients are
     those of the uninstrumented step, the figures arrive as the step's aux."""

@@ -305,6 +305,7 @@ def test_systematic_sample_keeps_small_trees_whole_and_walks_every_column():
     assert len(set(got.astype(int) % 64)) == 64                        # every column, across the rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("q", [0.5, pytest.param(0.3, marks=pytest.mark.slow)])
 def test_window_quantile_reads_the_bins_of_numpy_around_a_sample(q):
     """window_quantile (the GPU/TPU form): max |x| exact, the quantile within the 4-bin

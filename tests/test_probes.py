@@ -197,6 +197,7 @@ def test_logits_statistics_and_argmax_read_the_logits_once():
     assert big.nbytes <= got <= 1.03 * big.nbytes, got / big.nbytes
 
 
+@pytest.mark.slow
 def test_row_argmax_past_2_23_columns_takes_the_int32_iota():
     """Rows wider than 2^23 rank with an int32 iota (the ranks reach 2V, and a
     float32 one is exact only to 2^24): the argmax near the row's end, after a tie

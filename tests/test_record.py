@@ -45,6 +45,7 @@ def applied_change(p, u):
     return (p32 + np.asarray(u, np.float32)) - p32
 
 
+@pytest.mark.slow
 def test_first_in_chain_records_pre_clip_and_params():
     params, grads = tree(0), tree(1, scale=5.0)
     tx = optax.chain(vitals.record(every={"heavy": 1}), optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
@@ -90,6 +91,7 @@ def test_wrapped_clip_records_pre_and_post_and_is_bit_identical():
     np.testing.assert_allclose(float(m["grad/clip_ratio"]), 1.0, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_optax_tree_get_reads_the_recorder():
     params = tree(0)
     tx = optax.chain(vitals.record(optax.clip_by_global_norm(1.0)), optax.adamw(1e-3))
@@ -122,6 +124,7 @@ def test_wrapping_the_whole_optimizer_records_the_update():
     assert "grad/global_norm_post_clip" not in vitals.recorded(state)
 
 
+@pytest.mark.slow
 def test_post_kind_can_be_forced_for_stateless_sgd():
     params, grads = tree(0), tree(5)
     tx = vitals.record(optax.sgd(0.1), post="update")
@@ -264,6 +267,7 @@ def test_second_step_does_not_recompile(count_compiles):
     assert c.count == 0
 
 
+@pytest.mark.slow
 def test_sharded_equals_unsharded():
     mesh = jax.make_mesh((4, 2), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     rng = np.random.default_rng(60)
@@ -561,6 +565,7 @@ def test_learning_rate_from_inject_hyperparams_and_the_scale_argument():
     assert "opt/learning_rate" not in tx.init(params).metrics.names
 
 
+@pytest.mark.slow
 def test_group_and_update_figures_on_a_mesh():
     """jit over NamedSharding arrays (8 devices): the figures of the gathered arrays."""
     cfg = ModelConfig(scan_layers=True)
@@ -729,6 +734,7 @@ def test_a_clip_with_a_threshold_state_is_recognised_alone_and_first_in_a_chain(
     assert np.isnan(float(vitals.recorded(st)["grad/global_norm_post_clip"]))
 
 
+@pytest.mark.slow
 def test_the_real_adaptive_clip_is_recognised_as_a_clip():
     clipping = pytest.importorskip("jvitals.optim.clipping")
     params = tree(0)

@@ -112,6 +112,7 @@ def test_training_reduces_loss(cfg):
         assert counts.shape == (cfg.n_layers, cfg.n_experts)
 
 
+@pytest.mark.slow
 def test_expert_counts_and_bias_update():
     b = make_batch(0, MOE, 4, 12, pad_fraction=0.3)
     params = init_params(MOE, jax.random.key(0))
@@ -138,6 +139,7 @@ def test_expert_counts_and_bias_update():
     assert (np.asarray(sown["intermediates"]["layers"]["moe"]["expert_counts"][0])[:, 0] == n_valid).all()
 
 
+@pytest.mark.slow
 def test_mtp_return_and_padding_invariance():
     cfg = dataclasses.replace(MOE, scan_layers=False)
     params = init_params(cfg, jax.random.key(2))

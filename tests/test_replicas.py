@@ -106,7 +106,7 @@ def model_run():
 # The device figures.
 
 
-@pytest.mark.parametrize("r_count", [8, 4, 1])
+@pytest.mark.parametrize("r_count", [pytest.param(8, marks=pytest.mark.slow), 4, 1])
 def test_global_view_raw_sows_match_numpy(model_run, r_count):
     d = model_run
     got = jax.jit(lambda t, m, i: vitals.replica_metrics(loss=t, mask=m, intermediates=i, replicas=r_count))(
@@ -131,6 +131,7 @@ def test_instrument_per_token_summaries_give_the_same_figures(model_run):
     check(f(d["params"], d["batch"]), np_replicas(4, d["tok"], d["mask"], d["hidden"], d["logits"]))
 
 
+@pytest.mark.slow
 def test_scan_stacked_sows_and_no_mask():
     cfg = rm.ModelConfig(vocab=32, d_model=16, n_layers=3, scan_layers=True)
     params = rm.init_params(cfg, jax.random.key(1))

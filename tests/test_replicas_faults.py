@@ -36,6 +36,8 @@ from jax.sharding import PartitionSpec as P
 import jvitals as vitals
 from jvitals import reference_model as rm
 
+pytestmark = pytest.mark.slow   # the slow tier: faults injected on one of 8 devices, end to end
+
 CFG = rm.ModelConfig(vocab=64, d_model=32, n_layers=2)
 R, PER, SEQ = 8, 2, 16          # 8 replicas, 2 rows each
 BAD = 5                         # the sick device's replica / the bad data shard
@@ -173,7 +175,6 @@ def assert_names_device(setup, a):
     assert place.describe() in a.message
 
 
-@pytest.mark.slow
 def test_activations_x1e3_on_one_device_is_named_as_the_device(setup):
     step = lambda s, b, on: setup["device_step"](s, b, jnp.float32(1e3 if on else 1.0), jnp.int32(BAD))  # noqa: E731
     seen, _ = run(setup, step, loader(setup["mesh"]))

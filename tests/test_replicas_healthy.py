@@ -8,6 +8,8 @@ import pytest
 
 import jvitals as vitals
 
+pytestmark = pytest.mark.slow   # the slow tier: a 10,000-step soak
+
 DATA = pathlib.Path(__file__).parent / "data" / "replicas" / "healthy_8dev.npz"
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from multiprocess_util import run_workers
 
+pytestmark = pytest.mark.slow   # the slow tier: a two-process run (tests/test_multiprocess.py is the fast one)
+
 BAD = 6          # replica 6: a device of process 1
 
 WORKER = """
@@ -103,7 +105,6 @@ def results(tmp_path_factory):
     return got
 
 
-@pytest.mark.slow
 def test_both_processes_agree_and_the_layout_names_each_process(results):
     a, b = results
     assert a["figures"] == b["figures"] and a["layout"] == b["layout"] and a["alerts"] == b["alerts"]

@@ -169,6 +169,7 @@ def test_a_checkpoint_jvitals_0_1_wrote_resumes_at_its_step_with_one_warning(tmp
     again.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change", [pytest.param("vocab", marks=pytest.mark.slow), "layers"])
 def test_a_model_that_changed_shape_is_a_clear_error_not_a_quarantine(tmp_path, change):
     train_step, fresh, loader = make_run(CFG)

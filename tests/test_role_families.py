@@ -402,12 +402,17 @@ def _third_party_broadcasting():
 # ----------------------------------------------------------------------------------
 # Every figure against NumPy.
 
-# the four largest models: in the slow tier
-SLOW_FAMILIES = {"t5x", "t5x_relu", "gemma4_tunix", "gemma4_linen"}
+# the largest models, and the variants of a family the others cover: in the slow tier
+SLOW_FAMILIES = {"t5x", "t5x_relu", "gemma4_tunix", "gemma4_linen", "maxtext_shared_kv", "maxtext_moe", "maxtext",
+                 "maxtext_fused_mlp", "olmo", "olmo_gelu", "deepseek_v3_no_q_lora", "olmo_llama_tied"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_FAMILIES else n
-                                  for n in sorted(FAMILIES)])
+def tiered(names):
+    """``names`` as parameters, those in SLOW_FAMILIES marked slow."""
+    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_FAMILIES else n for n in names]
+
+
+@pytest.mark.parametrize("name", tiered(sorted(FAMILIES)))
 def test_gradient_figures_of_each_family_match_numpy(name):
     """gradient_metrics(random grads) per role and per layer equals NumPy on the slices the
     hand table names; the per-role figures are exactly the table's (none missing, none
@@ -424,7 +429,7 @@ def test_gradient_figures_of_each_family_match_numpy(name):
     assert ("grad/norm/lm_head" in got) == (not fam.tied)
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", tiered(sorted(FAMILIES)))
 def test_explain_roles_of_each_family(name):
     """explain_roles: each leaf's figure(s) are the table's, in the table's order for a
     fused kernel; the leaves the table leaves unnamed are exactly the unmatched ones (and
@@ -494,7 +499,7 @@ def test_fused_and_shared_kernels_are_split_or_named_as_their_source_says():
 # The recorder's heavy step.
 
 
-@pytest.mark.parametrize("name", ["gemma4_tunix", "olmo"])
+@pytest.mark.parametrize("name", [pytest.param("gemma4_tunix", marks=pytest.mark.slow), "olmo"])
 def test_recorder_in_nnx_optimizer_on_nnx_families(name):
     """record() inside nnx.Optimizer, the heavy family due: the recorded per-role and
     per-layer figures of the update's gradients equal NumPy's."""
@@ -515,7 +520,7 @@ def test_recorder_in_nnx_optimizer_on_nnx_families(name):
         np.testing.assert_allclose(got[k], v, rtol=2e-4, atol=1e-12, err_msg=f"{name}: {k}")
 
 
-@pytest.mark.parametrize("name", ["maxtext_fused_mlp", "gemma4_linen"])
+@pytest.mark.parametrize("name", ["maxtext_fused_mlp", pytest.param("gemma4_linen", marks=pytest.mark.slow)])
 def test_recorder_on_linen_families(name):
     """record() on a Linen parameter tree (MaxText scanned on axis 1 with a fused wi;
     Gemma 4's MoE): the recorded figures equal NumPy's."""

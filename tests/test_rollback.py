@@ -708,6 +708,7 @@ def _cut(sign, check_every):
     return sign - (check_every if sign % check_every == 0 else 1)
 
 
+@pytest.mark.slow
 def test_persistent_fault_limit_keeps_targets_and_restart_resumes_healthy(tmp_path):
     fault = 60
     run = _loop(tmp_path, 200, lr_mult=lambda s: 300.0 if s >= fault else 1.0,
@@ -828,6 +829,7 @@ def test_closed_noise_yellow_and_a_revived_alert_do_not_move_the_target(tmp_path
     guard.close()
 
 
+@pytest.mark.slow
 def test_closed_noise_yellow_before_a_fault_does_not_move_the_target_real_monitor(tmp_path):
     """The same fault with and without an earlier single-check YELLOW (a batch whose
     loss, hence gradient, is x2.4): the same target."""
@@ -1011,6 +1013,7 @@ def test_snapshots_cut_the_lost_steps_and_are_targets(tmp_path):
     guard.close()
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_snapshot_then_resume(tmp_path):
     directory = kill_mid_save(
         tmp_path, options="save_every=10**6, saving=Saving(snapshots=Snapshots(every=10, keep=2))",
@@ -1071,6 +1074,7 @@ NOISY_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_failures_are_one_line_each_and_an_exception_after_a_save_is_quiet(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(NOISY_CHILD.format(repo=str(REPO), directory=str(tmp_path / "ck")))

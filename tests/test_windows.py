@@ -258,6 +258,7 @@ def test_skip_step_errors_name_what_is_wrong():
         tx.update(params, tx.init(params), params)
 
 
+@pytest.mark.slow
 def test_recorder_sees_the_clip_through_the_skip():
     C = importlib.import_module("jvitals.metrics.chain")
     path, max_norm, whole = C.leading_clip(vitals.skip_step(optax.chain(optax.clip_by_global_norm(2.0),

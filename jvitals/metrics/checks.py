@@ -21,7 +21,7 @@ __all__ = ["RENAMED", "check_cadence", "check_choice", "check_extra_kwargs", "ch
            "check_opt_state", "check_same_structure", "check_schedule", "check_transform", "not_nested", "show"]
 
 #: Former names (keywords and recorder families) and what they are called now: the hint of a
-#: "did you mean" where an old name is passed (issue 43: one word per idea).
+#: "did you mean" where an old name is passed.
 RENAMED: Mapping[str, str] = {"vitals_layers": "vitals_heavy", "vitals_layer": "vitals_heavy",
                               "vitals_full": "vitals_heavy", "global": "light", "layers": "heavy"}
 

@@ -130,9 +130,8 @@ def record(inner: optax.GradientTransformation | None = None, *, roles: Roles | 
       conditional's predicate; None: ``every``; not passed on) and
       ``vitals_lr_scale`` (the global learning-rate scale in force, which
       :func:`jvitals.with_lr_scale` passes: it multiplies ``opt/learning_rate``
-      and the update figures; 1.0 if absent); every extra argument but
-      ``vitals_heavy`` is passed to ``inner``; any other ``vitals_*`` keyword (a typo, or a
-      former name such as ``vitals_layers=``) is a ``TypeError`` naming the known ones.
+      and the update figures; 1.0 if absent); every extra argument but ``vitals_heavy``
+      is passed to ``inner``; any other ``vitals_*`` keyword is a ``TypeError`` naming them.
 
     Raises:
       TypeError: ``inner`` not a transform (an uncalled factory such as ``optax.adamw``),
