@@ -495,9 +495,9 @@ def _label_reference_model(params, cfg):
     return metas
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [dict(attention="fused_qkv", n_layers=3),
-                                pytest.param(dict(attention="mla", attn_gate=True, moe=True, n_mtp=1, scan_layers=True),
-                                             marks=pytest.mark.slow)],
+                                dict(attention="mla", attn_gate=True, moe=True, n_mtp=1, scan_layers=True)],
                          ids=["fused_qkv_unscanned", "mla_moe_mtp_scanned"])
 def test_reference_model_init_params_default_roles(kw):
     rm = pytest.importorskip("jvitals.reference_model")

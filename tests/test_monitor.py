@@ -646,6 +646,7 @@ def test_resume_round_trip_gives_identical_verdicts(baseline):
     assert json.dumps(m.state_dict()) == json.dumps(ref.state_dict())
 
 
+@pytest.mark.slow
 def test_state_dict_is_plain_json():
     m = Monitor()
     stream = kitchen_sink_stream(13)

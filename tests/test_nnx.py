@@ -258,7 +258,7 @@ def test_a_leaf_no_role_matches_is_unmatched_not_defaulted():
 # Gradient figures.
 
 
-@pytest.fixture(scope="module", params=tiered(FAMILIES))
+@pytest.fixture(scope="module", params=[FAMILIES[0], *(pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES[1:])])
 def trained_grads(request):
     family = request.param
     model, call, vocab = build(family, seed=3)

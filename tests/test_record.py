@@ -189,6 +189,7 @@ def test_multisteps_inside_records_the_accumulated_gradient_at_the_boundary():
     assert int(vitals.recorded_steps(state)["light"]) == 0
 
 
+@pytest.mark.slow
 def test_multisteps_outside_records_every_micro_batch():
     params = tree(0)
     tx = optax.chain(vitals.record(), optax.MultiSteps(optax.sgd(0.1), every_k_schedule=3))

@@ -404,7 +404,7 @@ def _third_party_broadcasting():
 
 # the largest models, and the variants of a family the others cover: in the slow tier
 SLOW_FAMILIES = {"t5x", "t5x_relu", "gemma4_tunix", "gemma4_linen", "maxtext_shared_kv", "maxtext_moe", "maxtext",
-                 "maxtext_fused_mlp", "olmo", "olmo_gelu", "deepseek_v3_no_q_lora", "olmo_llama_tied"}
+                 "maxtext_fused_mlp", "olmo", "olmo_gelu", "deepseek_v3", "deepseek_v3_no_q_lora", "olmo_llama_tied"}
 
 
 def tiered(names):
@@ -457,6 +457,7 @@ def test_explain_roles_of_each_family(name):
             assert re.search(re.escape(lr.path) + r"\s.*\s" + re.escape(lr.role) + r" \(W", text)
 
 
+@pytest.mark.slow
 def test_fused_and_shared_kernels_are_split_or_named_as_their_source_says():
     """The decisions the path alone cannot make: OLMo's ff_proj is [up | gate] (SwiGLU) or
     the up projection (GELU), LLaDA's ff_proj beside up_proj is the gate, T5's wi beside a

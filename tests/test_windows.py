@@ -283,6 +283,7 @@ def _alerts(verdicts, rule):
     return [(v.step, a) for v in verdicts for a in v.alerts if a.rule == rule]
 
 
+@pytest.mark.slow
 def test_a_nan_step_between_checks_is_orange_at_the_next_check_with_its_step():
     mon = vitals.Monitor()
     _, checks, verdicts = train(45, 10, finite=True, nan_at=23, monitor=mon)
