@@ -85,6 +85,13 @@ def assert_second_calls_compile_nothing(calls, count_compiles):
     return first
 
 
+def pytest_configure(config):
+    """Keep the order below: xdist's ``--dist loadfile`` would otherwise hand out the files with
+    the most tests first (its ``loadscopereorder``), whatever their length."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per core, at most 4 (each worker holds 8 forced CPU
