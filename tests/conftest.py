@@ -99,7 +99,7 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(os.cpu_count() or 1, 4))
 
 
-# The fast tier's longest files (30-65 s each on 2 cores), longest first.
+# The fast tier's longest files, longest first (measured with --durations).
 LONGEST_FIRST = ("test_record.py", "test_role_families.py", "test_monitor.py", "test_rollback.py",
                  "test_activations.py", "test_nnx.py", "test_readme.py", "test_gradients.py",
                  "test_optimizer_metrics.py", "test_instrument.py")

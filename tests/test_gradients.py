@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from tiers import tiered
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import assert_second_calls_compile_nothing
@@ -277,8 +278,7 @@ TREES = {
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("reference_unscanned_fused_qkv_gqa",
-                                  "reference_scanned_mla_moe") else n for n in TREES])
+@pytest.mark.parametrize("name", tiered(TREES, ("reference_unscanned_fused_qkv_gqa", "reference_scanned_mla_moe")))
 def test_matches_numpy(name):
     make, roles = TREES[name]
     grads, gm = build(make(), seed=1)

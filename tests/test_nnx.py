@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from tiers import tiered
 from flax import nnx
 
 import jvitals as vitals
@@ -36,11 +37,6 @@ pytestmark = [pytest.mark.filterwarnings(f"ignore:{m}:DeprecationWarning") for m
 
 FAMILIES = ("plain", "llama3", "qwen3", "gemma", "gemma_mha")
 SLOW_FAMILIES = ("qwen3", "gemma", "gemma_mha")   # the fast tier: plain and llama3
-
-
-def tiered(names):
-    """``names`` as parameters, those in SLOW_FAMILIES marked slow."""
-    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_FAMILIES else n for n in names]
 
 
 def build(family: str, seed: int = 0):
@@ -209,7 +205,7 @@ def test_path_drops_the_variable_level_only():
     assert vitals.Roles().role_of(path_str(p))[0] == "v"
 
 
-@pytest.mark.parametrize("family", tiered(FAMILIES))
+@pytest.mark.parametrize("family", tiered(FAMILIES, SLOW_FAMILIES))
 def test_explain_roles_on_nnx_state(family):
     """explain_roles(nnx.state(model, nnx.Param)) gives every leaf the role the hand table
     gives it, unmatched none (before: every leaf read as 'v (Wv)', 'unmatched: none')."""
@@ -258,7 +254,7 @@ def test_a_leaf_no_role_matches_is_unmatched_not_defaulted():
 # Gradient figures.
 
 
-@pytest.fixture(scope="module", params=[FAMILIES[0], *(pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES[1:])])
+@pytest.fixture(scope="module", params=tiered(FAMILIES, FAMILIES[1:]))
 def trained_grads(request):
     family = request.param
     model, call, vocab = build(family, seed=3)
@@ -322,7 +318,7 @@ def act_reference(hidden, logits, mask):
             "act/output_layer_logits_abs.max": np.abs(z).max()}
 
 
-@pytest.mark.parametrize("family", tiered(FAMILIES))
+@pytest.mark.parametrize("family", tiered(FAMILIES, SLOW_FAMILIES))
 @pytest.mark.parametrize("idiom", ["capture", "pop"])
 def test_instrument_inside_nnx_jit_matches_numpy(family, idiom):
     """instrument() around an NNX model's call inside nnx.jit sows per-token summaries that

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from tiers import tiered
 from flax import nnx
 
 import jvitals as vitals
@@ -407,12 +408,7 @@ SLOW_FAMILIES = {"t5x", "t5x_relu", "gemma4_tunix", "gemma4_linen", "maxtext_sha
                  "maxtext_fused_mlp", "olmo", "olmo_gelu", "deepseek_v3", "deepseek_v3_no_q_lora", "olmo_llama_tied"}
 
 
-def tiered(names):
-    """``names`` as parameters, those in SLOW_FAMILIES marked slow."""
-    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_FAMILIES else n for n in names]
-
-
-@pytest.mark.parametrize("name", tiered(sorted(FAMILIES)))
+@pytest.mark.parametrize("name", tiered(sorted(FAMILIES), SLOW_FAMILIES))
 def test_gradient_figures_of_each_family_match_numpy(name):
     """gradient_metrics(random grads) per role and per layer equals NumPy on the slices the
     hand table names; the per-role figures are exactly the table's (none missing, none
@@ -429,7 +425,7 @@ def test_gradient_figures_of_each_family_match_numpy(name):
     assert ("grad/norm/lm_head" in got) == (not fam.tied)
 
 
-@pytest.mark.parametrize("name", tiered(sorted(FAMILIES)))
+@pytest.mark.parametrize("name", tiered(sorted(FAMILIES), SLOW_FAMILIES))
 def test_explain_roles_of_each_family(name):
     """explain_roles: each leaf's figure(s) are the table's, in the table's order for a
     fused kernel; the leaves the table leaves unnamed are exactly the unmatched ones (and
