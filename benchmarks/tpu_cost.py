@@ -10,7 +10,15 @@ training loop donates it, and each compiled program reports
   a family's **extra** bytes are its step's less the step without vitals', beside the
   family's **one-read limit** (each tensor it measures read once: ``overhead.limits``);
 - **memory**: ``memory_analysis()``: what the program holds in HBM at once, arguments,
-  outputs and temporaries (less what donation aliases), against the step without vitals.
+  outputs and temporaries (less what donation aliases), against the step without vitals;
+- **prefetch**: the bytes of the asynchronous copies memory-space assignment schedules
+  between HBM and on-chip memory (``copy-start``), which ``bytes accessed`` counts four
+  times their size. Which tensors it prefetches turns on the whole program's schedule: a
+  kernel that gains one scalar output can move tens of MB of them in or out on a small
+  model. ``x limit`` is the family's extra bytes as ``bytes accessed`` counts them;
+  ``less prefetch`` is the same with the prefetches set aside on both sides, the family's
+  own reads (what a compile with memory-space assignment off,
+  ``LIBTPU_INIT_ARGS=--xla_msa_enable=false``, counts, within 0.01x): forms are compared on it.
 
 Families: those of ``overhead.py`` (``sow``, ``probes``, ``instrument``, ``light``,
 ``heavy``, ``opt``, ``moe``) and
@@ -221,6 +229,7 @@ class Cost:
     memory: int          # arguments + outputs + temporaries - aliased (donated) bytes
     temp: int
     seconds: float       # compile time
+    prefetch: float = 0.0   # bytes accessed by memory-space assignment's async copies
     run: Callable[[], None] | None = None
     times: list = dataclasses.field(default_factory=list)
 
@@ -246,6 +255,23 @@ def memory(compiled: Any) -> tuple[int, int]:
     return int(total), int(m.temp_size_in_bytes)
 
 
+_COPY_START = re.compile(r"= \(([a-z]+\d*)\[([\d,]*)\][^\n]*? copy-start\(")
+_DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
+                "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
+PREFETCH_COUNT = 4
+"""How many times ``bytes accessed`` counts an async copy's size (its start and done each
+read and write it)."""
+
+
+def prefetch_bytes(hlo: str) -> float:
+    """``bytes accessed`` of the asynchronous copies in compiled HLO text: each
+    ``copy-start``'s destination, :data:`PREFETCH_COUNT` times its bytes."""
+    total = 0
+    for dtype, dims in _COPY_START.findall(hlo):
+        total += math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES.get(dtype, 4)
+    return float(PREFETCH_COUNT * total)
+
+
 def compile_step(name: str, step: Callable, tx: optax.GradientTransformation, params: Any, batch: dict,
                  sharding: NamedSharding) -> tuple[Cost, Any]:
     """The step compiled from shapes for ``sharding``'s devices, its state donated."""
@@ -256,7 +282,8 @@ def compile_step(name: str, step: Callable, tx: optax.GradientTransformation, pa
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     total, temp = memory(compiled)
-    return Cost(name, float(ca["bytes accessed"]), total, temp, time.perf_counter() - t0), compiled
+    return Cost(name, float(ca["bytes accessed"]), total, temp, time.perf_counter() - t0,
+                prefetch_bytes(compiled.as_text())), compiled
 
 
 def attach_runner(cost: Cost, compiled: Any, tx: optax.GradientTransformation, params: Any,
@@ -290,10 +317,17 @@ class Row:
     memory_x: float
     temp_mb: float
     time_x: float = float("nan")
+    own_mb: float = float("nan")    # extra MB less the change in prefetch bytes
+    own_step_x: float = float("nan")   # step x, prefetches aside on both sides
 
     @property
     def x_limit(self) -> float:
         return self.extra_mb / self.limit_mb if self.limit_mb else float("nan")
+
+    @property
+    def own_x_limit(self) -> float:
+        """The family's own reads over its limit, memory-space assignment's prefetches aside."""
+        return self.own_mb / self.limit_mb if self.limit_mb else float("nan")
 
 
 def rows_of(target: str, desc: str, tokens: int, costs: list[Cost], lim: dict[str, int]) -> list[Row]:
@@ -305,23 +339,28 @@ def rows_of(target: str, desc: str, tokens: int, costs: list[Cost], lim: dict[st
             continue
         limit = lim.get(c.name)
         tx = oh.paired(c, a) if c.times else float("nan")  # type: ignore[arg-type]
+        own = (c.bytes - c.prefetch - (a.bytes - a.prefetch)) / MB
         out.append(Row(target, desc, tokens, c.name, (c.bytes - a.bytes) / MB, None if not limit else limit / MB,
-                       c.bytes / a.bytes, c.memory / max(a.memory, 1), c.temp / MB, tx))
+                       c.bytes / a.bytes, c.memory / max(a.memory, 1), c.temp / MB, tx, own,
+                       (c.bytes - c.prefetch) / (a.bytes - a.prefetch)))
     return out
 
 
 def print_rows(target: str, desc: str, tokens: int, costs: list[Cost], rows: list[Row]) -> None:
     a = next(c for c in costs if c.name == "none")
     ms = f", {np.median(a.times) * 1e3:.2f} ms a step" if a.times else ""
-    print(f"\n### {target}: {desc}, {tokens} tokens a step: step without vitals {a.bytes / MB:,.1f} MB accessed, "
-          f"memory {a.memory / MB:,.1f} MB (temp {a.temp / MB:,.1f}){ms}\n")
-    print("| family | extra MB | one-read limit MB | x limit | step x | memory x | temp MB | time x |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"\n### {target}: {desc}, {tokens} tokens a step: step without vitals {a.bytes / MB:,.1f} MB accessed "
+          f"({a.prefetch / MB:,.1f} of them prefetch), memory {a.memory / MB:,.1f} MB (temp {a.temp / MB:,.1f}){ms}\n")
+    print("| family | extra MB | one-read limit MB | x limit | less prefetch | step x | less prefetch | memory x "
+          "| temp MB | time x |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         lim = "" if r.limit_mb is None else f"{r.limit_mb:,.2f}"
         xl = "" if r.limit_mb is None else f"{r.x_limit:.2f}"
+        ol = "" if r.limit_mb is None else f"{r.own_x_limit:.2f}"
         t = "" if r.time_x != r.time_x else f"{r.time_x:.3f}"
-        print(f"| {r.family} | {r.extra_mb:,.2f} | {lim} | {xl} | {r.step_x:.3f} | {r.memory_x:.3f} | "
+        print(f"| {r.family} | {r.extra_mb:,.2f} | {lim} | {xl} | {ol} | {r.step_x:.3f} | {r.own_step_x:.3f} | "
+              f"{r.memory_x:.3f} | "
               f"{r.temp_mb:,.1f} | {t} |", flush=True)
 
 
@@ -355,14 +394,16 @@ def measure(target: str, size: oh.Size, bt: tuple[int, int], families: Iterable[
 
 def print_summary(rows: list[Row]) -> None:
     print("\n## Summary: every family's extra bytes x its one-read limit (target <= 1.5; the README's "
-          "light step <= 0.2), memory x the step without vitals (target <= 1.05)\n")
+          "light step <= 0.2), as bytes accessed counts them / memory-space assignment's prefetches "
+          "aside; memory x the step without vitals (target <= 1.05)\n")
     keys = list(dict.fromkeys((r.target, r.config) for r in rows))
     fams = list(dict.fromkeys(r.family for r in rows))
     print("| target | config | " + " | ".join(fams) + " | worst memory x |")
     print("|---|---|" + "---:|" * (len(fams) + 1))
     for t, c in keys:
         by = {r.family: r for r in rows if (r.target, r.config) == (t, c)}
-        cells = [f"{by[f].x_limit:.2f}" if f in by and by[f].limit_mb else "" for f in fams]
+        cells = [f"{by[f].x_limit:.2f} / {by[f].own_x_limit:.2f}" if f in by and by[f].limit_mb else ""
+                 for f in fams]
         worst = max(r.memory_x for r in by.values())
         print(f"| {t} | {c.split(':')[0]} | " + " | ".join(cells) + f" | {worst:.3f} |")
 

@@ -337,3 +337,19 @@ def test_window_median_in_optimizer_metrics_is_near_numpys():
     every = np.concatenate([np.ravel(v) for v in nu.values()]).astype(np.float64)
     assert abs(np.log10(float(win["opt/adam_nu_median"])) - np.log10(np.median(every))) <= 4 * BIN_DECADES
     assert abs(float(win["opt/adam_nu_log10_spread"]) - float(exact["opt/adam_nu_log10_spread"])) <= 4 * BIN_DECADES
+
+
+@pytest.mark.parametrize("shape", [(4096, 256), (704, 256), (256, 704), (2, 256, 352)])
+def test_block_sample_takes_every_32nd_block_of_8_along_the_major_dimension(shape):
+    """The sample's blocks against NumPy's slices of the same leaf: rows where the last
+    dimension is a multiple of 128 (a prefix of 512 rows taken whole: 2 blocks of [704, 256]),
+    columns where only the one before is ([256, 704]: the TPU lays it out column-major)."""
+    from jvitals.metrics.optimizer import block_sample
+
+    x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    got = np.asarray(jax.jit(block_sample)(x))
+    m = np.swapaxes(x, -1, -2) if shape[-1] % 128 and shape[-2] % 128 == 0 else x
+    m = m.reshape(-1, m.shape[-1])
+    want = np.stack([m[i:i + 8] for i in range(0, m.shape[0] - 255, 256)])
+    np.testing.assert_array_equal(got.reshape(want.shape), want)
+    assert 1 / 48 <= got.size / x.size <= 1 / 32

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 NUM_STEPS = 300
 LAST_SAVE = 250                     # the last check (every 50 steps) with a save
 SEED = 34
-KILLS_IN_SAVE, KILLS_AT_STEP, TERMS = 10, 10, 5
+KILLS_IN_SAVE, KILLS_AT_STEP, TERMS = 6, 6, 3
 TMP = ".orbax-checkpoint-tmp"
 
 

@@ -43,46 +43,56 @@ def rows(bench):
     return {r.family: r for r in got}
 
 
+# The bounds below are on each family's own reads (``Row.own_mb``: memory-space assignment's
+# prefetches set aside, which move tens of MB in or out of a small model's step as its schedule
+# shifts; benchmarks/tpu_cost.py's docstring).
+
+
 @pytest.mark.parametrize("family", ["sow", "attn", "light", "heavy"])
 def test_every_family_within_one_and_a_half_reads_of_its_limit(rows, family):
     r = rows[family]
-    assert r.extra_mb <= 1.5 * r.limit_mb, (family, r.extra_mb, r.limit_mb)
+    assert r.own_mb <= 1.5 * r.limit_mb, (family, r.own_mb, r.limit_mb)
 
 
-def test_the_readme_light_step_stays_within_its_measured_cost(rows):
-    """The README's light step reads the parameters and the new parameters once each
-    (0.61x of its one-read limit on d256, docs/COST.md): a bound that shows a regression."""
-    r = rows["readme"]
-    assert r.extra_mb <= 0.75 * r.limit_mb, (r.extra_mb, r.limit_mb)
-    assert r.step_x <= 1.05 and r.memory_x <= 1.06, (r.step_x, r.memory_x)
-
-
-@pytest.mark.xfail(strict=True, reason="issue 41's target, not met: the light step's sums fused into "
-                                       "the kernel that applies the update (docs/COST.md)")
 def test_the_readme_light_step_is_nearly_free(rows):
+    """The light step's sums ride as more outputs on the kernels that apply the update and
+    take the clip's norm (0.11x of its one-read limit on d256, docs/COST.md)."""
     r = rows["readme"]
-    assert r.extra_mb <= 0.2 * r.limit_mb, (r.extra_mb, r.limit_mb)
+    assert r.own_mb <= 0.2 * r.limit_mb, (r.own_mb, r.limit_mb)
+    assert r.own_step_x <= 1.02, r.own_step_x
 
 
-def test_the_optimizer_statistics_stay_within_their_measured_cost(rows):
-    """Adam ``nu``'s maximum and median (``window_quantile``: a sample's counting passes, then
-    one kernel per leaf): 3.34x of one read of ``nu`` on d256 (docs/COST.md), a regression bound."""
-    r = rows["opt"]
-    assert r.extra_mb <= 3.6 * r.limit_mb, (r.extra_mb, r.limit_mb)
-
-
-@pytest.mark.xfail(strict=True, reason="issue 41's target, not met on d256: the sample's passes are "
-                                       "charged whole leaves (docs/COST.md)")
 def test_the_optimizer_statistics_within_one_and_a_half_reads(rows):
+    """Adam ``nu``'s maximum and median (``window_quantile``: a sample of slices taken along
+    each leaf's major dimension, then one kernel per leaf): 1.34x of one read of ``nu`` on
+    d256 (docs/COST.md)."""
     r = rows["opt"]
-    assert r.extra_mb <= 1.5 * r.limit_mb, (r.extra_mb, r.limit_mb)
+    assert r.own_mb <= 1.5 * r.limit_mb, (r.own_mb, r.limit_mb)
+
+
+@pytest.fixture(scope="module")
+def mha_rows(bench):
+    """The issue's own model (d256 with 8 K/V heads), compiled for one v5e chip."""
+    families = ("sow", "attn", "light", "heavy", "readme")
+    got = bench.measure(TOPOLOGY, bench.sizes()["d256mha"], (4, 64), families, bench.tpu_sharding(TOPOLOGY))
+    return {r.family: r for r in got}
+
+
+@pytest.mark.parametrize("family", ["sow", "attn", "light", "heavy", "readme"])
+def test_bytes_accessed_on_the_issues_own_model(mha_rows, family):
+    """``bytes accessed`` itself, memory-space assignment's prefetches included, on the
+    issue's own model: each family within 1.5x of its one-read limit, the README's light
+    step within 0.2x."""
+    r = mha_rows[family]
+    bound = 0.2 if family == "readme" else 1.5
+    assert r.extra_mb <= bound * r.limit_mb, (family, r.extra_mb, r.limit_mb)
 
 
 def test_the_readme_heavy_step_as_a_whole(rows):
     """The heavy step (every family: per-role gradients, every activation, the optimizer
-    statistics) as a whole (1.17 on d256, docs/COST.md)."""
+    statistics) as a whole (1.09 on d256 less prefetch, docs/COST.md)."""
     r = rows["full"]
-    assert r.step_x <= 1.25, r.step_x
+    assert r.own_step_x <= 1.12, r.own_step_x
 
 
 def test_libtpu_pin_follows_jax(bench):

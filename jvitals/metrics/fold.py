@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = ["FULL", "LANES", "MAX", "ROW", "SUMSQ", "cpu_plain", "fastest", "finite_parts", "fold", "fold_map",
-           "fold_summaries", "kinds", "on_cpu", "one_read", "as_written", "summary_ops"]
+           "fold_summaries", "kinds", "on_cpu", "one_read", "summary_ops"]
 
 _T = TypeVar("_T")
 
@@ -97,14 +97,6 @@ def on_cpu(plain: Callable[[], _T], one: Callable[[], _T]) -> _T:
     if _ONE_READ.get():
         return one()
     return lax.platform_dependent(cpu=plain, default=one)
-
-
-def as_written(tree: _T) -> _T:
-    """``tree`` behind an ``optimization_barrier`` on GPUs and TPUs (as it is on the CPU): the
-    reductions that follow read it as the step writes it out. Without it the TPU compiler fuses
-    a copy of the tree's producer (the optimizer's last step, the backward pass) into some
-    models' reductions, which then read the producer's inputs again (docs/COST.md)."""
-    return on_cpu(lambda: tree, lambda: lax.optimization_barrier(tree))
 
 
 def fastest(plain: Callable[[], _T], one: Callable[[], _T]) -> _T:

@@ -8,8 +8,9 @@ additions, no read, so the per-layer and per-group figures ride on every update:
     param/norm/{G} = ||p_G||                         update/param_ratio/{G} = ||u_G|| / ||p_G||
 
 for ``G`` = ``layer_{i}``, ``embedding``, ``lm_head``. Under ``jit`` the update figures
-come from the change the step applies, ``(p + u) - p``; inside ``shard_map`` (or for other
-dtypes) every tree is read by :func:`~jvitals.metrics.gradients.tree_stats`.
+come from the change the step applies, ``(p + u) - p`` (bf16 and other float dtypes summed
+in float32); inside ``shard_map`` every tree is read by
+:func:`~jvitals.metrics.gradients.tree_stats`.
 
 Why, stacked leaves and the applied change: docs/RECORDER.md, "The light step: every
 group's figures from the clip's sums".
@@ -23,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jvitals.metrics import fold
 from jvitals.metrics import gradients as G
 from jvitals.metrics.clip_norm import nonfinite_where, norm_and_count, optax_form
 from jvitals.metrics.roles import Roles
@@ -50,9 +50,16 @@ def light_metrics(grads: Any, params: Any = None, updates: Any = None, *, roles:
     """
     axes = check_axes(axes)
     roles = Roles() if roles is None else roles
-    if optax_form(grads, axes) and (params is None or optax_form(params, axes)):
+    if not axes and _floats(grads) and (params is None or _floats(params)):
         return _under_jit(grads, params, updates, roles)
     return _joint(grads, params, updates, roles, specs, axes)
+
+
+def _floats(tree: Any) -> bool:
+    """Whether every leaf of ``tree`` is a real floating-point array (float32, bf16, ...)."""
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and all(jnp.issubdtype(getattr(x, "dtype", None) or jnp.int32, jnp.floating)
+                                for x in leaves)
 
 
 def _joint(grads: Any, params: Any, updates: Any, roles: Roles, specs: Any = None,
@@ -76,8 +83,11 @@ def _joint(grads: Any, params: Any, updates: Any, roles: Roles, specs: Any = Non
 
 
 def _leaf_sums(x: jax.Array, stack_axis: int | None) -> jax.Array:
-    """``sum x^2`` of a float32 leaf as optax writes it (``optax.tree.norm``: the clip's
-    own expression, so XLA computes it once for both), per slice along ``stack_axis``."""
+    """``sum x^2`` of a leaf, per slice along ``stack_axis``: for float32 as optax writes it
+    (``optax.tree.norm``: the clip's own expression, so XLA computes it once for both);
+    other float dtypes upcast to float32 first."""
+    if x.dtype != _F32 and not jnp.iscomplexobj(x):
+        x = x.astype(_F32)             # bf16/fp16 summed in float32
     sq = jnp.square(x.real) + jnp.square(x.imag)
     if stack_axis is None:
         return jnp.sum(sq)
@@ -114,18 +124,27 @@ def _keys(lr: Any) -> list[tuple[str, int | None]]:
 
 
 def _under_jit(grads: Any, params: Any, updates: Any, roles: Roles) -> dict[str, jax.Array]:
-    """:func:`light_metrics` under ``jit`` for float32 gradients and parameters: each tree's
+    """:func:`light_metrics` under ``jit`` (no mesh axes, floating-point trees): each tree's
     per-leaf sums (a stacked leaf's per slice) once, the global figures and the groups' from
-    them."""
-    g_norm, g_count = norm_and_count(grads)        # the clip's expression: computed once
-    out = {"grad/global_norm": g_norm, "grad/nonfinite_count": g_count}
+    them. Float32 gradients give the clip's own norm (its expression, computed once for
+    both); other dtypes are summed in float32 (plain reductions of the upcast leaves, which
+    GPUs and TPUs fuse with the clip's over the same leaves)."""
     plan, _, _ = G.plan_leaves(grads, roles=roles, specs=None, axes=(), need_roles=True, split_qkv=False,
                                what="grads")
     gl = jax.tree.leaves(grads)
     gg, pg = _Groups(), _Groups()
-    for leaf in plan:
-        if _keys(leaf.role):
-            _add(gg, leaf.role, gl[leaf.index])
+    if optax_form(grads, ()):
+        g_norm, g_count = norm_and_count(grads)        # the clip's expression: computed once
+        for leaf in plan:
+            if _keys(leaf.role):
+                _add(gg, leaf.role, gl[leaf.index])
+    else:
+        g_total = jnp.zeros((), _F32)
+        for leaf in plan:
+            g_total = g_total + _add(gg, leaf.role, gl[leaf.index])
+        g_norm = _nan_if_not_finite(jnp.sqrt(g_total))
+        g_count = nonfinite_where(~jnp.isfinite(g_norm), grads)
+    out = {"grad/global_norm": g_norm, "grad/nonfinite_count": g_count}
     if params is None:
         _grad_groups(out, gg, g_norm)
         if updates is not None:
@@ -159,14 +178,15 @@ def _applied_groups(updates: Any, params: Any, plan: Sequence[Any], p_norm: jax.
                     pn: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     """:func:`_update_groups`' figures from the change the step applies, ``(p + u) - p`` with
     ``p + u`` as ``optax.apply_updates`` writes it (XLA computes the step's own new
-    parameters once for both, and the TPU compiler fuses these sums with that kernel): a
-    plain sum per leaf (a stacked leaf's per slice) of two arrays the step holds anyway
-    (the parameters, and the new ones it writes out). Equal to ``||u||`` up to the
-    rounding of ``p + u`` in float32 (an update below half an ulp of ``p`` is not applied,
-    and not counted). The non-finite count reads ``u`` where the norm is not finite."""
+    parameters once for both, and GPUs and TPUs fuse these sums into that kernel as more
+    outputs: no read of their own): a plain sum per leaf (a stacked leaf's per slice) of
+    two arrays the step holds anyway (the parameters, and the new ones it writes out).
+    Equal to ``||u||`` up to the rounding of ``p + u`` in float32 (an update below half an
+    ulp of ``p`` is not applied, and not counted). The non-finite count reads ``u`` where
+    the norm is not finite."""
     new = optax.apply_updates(params, updates)
-    new = fold.as_written(new)   # the new parameters as the step writes them out
-    diff = jax.tree.leaves(jax.tree.map(lambda a, b: a - b, new, params))
+    diff = jax.tree.leaves(jax.tree.map(lambda a, b: a.astype(_F32) - b.astype(_F32) if a.dtype != _F32 else a - b,
+                                        new, params))
     ug = _Groups()
     total = jnp.zeros((), _F32)
     for leaf in plan:

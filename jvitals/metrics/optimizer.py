@@ -306,15 +306,28 @@ WINDOW_SAMPLE = 32
 def block_sample(x: jax.Array, every: int = WINDOW_SAMPLE) -> jax.Array:
     """Every ``every``-th block of 8 rows of ``x`` viewed as a matrix ``[prod(shape[:-1]),
     shape[-1]]`` (its major dimension split only), about one element in ``every``, spread over
-    its rows. A leaf of one dimension or of fewer than ``8 every`` rows is taken whole."""
+    its rows. A leaf of one dimension or of fewer than ``8 every`` rows is taken whole.
+
+    The blocks are taken along the dimension the TPU lays out major, so that they are
+    slices of the leaf as it lies in memory, not a relaid-out copy of it: the last two
+    dimensions swapped where the last is not a multiple of 128 and the one before is (the
+    layout the compiler picks to spare the minor dimension its padding, as it does for an
+    MLP kernel ``[d, 704]``). Where the rows are not a multiple of ``8 every``, the blocks are
+    separate slices (a prefix sliced off first would be written out whole)."""
     x = jnp.asarray(x)
     if x.ndim < 2:
         return x
+    if x.shape[-1] % 128 and x.shape[-2] % 128 == 0:
+        x = jnp.swapaxes(x, -1, -2)
     r, c = int(np.prod(x.shape[:-1])), x.shape[-1]
-    nb = r // (8 * every)
+    span = 8 * every
+    nb = r // span
     if nb == 0:
         return x
-    return x.reshape(r, c)[:nb * 8 * every].reshape(nb, every, 8, c)[:, 0]
+    x = x.reshape(r, c)
+    if r % span == 0:
+        return x.reshape(nb, every, 8, c)[:, 0]
+    return jnp.stack([x[i * span:i * span + 8] for i in range(nb)])
 
 
 def _interval_bins(edges: jax.Array, counts: jax.Array, rank: jax.Array) -> jax.Array:

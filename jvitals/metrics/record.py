@@ -26,7 +26,6 @@ import numpy as np
 import optax
 from jax import lax
 
-from jvitals.metrics import fold as _fold
 from jvitals.metrics import gradients as _gradients
 from jvitals.metrics import light as _light
 from jvitals.metrics import axes as _axes
@@ -324,7 +323,8 @@ def _heavy_figures(cfg: _Config, step: _Step) -> dict[str, jax.Array]:
     and the step take anyway, the update figures from the change applied, which the TPU
     compiler fuses with ``optax.apply_updates``) and the per-role gradient figures by plain
     reductions (:func:`jvitals.metrics.gradients.plain_grad_figures`), which XLA:CPU
-    vectorises, behind an optimization barrier on GPUs and TPUs (docs/COST.md). Otherwise
+    vectorises and GPUs and TPUs fuse into the kernels that produce and read the gradients
+    (docs/COST.md). Otherwise
     (``shard_map``, other dtypes) one pass over the leaves of the three trees
     (:func:`jvitals.metrics.gradients.gradient_metrics`).
     """
@@ -332,7 +332,7 @@ def _heavy_figures(cfg: _Config, step: _Step) -> dict[str, jax.Array]:
     plain = (not cfg.axes and optax_form(step.grads, ())
              and (step.params is None or optax_form(step.params, ())))
     if plain:
-        m = _gradients.plain_grad_figures(_fold.as_written(step.grads), roles=cfg.roles)
+        m = _gradients.plain_grad_figures(step.grads, roles=cfg.roles)
         light = _light.light_metrics(step.grads, step.params, upd, roles=cfg.roles)
         m.update({k: v for k, v in light.items() if k.startswith(("param/", "update/"))
                   and k != "update/nonfinite_count"})
