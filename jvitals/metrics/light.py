@@ -58,8 +58,7 @@ def light_metrics(grads: Any, params: Any = None, updates: Any = None, *, roles:
 def _floats(tree: Any) -> bool:
     """Whether every leaf of ``tree`` is a real floating-point array (float32, bf16, ...)."""
     leaves = jax.tree.leaves(tree)
-    return bool(leaves) and all(jnp.issubdtype(getattr(x, "dtype", None) or jnp.int32, jnp.floating)
-                                for x in leaves)
+    return bool(leaves) and all(hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) for x in leaves)
 
 
 def _joint(grads: Any, params: Any, updates: Any, roles: Roles, specs: Any = None,
@@ -86,8 +85,7 @@ def _leaf_sums(x: jax.Array, stack_axis: int | None) -> jax.Array:
     """``sum x^2`` of a leaf, per slice along ``stack_axis``: for float32 as optax writes it
     (``optax.tree.norm``: the clip's own expression, so XLA computes it once for both);
     other float dtypes upcast to float32 first."""
-    if x.dtype != _F32 and not jnp.iscomplexobj(x):
-        x = x.astype(_F32)             # bf16/fp16 summed in float32
+    x = x.astype(_F32)             # bf16/fp16 summed in float32 (no-op for float32)
     sq = jnp.square(x.real) + jnp.square(x.imag)
     if stack_axis is None:
         return jnp.sum(sq)
@@ -181,12 +179,12 @@ def _applied_groups(updates: Any, params: Any, plan: Sequence[Any], p_norm: jax.
     parameters once for both, and GPUs and TPUs fuse these sums into that kernel as more
     outputs: no read of their own): a plain sum per leaf (a stacked leaf's per slice) of
     two arrays the step holds anyway (the parameters, and the new ones it writes out).
-    Equal to ``||u||`` up to the rounding of ``p + u`` in float32 (an update below half an
-    ulp of ``p`` is not applied, and not counted). The non-finite count reads ``u`` where
+    Equal to ``||u||`` up to the rounding of ``p + u`` in the parameters' dtype (an update
+    below half an ulp of ``p`` is not applied, and not counted); the difference is taken
+    in float32. The non-finite count reads ``u`` where
     the norm is not finite."""
     new = optax.apply_updates(params, updates)
-    diff = jax.tree.leaves(jax.tree.map(lambda a, b: a.astype(_F32) - b.astype(_F32) if a.dtype != _F32 else a - b,
-                                        new, params))
+    diff = jax.tree.leaves(jax.tree.map(lambda a, b: a.astype(_F32) - b.astype(_F32), new, params))
     ug = _Groups()
     total = jnp.zeros((), _F32)
     for leaf in plan:
