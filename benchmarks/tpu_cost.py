@@ -255,9 +255,7 @@ def memory(compiled: Any) -> tuple[int, int]:
     return int(total), int(m.temp_size_in_bytes)
 
 
-_COPY_START = re.compile(r"= \(([a-z]+\d*)\[([\d,]*)\][^\n]*? copy-start\(")
-_DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
-                "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
+_COPY_START = re.compile(r"= \((\w+\[[\d,]*\])[^\n]*? copy-start\(")
 PREFETCH_COUNT = 4
 """How many times ``bytes accessed`` counts an async copy's size (its start and done each
 read and write it)."""
@@ -266,10 +264,7 @@ read and write it)."""
 def prefetch_bytes(hlo: str) -> float:
     """``bytes accessed`` of the asynchronous copies in compiled HLO text: each
     ``copy-start``'s destination, :data:`PREFETCH_COUNT` times its bytes."""
-    total = 0
-    for dtype, dims in _COPY_START.findall(hlo):
-        total += math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES.get(dtype, 4)
-    return float(PREFETCH_COUNT * total)
+    return float(PREFETCH_COUNT * sum(oh._shape_bytes(shape) for shape in _COPY_START.findall(hlo)))
 
 
 def compile_step(name: str, step: Callable, tx: optax.GradientTransformation, params: Any, batch: dict,
