@@ -203,8 +203,7 @@ def _ce_loss(params: Any, batch: dict, cfg: rm.ModelConfig, mtp_weight: float = 
     labels, mask = batch["labels"], batch["mask"]
     loss, figs = vitals.cross_entropy(logits, labels, mask)
     if mtp:
-        extra = [rm.cross_entropy(lk[:, :-k], labels[:, k:], mask[:, :-k] & mask[:, k:])
-                 for k, lk in enumerate(mtp, start=1)]
+        extra = [rm.mtp_cross_entropy(lk, labels, mask, k) for k, lk in enumerate(mtp, start=1)]
         loss = loss + mtp_weight * sum(extra) / len(extra)
     return loss, {**state.get("intermediates", {}), "logit_figures": figs}
 
@@ -229,12 +228,13 @@ def _family_metrics(cfg: rm.ModelConfig, fams: frozenset[str], inter: Any, opt_s
 
 
 def make_step(cfg: rm.ModelConfig, tx: optax.GradientTransformation, fams: Iterable[str] = (),
-              heavy: bool | None = None, extra: Callable[[Any, dict], dict] | None = None) -> Callable:
+              heavy: bool | None = None, extra: Callable[[Any, dict], dict] | None = None,
+              probes: bool | None = None) -> Callable:
     """A train step with the families ``fams``; ``heavy`` is the recorder's ``vitals_heavy``
     (None: not passed); ``extra(sown, batch)``: more figures. Without families it returns the
     loss only (the sown tensors are dead)."""
     fams = frozenset(fams)
-    cfg = dataclasses.replace(cfg, use_probes="probes" in fams)
+    cfg = dataclasses.replace(cfg, use_probes="probes" in fams if probes is None else probes)
     loss_of = _loss(cfg, fams)
 
     def step(state: TrainState, batch: dict):

@@ -27,14 +27,17 @@ Families: those of ``overhead.py`` (``sow``, ``probes``, ``instrument``, ``light
 family         what the step adds                                           one-read limit
 =============  ===========================================================  ==============================
 ``attn``       ``act/attn_logits_abs.max`` of the sown attention scores     the scores
+``attn_probe`` the same figure from ``attn_logits_probe`` (its summary sown  the scores
+               inside the block, as the README's model does)
 ``replicas``   ``replica_metrics`` of the sown hidden states and logits     those tensors
                (``R`` = 4 replicas of the batch or fewer, the global view)
 ``readme``     the README's light step: ``light`` with the loss by          ``light`` + the logits + the
                ``vitals.cross_entropy`` and the largest attention logit     scores (+ the expert counts)
-               (+ ``moe_metrics`` on an MoE config)
+               (the model's probes, as the README's ``use_probes=True``;
+               + ``moe_metrics`` on an MoE config)
 ``full``       the README's heavy step: ``readme`` with                     ``heavy`` + every sown tensor
                ``vitals_heavy=True``, ``activation_metrics`` of every       + Adam ``nu``
-               sown tensor and ``optimizer_metrics``
+               probe's summary and ``optimizer_metrics``
 =============  ===========================================================  ==============================
 
 Beside ``x limit``, column ``step x`` is the family's step's bytes over the step without
@@ -72,7 +75,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 MB = 1e6
 TOPOLOGIES = ("v5e:2x2", "v4:2x2x1")
-FAMILIES = ("sow", "probes", "instrument", "attn", "light", "heavy", "opt", "moe", "replicas", "readme", "full")
+FAMILIES = ("sow", "probes", "instrument", "attn", "attn_probe", "light", "heavy", "opt", "moe", "replicas", "readme", "full")
 REPLICAS = 4
 
 
@@ -193,13 +196,15 @@ def variants(cfg: rm.ModelConfig, families: Iterable[str]) -> dict[str, tuple[Ca
                                                              "opt", "moe")])
     if "attn" in fams:
         out["attn"] = (oh.make_step(cfg, plain, ["attn"]), plain)
+    if "attn_probe" in fams:
+        out["attn_probe"] = (oh.make_step(cfg, plain, ["attn"], probes=True), plain)
     if "replicas" in fams:
         out["replicas"] = (oh.make_step(cfg, plain, extra=_replica_metrics), plain)
     moe = ["moe"] if cfg.moe else []
     if "readme" in fams:
-        out["readme"] = (oh.make_step(cfg, rec, ["ce", "attn"] + moe, heavy=False), rec)
+        out["readme"] = (oh.make_step(cfg, rec, ["ce", "attn"] + moe, heavy=False, probes=True), rec)
     if "full" in fams:
-        out["full"] = (oh.make_step(cfg, rec, ["ce", "sow", "opt"] + moe, heavy=True), rec)
+        out["full"] = (oh.make_step(cfg, rec, ["ce", "sow", "opt"] + moe, heavy=True, probes=True), rec)
     return out
 
 
@@ -211,7 +216,7 @@ def limits(cfg: rm.ModelConfig, params: Any, batch: dict) -> dict[str, int]:
     named = oh._by_name(sown)
     attn, logits = oh._nbytes(named.get("attn_logits", [])), oh._nbytes(named.get("logits", []))
     counts = lim["moe"] if cfg.moe else 0
-    lim["attn"] = attn
+    lim["attn"] = lim["attn_probe"] = attn
     lim["replicas"] = oh._nbytes([named.get(n, []) for n in ("hidden_states", "logits")])
     lim["readme"] = lim["light"] + logits + attn + counts
     lim["full"] = lim["heavy"] + lim["sow"] + lim["opt"] + counts

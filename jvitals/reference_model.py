@@ -404,6 +404,21 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array | None =
     return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.maximum(jnp.sum(m), 1.0)
 
 
+def mtp_cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array, k: int) -> jax.Array:
+    """MTP depth ``k``'s loss: position ``t`` scored against ``labels[t + k]`` where both
+    ``t`` and ``t + k`` are valid, read over all ``T`` positions with the last ``k`` masked
+    (MaxText's ``roll_and_mask``): the whole ``[B, T, V]`` logits, not a slice of them, so
+    the compiler can fuse the loss's row reductions with any other reader of the logits.
+
+    ``cross_entropy(logits[:, :-k], labels[:, k:], mask[:, :-k] & mask[:, k:])``, the same value.
+    """
+    t = labels.shape[1]
+    valid = (jnp.arange(t) < t - k)[None, :]
+    ahead = jnp.roll(labels, -k, axis=1)
+    m = valid & jnp.asarray(mask, bool) & jnp.roll(jnp.asarray(mask, bool), -k, axis=1)
+    return cross_entropy(logits, jnp.where(valid, ahead, 0), m)
+
+
 def loss_fn(params: Any, batch: Mapping[str, jax.Array], cfg: ModelConfig,
             perturbations: Any = None, *, mtp_weight: float = 0.3) -> tuple[jax.Array, dict]:
     """LM loss (+ ``mtp_weight`` x mean MTP loss) and the sown intermediates.
@@ -432,8 +447,7 @@ def loss_fn(params: Any, batch: Mapping[str, jax.Array], cfg: ModelConfig,
     if mtp:
         extra = []
         for k, lk in enumerate(mtp, start=1):
-            m = mask[:, :-k] & mask[:, k:]
-            extra.append(cross_entropy(lk[:, :-k], labels[:, k:], m))
+            extra.append(mtp_cross_entropy(lk, labels, mask, k))
         loss = loss + mtp_weight * sum(extra) / len(extra)
     return loss, state.get("intermediates", {})
 

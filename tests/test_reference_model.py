@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from jvitals.reference_model import (Decoder, ModelConfig, cross_entropy, init_params, loss_fn,
-                                     make_batch, update_expert_bias)
+                                     make_batch, mtp_cross_entropy, update_expert_bias)
 
 DENSE = ModelConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
                     attn_gate=True)
@@ -88,6 +88,23 @@ def test_cross_entropy_masked():
     logits = jnp.log(jnp.array([[[0.5, 0.5], [0.9, 0.1]]]))
     loss = cross_entropy(logits, jnp.array([[0, 0]]), jnp.array([[True, False]]))
     np.testing.assert_allclose(loss, np.log(2), rtol=1e-6)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_mtp_cross_entropy_scores_position_t_against_label_t_plus_k(k):
+    rng = np.random.default_rng(k)
+    b, t, v = 3, 9, 7
+    logits = rng.normal(size=(b, t, v)).astype(np.float32) * 3
+    labels = rng.integers(0, v, size=(b, t))
+    mask = np.arange(t)[None, :] < np.array([[9], [6], [2]])
+    got = mtp_cross_entropy(jnp.asarray(logits), jnp.asarray(labels), jnp.asarray(mask), k)
+    nll = []   # NumPy: every t with t and t + k valid, against labels[t + k]
+    for i in range(b):
+        for j in range(t - k):
+            if mask[i, j] and mask[i, j + k]:
+                z = logits[i, j].astype(np.float64)
+                nll.append(np.log(np.exp(z - z.max()).sum()) + z.max() - z[labels[i, j + k]])
+    np.testing.assert_allclose(got, np.mean(nll) if nll else 0.0, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
