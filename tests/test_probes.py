@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import flax.linen as nn
+import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jvitals.metrics import probes
@@ -180,6 +183,8 @@ def test_logits_statistics_and_argmax_read_the_logits_once():
     logits[0, 3, [7, 300]] = [np.nan, 9.0]   # a NaN before the maximum
     logits[1, 2, [5, 400]] = [9.0, np.nan]   # a NaN after it
     logits[2, 1, [8, 9]] = 9.0               # a tie: the first index
+    logits[3, 5, [200, 40, 90]] = np.nan     # three NaNs: the first of them
+    logits[3, 6, [1, 511]] = [np.inf, np.nan]
     x = jnp.asarray(logits)
     arg = jax.jit(probes.row_argmax)
     hlo = arg.lower(x).compile().as_text()
@@ -294,3 +299,16 @@ def test_logits_combine_is_associative_and_commutative_on_ties_nans_and_infs():
         for other in (run(list(reversed(subset))), tree(subset), tree(list(reversed(subset)))):
             for a, b in zip(ref[:5], other[:5]):
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, equal_nan=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_row_argmax_is_numpys_on_rows_of_nans_infinities_and_ties(data):
+    """The argmax merge is a total order (a NaN first, the first of two NaNs; else the larger
+    value, the first of two equal ones), so any merge order gives NumPy's index."""
+    v = data.draw(st.integers(1, 300))
+    pool = st.sampled_from([0.0, 1.0, -1.0, 9.0, np.inf, -np.inf, np.nan])
+    rows = data.draw(hnp.arrays(np.float32, (3, v), elements=pool))
+    for x in (rows, rows.astype(jnp.bfloat16)):
+        got = jax.jit(probes._row_argmax_one_read)(jnp.asarray(x))
+        np.testing.assert_array_equal(got, np.argmax(np.asarray(x, np.float32), -1))

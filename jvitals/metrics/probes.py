@@ -130,8 +130,15 @@ def _keys(x: jax.Array, iota: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arra
 
 
 def _argmax_combine(a: tuple, b: tuple) -> tuple:
-    a_wins = _first_max_wins(a[0], a[1], b[0], b[1])
-    return jnp.where(a_wins, a[0], b[0]), jnp.where(a_wins, a[1], b[1]), lax.min(a[2], b[2])
+    """The element of ``(value, index)`` pairs ``jnp.argmax`` keeps: a NaN before any number,
+    the first of two NaNs; else the larger value, the first of two equal ones. A total
+    order, so the reduction may merge in any order; the NaN tests sit in the merge, where
+    the compiler cannot split them into a pass of their own over the row."""
+    (av, ai), (bv, bi) = a, b
+    an, bn = av != av, bv != bv
+    first = ai < bi
+    a_wins = jnp.where(an | bn, an & (~bn | first), (av > bv) | ((av == bv) & first))
+    return jnp.where(a_wins, av, bv), jnp.where(a_wins, ai, bi)
 
 
 def _first_nan_or(first: jax.Array, first_nan: jax.Array) -> jax.Array:
@@ -141,15 +148,13 @@ def _first_nan_or(first: jax.Array, first_nan: jax.Array) -> jax.Array:
 
 def _row_argmax_one_read(x: jax.Array) -> jax.Array:
     iota = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    big = jnp.iinfo(jnp.int32).max
-    _, first, first_nan = fold.fold_map(lambda a, i: _keys(a.astype(_F32), i), (x, iota), (-jnp.inf, big, big),
-                                        _argmax_combine, (x.ndim - 1,))
-    return _first_nan_or(first, first_nan)
+    init = (jnp.array(-jnp.inf, x.dtype), jnp.array(jnp.iinfo(jnp.int32).max, jnp.int32))
+    return lax.reduce((x, iota), init, _argmax_combine, (x.ndim - 1,))[1]
 
 
 def row_argmax(x: jax.Array) -> jax.Array:
-    """``jnp.argmax(x, -1)`` as int32 in one read of ``x`` (a reduction of the values,
-    their indices and the first NaN; the first NaN, else the first maximum). Inside
+    """``jnp.argmax(x, -1)`` as int32 in one read of ``x`` (a reduction of the values and
+    their indices; the first NaN, else the first maximum). Inside
     :func:`~jvitals.metrics.fold.cpu_plain` on the CPU: two plain reductions instead
     (:func:`~jvitals.metrics.cpu_forms.argmax`; XLA:CPU runs the one-read reduction as a serial loop)."""
     x = jnp.asarray(x)
