@@ -38,6 +38,7 @@ __all__ = [
     "init_perturbations",
     "loss_fn",
     "make_batch",
+    "mtp_cross_entropy",
     "update_expert_bias",
 ]
 
