@@ -231,8 +231,9 @@ def make_step(cfg: rm.ModelConfig, tx: optax.GradientTransformation, fams: Itera
               heavy: bool | None = None, extra: Callable[[Any, dict], dict] | None = None,
               probes: bool | None = None) -> Callable:
     """A train step with the families ``fams``; ``heavy`` is the recorder's ``vitals_heavy``
-    (None: not passed); ``extra(sown, batch)``: more figures. Without families it returns the
-    loss only (the sown tensors are dead)."""
+    (None: not passed); ``extra(sown, batch)``: more figures; ``probes``: the model's
+    ``use_probes`` (None: whether ``"probes"`` is among ``fams``). Without families it returns
+    the loss only (the sown tensors are dead)."""
     fams = frozenset(fams)
     cfg = dataclasses.replace(cfg, use_probes="probes" in fams if probes is None else probes)
     loss_of = _loss(cfg, fams)

@@ -415,9 +415,8 @@ def mtp_cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array, k: 
     """
     t = labels.shape[1]
     valid = (jnp.arange(t) < t - k)[None, :]
-    ahead = jnp.roll(labels, -k, axis=1)
     m = valid & jnp.asarray(mask, bool) & jnp.roll(jnp.asarray(mask, bool), -k, axis=1)
-    return cross_entropy(logits, jnp.where(valid, ahead, 0), m)
+    return cross_entropy(logits, jnp.roll(labels, -k, axis=1), m)   # the wrapped-round labels masked
 
 
 def loss_fn(params: Any, batch: Mapping[str, jax.Array], cfg: ModelConfig,

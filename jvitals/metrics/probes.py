@@ -137,7 +137,7 @@ def _argmax_combine(a: tuple, b: tuple) -> tuple:
     (av, ai), (bv, bi) = a, b
     an, bn = av != av, bv != bv
     first = ai < bi
-    a_wins = jnp.where(an | bn, an & (~bn | first), (av > bv) | ((av == bv) & first))
+    a_wins = jnp.where(an | bn, an & (~bn | first), _first_max_wins(av, ai, bv, bi))
     return jnp.where(a_wins, av, bv), jnp.where(a_wins, ai, bi)
 
 
