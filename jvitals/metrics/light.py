@@ -181,8 +181,7 @@ def _applied_groups(updates: Any, params: Any, plan: Sequence[Any], p_norm: jax.
     two arrays the step holds anyway (the parameters, and the new ones it writes out).
     Equal to ``||u||`` up to the rounding of ``p + u`` in the parameters' dtype (an update
     below half an ulp of ``p`` is not applied, and not counted); the difference is taken
-    in float32. The non-finite count reads ``u`` where
-    the norm is not finite."""
+    in float32. The non-finite count reads ``u`` where the norm is not finite."""
     new = optax.apply_updates(params, updates)
     diff = jax.tree.leaves(jax.tree.map(lambda a, b: a.astype(_F32) - b.astype(_F32), new, params))
     ug = _Groups()
