@@ -353,3 +353,34 @@ def test_block_sample_takes_every_32nd_block_of_8_along_the_major_dimension(shap
     want = np.stack([m[i:i + 8] for i in range(0, m.shape[0] - 255, 256)])
     np.testing.assert_array_equal(got.reshape(want.shape), want)
     assert 1 / 48 <= got.size / x.size <= 1 / 32
+
+
+@pytest.mark.parametrize("rows", [32 * 256 + 8, 65_536, 100_000])
+def test_block_sample_takes_at_most_32_blocks_spread_over_every_row(rows):
+    """Past 32 blocks of every 32nd (8,192 rows) the stride grows to ceil(rows / 256) blocks:
+    8,200 rows -> every 33rd block of 8 (31 blocks, the last at row 7,920); 65,536 -> every
+    256th (32, one reshape); 100,000 -> every 391st (31, the last at row 93,840)."""
+    from jvitals.metrics.optimizer import WINDOW_BLOCKS, block_sample
+
+    assert WINDOW_BLOCKS == 32
+    x = np.arange(rows * 128, dtype=np.float32).reshape(rows, 128)
+    got = np.asarray(jax.jit(block_sample)(x))
+    stride = {32 * 256 + 8: 33 * 8, 65_536: 256 * 8, 100_000: 391 * 8}[rows]
+    want = np.stack([x[i:i + 8] for i in range(0, rows - stride + 1, stride)])
+    assert len(want) == {32 * 256 + 8: 31, 65_536: 32, 100_000: 31}[rows]
+    assert want[-1][0, 0] == {32 * 256 + 8: 7920, 65_536: 63488, 100_000: 93840}[rows] * 128
+    np.testing.assert_array_equal(got.reshape(want.shape), want)
+
+
+@pytest.mark.slow
+def test_window_quantile_on_a_leaf_sampled_at_32_blocks_is_near_numpys():
+    """A 32,768-row leaf (sampled at every 128th block, the cap) whose rows differ in scale by
+    1.5 e-folds: the median within the one-bin window of NumPy's over every value."""
+    from jvitals.metrics.optimizer import window_quantile
+    rng = np.random.default_rng(0)
+    xs = [np.exp(rng.normal(-14, 1.5, size=(32768, 1)) + rng.normal(0, 1, size=(32768, 128))).astype(np.float32),
+          np.exp(rng.normal(-10, 3, size=(512, 384))).astype(np.float32)]
+    amax, got = jax.jit(lambda *a: window_quantile({(): list(a)}))(*xs)
+    every = np.concatenate([x.ravel() for x in xs]).astype(np.float64)
+    assert float(amax) == every.max()
+    assert abs(np.log10(float(got)) - np.log10(np.median(every))) <= BIN_DECADES

@@ -21,10 +21,10 @@ an infinite spread, as NumPy would. Cost on the CPU: one read and a 32768-bin
 scatter-add per leaf; no sort, no concatenation, no host sync. On GPUs and TPUs a
 scatter-add of many equal indices serialises (as long as a whole training step on a
 GPU, docs/COST.md), so there ``'auto'`` takes :func:`window_quantile`: the bin of a
-sample's median (every 32nd block of 8 rows of each leaf), then **one read of each leaf**
-that takes its maximum and counts it at 16 edges around that bin (one kernel per leaf on
-the TPU); the median is the bin's midpoint, as above, when it lies within 4 bins of the
-sample's, else interpolated across a wider interval (the function's docstring).
+sample's median (every 32nd block of 8 rows of each leaf, 32 blocks at most), then **one
+read of each leaf** that takes its maximum and counts it at 16 edges around that bin (one
+kernel per leaf on the TPU); the median is the bin's midpoint, as above, when it lies within 4
+bins of the sample's, else interpolated across a wider interval (the function's docstring).
 :func:`search_quantile` finds the exact bins in four reads of each leaf (``median=``
 chooses).
 
@@ -69,9 +69,9 @@ from jvitals.metrics.stats import Summary, summarize_max
 from jvitals.metrics.axes import check_axes, make_varying, psum_over, reduction_axes
 from jvitals.metrics.checks import check_opt_state
 
-__all__ = ["LR_SCALE", "LR_SCALE_ARG", "NU_BINS", "NU_SAMPLE", "WINDOW_SAMPLE", "block_sample", "histogram_quantile",
-           "injected_hyperparams", "log_histogram", "optimizer_metrics", "search_quantile", "systematic_sample",
-           "window_quantile"]
+__all__ = ["LR_SCALE", "LR_SCALE_ARG", "NU_BINS", "NU_SAMPLE", "WINDOW_BLOCKS", "WINDOW_SAMPLE", "block_sample",
+           "histogram_quantile", "injected_hyperparams", "log_histogram", "optimizer_metrics", "search_quantile",
+           "systematic_sample", "window_quantile"]
 
 _F32 = jnp.float32
 LR_SCALE = "lr_scale"
@@ -302,11 +302,17 @@ _WINDOW = (-96, -24, -8, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 9, 25, 97)
 WINDOW_SAMPLE = 32
 """About one ``nu`` value in how many :func:`window_quantile`'s sample reads (:func:`block_sample`)."""
 
+WINDOW_BLOCKS = 32
+"""The most blocks of 8 rows :func:`block_sample` takes of one leaf (256 rows, spread evenly):
+on a large leaf the sample's cost, not its precision, is what grows with its size."""
 
-def block_sample(x: jax.Array, every: int = WINDOW_SAMPLE) -> jax.Array:
+
+def block_sample(x: jax.Array, every: int = WINDOW_SAMPLE, blocks: int = WINDOW_BLOCKS) -> jax.Array:
     """Every ``every``-th block of 8 rows of ``x`` viewed as a matrix ``[prod(shape[:-1]),
     shape[-1]]`` (its major dimension split only), about one element in ``every``, spread over
-    its rows. A leaf of one dimension or of fewer than ``8 every`` rows is taken whole.
+    its rows; at most ``blocks`` blocks (the stride grows to ``ceil(rows / (8 blocks))`` blocks
+    on a leaf of more rows). A leaf of one dimension or of fewer than ``8 every`` rows is taken
+    whole.
 
     The blocks are taken along the dimension the TPU lays out major, so that they are
     slices of the leaf as it lies in memory, not a relaid-out copy of it: the last two
@@ -320,6 +326,7 @@ def block_sample(x: jax.Array, every: int = WINDOW_SAMPLE) -> jax.Array:
     if x.shape[-1] % 128 and x.shape[-2] % 128 == 0:
         x = jnp.swapaxes(x, -1, -2)
     r, c = int(np.prod(x.shape[:-1])), x.shape[-1]
+    every = max(every, -(-r // (8 * blocks)))
     span = 8 * every
     nb = r // span
     if nb == 0:
@@ -379,8 +386,9 @@ def window_quantile(groups: Mapping[tuple[str, ...], Sequence[jax.Array]], q: fl
     """``(max |x|, q-quantile of |x|)`` over every leaf, reading each leaf once (GPUs, TPUs).
 
     1. The bin ``b`` of the ``q``-quantile of a sample (:func:`block_sample`: every
-       ``every``-th block of 8 rows of each leaf, copied out behind a barrier), each leaf
-       weighted by its size over its sample's, to 7 bins in three passes over the sample.
+       ``every``-th block of 8 rows of each leaf, at most ``WINDOW_BLOCKS`` of them, copied
+       out behind a barrier), each leaf weighted by its size over its sample's, to 7 bins in
+       three passes over the sample.
     2. One pass over every leaf, each behind its own ``optimization_barrier`` (read as the
        step writes it): ``max`` and ``min`` of ``bits(|x|)`` and the running counts
        ``C(e) = #{x : bin(x) < e}`` at the 16 edges ``e = b + o``, ``o`` in ``_WINDOW``, as
