@@ -310,9 +310,9 @@ on a large leaf the sample's cost, not its precision, is what grows with its siz
 def block_sample(x: jax.Array, every: int = WINDOW_SAMPLE, blocks: int = WINDOW_BLOCKS) -> jax.Array:
     """Every ``every``-th block of 8 rows of ``x`` viewed as a matrix ``[prod(shape[:-1]),
     shape[-1]]`` (its major dimension split only), about one element in ``every``, spread over
-    its rows; at most ``blocks`` blocks (the stride grows to ``ceil(rows / (8 blocks))`` blocks
-    on a leaf of more rows). A leaf of one dimension or of fewer than ``8 every`` rows is taken
-    whole.
+    its rows; at most ``blocks`` blocks (on a leaf of more than ``8 every blocks`` rows, every
+    ``ceil(rows / (8 blocks))``-th block). A leaf of one dimension or of fewer than ``8 every``
+    rows is taken whole.
 
     The blocks are taken along the dimension the TPU lays out major, so that they are
     slices of the leaf as it lies in memory, not a relaid-out copy of it: the last two
