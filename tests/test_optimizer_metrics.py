@@ -372,6 +372,23 @@ def test_block_sample_takes_at_most_32_blocks_spread_over_every_row(rows):
     np.testing.assert_array_equal(got.reshape(want.shape), want)
 
 
+@pytest.mark.parametrize("shape", [(128, 4096), (2, 128, 64), (16, 128), (15, 256), (2, 8)])
+def test_block_sample_of_a_short_leaf_is_its_first_block_of_8_rows(shape):
+    """16 to 255 rows (a [d, vocab] head of d = 128, a scan-stacked [2, 128, 64] read as
+    [2, 64, 128]): the first 8 rows, every column, against NumPy's slice; fewer than 16 rows,
+    or one dimension: the leaf whole."""
+    from jvitals.metrics.optimizer import block_sample
+
+    x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    got = np.asarray(jax.jit(block_sample)(x))
+    m = np.swapaxes(x, -1, -2) if shape[-1] % 128 and shape[-2] % 128 == 0 else x
+    m = m.reshape(-1, m.shape[-1])
+    if m.shape[0] < 16:
+        np.testing.assert_array_equal(got.reshape(m.shape), m)
+    else:
+        np.testing.assert_array_equal(got.reshape(8, m.shape[1]), m[:8])
+
+
 @pytest.mark.slow
 def test_window_quantile_on_a_leaf_sampled_at_32_blocks_is_near_numpys():
     """A 32,768-row leaf (sampled at every 128th block, the cap) whose rows differ in scale by

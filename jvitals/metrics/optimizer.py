@@ -21,9 +21,9 @@ an infinite spread, as NumPy would. Cost on the CPU: one read and a 32768-bin
 scatter-add per leaf; no sort, no concatenation, no host sync. On GPUs and TPUs a
 scatter-add of many equal indices serialises (as long as a whole training step on a
 GPU, docs/COST.md), so there ``'auto'`` takes :func:`window_quantile`: the bin of a
-sample's median (every 32nd block of 8 rows of each leaf, 32 blocks at most), then **one
-read of each leaf** that takes its maximum and counts it at 16 edges around that bin (one
-kernel per leaf on the TPU); the median is the bin's midpoint, as above, when it lies within 4
+sample's median (every 32nd block of 8 rows of each leaf, 32 blocks at most; the first 8
+rows of a leaf under 256 rows), then **one read of each leaf** that takes its maximum and
+counts it at 16 edges around that bin (one kernel per leaf on the TPU); the median is the bin's midpoint, as above, when it lies within 4
 bins of the sample's, else interpolated across a wider interval (the function's docstring).
 :func:`search_quantile` finds the exact bins in four reads of each leaf (``median=``
 chooses).
@@ -311,8 +311,10 @@ def block_sample(x: jax.Array, every: int = WINDOW_SAMPLE, blocks: int = WINDOW_
     """Every ``every``-th block of 8 rows of ``x`` viewed as a matrix ``[prod(shape[:-1]),
     shape[-1]]`` (its major dimension split only), about one element in ``every``, spread over
     its rows; at most ``blocks`` blocks (on a leaf of more than ``8 every blocks`` rows, every
-    ``ceil(rows / (8 blocks))``-th block). A leaf of one dimension or of fewer than ``8 every``
-    rows is taken whole.
+    ``ceil(rows / (8 blocks))``-th block). A leaf of 16 to ``8 every`` rows gives its first
+    block, every column of 8 rows (as a ``[d, vocab]`` head of ``8 every`` rows does: its
+    rows are features, its columns tokens); one of one dimension or of fewer than 16 rows is
+    taken whole.
 
     The blocks are taken along the dimension the TPU lays out major, so that they are
     slices of the leaf as it lies in memory, not a relaid-out copy of it: the last two
@@ -327,11 +329,13 @@ def block_sample(x: jax.Array, every: int = WINDOW_SAMPLE, blocks: int = WINDOW_
         x = jnp.swapaxes(x, -1, -2)
     r, c = int(np.prod(x.shape[:-1])), x.shape[-1]
     every = max(every, -(-r // (8 * blocks)))
+    if r < 16:
+        return x
+    x = x.reshape(r, c)
     span = 8 * every
     nb = r // span
     if nb == 0:
-        return x
-    x = x.reshape(r, c)
+        return x[None, :8]
     if r % span == 0:
         return x.reshape(nb, every, 8, c)[:, 0]
     return jnp.stack([x[i * span:i * span + 8] for i in range(nb)])
