@@ -19,8 +19,6 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jvitals.metrics import fold
-
 __all__: list[str] = []   # the recorder's helpers: nothing a user calls
 
 _F32 = jnp.float32
@@ -38,9 +36,11 @@ def nonfinite_where(bad: jax.Array, tree: Any) -> jax.Array:
     ``lax.cond`` (no host round trip there; a healthy step skips the count's read), on
     other backends computed beside the norm and selected (XLA:GPU and TPU fuse the count
     with the norm's reduction of the same tensor; a conditional would make a GPU step
-    wait on the host for its predicate)."""
+    wait on the host for its predicate). The count is the plain ``sum(~isfinite(x))``: the
+    TPU compiler reads it in the norm's kernel, where a count from the bits (as the fold
+    takes it) made it write a scan-stacked expert gradient out in another layout first."""
     def count() -> jax.Array:  # counted in float32, as the fold counts (XLA:CPU splits an int sum)
-        n = sum((jnp.sum(fold.finite_parts(x)[1]) for x in jax.tree.leaves(tree)), jnp.zeros((), _F32))
+        n = sum((jnp.sum(~jnp.isfinite(x), dtype=_F32) for x in jax.tree.leaves(tree)), jnp.zeros((), _F32))
         return n.astype(jnp.int32)
 
     def zero() -> jax.Array:
