@@ -36,9 +36,9 @@ def nonfinite_where(bad: jax.Array, tree: Any) -> jax.Array:
     ``lax.cond`` (no host round trip there; a healthy step skips the count's read), on
     other backends computed beside the norm and selected (XLA:GPU and TPU fuse the count
     with the norm's reduction of the same tensor; a conditional would make a GPU step
-    wait on the host for its predicate). The count is the plain ``sum(~isfinite(x))``: the
-    TPU compiler reads it in the norm's kernel, where a count from the bits (as the fold
-    takes it) made it write a scan-stacked expert gradient out in another layout first."""
+    wait on the host for its predicate). The count is the plain ``sum(~isfinite(x))``, which
+    the TPU compiler reads in the norm's kernel; for a count from the bits (as the fold takes
+    it) it writes a scan-stacked expert gradient out in another layout first (docs/COST.md)."""
     def count() -> jax.Array:  # counted in float32, as the fold counts (XLA:CPU splits an int sum)
         n = sum((jnp.sum(~jnp.isfinite(x), dtype=_F32) for x in jax.tree.leaves(tree)), jnp.zeros((), _F32))
         return n.astype(jnp.int32)

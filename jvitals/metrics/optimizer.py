@@ -23,8 +23,9 @@ scatter-add of many equal indices serialises (as long as a whole training step o
 GPU, docs/COST.md), so there ``'auto'`` takes :func:`window_quantile`: the bin of a
 sample's median (every 32nd block of 8 rows of each leaf, 32 blocks at most; the first 8
 rows of a leaf under 256 rows), then **one read of each leaf** that takes its maximum and
-counts it at 16 edges around that bin (one kernel per leaf on the TPU); the median is the bin's midpoint, as above, when it lies within 4
-bins of the sample's, else interpolated across a wider interval (the function's docstring).
+counts it at 16 edges around that bin (one kernel per leaf on the TPU); the median is the
+bin's midpoint, as above, when it lies within 4 bins of the sample's, else interpolated
+across a wider interval (the function's docstring).
 :func:`search_quantile` finds the exact bins in four reads of each leaf (``median=``
 chooses).
 
@@ -311,10 +312,10 @@ def block_sample(x: jax.Array, every: int = WINDOW_SAMPLE, blocks: int = WINDOW_
     """Every ``every``-th block of 8 rows of ``x`` viewed as a matrix ``[prod(shape[:-1]),
     shape[-1]]`` (its major dimension split only), about one element in ``every``, spread over
     its rows; at most ``blocks`` blocks (on a leaf of more than ``8 every blocks`` rows, every
-    ``ceil(rows / (8 blocks))``-th block). A leaf of 16 to ``8 every`` rows gives its first
-    block, every column of 8 rows (as a ``[d, vocab]`` head of ``8 every`` rows does: its
-    rows are features, its columns tokens); one of one dimension or of fewer than 16 rows is
-    taken whole.
+    ``ceil(rows / (8 blocks))``-th block). A leaf of at least 16 rows but fewer than ``8 every``
+    gives its first block, 8 rows with every column (as a ``[d, vocab]`` head of ``8 every``
+    rows gives its one block: its rows are features, its columns tokens); one of one dimension
+    or of fewer than 16 rows is taken whole.
 
     The blocks are taken along the dimension the TPU lays out major, so that they are
     slices of the leaf as it lies in memory, not a relaid-out copy of it: the last two
