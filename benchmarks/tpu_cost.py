@@ -12,8 +12,8 @@ training loop donates it, and each compiled program reports
 - **memory**: ``memory_analysis()``: what the program holds in HBM at once, arguments,
   outputs and temporaries (less what donation aliases), against the step without vitals;
 - **prefetch**: the bytes of the asynchronous copies memory-space assignment schedules
-  between HBM and on-chip memory (``copy-start``), which ``bytes accessed`` counts four
-  times their size. Which tensors it prefetches turns on the whole program's schedule: a
+  between HBM and on-chip memory (``copy-start``, which ``bytes accessed`` counts four times
+  their size, and the sliced ``slice-start`` of a large leaf, three times). Which tensors it prefetches turns on the whole program's schedule: a
   kernel that gains one scalar output can move tens of MB of them in or out on a small
   model. ``x limit`` is the family's extra bytes as ``bytes accessed`` counts them;
   ``less prefetch`` is the same with the prefetches set aside on both sides, the family's
@@ -261,15 +261,23 @@ def memory(compiled: Any) -> tuple[int, int]:
 
 
 _COPY_START = re.compile(r"= \((\w+\[[\d,]*\])[^\n]*? copy-start\(")
+_SLICE_START = re.compile(r"= \(\([^\n]*?\), (\w+\[[\d,]*\])\{[^}\n]*S\(1\)\}[^\n]*? slice-start\(")
 PREFETCH_COUNT = 4
 """How many times ``bytes accessed`` counts an async copy's size (its start and done each
 read and write it)."""
+SLICE_PREFETCH_COUNT = 3
+"""How many times it counts a sliced prefetch's size (a ``slice-start`` into on-chip memory,
+``S(1)``, its pieces joined by a ``ConcatBitcast``): what the TPU compiler schedules for a
+large leaf a kernel reads whole (xl's 128 MB embedding, 2752-column MLP kernels)."""
 
 
 def prefetch_bytes(hlo: str) -> float:
-    """``bytes accessed`` of the asynchronous copies in compiled HLO text: each
-    ``copy-start``'s destination, :data:`PREFETCH_COUNT` times its bytes."""
-    return float(PREFETCH_COUNT * sum(oh._shape_bytes(shape) for shape in _COPY_START.findall(hlo)))
+    """``bytes accessed`` of memory-space assignment's prefetches in compiled HLO text: each
+    ``copy-start``'s destination :data:`PREFETCH_COUNT` times its bytes, each ``slice-start``
+    into on-chip memory :data:`SLICE_PREFETCH_COUNT` times. Set aside, what is left is what a
+    compile with memory-space assignment off counts (``tests/test_tpu_cost.py`` checks it)."""
+    return float(PREFETCH_COUNT * sum(oh._shape_bytes(shape) for shape in _COPY_START.findall(hlo))
+                 + SLICE_PREFETCH_COUNT * sum(oh._shape_bytes(shape) for shape in _SLICE_START.findall(hlo)))
 
 
 def compile_step(name: str, step: Callable, tx: optax.GradientTransformation, params: Any, batch: dict,

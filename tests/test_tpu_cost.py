@@ -107,28 +107,27 @@ def test_the_scan_stacked_moe_families_within_one_and_a_half_reads(moe_rows, fam
     assert r.own_mb <= 1.5 * r.limit_mb, (family, r.own_mb, r.limit_mb)
 
 
-def test_the_moe_optimizer_statistics_as_counted(moe_rows):
+def test_the_moe_optimizer_statistics_within_one_and_a_half_reads(moe_rows):
     """Adam ``nu``'s median on the MoE config, whose ``[d, vocab]`` head has 128 rows: its
-    sample is the head's first 8 rows, not the whole head (1.36x of one read as counted,
-    1.89x less prefetch, docs/COST.md): counted within 1.5x, own reads not yet (a bound that
-    shows a regression)."""
+    sample is the head's first 8 rows, not the whole head (1.36x of one read as counted, 1.50x
+    less prefetch, docs/COST.md)."""
     r = moe_rows["opt"]
     assert r.extra_mb <= 1.5 * r.limit_mb, (r.extra_mb, r.limit_mb)
-    assert r.own_mb <= 2.2 * r.limit_mb, (r.own_mb, r.limit_mb)
+    assert r.own_mb <= 1.55 * r.limit_mb, (r.own_mb, r.limit_mb)
 
 
 def test_the_readme_light_step_on_the_moe_config(moe_rows):
     """The README's light step on the scan-stacked MoE config within 0.2x of its one-read limit
-    as counted (0.16x; own reads 0.36x, docs/COST.md): the gradients' non-finite count is read
+    as counted (0.16x; own reads 0.21x, docs/COST.md): the gradients' non-finite count is read
     in the norm's kernel, not from a relaid-out copy of an expert's gradient."""
     r = moe_rows["readme"]
     assert r.extra_mb <= 0.2 * r.limit_mb, (r.extra_mb, r.limit_mb)
-    assert r.own_mb <= 0.45 * r.limit_mb and r.own_step_x <= 1.035, (r.own_mb, r.limit_mb, r.own_step_x)
+    assert r.own_mb <= 0.25 * r.limit_mb and r.own_step_x <= 1.025, (r.own_mb, r.limit_mb, r.own_step_x)
 
 
 def test_the_readme_heavy_step_as_a_whole(rows):
     """The heavy step (every family: per-role gradients, every activation, the optimizer
-    statistics) as a whole (1.09 on d256 less prefetch, docs/COST.md)."""
+    statistics) as a whole (1.10 on d256 less prefetch, docs/COST.md)."""
     r = rows["full"]
     assert r.own_step_x <= 1.12 and r.step_x <= 1.25, (r.own_step_x, r.step_x)
 
@@ -138,3 +137,25 @@ def test_libtpu_pin_follows_jax(bench):
 
     pin = bench.libtpu_pin()
     assert pin.startswith("libtpu") and any(pin in req.replace(" ", "") for req in importlib.metadata.requires("jax"))
+
+
+def test_prefetches_set_aside_a_plain_max_reads_each_leaf_once(bench):
+    """The calibration of ``own``: a plain ``jnp.max`` of each of a 1B model's large leaves
+    (its 128 MB embedding, MLP kernels of 2752 columns, laid out column-major) compiled for a
+    v5e chip, ``bytes accessed`` less :func:`prefetch_bytes` (the ``copy-start`` and sliced
+    ``slice-start`` prefetches the compiler schedules into on-chip memory for them) is the
+    leaves' bytes, read once."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    sharding = bench.tpu_sharding(TOPOLOGY)
+    shapes = [(32768, 1024), (2752, 1024), (1024, 2752), (1024, 2752), (1024, 1536), (1024, 1024)] * 2
+    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding) for s in shapes]
+    compiled = jax.jit(lambda *xs: [jnp.max(x) for x in xs]).lower(*args).compile()
+    cost = compiled.cost_analysis()
+    counted = (cost[0] if isinstance(cost, list) else cost)["bytes accessed"]
+    prefetch = bench.prefetch_bytes(compiled.as_text())
+    one_read = sum(4 * int(np.prod(s)) for s in shapes)
+    assert prefetch > 0.5 * one_read, (prefetch, one_read)   # the compiler prefetches them
+    assert abs(counted - prefetch - one_read) <= 0.01 * one_read, (counted, prefetch, one_read)
