@@ -13,12 +13,13 @@ training loop donates it, and each compiled program reports
   outputs and temporaries (less what donation aliases), against the step without vitals;
 - **prefetch**: the bytes of the asynchronous copies memory-space assignment schedules
   between HBM and on-chip memory (``copy-start``, which ``bytes accessed`` counts four times
-  their size, and the sliced ``slice-start`` of a large leaf, three times). Which tensors it prefetches turns on the whole program's schedule: a
-  kernel that gains one scalar output can move tens of MB of them in or out on a small
-  model. ``x limit`` is the family's extra bytes as ``bytes accessed`` counts them;
-  ``less prefetch`` is the same with the prefetches set aside on both sides, the family's
-  own reads (what a compile with memory-space assignment off,
-  ``LIBTPU_INIT_ARGS=--xla_msa_enable=false``, counts, within 0.01x): forms are compared on it.
+  their size, and the sliced ``slice-start`` of a large leaf, three times). Which tensors it
+  prefetches turns on the whole program's schedule: a kernel that gains one scalar output can
+  move tens of MB of them in or out on a small model. ``x limit`` is the family's extra bytes
+  as ``bytes accessed`` counts them; ``less prefetch`` is the same with the prefetches set
+  aside on both sides, the family's own reads (what a compile with memory-space assignment
+  off, ``LIBTPU_INIT_ARGS=--xla_msa_enable=false``, counts, within 0.01x): forms are compared
+  on it.
 
 Families: those of ``overhead.py`` (``sow``, ``probes``, ``instrument``, ``light``,
 ``heavy``, ``opt``, ``moe``) and
@@ -287,11 +288,15 @@ def compile_step(name: str, step: Callable, tx: optax.GradientTransformation, pa
                           shapes(jax.eval_shape(tx.init, params), sharding))
     t0 = time.perf_counter()
     compiled = jax.jit(step, donate_argnums=0).lower(state, shapes(batch, sharding)).compile()
-    ca = compiled.cost_analysis()
-    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     total, temp = memory(compiled)
-    return Cost(name, float(ca["bytes accessed"]), total, temp, time.perf_counter() - t0,
+    return Cost(name, bytes_accessed(compiled), total, temp, time.perf_counter() - t0,
                 prefetch_bytes(compiled.as_text())), compiled
+
+
+def bytes_accessed(compiled: Any) -> float:
+    """``cost_analysis()["bytes accessed"]`` of a compiled program (one per program)."""
+    ca = compiled.cost_analysis()
+    return float((ca[0] if isinstance(ca, (list, tuple)) else ca)["bytes accessed"])
 
 
 def attach_runner(cost: Cost, compiled: Any, tx: optax.GradientTransformation, params: Any,
