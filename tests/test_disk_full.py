@@ -78,7 +78,10 @@ def test_a_disk_that_fills_during_a_save_is_one_line_and_the_run_keeps_its_last_
     lines = errors(caplog)
     assert len(lines) == 1, lines
     line = lines[0]
-    assert "step 20" in line and str(directory) in line and "os_error_code='28'" in line
+    # ENOSPC, as TensorStore words it (an array's write) or as Python does (a metadata file's
+    # write): which write meets the full disk first varies from run to run.
+    assert "step 20" in line and str(directory) in line
+    assert "os_error_code='28'" in line or "[Errno 28] No space left on device" in line, line
     assert "Training continues" in line and "step 10" in line and "on_save_error='raise'" in line
     alert = [a for a in guard.alerts + list(guard._pending) if a.rule == "checkpoint_save_failed"]
     assert len(alert) == 1 and alert[0].details["newest_good"] == 10
