@@ -78,10 +78,7 @@ def test_a_disk_that_fills_during_a_save_is_one_line_and_the_run_keeps_its_last_
     lines = errors(caplog)
     assert len(lines) == 1, lines
     line = lines[0]
-    # ENOSPC, as TensorStore words it (an array's write) or as Python does (a metadata file's
-    # write): which write meets the full disk first varies from run to run.
-    assert "step 20" in line and str(directory) in line
-    assert "os_error_code='28'" in line or "[Errno 28] No space left on device" in line, line
+    assert "step 20" in line and str(directory) in line and "the disk is full (errno 28, ENOSPC)" in line
     assert "Training continues" in line and "step 10" in line and "on_save_error='raise'" in line
     alert = [a for a in guard.alerts + list(guard._pending) if a.rule == "checkpoint_save_failed"]
     assert len(alert) == 1 and alert[0].details["newest_good"] == 10
@@ -130,3 +127,25 @@ def test_a_read_only_disk_is_one_line_per_save_and_training_goes_on(small_disk, 
     guard.wait()
     assert r.saved_step == 20 and [c.step for c in guard.checkpoints] == [0, 20]
     guard.close()
+
+
+@pytest.mark.parametrize("cause", [
+    OSError(28, "No space left on device"),
+    ValueError("Error writing local file \"/ck/20/d/0\": [OS error code 28] os_error_code='28' No space left on device"),
+])
+def test_a_full_disk_is_named_whichever_layer_met_it(cause):
+    """Python's ``OSError`` (a metadata file's write) and TensorStore's text (an array's write):
+    the alert line says the disk is full either way; another OS error is not called that."""
+    from jvitals.guard.checkpoints import CheckpointSaveError
+    from jvitals.guard.response import save_failed_alert
+
+    def raised(c):
+        try:
+            raise CheckpointSaveError("could not save", directory="/ck", step=20) from c
+        except CheckpointSaveError as e:
+            return e
+
+    line = save_failed_alert(raised(cause), newest_good=10, every=10).message
+    assert "the disk is full (errno 28, ENOSPC)" in line and "step 20" in line and "'/ck'" in line, line
+    other = save_failed_alert(raised(PermissionError(13, "Permission denied")), newest_good=10, every=10).message
+    assert "disk is full" not in other and "Permission denied" in other, other

@@ -10,10 +10,12 @@ the restores): an alert's one-line text, a position as JSON, the guard's own ale
 from __future__ import annotations
 
 import enum
+import errno
 import json
 import math
 import operator
 import os
+import re
 from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
@@ -211,6 +213,24 @@ def make_alert(rule: str, metric: str, level: Level, step: int, value: float, on
                  closed_step=int(step), details=details)
 
 
+_TS_OS_ERROR = re.compile(r"os_error_code='(\d+)'")   # how TensorStore names an OS error
+
+
+def _os_error_number(err: BaseException | None) -> int | None:
+    """The OS error number behind ``err`` along its causes: an ``OSError``'s ``errno``, or
+    TensorStore's ``os_error_code='N'`` in an error's text (None: no OS error found)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno:
+            return int(err.errno)
+        m = _TS_OS_ERROR.search(str(err))
+        if m:
+            return int(m.group(1))
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def save_failed_alert(err: CheckpointSaveError, *, newest_good: int | None, every: int) -> Alert:
     """The guard's alert (YELLOW, rule ``'checkpoint_save_failed'``) for a save that
     failed while training goes on: the directory, the step, the error, the last good
@@ -226,10 +246,13 @@ def save_failed_alert(err: CheckpointSaveError, *, newest_good: int | None, ever
     """
     cause = err.__cause__
     error = f"{type(cause).__name__}: {one_line(cause)}" if cause is not None else one_line(err)
+    # A full disk in the same words whichever write met it first (an array's, in TensorStore,
+    # or a metadata file's, in Python).
+    full = "the disk is full (errno 28, ENOSPC): " if _os_error_number(err) == errno.ENOSPC else ""
     good = (f"the last good checkpoint, step {newest_good}, is what a rollback or a restart uses"
             if newest_good is not None else "there is no good checkpoint yet (a restart starts over)")
     message = (f"[YELLOW] Rollback: could not save the checkpoint of step {err.step} in "
-               f"{err.directory!r}: {error}. Training continues; {good}; the next cadence save "
+               f"{err.directory!r}: {full}{error}. Training continues; {good}; the next cadence save "
                f"(every {every} steps) tries again. Expected a writable directory with free space: "
                "free space or fix the permissions (Rollback(saving=Saving(on_save_error='raise')) stops the run "
                "instead).")
