@@ -28,8 +28,8 @@ Families: those of ``overhead.py`` (``sow``, ``probes``, ``instrument``, ``light
 family         what the step adds                                           one-read limit
 =============  ===========================================================  ==============================
 ``attn``       ``act/attn_logits_abs.max`` of the sown attention scores     the scores
-``attn_probe`` the same figure from ``attn_logits_probe`` (its summary sown  the scores
-               inside the block, as the README's model does)
+``attn_probe`` the same figure from ``attn_softmax_probe`` (its summary    the scores
+               sown inside the block, as the README's model does)
 ``replicas``   ``replica_metrics`` of the sown hidden states and logits     those tensors
                (``R`` = 4 replicas of the batch or fewer, the global view)
 ``readme``     the README's light step: ``light`` with the loss by          ``light`` + the logits + the

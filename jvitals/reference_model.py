@@ -152,14 +152,14 @@ class Attention(nn.Module):
             k = jnp.repeat(k, h // kvh, axis=2)
             v = jnp.repeat(v, h // kvh, axis=2)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(_F32) / math.sqrt(dh)
-        if cfg.sow_attn_logits:
-            if cfg.use_probes:
-                probes.attn_logits_probe(self, scores, mask)
-            else:
-                self.sow("intermediates", "attn_logits", scores)
         # Padded query rows still see position 0 (BOS), so no row is all-masked.
-        keys_ok = probes.attention_valid_mask(None, t, t, 4) & mask[:, None, None, :]
-        probs = jax.nn.softmax(jnp.where(keys_ok, scores, -1e30), axis=-1).astype(cfg.dtype)
+        if cfg.sow_attn_logits and cfg.use_probes:   # the probe's summary from the softmax's own read
+            probs = probes.attn_softmax_probe(self, scores, mask).astype(cfg.dtype)
+        else:
+            if cfg.sow_attn_logits:
+                self.sow("intermediates", "attn_logits", scores)
+            keys_ok = probes.attention_valid_mask(None, t, t, 4) & mask[:, None, None, :]
+            probs = jax.nn.softmax(jnp.where(keys_ok, scores, -1e30), axis=-1).astype(cfg.dtype)
         out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, h * dh)
         _sow(self, cfg, "attn_out_before_proj", out, mask)
         if cfg.attn_gate:

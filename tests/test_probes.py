@@ -312,3 +312,67 @@ def test_row_argmax_is_numpys_on_rows_of_nans_infinities_and_ties(data):
     for x in (rows, rows.astype(jnp.bfloat16)):
         got = jax.jit(probes._row_argmax_one_read)(jnp.asarray(x))
         np.testing.assert_array_equal(got, np.argmax(np.asarray(x, np.float32), -1))
+
+
+class _SoftmaxProbed(nn.Module):
+    causal: bool = True
+
+    @nn.compact
+    def __call__(self, scores, mask):
+        return probes.attn_softmax_probe(self, scores, mask, causal=self.causal)
+
+
+def _np_softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attn_softmax_probe_against_numpy(causal):
+    """Probabilities as NumPy's masked softmax; the summary as NumPy's max |s| over the valid
+    entries (padding rows and keys poisoned, so a leak shows)."""
+    _, _, scores, mask = _data(7)
+    m = np.asarray(mask)
+    tri = np.tril(np.ones((6, 6), bool)) if causal else np.ones((6, 6), bool)
+    keys_ok = tri[None, None] & m[:, None, None, :]
+    valid = np.broadcast_to(keys_ok & m[:, None, :, None], scores.shape)
+    poisoned = np.where(valid, np.asarray(scores), -1e31)
+    probs, sown = _SoftmaxProbed(causal).apply({}, jnp.asarray(poisoned), mask, mutable=["intermediates"])
+    (s,) = sown["intermediates"]["attn_logits"]
+    ref = _np_softmax(np.where(keys_ok, poisoned, -1e30))
+    np.testing.assert_allclose(probs, ref, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(s.abs_max, np.abs(poisoned[valid]).max(), rtol=1e-6)
+    assert float(s.count) == valid.sum() == (tri[None] & m[:, None, :] & m[:, :, None]).sum() * 2
+    assert float(s.nonfinite) == 0
+
+
+def test_attn_softmax_probe_counts_nonfinite_rows_and_keeps_gradients():
+    _, _, scores, mask = _data(8)
+    x = np.asarray(scores).copy()
+    x[0, 1, 3, 2] = np.nan      # valid: row (0, 1, 3) flagged
+    x[0, 1, 3, 1] = np.inf      # same row: still one row
+    x[2, 0, 5, 5] = -np.inf     # valid: row (2, 0, 5)
+    x[1, 0, 5, 0] = np.nan      # a padded query (mask[1, 4:] False): not counted
+    x[0, 0, 1, 4] = np.nan      # above the diagonal: not counted
+    _, sown = _SoftmaxProbed().apply({}, jnp.asarray(x), mask, mutable=["intermediates"])
+    (s,) = sown["intermediates"]["attn_logits"]
+    assert float(s.nonfinite) == 2 and np.isnan(float(s.abs_max))
+
+    # The gradient through the probabilities is the plain masked softmax's.
+    m = np.asarray(mask)
+    keys_ok = jnp.asarray(np.tril(np.ones((6, 6), bool))[None, None] & m[:, None, None, :])
+    w = jax.random.normal(jax.random.key(0), scores.shape)
+    g = jax.grad(lambda sc: jnp.sum(_SoftmaxProbed().apply({}, sc, mask) * w))(scores)
+    g_ref = jax.grad(lambda sc: jnp.sum(jax.nn.softmax(jnp.where(keys_ok, sc, -1e30), -1) * w))(scores)
+    np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-7)
+
+
+def test_attn_softmax_probe_full_rank_mask_is_used_as_is():
+    _, _, scores, _ = _data(9)
+    valid = np.random.default_rng(9).random(scores.shape) < 0.6
+    valid[..., 0] = True
+    probs, sown = _SoftmaxProbed().apply({}, scores, jnp.asarray(valid), mutable=["intermediates"])
+    (s,) = sown["intermediates"]["attn_logits"]
+    np.testing.assert_allclose(probs, _np_softmax(np.where(valid, np.asarray(scores), -1e30)), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(s.abs_max, np.abs(np.asarray(scores)[valid]).max(), rtol=1e-6)
+    assert float(s.count) == valid.sum()

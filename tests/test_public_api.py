@@ -13,7 +13,7 @@ import pytest
 PUBLIC = {
     'jvitals': (
         'Action', 'activation_metrics', 'adaptive_clip', 'AdaptiveClipState', 'Alert', 'AlertConfig',
-        'assign_roles', 'attn_logits_probe', 'BandConfig', 'BaselineConfig', 'BetweenConfig',
+        'assign_roles', 'attn_logits_probe', 'attn_softmax_probe', 'BandConfig', 'BaselineConfig', 'BetweenConfig',
         'bos_value_grad_metrics', 'Cause', 'Change', 'CheckpointMismatchError', 'CheckpointSaveError',
         'CheckpointStore',
         'DEFAULT_REMEDIES', 'default_rules', 'device_memory_metrics', 'ExpertChoices', 'explain_roles',
@@ -34,7 +34,7 @@ PUBLIC = {
         'ValidationConfig', 'Verdict', 'with_lr_scale', 'write', 'z_loss', 'cross_entropy',
     ),
     'jvitals.metrics': (
-        'activation_metrics', 'assign_roles', 'attn_logits_probe', 'bos_value_grad_metrics', 'DEFAULT_EVERY',
+        'activation_metrics', 'assign_roles', 'attn_logits_probe', 'attn_softmax_probe', 'bos_value_grad_metrics', 'DEFAULT_EVERY',
         'DEFAULT_LAYER_PATTERNS', 'DEFAULT_PATTERNS', 'DEFAULT_QKV_LAYOUTS', 'DEFAULT_STACKS',
         'device_memory_metrics', 'ExpertChoices', 'explain_roles', 'global_norm', 'global_norm_metrics',
         'gradient_metrics', 'GROUP_ROLES', 'instrument', 'InstrumentReport', 'LAYOUTS', 'LeafRole',

@@ -125,6 +125,20 @@ def test_the_readme_light_step_on_the_moe_config(moe_rows):
     assert r.own_mb <= 0.25 * r.limit_mb and r.own_step_x <= 1.025, (r.own_mb, r.limit_mb, r.own_step_x)
 
 
+def test_the_attention_probe_rides_in_the_score_kernel_of_an_unrolled_model(bench):
+    """On an unrolled model (xl's shapes, 3 layers: d 1024, 16 heads of 64, 8 x 1024 tokens) the
+    attention-logit probe of the README's model (``attn_softmax_probe``) takes the softmax's own
+    row maximum and the row minimum beside it in each layer's score kernel: no read of the
+    scores of its own (a separate reduction, ``attn_logits_probe``, was merged across layers and
+    read them again: 1.35x; -2.41x now, docs/COST.md), and no memory held for it."""
+    import dataclasses
+
+    xl = bench.sizes()["xl"]
+    size = dataclasses.replace(xl, name="xl3", cfg=dataclasses.replace(xl.cfg, n_layers=3))
+    (r,) = bench.measure(TOPOLOGY, size, (8, 1024), ("attn_probe",), bench.tpu_sharding(TOPOLOGY))
+    assert r.own_mb <= 0.2 * r.limit_mb and r.memory_x <= 1.05, (r.own_mb, r.limit_mb, r.memory_x)
+
+
 def test_the_readme_heavy_step_as_a_whole(rows):
     """The heavy step (every family: per-role gradients, every activation, the optimizer
     statistics) as a whole (1.10 on d256 less prefetch, docs/COST.md)."""

@@ -39,6 +39,7 @@ from jvitals.metrics.qkv import (
 )
 from jvitals.metrics.probes import (
     attn_logits_probe,
+    attn_softmax_probe,
     logits_probe,
     LogitsSummary,
     perturb_values,
@@ -103,6 +104,7 @@ __all__ = [
     "activation_metrics",
     "assign_roles",
     "attn_logits_probe",
+    "attn_softmax_probe",
     "bos_value_grad_metrics",
     "DEFAULT_EVERY",
     "DEFAULT_LAYER_PATTERNS",

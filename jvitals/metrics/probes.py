@@ -6,7 +6,7 @@ metric needs and sow those under the same METRICS.md §7 NAME, so
 :func:`~jvitals.metrics.activations.activation_metrics` reads either form:
 :func:`sow_summary` (a :class:`~jvitals.metrics.stats.Summary`), :func:`logits_probe` (a
 :class:`LogitsSummary`, with the ``[B, T]`` argmax MTP agreement needs),
-:func:`attn_logits_probe`, :func:`perturb_values`. Every probe works on
+:func:`attn_logits_probe` (or :func:`attn_softmax_probe`, which also takes the softmax), :func:`perturb_values`. Every probe works on
 ``lax.stop_gradient`` of its input (the model's gradients never change); summaries are
 mask-aware at sow time: pass the model's token mask.
 
@@ -25,13 +25,14 @@ from flax import struct
 from jax import lax
 
 from jvitals.metrics import cpu_forms, fold
-from jvitals.metrics.stats import Summary, nan_rule, eager_jit, reduce, summarize, summarize_max
+from jvitals.metrics.stats import Summary, _count_and_mask, nan_rule, eager_jit, reduce, summarize, summarize_max
 from jvitals.metrics.axes import make_varying, pmax_over
 
 __all__ = [
     "LogitsRows",
     "LogitsSummary",
     "attn_logits_probe",
+    "attn_softmax_probe",
     "attention_valid_mask",
     "logits_probe",
     "logits_rows",
@@ -465,7 +466,10 @@ def attn_logits_probe(module: Any, scores: jax.Array, mask: jax.Array | None = N
     per layer); the summary's mean/rms are NaN by construction.
 
     Valid entries: causal (``k <= q``) and both the query and the key are real
-    tokens. ``abs_max`` of the sown summary is the max attention logit of the
+    tokens. Where the model's masked softmax can be taken by jvitals,
+    :func:`attn_softmax_probe` sows the same figure from the softmax's own row reductions
+    (on the TPU compiler this probe's reduction reads the scores again on an unrolled
+    model: docs/COST.md). ``abs_max`` of the sown summary is the max attention logit of the
     layer (the QK-clip / attention-logit-growth signal,
     ``act/attn_logits_abs.max``).
 
@@ -488,6 +492,71 @@ def attn_logits_probe(module: Any, scores: jax.Array, mask: jax.Array | None = N
         valid = attention_valid_mask(mask, scores.shape[-2], scores.shape[-1], scores.ndim, causal)
     with fold.cpu_plain():
         return module.sow("intermediates", name, summarize_max(scores, valid))
+
+
+def attn_softmax_probe(module: Any, scores: jax.Array, mask: jax.Array | None = None,
+                       name: str = "attn_logits", *, causal: bool = True) -> jax.Array:
+    """The attention probabilities, ``softmax`` over the keys of the masked scores, and
+    :func:`attn_logits_probe`'s summary sown from the same read of the scores.
+
+    ``probs = jax.nn.softmax(where(keys_ok, scores, -1e30), axis=-1)``, ``keys_ok`` the
+    causal term and the key's token mask (a query whose keys are all masked attends
+    uniformly, as in any ``-1e30``-masked softmax). The summary is taken per row first:
+    ``max |s| = max over rows of max(max_k where(keys_ok, s, -1e30), -min_k where(keys_ok,
+    s, 1e30))``, the padded query rows dropped afterwards. The row maximum is the one the
+    softmax takes, the same expression, so the compiler computes it once; the row minimum
+    is its sibling over the same operand. On the TPU compiler both ride in the kernel of
+    the score matmul on an unrolled model too, where :func:`attn_logits_probe`'s separate
+    reduction is merged across layers and reads the written-out scores again
+    (docs/COST.md). Use it in place of the model's own masked softmax.
+
+    ``count`` and ``abs_max`` are :func:`attn_logits_probe`'s; ``nonfinite`` counts the
+    valid rows (a head's query) holding a non-finite score, not the scores themselves
+    (``abs_max`` is NaN then either way).
+
+    Args:
+      module: the Linen module doing the sowing (``self``).
+      scores: ``[B, ..., Tq, Tk]`` pre-softmax scores, float32 (heads in the middle axes).
+      mask: ``[B, T]`` token mask, or a boolean mask of the scores' rank used as is
+        (``causal`` then ignored), or None.
+      name: sow name.
+      causal: include the causal term (token masks only).
+
+    Returns:
+      ``[B, ..., Tq, Tk]`` probabilities, the scores' dtype.
+    """
+    nd = scores.ndim
+    tq, tk = scores.shape[-2:]
+    mid = (1,) * (nd - 3)
+    rows = None
+    if mask is not None and jnp.ndim(mask) == nd:
+        keys_ok = jnp.asarray(mask, bool)
+        valid = keys_ok
+    else:
+        keys_ok = attention_valid_mask(None, tq, tk, nd, causal)
+        valid = attention_valid_mask(mask, tq, tk, nd, causal)
+        if mask is not None:
+            m = jnp.asarray(mask, bool)
+            keys_ok = keys_ok & m.reshape((m.shape[0],) + mid + (1, tk))
+            rows = m.reshape((m.shape[0],) + mid + (tq,))
+    masked = jnp.where(keys_ok, scores, -1e30)
+    probs = jax.nn.softmax(masked, axis=-1)
+    s = lax.stop_gradient(scores).astype(_F32)
+    hi = jnp.max(jnp.where(keys_ok, s, -1e30), axis=-1)
+    lo = jnp.min(jnp.where(keys_ok, s, 1e30), axis=-1)
+    row = jnp.maximum(hi, -lo)   # max |s| of a row; -1e30 where the row has no valid key
+    bad = ~jnp.isfinite(row)
+    row = jnp.maximum(row, 0.0)
+    if rows is not None:
+        row = jnp.where(rows, row, 0.0)
+        bad = bad & rows
+    count = _count_and_mask(valid, tuple(scores.shape), None, None)[0]
+    nonfinite = jnp.sum(bad, dtype=_F32)
+    amax = jnp.max(jnp.where(bad, 0.0, row))
+    nan = jnp.full((), jnp.nan, _F32)
+    module.sow("intermediates", name, Summary(count=count, sum=nan, sumsq=nan,
+                                              abs_max=nan_rule(amax, count, nonfinite), nonfinite=nonfinite))
+    return probs
 
 
 def perturb_values(module: Any, v: jax.Array, name: str = "bos_value") -> jax.Array:
