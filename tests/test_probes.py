@@ -376,3 +376,19 @@ def test_attn_softmax_probe_full_rank_mask_is_used_as_is():
     np.testing.assert_allclose(probs, _np_softmax(np.where(valid, np.asarray(scores), -1e30)), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(s.abs_max, np.abs(np.asarray(scores)[valid]).max(), rtol=1e-6)
     assert float(s.count) == valid.sum()
+
+
+def test_attn_softmax_probe_of_bf16_scores():
+    """bf16 scores: the probabilities in bf16, as the softmax of the masked bf16 scores; the
+    maximum that of the bf16 values."""
+    _, _, scores, mask = _data(10)
+    sb = scores.astype(jnp.bfloat16)
+    m = np.asarray(mask)
+    keys_ok = np.tril(np.ones((6, 6), bool))[None, None] & m[:, None, None, :]
+    valid = np.broadcast_to(keys_ok & m[:, None, :, None], scores.shape)
+    probs, sown = _SoftmaxProbed().apply({}, sb, mask, mutable=["intermediates"])
+    (s,) = sown["intermediates"]["attn_logits"]
+    assert probs.dtype == jnp.bfloat16
+    ref = _np_softmax(np.where(keys_ok, np.asarray(sb, np.float32), -1e30))
+    np.testing.assert_allclose(np.asarray(probs, np.float32), ref, atol=1e-2)
+    np.testing.assert_allclose(s.abs_max, np.abs(np.asarray(sb, np.float32)[valid]).max(), rtol=1e-6)

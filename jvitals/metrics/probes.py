@@ -6,9 +6,10 @@ metric needs and sow those under the same METRICS.md §7 NAME, so
 :func:`~jvitals.metrics.activations.activation_metrics` reads either form:
 :func:`sow_summary` (a :class:`~jvitals.metrics.stats.Summary`), :func:`logits_probe` (a
 :class:`LogitsSummary`, with the ``[B, T]`` argmax MTP agreement needs),
-:func:`attn_logits_probe` (or :func:`attn_softmax_probe`, which also takes the softmax), :func:`perturb_values`. Every probe works on
-``lax.stop_gradient`` of its input (the model's gradients never change); summaries are
-mask-aware at sow time: pass the model's token mask.
+:func:`attn_logits_probe` (or :func:`attn_softmax_probe`, which takes the model's softmax
+too), :func:`perturb_values`. Every probe works on ``lax.stop_gradient`` of its input (the
+model's gradients never change); summaries are mask-aware at sow time: pass the model's token
+mask.
 
 The table of probes and sizes, and ``nn.scan``: docs/DEVICE.md, "probes: compact summaries
 sown in the model".
@@ -516,7 +517,7 @@ def attn_softmax_probe(module: Any, scores: jax.Array, mask: jax.Array | None = 
 
     Args:
       module: the Linen module doing the sowing (``self``).
-      scores: ``[B, ..., Tq, Tk]`` pre-softmax scores, float32 (heads in the middle axes).
+      scores: ``[B, ..., Tq, Tk]`` pre-softmax scores (heads in the middle axes).
       mask: ``[B, T]`` token mask, or a boolean mask of the scores' rank used as is
         (``causal`` then ignored), or None.
       name: sow name.
@@ -541,9 +542,9 @@ def attn_softmax_probe(module: Any, scores: jax.Array, mask: jax.Array | None = 
             rows = m.reshape((m.shape[0],) + mid + (tq,))
     masked = jnp.where(keys_ok, scores, -1e30)
     probs = jax.nn.softmax(masked, axis=-1)
-    s = lax.stop_gradient(scores).astype(_F32)
-    hi = jnp.max(jnp.where(keys_ok, s, -1e30), axis=-1)
-    lo = jnp.min(jnp.where(keys_ok, s, 1e30), axis=-1)
+    s = lax.stop_gradient(scores)   # in the scores' own dtype: the softmax's row maximum, to the letter
+    hi = jnp.max(jnp.where(keys_ok, s, -1e30), axis=-1).astype(_F32)
+    lo = jnp.min(jnp.where(keys_ok, s, 1e30), axis=-1).astype(_F32)
     row = jnp.maximum(hi, -lo)   # max |s| of a row; -1e30 where the row has no valid key
     bad = ~jnp.isfinite(row)
     row = jnp.maximum(row, 0.0)
