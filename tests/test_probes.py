@@ -392,3 +392,23 @@ def test_attn_softmax_probe_of_bf16_scores():
     ref = _np_softmax(np.where(keys_ok, np.asarray(sb, np.float32), -1e30))
     np.testing.assert_allclose(np.asarray(probs, np.float32), ref, atol=1e-2)
     np.testing.assert_allclose(s.abs_max, np.abs(np.asarray(sb, np.float32)[valid]).max(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("probe", ["attn_logits_probe", "attn_softmax_probe"])
+def test_attention_probes_name_a_mask_that_does_not_fit(probe):
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, s, m):
+            return getattr(probes, probe)(self, s, m)
+
+    s = jnp.zeros((4, 2, 6, 6))
+    for mask, says in ((jnp.ones((4, 5), bool), r"token mask of shape \(4, 5\).*\(4, 6\)"),
+                       (jnp.ones((3, 6), bool), r"token mask of shape \(3, 6\)"),
+                       (jnp.ones((4, 6, 6), bool), r"token mask of shape \(4, 6, 6\)"),
+                       (jnp.ones((4, 2, 6, 5), bool), r"mask of shape \(4, 2, 6, 5\) does not broadcast")):
+        with pytest.raises(ValueError, match=f"{probe}: a {says}"):
+            M().apply({}, s, mask, mutable=["intermediates"])
+    with pytest.raises(ValueError, match=rf"{probe}: scores of shape \(6, 6\)"):
+        M().apply({}, jnp.zeros((6, 6)), None, mutable=["intermediates"])
+    M().apply({}, s, jnp.ones((1, 6), bool), mutable=["intermediates"])     # a mask for every row: fine
+    M().apply({}, s, jnp.ones((4, 1, 6, 6), bool), mutable=["intermediates"])

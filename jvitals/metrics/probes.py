@@ -458,6 +458,32 @@ def attention_valid_mask(mask: jax.Array | None, tq: int, tk: int, ndim: int,
     return valid
 
 
+def _check_attention(where: str, scores: jax.Array, mask: jax.Array | None) -> None:
+    """A clear error for scores that are not ``[B, ..., Tq, Tk]`` or a mask that does not fit
+    them (a ``[B, T]`` token mask with ``T == Tq == Tk``, or a boolean mask of the scores'
+    rank that broadcasts to them)."""
+    shape = tuple(jnp.shape(scores))
+    if len(shape) < 3:
+        raise ValueError(f"{where}: scores of shape {shape}: pass [B, ..., Tq, Tk] pre-softmax scores "
+                         "(batch first, heads in the middle, queries and keys last)")
+    if mask is None:
+        return
+    ms = tuple(jnp.shape(mask))
+    if len(ms) == len(shape):
+        try:
+            np.broadcast_shapes(ms, shape)
+            return
+        except ValueError:
+            pass
+        raise ValueError(f"{where}: a mask of shape {ms} does not broadcast against scores of shape {shape}: "
+                         f"pass a [B, T] token mask (here {(shape[0], shape[-1])}) or a boolean mask of the "
+                         "scores' shape")
+    if len(ms) != 2 or ms[0] not in (1, shape[0]) or not ms[1] == shape[-2] == shape[-1]:
+        raise ValueError(f"{where}: a token mask of shape {ms} for scores of shape {shape}: pass the [B, T] "
+                         f"token mask of the batch (here {(shape[0], shape[-1])}, with Tq == Tk == T), or a "
+                         "boolean mask of the scores' rank")
+
+
 def attn_logits_probe(module: Any, scores: jax.Array, mask: jax.Array | None = None,
                       name: str = "attn_logits", *, causal: bool = True) -> bool:
     """Sow the maximum |pre-softmax attention score| over valid entries (a ``Summary``).
@@ -485,7 +511,12 @@ def attn_logits_probe(module: Any, scores: jax.Array, mask: jax.Array | None = N
 
     Returns:
       Whatever ``Module.sow`` returns.
+
+    Raises:
+      ValueError: scores of fewer than 3 axes, or a mask that fits them neither as a ``[B, T]``
+        token mask nor as a mask of their rank.
     """
+    _check_attention("attn_logits_probe", scores, mask)
     scores = lax.stop_gradient(scores)
     if mask is not None and jnp.ndim(mask) == scores.ndim:
         valid = jnp.asarray(mask, bool)
@@ -525,7 +556,11 @@ def attn_softmax_probe(module: Any, scores: jax.Array, mask: jax.Array | None = 
 
     Returns:
       ``[B, ..., Tq, Tk]`` probabilities, the scores' dtype.
+
+    Raises:
+      ValueError: as :func:`attn_logits_probe`.
     """
+    _check_attention("attn_softmax_probe", scores, mask)
     nd = scores.ndim
     tq, tk = scores.shape[-2:]
     mid = (1,) * (nd - 3)
