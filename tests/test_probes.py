@@ -412,3 +412,18 @@ def test_attention_probes_name_a_mask_that_does_not_fit(probe):
         M().apply({}, jnp.zeros((6, 6)), None, mutable=["intermediates"])
     M().apply({}, s, jnp.ones((1, 6), bool), mutable=["intermediates"])     # a mask for every row: fine
     M().apply({}, s, jnp.ones((4, 1, 6, 6), bool), mutable=["intermediates"])
+
+
+def test_attn_softmax_probe_of_float16_scores_with_a_query_of_no_valid_key():
+    """float16 scores (where -1e30 is -inf): a row with no valid key attends uniformly and is
+    not a non-finite score; the maximum is NumPy's over the valid entries."""
+    _, _, scores, _ = _data(11)
+    s16 = scores.astype(jnp.float16)
+    valid = np.ones(scores.shape, bool)
+    valid[0, 1, 2, :] = False                       # no valid key in this row
+    valid[1, :, :, 3] = False
+    probs, sown = _SoftmaxProbed().apply({}, s16, jnp.asarray(valid), mutable=["intermediates"])
+    (s,) = sown["intermediates"]["attn_logits"]
+    np.testing.assert_allclose(np.asarray(probs[0, 1, 2], np.float32), np.full(6, 1 / 6), rtol=1e-3)
+    assert np.isfinite(np.asarray(probs, np.float32)).all() and float(s.nonfinite) == 0
+    np.testing.assert_allclose(s.abs_max, np.abs(np.asarray(s16, np.float32)[valid]).max(), rtol=1e-6)

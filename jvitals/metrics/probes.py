@@ -533,7 +533,8 @@ def attn_softmax_probe(module: Any, scores: jax.Array, mask: jax.Array | None = 
 
     ``probs = jax.nn.softmax(where(keys_ok, scores, -1e30), axis=-1)``, ``keys_ok`` the
     causal term and the key's token mask (a query whose keys are all masked attends
-    uniformly, as in any ``-1e30``-masked softmax). The summary is taken per row first:
+    uniformly, as in any ``-1e30``-masked softmax; float16 scores take ``-65504``, its
+    largest finite value). The summary is taken per row first:
     ``max |s| = max over rows of max(max_k where(keys_ok, s, -1e30), -min_k where(keys_ok,
     s, 1e30))``, the padded query rows dropped afterwards. The row maximum is the one the
     softmax takes, the same expression, so the compiler computes it once; the row minimum
@@ -575,12 +576,12 @@ def attn_softmax_probe(module: Any, scores: jax.Array, mask: jax.Array | None = 
             m = jnp.asarray(mask, bool)
             keys_ok = keys_ok & m.reshape((m.shape[0],) + mid + (1, tk))
             rows = m.reshape((m.shape[0],) + mid + (tq,))
-    masked = jnp.where(keys_ok, scores, -1e30)
-    probs = jax.nn.softmax(masked, axis=-1)
+    big = min(1e30, float(jnp.finfo(jnp.result_type(scores)).max))   # finite in float16 too
+    probs = jax.nn.softmax(jnp.where(keys_ok, scores, -big), axis=-1)
     s = lax.stop_gradient(scores)   # in the scores' own dtype: the softmax's row maximum, to the letter
-    hi = jnp.max(jnp.where(keys_ok, s, -1e30), axis=-1).astype(_F32)
-    lo = jnp.min(jnp.where(keys_ok, s, 1e30), axis=-1).astype(_F32)
-    row = jnp.maximum(hi, -lo)   # max |s| of a row; -1e30 where the row has no valid key
+    hi = jnp.max(jnp.where(keys_ok, s, -big), axis=-1).astype(_F32)
+    lo = jnp.min(jnp.where(keys_ok, s, big), axis=-1).astype(_F32)
+    row = jnp.maximum(hi, -lo)   # max |s| of a row; -big where the row has no valid key
     bad = ~jnp.isfinite(row)
     row = jnp.maximum(row, 0.0)
     if rows is not None:
