@@ -158,7 +158,7 @@ class Attention(nn.Module):
         else:
             if cfg.sow_attn_logits:
                 self.sow("intermediates", "attn_logits", scores)
-            keys_ok = probes.attention_valid_mask(None, t, t, 4) & mask[:, None, None, :]
+            keys_ok = probes.attention_valid_mask(mask, t, t, 4, queries=False)
             probs = jax.nn.softmax(jnp.where(keys_ok, scores, -1e30), axis=-1).astype(cfg.dtype)
         out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, h * dh)
         _sow(self, cfg, "attn_out_before_proj", out, mask)

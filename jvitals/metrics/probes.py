@@ -434,11 +434,12 @@ def logits_probe(module: Any, logits: jax.Array, mask: jax.Array | None = None,
 
 
 def attention_valid_mask(mask: jax.Array | None, tq: int, tk: int, ndim: int,
-                         causal: bool = True) -> jax.Array:
+                         causal: bool = True, *, queries: bool = True) -> jax.Array:
     """Boolean mask of valid ``(query, key)`` entries for ``[B, ..., Tq, Tk]`` scores.
 
     ``valid[b, ..., q, k] = (k <= q + (Tk - Tq)) & mask[b, q] & mask[b, k]`` (causal
-    term only when ``causal``; the offset aligns the last query with the last key).
+    term only when ``causal``; the offset aligns the last query with the last key; the
+    query term only when ``queries``: without it, the keys a softmax may attend to).
     Shape ``[B or 1, 1, ..., Tq, Tk]`` with ``ndim`` axes, ready to broadcast.
 
     Args:
@@ -446,6 +447,7 @@ def attention_valid_mask(mask: jax.Array | None, tq: int, tk: int, ndim: int,
       tq, tk: query and key lengths.
       ndim: rank of the scores.
       causal: apply the causal (lower-triangular) term.
+      queries: apply the mask's query term ``mask[b, q]``.
     """
     mid = (1,) * (ndim - 3)
     valid = jnp.ones((1,) + mid + (tq, tk), bool)
@@ -454,7 +456,9 @@ def attention_valid_mask(mask: jax.Array | None, tq: int, tk: int, ndim: int,
     if mask is not None:
         mask = jnp.asarray(mask, bool)
         b = mask.shape[0]
-        valid = valid & mask.reshape((b,) + mid + (tq, 1)) & mask.reshape((b,) + mid + (1, tk))
+        valid = valid & mask.reshape((b,) + mid + (1, tk))
+        if queries:
+            valid = valid & mask.reshape((b,) + mid + (tq, 1))
     return valid
 
 
@@ -472,12 +476,11 @@ def _check_attention(where: str, scores: jax.Array, mask: jax.Array | None) -> N
     if len(ms) == len(shape):
         try:
             np.broadcast_shapes(ms, shape)
-            return
         except ValueError:
-            pass
-        raise ValueError(f"{where}: a mask of shape {ms} does not broadcast against scores of shape {shape}: "
-                         f"pass a [B, T] token mask (here {(shape[0], shape[-1])}) or a boolean mask of the "
-                         "scores' shape")
+            raise ValueError(f"{where}: a mask of shape {ms} does not broadcast against scores of shape {shape}: "
+                             f"pass a [B, T] token mask (here {(shape[0], shape[-1])}) or a boolean mask of the "
+                             "scores' shape") from None
+        return
     if len(ms) != 2 or ms[0] not in (1, shape[0]) or not ms[1] == shape[-2] == shape[-1]:
         raise ValueError(f"{where}: a token mask of shape {ms} for scores of shape {shape}: pass the [B, T] "
                          f"token mask of the batch (here {(shape[0], shape[-1])}, with Tq == Tk == T), or a "
@@ -564,18 +567,15 @@ def attn_softmax_probe(module: Any, scores: jax.Array, mask: jax.Array | None = 
     _check_attention("attn_softmax_probe", scores, mask)
     nd = scores.ndim
     tq, tk = scores.shape[-2:]
-    mid = (1,) * (nd - 3)
-    rows = None
+    rows = None   # the [B, ..., Tq] query rows a token mask keeps
     if mask is not None and jnp.ndim(mask) == nd:
-        keys_ok = jnp.asarray(mask, bool)
-        valid = keys_ok
+        keys_ok = valid = jnp.asarray(mask, bool)
     else:
-        keys_ok = attention_valid_mask(None, tq, tk, nd, causal)
+        keys_ok = attention_valid_mask(mask, tq, tk, nd, causal, queries=False)
         valid = attention_valid_mask(mask, tq, tk, nd, causal)
         if mask is not None:
             m = jnp.asarray(mask, bool)
-            keys_ok = keys_ok & m.reshape((m.shape[0],) + mid + (1, tk))
-            rows = m.reshape((m.shape[0],) + mid + (tq,))
+            rows = m.reshape((m.shape[0],) + (1,) * (nd - 3) + (tq,))
     big = min(1e30, float(jnp.finfo(jnp.result_type(scores)).max))   # finite in float16 too
     probs = jax.nn.softmax(jnp.where(keys_ok, scores, -big), axis=-1)
     s = lax.stop_gradient(scores)   # in the scores' own dtype: the softmax's row maximum, to the letter
@@ -589,7 +589,7 @@ def attn_softmax_probe(module: Any, scores: jax.Array, mask: jax.Array | None = 
         bad = bad & rows
     count = _count_and_mask(valid, tuple(scores.shape), None, None)[0]
     nonfinite = jnp.sum(bad, dtype=_F32)
-    amax = jnp.max(jnp.where(bad, 0.0, row))
+    amax = jnp.max(row)   # NaN by nan_rule below wherever a row is bad
     nan = jnp.full((), jnp.nan, _F32)
     module.sow("intermediates", name, Summary(count=count, sum=nan, sumsq=nan,
                                               abs_max=nan_rule(amax, count, nonfinite), nonfinite=nonfinite))
