@@ -409,6 +409,109 @@ def measure(target: str, size: oh.Size, bt: tuple[int, int], families: Iterable[
     return rows
 
 
+# ----------------------------------------------------------------------------------
+# instrument(attn_logits=True) on the README's NNX model (nnx.MultiHeadAttention, which calls
+# jax.nn.dot_product_attention): not the reference model's own attention, so a step of its own.
+
+
+@dataclasses.dataclass(frozen=True)
+class NnxAttention:
+    """The README's NNX model scaled up, its attention logits sown by ``instrument``."""
+
+    d: int = 256
+    layers: int = 4
+    heads: int = 8
+    vocab: int = 4096
+    batch: int = 4
+    seq: int = 64
+    dtype: str = "float32"
+
+    def describe(self) -> str:
+        return (f"the README's NNX model, d {self.d}, {self.layers} layers, {self.heads} heads, vocabulary "
+                f"{self.vocab}, {self.dtype}, {self.batch} x {self.seq} tokens")
+
+
+def _nnx_lm(c: NnxAttention) -> Any:
+    from flax import nnx
+
+    dt = jnp.dtype(c.dtype)
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.input_layernorm = nnx.RMSNorm(c.d, rngs=rngs)
+            self.self_attn = nnx.MultiHeadAttention(c.heads, c.d, decode=False, dtype=dt, rngs=rngs)
+            self.post_attention_layernorm = nnx.RMSNorm(c.d, rngs=rngs)
+            self.up_proj = nnx.Linear(c.d, 4 * c.d, dtype=dt, rngs=rngs)
+            self.down_proj = nnx.Linear(4 * c.d, c.d, dtype=dt, rngs=rngs)
+
+        def __call__(self, x, mask):
+            x = x + self.self_attn(self.input_layernorm(x), mask=mask)
+            return x + self.down_proj(nnx.gelu(self.up_proj(self.post_attention_layernorm(x))))
+
+    class LM(nnx.Module):
+        def __init__(self, rngs):
+            self.embed_tokens = nnx.Embed(c.vocab, c.d, rngs=rngs)
+            self.layers = nnx.List([Block(rngs) for _ in range(c.layers)])
+            self.norm = nnx.RMSNorm(c.d, rngs=rngs)
+            self.lm_head = nnx.Linear(c.d, c.vocab, dtype=dt, rngs=rngs)
+
+        def __call__(self, tokens, valid):
+            mask = nnx.combine_masks(nnx.make_causal_mask(tokens), nnx.make_attention_mask(valid, valid))
+            x = self.embed_tokens(tokens)
+            for layer in self.layers:
+                x = layer(x, mask)
+            return self.lm_head(self.norm(x))
+
+    return nnx.eval_shape(lambda: LM(nnx.Rngs(0)))
+
+
+def nnx_attention(c: NnxAttention, sharding: NamedSharding) -> dict[str, float]:
+    """The README's NNX step (loss by ``vitals.cross_entropy``, AdamW) compiled for
+    ``sharding``'s devices with and without ``instrument(attn_logits=True)`` and the
+    ``attn_logits`` figures: ``{"extra_mb", "own_mb", "limit_mb", "memory_x"}``. The limit is one
+    read of the scores as ``jax.nn.dot_product_attention`` computes them (float32 logits,
+    ``[B, H, T, T]`` per layer, whatever the inputs' dtype)."""
+    import contextlib
+
+    from flax import nnx
+
+    model = _nnx_lm(c)
+    gdef, params = nnx.split(model, nnx.Param)
+    tx = optax.adamw(1e-3)
+
+    def make(sown_logits: bool) -> Callable:
+        def step(state, batch):
+            p, opt = state
+
+            def loss_fn(p):
+                logits, sown = nnx.capture(lambda m: m(batch["tokens"], batch["mask"]),
+                                           nnx.Intermediate)(nnx.merge(gdef, p))
+                loss, _ = vitals.cross_entropy(logits, batch["labels"], batch["mask"])
+                return loss, sown
+
+            ctx = vitals.instrument(attn_logits=True, probes=False) if sown_logits else contextlib.nullcontext()
+            with ctx:
+                (loss, sown), g = jax.value_and_grad(loss_fn, has_aux=True)(p)
+            upd, opt = tx.update(g, opt, p)
+            metrics = {"loss": loss}
+            if sown_logits:
+                metrics |= vitals.activation_metrics(sown, mask=batch["mask"], names=("attn_logits",))
+            return (optax.apply_updates(p, upd), opt), metrics
+        return step
+
+    state = (shapes(params, sharding), shapes(jax.eval_shape(tx.init, params), sharding))
+    tok = jax.ShapeDtypeStruct((c.batch, c.seq), jnp.int32, sharding=sharding)
+    batch = {"tokens": tok, "labels": tok, "mask": jax.ShapeDtypeStruct((c.batch, c.seq), bool, sharding=sharding)}
+    got = []
+    for sown_logits in (False, True):
+        compiled = jax.jit(make(sown_logits), donate_argnums=0).lower(state, batch).compile()
+        got.append((bytes_accessed(compiled), prefetch_bytes(compiled.as_text()), memory(compiled)[0]))
+    (b0, p0, m0), (b1, p1, m1) = got
+    limit = c.layers * c.batch * c.heads * c.seq * c.seq * 4
+    return {"extra_mb": (b1 - b0) / MB, "own_mb": ((b1 - p1) - (b0 - p0)) / MB, "limit_mb": limit / MB,
+            "memory_x": m1 / m0}
+
+
 def print_summary(rows: list[Row]) -> None:
     if not rows:
         print("\nNo rows: no config compiled for these topologies.")

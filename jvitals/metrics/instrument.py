@@ -34,6 +34,7 @@ from jvitals.metrics.probes import logits_rows
 from jvitals.metrics.roles import Roles, check_roles
 from jvitals.metrics.checks import check_names, check_number, not_nested
 from jvitals.metrics.stats import summarize_tokens
+from jvitals.metrics.xla_attention import attention_with_summary
 
 __all__ = ["ExpertChoices", "InstrumentReport", "instrument"]
 
@@ -523,10 +524,25 @@ def _attn_wrapper(state: _State, orig: Callable[..., Any]) -> Callable[..., Any]
     return dot_product_attention_weights
 
 
+_XLA_KEYWORDS = frozenset({"scale", "is_causal", "query_seq_lengths", "key_value_seq_lengths",
+                           "local_window_size", "implementation", "return_residual"})
+
+
 def _jax_attn_wrapper(state: _State, orig: Callable[..., Any]) -> Callable[..., Any]:
     """``jax.nn.dot_product_attention``'s scores: ``scale``, ``is_causal``, the sequence
-    lengths and ``local_window_size`` as it applies them (``[B, T, N, H]`` or ``[T, N, H]``)."""
+    lengths and ``local_window_size`` as it applies them (``[B, T, N, H]`` or ``[T, N, H]``).
+
+    Its XLA implementation (``implementation=None`` or ``"xla"``) is run as
+    :func:`~jvitals.metrics.xla_attention.attention_with_summary`, the same computation with
+    the summary from the softmax's own row reductions (no second read of the scores); any
+    other (cuDNN, the residual) runs as it is, the scores recomputed beside it."""
     def dot_product_attention(query, key, value, bias=None, mask=None, *args, **kw):
+        if (state.stack and state.want("attn_logits") and not args and not kw.get("return_residual")
+                and kw.get("implementation") in (None, "xla") and set(kw) <= _XLA_KEYWORDS):
+            out, summary = attention_with_summary(query, key, value, bias, mask,
+                                                  **{n: x for n, x in kw.items() if n != "implementation"})
+            _sow(state, state.stack[-1].module, state.stack[-1].path, "attn_logits", summary)
+            return out
         if state.stack and state.want("attn_logits") and not args:
             s, valid = _scores(query, key, bias, mask, kw.get("scale"))
             tq, tk = s.shape[-2], s.shape[-1]
@@ -603,10 +619,13 @@ def instrument(roles: Roles | None = None, *, probes: bool = True, attn_logits: 
         ``dot_product_attention_weights`` (Linen's, used by ``nn.MultiHeadDotProductAttention``
         and HF-Flax GPT-2, GPT-J, GPT-Neo, Llama, Mistral, Gemma, Bloom, OPT...; NNX's)
         and ``jax.nn.dot_product_attention`` (``nnx.MultiHeadAttention`` without dropout,
-        with its causal flag, sequence lengths and local window) while the context is open. It recomputes ``q.k`` beside the model's own
-        and reduces ``[B, H, T, T]`` once per layer. The function is swapped in
-        the modules' globals while the context is open (trace time only; do not
-        trace in several threads at once).
+        with its causal flag, sequence lengths and local window) while the context is open.
+        ``jax.nn.dot_product_attention``'s XLA implementation is run as
+        :func:`~jvitals.metrics.xla_attention.attention_with_summary` (the same computation,
+        the summary from its softmax's own row reductions); flax's weights function and cuDNN
+        attention run as they are, ``q.k`` recomputed beside them and reduced once per layer.
+        The functions are swapped in the modules' globals while the context is open (trace
+        time only; do not trace in several threads at once).
       top_k: experts per token, for ``expert_counts`` (default: the router's or
         its parents' ``num_experts_per_tok`` / ``top_k`` attribute or config).
       names: only these NAMEs (default: all).

@@ -1,0 +1,165 @@
+"""``jax.nn.dot_product_attention``'s XLA computation, with the attention-logit summary read
+from its softmax's own row reductions.
+
+:func:`~jvitals.metrics.instrument.instrument` (``attn_logits=True``) runs this in place of
+``jax.nn.dot_product_attention`` (``nnx.MultiHeadAttention`` without dropout) when the XLA
+implementation is the one asked for (``implementation=None`` or ``"xla"``). It is the same
+computation as jax's ``_dot_product_attention_xla``, written with public ``jnp`` and
+``jax.nn`` calls:
+
+- grouped queries ``q[B, T, K, G, H]`` (``N = K G`` query heads, ``K`` key/value heads);
+- ``logits = einsum(q, k)`` in float32 (``preferred_element_type``; bf16 and float16 inputs
+  take the ``BF16_BF16_F32`` / ``F16_F16_F32`` dot algorithm, as jax does), times ``scale``
+  (``1 / sqrt(H)`` by default), plus ``bias``;
+- ``padded = where(ok, logits, -0.7 * finfo.max)``, ``ok`` the mask, the causal term, the local
+  window and the sequence lengths;
+- ``probs = softmax(padded)`` cast to the keys' dtype, ``out = einsum(probs, v)``, zero past a
+  query's sequence length.
+
+The summary of the valid scores is taken per row (a head's query) from the softmax's row
+maximum, ``max_k padded``, the same expression, so the compiler computes it once, and the row
+minimum ``min_k where(ok, logits, 0.7 * finfo.max)`` beside it in the same kernel:
+``max |s|`` of a row ``= max(max_k, -min_k)``, then the largest over the heads of a query.
+Recomputing ``q.k`` beside the model's own attention and reducing it apart read the
+``[B, N, T, S]`` scores again: 3.3-8.6x of one read of them on the TPU v5e compiler, against
+at most 0.2x for this form (``tests/test_tpu_cost.py``; docs/COST.md). A bias that masks by
+``finfo.min`` (HF-Flax's convention) also leaves its masked entries out of the summary; that
+row maximum is then no longer the softmax's, and is read apart.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jvitals.metrics.stats import TokenSummary, nan_rule
+
+__all__ = ["attention_with_summary"]
+
+_F32 = jnp.float32
+
+
+def _dot_precision(dtype: Any) -> Any:
+    if dtype == jnp.bfloat16:
+        return lax.DotAlgorithmPreset.BF16_BF16_F32
+    if dtype == jnp.float16:
+        return lax.DotAlgorithmPreset.F16_F16_F32
+    return None
+
+
+def _einsum(spec: str, a: jax.Array, b: jax.Array, out: Any) -> jax.Array:
+    """``jnp.einsum`` with jax's dot algorithm for half inputs, the default where the platform
+    refuses it (as jax falls back)."""
+    try:
+        return jnp.einsum(spec, a, b, precision=_dot_precision(a.dtype), preferred_element_type=out)
+    except Exception:
+        return jnp.einsum(spec, a, b, preferred_element_type=out)
+
+
+def _ensure_4d(x: Any) -> Any:
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    return x.reshape((1,) * (4 - x.ndim) + x.shape) if x.ndim < 4 else x
+
+
+def _grouped(t: Any, k: int, g: int) -> Any:
+    """A ``[B, N or 1, T, S]`` bias or mask as ``[B, K, G, T, S]`` (jax's grouping)."""
+    if t is None:
+        return None
+    b, n, tq, ts = t.shape
+    if n == 1:
+        return jnp.broadcast_to(t[:, :, None], (b, 1, g, tq, ts))
+    return t.reshape(b, k, g, tq, ts)
+
+
+def _core(q: jax.Array, k: jax.Array, v: jax.Array, bias: Any, mask: Any, *, scale: float, is_causal: bool,
+          q_len: Any, kv_len: Any, window: tuple[int, int] | None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One group of query heads (``q[B, T, K, H]``): ``(out, row_max, row_min, count)``, the
+    rows ``[B, K, T]`` over the valid keys (``-big`` / ``big`` and 0 where a row has none)."""
+    logits_dtype = jnp.promote_types(q.dtype, _F32)
+    logits = _einsum("BTNH,BSNH->BNTS", q, k, logits_dtype)
+    logits = logits * jnp.array(scale, dtype=logits.dtype)
+    if bias is not None:
+        logits = (logits + bias).astype(logits.dtype)
+    tq, ts = logits.shape[2], logits.shape[3]
+    ok = jnp.ones((1, 1, tq, ts), bool)
+    if mask is not None:
+        ok = ok & mask.astype(bool)
+    qi = jnp.arange(tq).reshape(1, 1, tq, 1)
+    kj = jnp.arange(ts).reshape(1, 1, 1, ts)
+    if is_causal:
+        ok = ok & jnp.tril(jnp.ones((tq, ts), bool)).reshape(1, 1, tq, ts)
+    if window is not None:
+        ok = ok & (qi <= kj + window[0]) & (qi >= kj - window[1])
+    if q_len is not None:
+        ok = ok & (qi < jnp.asarray(q_len).reshape(-1, 1, 1, 1))
+    if kv_len is not None:
+        ok = ok & (kj < jnp.asarray(kv_len).reshape(-1, 1, 1, 1))
+    big = min(float(jnp.finfo(logits.dtype).max), float(jnp.finfo(_F32).max)) * 0.7
+    padded = jnp.where(ok, logits, jnp.asarray(-big, logits.dtype)).astype(_F32)
+    probs = jax.nn.softmax(padded, axis=-1).astype(k.dtype)
+    out = jnp.einsum("BNTS,BSNH->BTNH", probs, v)
+    if q_len is not None:
+        live = jnp.arange(tq)[None, :] < jnp.asarray(q_len)[:, None]
+        out = out * live[:, :, None, None].astype(out.dtype)
+
+    s = lax.stop_gradient(padded)
+    keys_ok = ok
+    if bias is not None:   # masking by bias (HF-Flax adds finfo.min where a key is masked)
+        keys_ok = ok & (lax.stop_gradient(bias) > jnp.finfo(jnp.result_type(bias)).min / 2)
+        s = jnp.where(keys_ok, s, -big)
+    hi = jnp.max(s, axis=-1)   # the softmax's own row maximum where no bias masks
+    lo = jnp.min(jnp.where(keys_ok, s, big), axis=-1)
+    count = jnp.sum(jnp.broadcast_to(keys_ok, logits.shape), axis=-1, dtype=_F32)
+    return out, hi, lo, count
+
+
+def attention_with_summary(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, *,
+                           scale: float | None = None, is_causal: bool = False,
+                           query_seq_lengths: Any = None, key_value_seq_lengths: Any = None,
+                           local_window_size: int | tuple[int, int] | None = None
+                           ) -> tuple[jax.Array, TokenSummary]:
+    """``jax.nn.dot_product_attention(...)`` (its XLA implementation) and the summary of its
+    valid pre-softmax scores per query position.
+
+    Args:
+      query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
+        key_value_seq_lengths, local_window_size: as ``jax.nn.dot_product_attention``
+        (``[B, T, N, H]`` or ``[T, N, H]``).
+
+    Returns:
+      ``(out, summary)``: the attention output, ``query``'s shape and dtype; a
+      :class:`~jvitals.metrics.stats.TokenSummary` of shape ``[B, T]`` (``[T]`` unbatched):
+      ``count`` the valid (head, key) scores of the query, ``abs_max`` their largest ``|s|``
+      (NaN where one is not finite or none is valid), ``nonfinite`` the heads whose valid
+      scores hold a non-finite value (rows, not scores), ``sum`` and ``sumsq`` NaN.
+    """
+    out_shape = jnp.shape(query)
+    q, k, v = _ensure_4d(query), _ensure_4d(key), _ensure_4d(value)
+    bias, mask = _ensure_4d(bias), _ensure_4d(mask)
+    bsz, tq, n, h = q.shape
+    kh = k.shape[2]
+    g = n // kh
+    window = ((local_window_size, local_window_size) if isinstance(local_window_size, int)
+              else None if local_window_size is None else tuple(local_window_size))
+    core = functools.partial(_core, scale=float(1.0 / np.sqrt(h)) if scale is None else scale,
+                             is_causal=is_causal, q_len=query_seq_lengths, kv_len=key_value_seq_lengths,
+                             window=window)
+    # jax's own grouping: the query heads of one key/value head mapped over, G of them.
+    out, hi, lo, count = jax.vmap(core, in_axes=(3, None, None, 2, 2), out_axes=(3, 2, 2, 2))(
+        q.reshape(bsz, tq, kh, g, h), k, v, _grouped(bias, kh, g), _grouped(mask, kh, g))
+    out = out.reshape(out_shape)
+    row = jnp.maximum(hi, -lo)   # max |s| of a head's query; -big where it has no valid key
+    bad = jnp.sum(~jnp.isfinite(row), axis=(1, 2), dtype=_F32)
+    amax = jnp.max(jnp.maximum(row, 0.0), axis=(1, 2))
+    count = jnp.sum(count, axis=(1, 2))
+    token = out_shape[:-2]
+    nan = jnp.full(token, jnp.nan, _F32)
+    count, amax, bad = (x.reshape(token) for x in (count, amax, bad))
+    return out, TokenSummary(count=count, sum=nan, sumsq=nan, abs_max=nan_rule(amax, count, bad), nonfinite=bad)
