@@ -410,13 +410,16 @@ def measure(target: str, size: oh.Size, bt: tuple[int, int], families: Iterable[
 
 
 # ----------------------------------------------------------------------------------
-# instrument(attn_logits=True) on the README's NNX model (nnx.MultiHeadAttention, which calls
-# jax.nn.dot_product_attention): not the reference model's own attention, so a step of its own.
+# instrument(attn_logits=True) on flax's own attention: the README's NNX model
+# (nnx.MultiHeadAttention, which calls jax.nn.dot_product_attention) and its Linen twin
+# (nn.MultiHeadDotProductAttention: flax's dot_product_attention_weights). Not the reference
+# model's attention, so steps of their own.
 
 
 @dataclasses.dataclass(frozen=True)
 class NnxAttention:
-    """The README's NNX model scaled up, its attention logits sown by ``instrument``."""
+    """The README's NNX model scaled up (``linen=True``: the same blocks in Linen), its
+    attention logits sown by ``instrument``."""
 
     d: int = 256
     layers: int = 4
@@ -425,9 +428,10 @@ class NnxAttention:
     batch: int = 4
     seq: int = 64
     dtype: str = "float32"
+    linen: bool = False
 
     def describe(self) -> str:
-        return (f"the README's NNX model, d {self.d}, {self.layers} layers, {self.heads} heads, vocabulary "
+        return (f"the README's {'Linen twin of its ' if self.linen else ''}NNX model, d {self.d}, {self.layers} layers, {self.heads} heads, vocabulary "
                 f"{self.vocab}, {self.dtype}, {self.batch} x {self.seq} tokens")
 
 
@@ -465,27 +469,63 @@ def _nnx_lm(c: NnxAttention) -> Any:
     return nnx.eval_shape(lambda: LM(nnx.Rngs(0)))
 
 
+def _linen_lm(c: NnxAttention) -> Any:
+    import flax.linen as nn
+
+    dt = jnp.dtype(c.dtype)
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, mask):
+            h = nn.RMSNorm(name="input_layernorm")(x)
+            x = x + nn.MultiHeadDotProductAttention(c.heads, dtype=dt, name="self_attn")(h, mask=mask)
+            h = nn.gelu(nn.Dense(4 * c.d, dtype=dt, name="up_proj")(nn.RMSNorm(name="post_attention_layernorm")(x)))
+            return x + nn.Dense(c.d, dtype=dt, name="down_proj")(h)
+
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, tokens, valid):
+            mask = nn.combine_masks(nn.make_causal_mask(tokens), nn.make_attention_mask(valid, valid))
+            x = nn.Embed(c.vocab, c.d, name="embed_tokens")(tokens)
+            for i in range(c.layers):
+                x = Block(name=f"layers_{i}")(x, mask)
+            return nn.Dense(c.vocab, dtype=dt, name="lm_head")(nn.RMSNorm(name="norm")(x))
+
+    return LM()
+
+
 def nnx_attention(c: NnxAttention, sharding: NamedSharding) -> dict[str, float]:
     """The README's NNX step (loss by ``vitals.cross_entropy``, AdamW) compiled for
     ``sharding``'s devices with and without ``instrument(attn_logits=True)`` and the
     ``attn_logits`` figures: ``{"extra_mb", "own_mb", "limit_mb", "memory_x"}``. The limit is one
     read of the scores as ``jax.nn.dot_product_attention`` computes them (float32 logits,
-    ``[B, H, T, T]`` per layer, whatever the inputs' dtype)."""
+    ``[B, H, T, T]`` per layer, whatever the inputs' dtype); in Linen as flax's
+    ``dot_product_attention_weights`` does (the model's dtype)."""
     import contextlib
 
     from flax import nnx
 
-    model = _nnx_lm(c)
-    gdef, params = nnx.split(model, nnx.Param)
     tx = optax.adamw(1e-3)
+    if c.linen:
+        lm = _linen_lm(c)
+        tok0 = jnp.zeros((c.batch, c.seq), jnp.int32)
+        params = jax.eval_shape(lambda: lm.init(jax.random.key(0), tok0, tok0 >= 0)["params"])
+
+        def apply(p, batch):
+            logits, st = lm.apply({"params": p}, batch["tokens"], batch["mask"], mutable=["intermediates"])
+            return logits, st.get("intermediates", {})
+    else:
+        gdef, params = nnx.split(_nnx_lm(c), nnx.Param)
+
+        def apply(p, batch):
+            return nnx.capture(lambda m: m(batch["tokens"], batch["mask"]), nnx.Intermediate)(nnx.merge(gdef, p))
 
     def make(sown_logits: bool) -> Callable:
         def step(state, batch):
             p, opt = state
 
             def loss_fn(p):
-                logits, sown = nnx.capture(lambda m: m(batch["tokens"], batch["mask"]),
-                                           nnx.Intermediate)(nnx.merge(gdef, p))
+                logits, sown = apply(p, batch)
                 loss, _ = vitals.cross_entropy(logits, batch["labels"], batch["mask"])
                 return loss, sown
 
@@ -507,7 +547,7 @@ def nnx_attention(c: NnxAttention, sharding: NamedSharding) -> dict[str, float]:
         compiled = jax.jit(make(sown_logits), donate_argnums=0).lower(state, batch).compile()
         got.append((bytes_accessed(compiled), prefetch_bytes(compiled.as_text()), memory(compiled)[0]))
     (b0, p0, m0), (b1, p1, m1) = got
-    limit = c.layers * c.batch * c.heads * c.seq * c.seq * 4
+    limit = c.layers * c.batch * c.heads * c.seq * c.seq * (jnp.dtype(c.dtype).itemsize if c.linen else 4)
     return {"extra_mb": (b1 - b0) / MB, "own_mb": ((b1 - p1) - (b0 - p0)) / MB, "limit_mb": limit / MB,
             "memory_x": m1 / m0}
 

@@ -139,13 +139,16 @@ def test_the_attention_probe_rides_in_the_score_kernel_of_an_unrolled_model(benc
     assert r.own_mb <= 0.2 * r.limit_mb and r.memory_x <= 1.05, (r.own_mb, r.limit_mb, r.memory_x)
 
 
-def test_instrument_reads_the_nnx_attention_logits_in_the_softmax_kernel(bench):
-    """``instrument(attn_logits=True)`` on the README's NNX model (``nnx.MultiHeadAttention``,
-    which calls ``jax.nn.dot_product_attention``): the attention is run as
-    ``attention_with_summary``, the summary from its softmax's own row maximum and the row
-    minimum beside it. Recomputing ``q.k`` beside the model's attention read 6.3x of one read of
-    the float32 scores on this step; 0.19x now (docs/COST.md)."""
-    got = bench.nnx_attention(bench.NnxAttention(), bench.tpu_sharding(TOPOLOGY))
+@pytest.mark.parametrize("model", [dict(), dict(linen=True), dict(linen=True, dtype="bfloat16")],
+                         ids=["nnx", "linen", "linen_bf16"])
+def test_instrument_reads_flax_attention_logits_beside_the_softmax(bench, model):
+    """``instrument(attn_logits=True)`` on the README's NNX model (``nnx.MultiHeadAttention``:
+    ``jax.nn.dot_product_attention``, run as ``attention_with_summary``) and its Linen twin
+    (flax's ``dot_product_attention_weights``, the summary from the input it hands the softmax):
+    the summary from the softmax's own row maximum and the row minimum beside it. Recomputing
+    ``q.k`` beside the model's attention read 6.3x (NNX), 2.55x and 8.6x (Linen, float32 and
+    bfloat16) of one read of the scores on these steps; 0.19-0.29x now (docs/COST.md)."""
+    got = bench.nnx_attention(bench.NnxAttention(**model), bench.tpu_sharding(TOPOLOGY))
     assert got["own_mb"] <= 0.5 * got["limit_mb"] and got["memory_x"] <= 1.05, got
 
 

@@ -136,3 +136,60 @@ def test_non_finite_scores_are_counted_by_head_and_poison_the_token():
     np.testing.assert_array_equal(np.asarray(summary.nonfinite), bad)
     am = np.asarray(summary.abs_max)
     assert np.isnan(am[bad > 0]).all() and np.isfinite(am[bad == 0]).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_flax_weights_summary_from_the_softmax_input_matches_numpy(dtype):
+    """Under instrument(attn_logits=True), flax's dot_product_attention_weights (Linen's) hands
+    jax.nn.softmax its masked scores; the summary taken from them is NumPy's max |q.k / sqrt(H) +
+    bias| over the valid pairs, keys masked by the mask or by a finfo.min bias left out, and the
+    weights are flax's own."""
+    import flax.linen as nn
+
+    import jvitals as vitals
+
+    rng = np.random.default_rng(3)
+    q, kk = (jnp.asarray(rng.normal(size=(B, T, 4, H)) * 2, dtype) for _ in range(2))
+    mask = np.tril(np.ones((T, T), bool))[None, None] & (np.arange(T) < np.array([[8], [6]]))[:, None, None, :]
+    bias = np.where(np.arange(T) == 2, np.finfo(np.float32).min, 0.0).astype(np.float32)
+    bias = jnp.asarray(np.broadcast_to(bias, (B, 1, T, T)), dtype)
+
+    class Attn(nn.Module):
+        @nn.compact
+        def __call__(self, q, k):
+            return nn.dot_product_attention_weights(q, k, bias=bias, mask=jnp.asarray(mask))
+
+    want = Attn().apply({}, q, kk)
+    with vitals.instrument(attn_logits=True):
+        got, state = Attn().apply({}, q, kk, mutable=["intermediates"])
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-6)
+    (summary,) = state["intermediates"]["attn_logits"]
+    qs = np.asarray(q / jnp.sqrt(H).astype(dtype), np.float64)
+    s = np.einsum("bqhd,bkhd->bhqk", qs, np.asarray(kk, np.float64))
+    ok = np.broadcast_to(mask & (np.arange(T) != 2), s.shape)
+    np.testing.assert_array_equal(np.asarray(summary.count), ok.sum(axis=(1, 3)))
+    want_max = np.where(ok, np.abs(s), -1.0).max(axis=(1, 3))
+    rtol = 1e-5 if dtype == np.float32 else 2e-2      # bf16: the model's own bf16 scores
+    np.testing.assert_allclose(np.asarray(summary.abs_max), want_max, rtol=rtol)
+    np.testing.assert_array_equal(np.asarray(summary.nonfinite), 0)
+
+
+def test_softmax_input_summary_rows_without_a_key_and_non_finite_rows():
+    from jvitals.metrics.xla_attention import softmax_input_summary
+
+    x = np.random.default_rng(4).normal(size=(2, 3, 4, 5)).astype(np.float32) * 3
+    ok = np.ones((2, 1, 4, 5), bool)
+    ok[0, 0, 1] = False                              # query 1 of batch 0: no key
+    x = np.where(ok, x, np.finfo(np.float32).min)
+    x[1, 2, 3, 0] = np.nan                           # one head of query 3, batch 1
+    x[1, 0, 3, 4] = -np.inf                          # another head of it
+    got = softmax_input_summary(jnp.asarray(x), jnp.asarray(ok))
+    okb = np.broadcast_to(ok, x.shape)
+    np.testing.assert_array_equal(np.asarray(got.count), okb.sum(axis=(1, 3)))
+    np.testing.assert_array_equal(np.asarray(got.nonfinite), [[0, 0, 0, 0], [0, 0, 0, 2]])
+    am = np.asarray(got.abs_max)
+    want = np.where(okb, np.abs(x), -1.0).max(axis=(1, 3))
+    assert np.isnan(am[0, 1]) and np.isnan(am[1, 3])  # no valid pair; a non-finite one
+    keep = np.ones((2, 4), bool)
+    keep[0, 1] = keep[1, 3] = False
+    np.testing.assert_allclose(am[keep], want[keep], rtol=1e-6)

@@ -34,7 +34,7 @@ from jvitals.metrics.probes import logits_rows
 from jvitals.metrics.roles import Roles, check_roles
 from jvitals.metrics.checks import check_names, check_number, not_nested
 from jvitals.metrics.stats import summarize_tokens
-from jvitals.metrics.xla_attention import attention_with_summary
+from jvitals.metrics.xla_attention import attention_with_summary, softmax_input_summary
 
 __all__ = ["ExpertChoices", "InstrumentReport", "instrument"]
 
@@ -514,11 +514,47 @@ def _sow_scores(state: _State, s: Any, valid: Any) -> None:
     _sow(state, frame.module, frame.path, "attn_logits", summary)
 
 
+@contextlib.contextmanager
+def _softmax_inputs() -> Iterator[list[Any]]:
+    """``jax.nn.softmax`` recording its inputs (over the last axis, no ``where``) while open."""
+    real = jax.nn.softmax
+    seen: list[Any] = []
+
+    def softmax(x, axis=-1, where=None, *args, **kw):
+        if where is None and not args and not kw and axis in (-1, jnp.ndim(x) - 1):
+            seen.append(x)
+        return real(x, axis, where, *args, **kw)
+
+    jax.nn.softmax = softmax
+    try:
+        yield seen
+    finally:
+        jax.nn.softmax = real
+
+
 def _attn_wrapper(state: _State, orig: Callable[..., Any]) -> Callable[..., Any]:
+    """flax's ``dot_product_attention_weights`` (Linen's, NNX's), run as it is: the summary is
+    taken from the input it hands ``jax.nn.softmax`` (its masked scores), beside the softmax's
+    own row maximum (:func:`~jvitals.metrics.xla_attention.softmax_input_summary`); where that
+    input is not seen as expected, from ``q.k`` recomputed."""
     def dot_product_attention_weights(query, key, bias=None, mask=None, *args, **kwargs):
-        if state.stack and state.want("attn_logits"):
+        if not (state.stack and state.want("attn_logits")):
+            return orig(query, key, bias, mask, *args, **kwargs)
+        with _softmax_inputs() as seen:
+            out = orig(query, key, bias, mask, *args, **kwargs)
+        shape = tuple(jnp.shape(out))
+        if len(seen) == 1 and tuple(jnp.shape(seen[0])) == shape and len(shape) >= 3:
+            ok = jnp.ones((), bool)
+            if bias is not None:   # masking by bias (HF-Flax adds finfo.min where a key is masked)
+                b = jnp.asarray(bias)
+                ok = ok & (lax.stop_gradient(b) > jnp.finfo(b.dtype).min / 2)
+            if mask is not None:
+                ok = ok & jnp.asarray(mask, bool)
+            frame = state.stack[-1]
+            _sow(state, frame.module, frame.path, "attn_logits", softmax_input_summary(seen[0], ok))
+        else:
             _sow_scores(state, *_scores(query, key, bias, mask))
-        return orig(query, key, bias, mask, *args, **kwargs)
+        return out
 
     dot_product_attention_weights.__wrapped__ = orig  # type: ignore[attr-defined]
     return dot_product_attention_weights
@@ -622,8 +658,10 @@ def instrument(roles: Roles | None = None, *, probes: bool = True, attn_logits: 
         with its causal flag, sequence lengths and local window) while the context is open.
         ``jax.nn.dot_product_attention``'s XLA implementation is run as
         :func:`~jvitals.metrics.xla_attention.attention_with_summary` (the same computation,
-        the summary from its softmax's own row reductions); flax's weights function and cuDNN
-        attention run as they are, ``q.k`` recomputed beside them and reduced once per layer.
+        the summary from its softmax's own row reductions); flax's weights function runs as it
+        is, the summary from the masked scores it hands ``jax.nn.softmax``
+        (:func:`~jvitals.metrics.xla_attention.softmax_input_summary`); cuDNN attention runs
+        as it is, ``q.k`` recomputed beside it and reduced once per layer.
         The functions are swapped in the modules' globals while the context is open (trace
         time only; do not trace in several threads at once).
       top_k: experts per token, for ``expert_counts`` (default: the router's or

@@ -1,5 +1,7 @@
-"""``jax.nn.dot_product_attention``'s XLA computation, with the attention-logit summary read
-from its softmax's own row reductions.
+"""Flax's and jax's attention with the attention-logit summary read from the softmax's own row
+reductions: ``jax.nn.dot_product_attention``'s XLA computation run here
+(:func:`attention_with_summary`), and the summary of the masked scores flax's
+``dot_product_attention_weights`` hands ``jax.nn.softmax`` (:func:`softmax_input_summary`).
 
 :func:`~jvitals.metrics.instrument.instrument` (``attn_logits=True``) runs this in place of
 ``jax.nn.dot_product_attention`` (``nnx.MultiHeadAttention`` without dropout) when the XLA
@@ -20,11 +22,10 @@ The summary of the valid scores is taken per row (a head's query) from the softm
 maximum, ``max_k padded``, the same expression, so the compiler computes it once, and the row
 minimum ``min_k where(ok, logits, 0.7 * finfo.max)`` beside it in the same kernel:
 ``max |s|`` of a row ``= max(max_k, -min_k)``, then the largest over the heads of a query.
-Recomputing ``q.k`` beside the model's own attention and reducing it apart read the
-``[B, N, T, S]`` scores again: 3.3-8.6x of one read of them on the TPU v5e compiler, against
-at most 0.2x for this form (``tests/test_tpu_cost.py``; docs/COST.md). A bias that masks by
-``finfo.min`` (HF-Flax's convention) also leaves its masked entries out of the summary; that
-row maximum is then no longer the softmax's, and is read apart.
+The minimum is taken over the mask, not over a compare of the scores, which the TPU compiler
+reads apart. A bias that masks by ``finfo.min`` (HF-Flax's convention) also leaves its masked
+entries out of the summary; that row maximum is then no longer the softmax's, and is read
+apart. What each form reads on the TPU compiler: docs/COST.md (``tests/test_tpu_cost.py``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from jax import lax
 
 from jvitals.metrics.stats import TokenSummary, nan_rule
 
-__all__ = ["attention_with_summary"]
+__all__ = ["attention_with_summary", "softmax_input_summary"]
 
 _F32 = jnp.float32
 
@@ -81,7 +82,8 @@ def _grouped(t: Any, k: int, g: int) -> Any:
 def _core(q: jax.Array, k: jax.Array, v: jax.Array, bias: Any, mask: Any, *, scale: float, is_causal: bool,
           q_len: Any, kv_len: Any, window: tuple[int, int] | None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """One group of query heads (``q[B, T, K, H]``): ``(out, row_max, row_min, count)``, the
-    rows ``[B, K, T]`` over the valid keys (``-big`` / ``big`` and 0 where a row has none)."""
+    rows ``[B, K, T]`` over the valid keys (``-big`` / ``big`` where a row has none), ``count``
+    the valid (head, key) pairs of each query ``[B, T]``."""
     logits_dtype = jnp.promote_types(q.dtype, _F32)
     logits = _einsum("BTNH,BSNH->BNTS", q, k, logits_dtype)
     logits = logits * jnp.array(scale, dtype=logits.dtype)
@@ -116,8 +118,16 @@ def _core(q: jax.Array, k: jax.Array, v: jax.Array, bias: Any, mask: Any, *, sca
         s = jnp.where(keys_ok, s, -big)
     hi = jnp.max(s, axis=-1)   # the softmax's own row maximum where no bias masks
     lo = jnp.min(jnp.where(keys_ok, s, big), axis=-1)
-    count = jnp.sum(jnp.broadcast_to(keys_ok, logits.shape), axis=-1, dtype=_F32)
-    return out, hi, lo, count
+    return out, hi, lo, _pair_count(keys_ok, logits.shape)
+
+
+def _pair_count(ok: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``sum over heads and keys of broadcast(ok, shape)``, ``shape = [..., H, Tq, Tk]``,
+    without broadcasting a mask that is the same for every head over the heads."""
+    heads = shape[-3]
+    per = ok.shape[-3] if ok.ndim >= 3 else 1
+    c = jnp.sum(jnp.broadcast_to(ok, shape[:-3] + (per,) + shape[-2:]), axis=(-3, -1), dtype=_F32)
+    return c * float(heads // per)
 
 
 def attention_with_summary(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, *,
@@ -158,8 +168,48 @@ def attention_with_summary(query: Any, key: Any, value: Any, bias: Any = None, m
     row = jnp.maximum(hi, -lo)   # max |s| of a head's query; -big where it has no valid key
     bad = jnp.sum(~jnp.isfinite(row), axis=(1, 2), dtype=_F32)
     amax = jnp.max(jnp.maximum(row, 0.0), axis=(1, 2))
-    count = jnp.sum(count, axis=(1, 2))
+    count = jnp.sum(count, axis=2)
     token = out_shape[:-2]
     nan = jnp.full(token, jnp.nan, _F32)
     count, amax, bad = (x.reshape(token) for x in (count, amax, bad))
     return out, TokenSummary(count=count, sum=nan, sumsq=nan, abs_max=nan_rule(amax, count, bad), nonfinite=bad)
+
+
+def softmax_input_summary(x: jax.Array, keys_ok: Any = None) -> TokenSummary:
+    """The summary of the valid scores of a masked softmax's input, from its row maximum.
+
+    ``x[..., H, Tq, Tk]`` is what flax's ``dot_product_attention_weights`` hands
+    ``jax.nn.softmax``: the scores (plus bias), ``finfo.min`` where the mask or a masking bias
+    (HF-Flax's) drops a key. Per row, ``max_k x`` is the softmax's own row maximum (the same
+    expression, computed once) and ``min_k where(x > finfo.min / 2, x, finfo.max)`` rides
+    beside it; ``max |s|`` of a row ``= max(max_k, -min_k)``, a row whose maximum is
+    ``<= finfo.min / 2`` has no valid key.
+
+    Args:
+      x: the softmax's input, ``[..., H, Tq, Tk]``.
+      keys_ok: boolean broadcastable to ``x``, the valid (query, key) pairs, for ``count``
+        (None: every pair).
+
+    Returns:
+      A :class:`~jvitals.metrics.stats.TokenSummary` of shape ``x.shape[:-3] + (Tq,)``:
+      ``count`` the valid (head, key) pairs of a query, ``abs_max`` their largest ``|s|``,
+      ``nonfinite`` the heads whose row holds a non-finite value, ``sum`` and ``sumsq`` NaN.
+    """
+    s = lax.stop_gradient(x)
+    fin = jnp.finfo(s.dtype)
+    thr = float(fin.min) / 2
+    ok = jnp.ones((), bool) if keys_ok is None else jnp.asarray(keys_ok, bool)
+    hi = jnp.max(s, axis=-1).astype(_F32)   # the softmax's own row maximum
+    # The row minimum over the mask, not over a compare of ``s`` (which the TPU compiler
+    # reads apart: docs/COST.md).
+    lo = jnp.min(jnp.where(ok, s, jnp.asarray(fin.max, s.dtype)), axis=-1).astype(_F32)
+    row = jnp.maximum(hi, -lo)
+    bad = ~jnp.isfinite(row)
+    row = jnp.where(hi > thr, row, 0.0)
+    token = s.shape[:-3] + s.shape[-2:-1]
+    count = _pair_count(ok, s.shape)
+    nonfinite = jnp.sum(bad, axis=-2, dtype=_F32)
+    amax = jnp.max(row, axis=-2)
+    nan = jnp.full(token, jnp.nan, _F32)
+    return TokenSummary(count=count, sum=nan, sumsq=nan, abs_max=nan_rule(amax, count, nonfinite),
+                        nonfinite=nonfinite)
