@@ -373,7 +373,7 @@ def test_a_kill_during_a_rollback_never_resumes_a_sick_checkpoint(tmp_path):
     whole, _, began = run(None)
     assert whole == {**target, "resumed": 40, "position": 41, "lr_scale": pytest.approx(0.9)}
     before_save = 0
-    for frac in (0.3, 0.6):
+    for frac in (0.1, 0.3, 0.6):   # one early kill at least: a loaded machine moves the save's start
         got, left, _ = run(frac * began)
         before_save += not left
         assert got == target if not left else got in (target, whole), (frac, began, left, got)
