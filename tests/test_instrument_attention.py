@@ -119,3 +119,28 @@ def test_the_patch_is_undone_on_exit():
     with vitals.instrument(attn_logits=True):
         assert jax.nn.dot_product_attention is not before[0]
     assert (jax.nn.dot_product_attention, nxa.dot_product_attention_weights) == before
+
+
+@pytest.mark.parametrize("mistake, match", [
+    (dict(heads=3), "multiple of key/value heads"),
+    (dict(mask=jnp.ones((2, 1, 8, 8), jnp.float32)), "mask dtype should be bool"),
+    (dict(value_dtype=jnp.bfloat16), "value dtype should be"),
+])
+def test_a_mistaken_call_to_jax_attention_reads_as_jax_words_it(mistake, match):
+    """Under instrument(attn_logits=True) jvitals runs jax.nn.dot_product_attention's XLA
+    computation itself; a call jax refuses is refused with jax's own message, not a reshape
+    error from inside jvitals."""
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(2, 8, mistake.get("heads", 4), 8)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(2, 8, 2, 8)), jnp.float32)
+    v = k.astype(mistake.get("value_dtype", jnp.float32))
+    with pytest.raises(ValueError, match=match):
+        jax.nn.dot_product_attention(q, k, v, mask=mistake.get("mask"))
+
+    class M(nnx.Module):
+        def __call__(self, q, k, v):
+            return jax.nn.dot_product_attention(q, k, v, mask=mistake.get("mask"))
+
+    with vitals.instrument(attn_logits=True):
+        with pytest.raises(ValueError, match=match):
+            nnx.capture(lambda m: m(q, k, v), nnx.Intermediate)(M())

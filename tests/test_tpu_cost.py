@@ -145,9 +145,9 @@ def test_instrument_reads_flax_attention_logits_beside_the_softmax(bench, model)
     """``instrument(attn_logits=True)`` on the README's NNX model (``nnx.MultiHeadAttention``:
     ``jax.nn.dot_product_attention``, run as ``attention_with_summary``) and its Linen twin
     (flax's ``dot_product_attention_weights``, the summary from the input it hands the softmax):
-    the summary from the softmax's own row maximum and the row minimum beside it. Recomputing
-    ``q.k`` beside the model's attention read 6.3x (NNX), 2.55x and 8.6x (Linen, float32 and
-    bfloat16) of one read of the scores on these steps; 0.19-0.29x now (docs/COST.md)."""
+    the summary from the softmax's own row maximum and the row minimum beside it: 0.19-0.29x of
+    one read of the scores on these steps, where recomputing ``q.k`` beside the model's attention
+    reads 2.5-8.6x (docs/COST.md)."""
     got = bench.nnx_attention(bench.NnxAttention(**model), bench.tpu_sharding(TOPOLOGY))
     assert got["own_mb"] <= 0.5 * got["limit_mb"] and got["memory_x"] <= 1.05, got
 

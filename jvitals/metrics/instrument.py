@@ -34,7 +34,7 @@ from jvitals.metrics.probes import logits_rows
 from jvitals.metrics.roles import Roles, check_roles
 from jvitals.metrics.checks import check_names, check_number, not_nested
 from jvitals.metrics.stats import summarize_tokens
-from jvitals.metrics.xla_attention import attention_with_summary, softmax_input_summary
+from jvitals.metrics.xla_attention import attention_with_summary, bias_keeps, softmax_input_summary
 
 __all__ = ["ExpertChoices", "InstrumentReport", "instrument"]
 
@@ -496,8 +496,7 @@ def _scores(query: Any, key: Any, bias: Any, mask: Any, scale: float | None = No
     if bias is not None:
         b = lax.stop_gradient(jnp.asarray(bias)).astype(_F32)
         s = s + b
-        # Masking by bias: HF-Flax adds finfo.min where a key is masked.
-        valid = valid & (b > jnp.finfo(jnp.asarray(bias).dtype).min / 2)
+        valid = valid & bias_keeps(bias)
     if mask is not None:
         valid = valid & jnp.asarray(mask, bool)
     return s, jnp.broadcast_to(valid, s.shape)
@@ -544,10 +543,7 @@ def _attn_wrapper(state: _State, orig: Callable[..., Any]) -> Callable[..., Any]
             out = orig(query, key, bias, mask, *args, **kwargs)
         shape = tuple(jnp.shape(out))
         if len(seen) == 1 and tuple(jnp.shape(seen[0])) == shape and len(shape) >= 3:
-            ok = jnp.ones((), bool)
-            if bias is not None:   # masking by bias (HF-Flax adds finfo.min where a key is masked)
-                b = jnp.asarray(bias)
-                ok = ok & (lax.stop_gradient(b) > jnp.finfo(b.dtype).min / 2)
+            ok = jnp.ones((), bool) if bias is None else bias_keeps(bias)
             if mask is not None:
                 ok = ok & jnp.asarray(mask, bool)
             frame = state.stack[-1]
@@ -575,6 +571,8 @@ def _jax_attn_wrapper(state: _State, orig: Callable[..., Any]) -> Callable[..., 
     def dot_product_attention(query, key, value, bias=None, mask=None, *args, **kw):
         if (state.stack and state.want("attn_logits") and not args and not kw.get("return_residual")
                 and kw.get("implementation") in (None, "xla") and set(kw) <= _XLA_KEYWORDS):
+            # jax's own argument checks first (shapes only), so a mistake reads as jax words it.
+            jax.eval_shape(lambda *a: orig(*a, **kw), query, key, value, bias, mask)
             out, summary = attention_with_summary(query, key, value, bias, mask,
                                                   **{n: x for n, x in kw.items() if n != "implementation"})
             _sow(state, state.stack[-1].module, state.stack[-1].path, "attn_logits", summary)

@@ -40,9 +40,16 @@ from jax import lax
 
 from jvitals.metrics.stats import TokenSummary, nan_rule
 
-__all__ = ["attention_with_summary", "softmax_input_summary"]
+__all__ = ["attention_with_summary", "bias_keeps", "softmax_input_summary"]
 
 _F32 = jnp.float32
+
+
+def bias_keeps(bias: Any) -> jax.Array:
+    """Where an attention bias leaves a key in: ``bias > finfo.min / 2`` (a bias that masks, as
+    HF-Flax's does, adds ``finfo.min`` where a key is masked)."""
+    b = lax.stop_gradient(jnp.asarray(bias))
+    return b > jnp.finfo(b.dtype).min / 2
 
 
 def _dot_precision(dtype: Any) -> Any:
@@ -113,8 +120,8 @@ def _core(q: jax.Array, k: jax.Array, v: jax.Array, bias: Any, mask: Any, *, sca
 
     s = lax.stop_gradient(padded)
     keys_ok = ok
-    if bias is not None:   # masking by bias (HF-Flax adds finfo.min where a key is masked)
-        keys_ok = ok & (lax.stop_gradient(bias) > jnp.finfo(jnp.result_type(bias)).min / 2)
+    if bias is not None:
+        keys_ok = ok & bias_keeps(bias)
         s = jnp.where(keys_ok, s, -big)
     hi = jnp.max(s, axis=-1)   # the softmax's own row maximum where no bias masks
     lo = jnp.min(jnp.where(keys_ok, s, big), axis=-1)
@@ -181,14 +188,14 @@ def softmax_input_summary(x: jax.Array, keys_ok: Any = None) -> TokenSummary:
     ``x[..., H, Tq, Tk]`` is what flax's ``dot_product_attention_weights`` hands
     ``jax.nn.softmax``: the scores (plus bias), ``finfo.min`` where the mask or a masking bias
     (HF-Flax's) drops a key. Per row, ``max_k x`` is the softmax's own row maximum (the same
-    expression, computed once) and ``min_k where(x > finfo.min / 2, x, finfo.max)`` rides
-    beside it; ``max |s|`` of a row ``= max(max_k, -min_k)``, a row whose maximum is
-    ``<= finfo.min / 2`` has no valid key.
+    expression, computed once) and ``min_k where(keys_ok, x, finfo.max)`` rides beside it;
+    ``max |s|`` of a row ``= max(max_k, -min_k)``, a row whose maximum is ``<= finfo.min / 2``
+    has no valid key.
 
     Args:
       x: the softmax's input, ``[..., H, Tq, Tk]``.
-      keys_ok: boolean broadcastable to ``x``, the valid (query, key) pairs, for ``count``
-        (None: every pair).
+      keys_ok: boolean broadcastable to ``x``, the valid (query, key) pairs (the mask and
+        :func:`bias_keeps`), for the row minimum and ``count`` (None: every pair).
 
     Returns:
       A :class:`~jvitals.metrics.stats.TokenSummary` of shape ``x.shape[:-3] + (Tq,)``:
