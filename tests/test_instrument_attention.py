@@ -144,3 +144,38 @@ def test_a_mistaken_call_to_jax_attention_reads_as_jax_words_it(mistake, match):
     with vitals.instrument(attn_logits=True):
         with pytest.raises(ValueError, match=match):
             nnx.capture(lambda m: m(q, k, v), nnx.Intermediate)(M())
+
+
+@pytest.mark.parametrize("attn", [dict(is_causal=True, local_window_size=(2, 0)),
+                                  dict(query_seq_lengths=[8, 5], key_value_seq_lengths=[6, 8]),
+                                  dict(unbatched=True, is_causal=True, local_window_size=1)])
+def test_a_call_jvitals_does_not_run_itself_is_summarised_alike(attn):
+    """``return_residual=True`` (as cuDNN, jax's own call, not run by jvitals): the scores are
+    recomputed beside it, and their summary is the one the XLA path gives (checked against NumPy
+    above), with the same masks."""
+    attn = dict(attn)
+    unbatched = attn.pop("unbatched", False)
+    for name in ("query_seq_lengths", "key_value_seq_lengths"):
+        if name in attn:
+            attn[name] = jnp.asarray(attn[name], jnp.int32)
+    rng = np.random.default_rng(5)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 8, n, 8)) * 2, jnp.float32) for n in (4, 2, 2))
+    if unbatched:
+        q, k, v = q[0], k[0], v[0]
+
+    class M(nnx.Module):
+        def __init__(self, **kw):
+            self.kw = kw
+
+        def __call__(self, q, k, v):
+            return jax.nn.dot_product_attention(q, k, v, **attn, **self.kw)
+
+    got = {}
+    for residual in (False, True):
+        with vitals.instrument(attn_logits=True):
+            out, sown = nnx.capture(lambda m: m(q, k, v), nnx.Intermediate)(M(return_residual=residual))
+        got[residual] = vitals.activation_metrics(sown, names=("attn_logits",))
+        if residual:
+            assert isinstance(out, tuple)
+    np.testing.assert_allclose(float(got[True]["act/attn_logits_abs.max"]),
+                               float(got[False]["act/attn_logits_abs.max"]), rtol=1e-5)

@@ -34,7 +34,7 @@ from jvitals.metrics.probes import logits_rows
 from jvitals.metrics.roles import Roles, check_roles
 from jvitals.metrics.checks import check_names, check_number, not_nested
 from jvitals.metrics.stats import summarize_tokens
-from jvitals.metrics.xla_attention import attention_with_summary, bias_keeps, softmax_input_summary
+from jvitals.metrics.xla_attention import attention_with_summary, bias_keeps, softmax_input_summary, valid_pairs
 
 __all__ = ["ExpertChoices", "InstrumentReport", "instrument"]
 
@@ -569,33 +569,22 @@ def _jax_attn_wrapper(state: _State, orig: Callable[..., Any]) -> Callable[..., 
     the summary from the softmax's own row reductions (no second read of the scores); any
     other (cuDNN, the residual) runs as it is, the scores recomputed beside it."""
     def dot_product_attention(query, key, value, bias=None, mask=None, *args, **kw):
-        if (state.stack and state.want("attn_logits") and not args and not kw.get("return_residual")
-                and kw.get("implementation") in (None, "xla") and set(kw) <= _XLA_KEYWORDS):
+        if not (state.stack and state.want("attn_logits")) or args:
+            return orig(query, key, value, bias, mask, *args, **kw)
+        pairs = {n: kw.get(n) for n in ("is_causal", "local_window_size", "query_seq_lengths",
+                                        "key_value_seq_lengths")}
+        if (not kw.get("return_residual") and kw.get("implementation") in (None, "xla")
+                and set(kw) <= _XLA_KEYWORDS):
             # jax's own argument checks first (shapes only), so a mistake reads as jax words it.
             jax.eval_shape(lambda *a: orig(*a, **kw), query, key, value, bias, mask)
-            out, summary = attention_with_summary(query, key, value, bias, mask,
-                                                  **{n: x for n, x in kw.items() if n != "implementation"})
-            _sow(state, state.stack[-1].module, state.stack[-1].path, "attn_logits", summary)
+            out, summary = attention_with_summary(query, key, value, bias, mask, scale=kw.get("scale"),
+                                                  **{n: x for n, x in pairs.items() if x is not None})
+            frame = state.stack[-1]
+            _sow(state, frame.module, frame.path, "attn_logits", summary)
             return out
-        if state.stack and state.want("attn_logits") and not args:
-            s, valid = _scores(query, key, bias, mask, kw.get("scale"))
-            tq, tk = s.shape[-2], s.shape[-1]
-            i = jnp.arange(tq)[:, None]
-            j = jnp.arange(tk)[None, :]
-            ok = jnp.ones((tq, tk), bool)
-            if kw.get("is_causal"):
-                ok = ok & (j <= i)
-            win = kw.get("local_window_size")
-            if win is not None:
-                left, right = (win, win) if isinstance(win, int) else win
-                ok = ok & (j >= i - left) & (j <= i + right)
-            valid = valid & jnp.broadcast_to(ok.reshape((1,) * (valid.ndim - 2) + ok.shape), valid.shape)
-            for name, ax in (("query_seq_lengths", i), ("key_value_seq_lengths", j)):
-                if kw.get(name) is not None:       # [B] lengths: batch first, [B, N, T, S] scores
-                    lens = jnp.asarray(kw[name]).reshape((-1,) + (1,) * (valid.ndim - 1))
-                    pos = jnp.broadcast_to(ax, (tq, tk)).reshape((1,) * (valid.ndim - 2) + (tq, tk))
-                    valid = valid & jnp.broadcast_to(pos < lens, valid.shape)
-            _sow_scores(state, s, valid)
+        s, valid = _scores(query, key, bias, mask, kw.get("scale"))
+        ok = valid_pairs(s.shape[-2], s.shape[-1], **{n: x for n, x in pairs.items() if x is not None})
+        _sow_scores(state, s, valid & ok.reshape(ok.shape[4 - s.ndim:]))   # [T, N, H] inputs: [N, T, S]
         return orig(query, key, value, bias, mask, *args, **kw)
 
     dot_product_attention.__wrapped__ = orig  # type: ignore[attr-defined]

@@ -40,7 +40,7 @@ from jax import lax
 
 from jvitals.metrics.stats import TokenSummary, nan_rule
 
-__all__ = ["attention_with_summary", "bias_keeps", "softmax_input_summary"]
+__all__ = ["attention_with_summary", "bias_keeps", "softmax_input_summary", "valid_pairs"]
 
 _F32 = jnp.float32
 
@@ -86,8 +86,30 @@ def _grouped(t: Any, k: int, g: int) -> Any:
     return t.reshape(b, k, g, tq, ts)
 
 
+def valid_pairs(tq: int, ts: int, *, is_causal: bool = False,
+                local_window_size: int | tuple[int, int] | None = None, query_seq_lengths: Any = None,
+                key_value_seq_lengths: Any = None) -> jax.Array:
+    """The (query, key) pairs ``jax.nn.dot_product_attention`` keeps, ``[B or 1, 1, Tq, Tk]``:
+    ``k <= q`` if causal; ``q - left <= k <= q + right`` in a local window (an int: both
+    sides); ``q < query_seq_lengths[b]`` and ``k < key_value_seq_lengths[b]``."""
+    qi = jnp.arange(tq).reshape(1, 1, tq, 1)
+    kj = jnp.arange(ts).reshape(1, 1, 1, ts)
+    ok = jnp.ones((1, 1, tq, ts), bool)
+    if is_causal:
+        ok = ok & jnp.tril(jnp.ones((tq, ts), bool)).reshape(1, 1, tq, ts)
+    if local_window_size is not None:
+        w = local_window_size
+        left, right = (w, w) if isinstance(w, int) else w
+        ok = ok & (qi <= kj + left) & (qi >= kj - right)
+    if query_seq_lengths is not None:
+        ok = ok & (qi < jnp.asarray(query_seq_lengths).reshape(-1, 1, 1, 1))
+    if key_value_seq_lengths is not None:
+        ok = ok & (kj < jnp.asarray(key_value_seq_lengths).reshape(-1, 1, 1, 1))
+    return ok
+
+
 def _core(q: jax.Array, k: jax.Array, v: jax.Array, bias: Any, mask: Any, *, scale: float, is_causal: bool,
-          q_len: Any, kv_len: Any, window: tuple[int, int] | None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+          q_len: Any, kv_len: Any, window: Any) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """One group of query heads (``q[B, T, K, H]``): ``(out, row_max, row_min, count)``, the
     rows ``[B, K, T]`` over the valid keys (``-big`` / ``big`` where a row has none), ``count``
     the valid (head, key) pairs of each query ``[B, T]``."""
@@ -97,19 +119,10 @@ def _core(q: jax.Array, k: jax.Array, v: jax.Array, bias: Any, mask: Any, *, sca
     if bias is not None:
         logits = (logits + bias).astype(logits.dtype)
     tq, ts = logits.shape[2], logits.shape[3]
-    ok = jnp.ones((1, 1, tq, ts), bool)
+    ok = valid_pairs(tq, ts, is_causal=is_causal, local_window_size=window, query_seq_lengths=q_len,
+                     key_value_seq_lengths=kv_len)
     if mask is not None:
         ok = ok & mask.astype(bool)
-    qi = jnp.arange(tq).reshape(1, 1, tq, 1)
-    kj = jnp.arange(ts).reshape(1, 1, 1, ts)
-    if is_causal:
-        ok = ok & jnp.tril(jnp.ones((tq, ts), bool)).reshape(1, 1, tq, ts)
-    if window is not None:
-        ok = ok & (qi <= kj + window[0]) & (qi >= kj - window[1])
-    if q_len is not None:
-        ok = ok & (qi < jnp.asarray(q_len).reshape(-1, 1, 1, 1))
-    if kv_len is not None:
-        ok = ok & (kj < jnp.asarray(kv_len).reshape(-1, 1, 1, 1))
     big = min(float(jnp.finfo(logits.dtype).max), float(jnp.finfo(_F32).max)) * 0.7
     padded = jnp.where(ok, logits, jnp.asarray(-big, logits.dtype)).astype(_F32)
     probs = jax.nn.softmax(padded, axis=-1).astype(k.dtype)
@@ -163,11 +176,9 @@ def attention_with_summary(query: Any, key: Any, value: Any, bias: Any = None, m
     bsz, tq, n, h = q.shape
     kh = k.shape[2]
     g = n // kh
-    window = ((local_window_size, local_window_size) if isinstance(local_window_size, int)
-              else None if local_window_size is None else tuple(local_window_size))
     core = functools.partial(_core, scale=float(1.0 / np.sqrt(h)) if scale is None else scale,
                              is_causal=is_causal, q_len=query_seq_lengths, kv_len=key_value_seq_lengths,
-                             window=window)
+                             window=local_window_size)
     # jax's own grouping: the query heads of one key/value head mapped over, G of them.
     out, hi, lo, count = jax.vmap(core, in_axes=(3, None, None, 2, 2), out_axes=(3, 2, 2, 2))(
         q.reshape(bsz, tq, kh, g, h), k, v, _grouped(bias, kh, g), _grouped(mask, kh, g))
