@@ -108,25 +108,26 @@ def valid_pairs(tq: int, ts: int, *, is_causal: bool = False,
     return ok
 
 
-def _core(q: jax.Array, k: jax.Array, v: jax.Array, bias: Any, mask: Any, *, scale: float, is_causal: bool,
-          q_len: Any, kv_len: Any, window: Any) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def _core(q: jax.Array, k: jax.Array, v: jax.Array, bias: Any, mask: Any, *, scale: float,
+          pairs: dict[str, Any]) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """One group of query heads (``q[B, T, K, H]``): ``(out, row_max, row_min, count)``, the
     rows ``[B, K, T]`` over the valid keys (``-big`` / ``big`` where a row has none), ``count``
-    the valid (head, key) pairs of each query ``[B, T]``."""
+    the valid (head, key) pairs of each query ``[B, T]``; ``pairs``: :func:`valid_pairs`'
+    keywords."""
     logits_dtype = jnp.promote_types(q.dtype, _F32)
     logits = _einsum("BTNH,BSNH->BNTS", q, k, logits_dtype)
     logits = logits * jnp.array(scale, dtype=logits.dtype)
     if bias is not None:
         logits = (logits + bias).astype(logits.dtype)
     tq, ts = logits.shape[2], logits.shape[3]
-    ok = valid_pairs(tq, ts, is_causal=is_causal, local_window_size=window, query_seq_lengths=q_len,
-                     key_value_seq_lengths=kv_len)
+    ok = valid_pairs(tq, ts, **pairs)
     if mask is not None:
         ok = ok & mask.astype(bool)
     big = min(float(jnp.finfo(logits.dtype).max), float(jnp.finfo(_F32).max)) * 0.7
     padded = jnp.where(ok, logits, jnp.asarray(-big, logits.dtype)).astype(_F32)
     probs = jax.nn.softmax(padded, axis=-1).astype(k.dtype)
     out = jnp.einsum("BNTS,BSNH->BTNH", probs, v)
+    q_len = pairs.get("query_seq_lengths")
     if q_len is not None:
         live = jnp.arange(tq)[None, :] < jnp.asarray(q_len)[:, None]
         out = out * live[:, :, None, None].astype(out.dtype)
@@ -151,17 +152,15 @@ def _pair_count(ok: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 def attention_with_summary(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, *,
-                           scale: float | None = None, is_causal: bool = False,
-                           query_seq_lengths: Any = None, key_value_seq_lengths: Any = None,
-                           local_window_size: int | tuple[int, int] | None = None
-                           ) -> tuple[jax.Array, TokenSummary]:
+                           scale: float | None = None, **pairs: Any) -> tuple[jax.Array, TokenSummary]:
     """``jax.nn.dot_product_attention(...)`` (its XLA implementation) and the summary of its
     valid pre-softmax scores per query position.
 
     Args:
-      query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
-        key_value_seq_lengths, local_window_size: as ``jax.nn.dot_product_attention``
+      query, key, value, bias, mask, scale: as ``jax.nn.dot_product_attention``
         (``[B, T, N, H]`` or ``[T, N, H]``).
+      **pairs: its ``is_causal``, ``local_window_size``, ``query_seq_lengths`` and
+        ``key_value_seq_lengths`` (:func:`valid_pairs`).
 
     Returns:
       ``(out, summary)``: the attention output, ``query``'s shape and dtype; a
@@ -176,9 +175,7 @@ def attention_with_summary(query: Any, key: Any, value: Any, bias: Any = None, m
     bsz, tq, n, h = q.shape
     kh = k.shape[2]
     g = n // kh
-    core = functools.partial(_core, scale=float(1.0 / np.sqrt(h)) if scale is None else scale,
-                             is_causal=is_causal, q_len=query_seq_lengths, kv_len=key_value_seq_lengths,
-                             window=local_window_size)
+    core = functools.partial(_core, scale=float(1.0 / np.sqrt(h)) if scale is None else scale, pairs=pairs)
     # jax's own grouping: the query heads of one key/value head mapped over, G of them.
     out, hi, lo, count = jax.vmap(core, in_axes=(3, None, None, 2, 2), out_axes=(3, 2, 2, 2))(
         q.reshape(bsz, tq, kh, g, h), k, v, _grouped(bias, kh, g), _grouped(mask, kh, g))
