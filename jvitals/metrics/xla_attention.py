@@ -151,6 +151,17 @@ def _pair_count(ok: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return c * float(heads // per)
 
 
+def _rows_summary(hi: jax.Array, lo: jax.Array, count: jax.Array, heads: tuple[int, ...]) -> TokenSummary:
+    """A query's summary from its heads' rows: ``max |s| = max over heads of max(hi, -lo)``
+    (a row with no valid key has ``hi = -big`` and ``lo = big``, so it gives nothing), the
+    heads whose row is not finite counted in ``nonfinite``; ``count`` as given."""
+    row = jnp.maximum(hi, -lo)
+    bad = jnp.sum(~jnp.isfinite(row), axis=heads, dtype=_F32)
+    amax = jnp.max(jnp.maximum(row, 0.0), axis=heads)
+    nan = jnp.full(count.shape, jnp.nan, _F32)
+    return TokenSummary(count=count, sum=nan, sumsq=nan, abs_max=nan_rule(amax, count, bad), nonfinite=bad)
+
+
 def attention_with_summary(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, *,
                            scale: float | None = None, **pairs: Any) -> tuple[jax.Array, TokenSummary]:
     """``jax.nn.dot_product_attention(...)`` (its XLA implementation) and the summary of its
@@ -179,15 +190,10 @@ def attention_with_summary(query: Any, key: Any, value: Any, bias: Any = None, m
     # jax's own grouping: the query heads of one key/value head mapped over, G of them.
     out, hi, lo, count = jax.vmap(core, in_axes=(3, None, None, 2, 2), out_axes=(3, 2, 2, 2))(
         q.reshape(bsz, tq, kh, g, h), k, v, _grouped(bias, kh, g), _grouped(mask, kh, g))
-    out = out.reshape(out_shape)
-    row = jnp.maximum(hi, -lo)   # max |s| of a head's query; -big where it has no valid key
-    bad = jnp.sum(~jnp.isfinite(row), axis=(1, 2), dtype=_F32)
-    amax = jnp.max(jnp.maximum(row, 0.0), axis=(1, 2))
-    count = jnp.sum(count, axis=2)
     token = out_shape[:-2]
-    nan = jnp.full(token, jnp.nan, _F32)
-    count, amax, bad = (x.reshape(token) for x in (count, amax, bad))
-    return out, TokenSummary(count=count, sum=nan, sumsq=nan, abs_max=nan_rule(amax, count, bad), nonfinite=bad)
+    rows = [x.reshape(token[:-1] + x.shape[1:]) for x in (hi, lo)]   # [B, K, G, T] ([K, G, T] unbatched)
+    heads = (len(token) - 1, len(token))
+    return out.reshape(out_shape), _rows_summary(*rows, jnp.sum(count, axis=2).reshape(token), heads)
 
 
 def softmax_input_summary(x: jax.Array, keys_ok: Any = None) -> TokenSummary:
@@ -197,8 +203,8 @@ def softmax_input_summary(x: jax.Array, keys_ok: Any = None) -> TokenSummary:
     ``jax.nn.softmax``: the scores (plus bias), ``finfo.min`` where the mask or a masking bias
     (HF-Flax's) drops a key. Per row, ``max_k x`` is the softmax's own row maximum (the same
     expression, computed once) and ``min_k where(keys_ok, x, finfo.max)`` rides beside it;
-    ``max |s|`` of a row ``= max(max_k, -min_k)``, a row whose maximum is ``<= finfo.min / 2``
-    has no valid key.
+    ``max |s|`` of a row ``= max(max_k, -min_k)`` (a row with no valid key gives nothing: its
+    maximum is ``finfo.min`` and its minimum ``finfo.max``).
 
     Args:
       x: the softmax's input, ``[..., H, Tq, Tk]``.
@@ -211,20 +217,9 @@ def softmax_input_summary(x: jax.Array, keys_ok: Any = None) -> TokenSummary:
       ``nonfinite`` the heads whose row holds a non-finite value, ``sum`` and ``sumsq`` NaN.
     """
     s = lax.stop_gradient(x)
-    fin = jnp.finfo(s.dtype)
-    thr = float(fin.min) / 2
     ok = jnp.ones((), bool) if keys_ok is None else jnp.asarray(keys_ok, bool)
     hi = jnp.max(s, axis=-1).astype(_F32)   # the softmax's own row maximum
     # The row minimum over the mask, not over a compare of ``s`` (which the TPU compiler
     # reads apart: docs/COST.md).
-    lo = jnp.min(jnp.where(ok, s, jnp.asarray(fin.max, s.dtype)), axis=-1).astype(_F32)
-    row = jnp.maximum(hi, -lo)
-    bad = ~jnp.isfinite(row)
-    row = jnp.where(hi > thr, row, 0.0)
-    token = s.shape[:-3] + s.shape[-2:-1]
-    count = _pair_count(ok, s.shape)
-    nonfinite = jnp.sum(bad, axis=-2, dtype=_F32)
-    amax = jnp.max(row, axis=-2)
-    nan = jnp.full(token, jnp.nan, _F32)
-    return TokenSummary(count=count, sum=nan, sumsq=nan, abs_max=nan_rule(amax, count, nonfinite),
-                        nonfinite=nonfinite)
+    lo = jnp.min(jnp.where(ok, s, jnp.asarray(jnp.finfo(s.dtype).max, s.dtype)), axis=-1).astype(_F32)
+    return _rows_summary(hi, lo, _pair_count(ok, s.shape), (s.ndim - 3,))
