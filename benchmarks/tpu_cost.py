@@ -53,7 +53,8 @@ step there for S seconds, interleaved, and reports the median of the paired rati
 
 Run: ``python benchmarks/tpu_cost.py --install`` (the bench configs and the ~1B one on
 v5e and v4), ``--topologies v5e:2x2,v6e:2x2 --configs d256,moe --families light,heavy``,
-``--platform gpu --configs d256,moe,b1 --time 10``.
+``--platform gpu --configs d256,moe,b1 --time 10``; ``--configs h384,h512bf,hmoe --msa off``: the
+held-out models with memory-space assignment off (``held_out``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ from typing import Any, Callable, Iterable
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 MB = 1e6
+MSA_OFF = "--xla_msa_enable=false"   # libtpu's flag: no memory-space assignment (no on-chip placement)
 TOPOLOGIES = ("v5e:2x2", "v4:2x2x1")
 FAMILIES = ("sow", "probes", "instrument", "attn", "attn_probe", "light", "heavy", "opt", "moe", "replicas", "readme", "full")
 REPLICAS = 4
@@ -160,7 +162,21 @@ def sizes() -> dict[str, oh.Size]:
                    scan_layers=True, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     out["b1"] = oh.Size("b1", b1, ((1, 2048),))
     out["d256mha"] = oh.Size("d256mha", oh._llama(256, n_kv_heads=8))
+    out.update(held_out())
     return out
+
+
+def held_out() -> dict[str, oh.Size]:
+    """Models checked against the targets and never used to choose a form (docs/COST.md,
+    "Held-out models"): ``h384`` (dense, unrolled, float32: d 384, 6 layers, 12 heads of 32 in
+    4 groups, vocabulary 8192, 2 x 128 tokens), ``h512bf`` (scan-stacked, bf16: d 512, 4 layers,
+    8 heads of 64 in 2 groups, vocabulary 16384, 4 x 256) and ``hmoe`` (MoE MLA, MTP,
+    scan-stacked: d 256, 3 layers, vocabulary 8192, 4 x 128)."""
+    h384 = oh._llama(384, n_layers=6, n_heads=12, n_kv_heads=4, head_dim=32, vocab=8192, d_ff=1024)
+    h512bf = oh._llama(512, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=64, vocab=16384, d_ff=1408,
+                       scan_layers=True, dtype=jnp.bfloat16)
+    return {"h384": oh.Size("h384", h384, ((2, 128),)), "h512bf": oh.Size("h512bf", h512bf, ((4, 256),)),
+            "hmoe": oh.Size("hmoe", oh._moe(256, 8192, 3), ((4, 128),))}
 
 
 # ----------------------------------------------------------------------------------
@@ -584,7 +600,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="only make sure libtpu is there (installing it if absent); exit 1 if it is not")
     ap.add_argument("--time", type=float, default=0.0, help="--platform local: time each config S seconds")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--msa", choices=("on", "off"), default="on",
+                    help="off: compile with memory-space assignment off (LIBTPU_INIT_ARGS=--xla_msa_enable=false; "
+                         "nothing placed in on-chip memory, so bytes and memory count the families' own reads "
+                         "and buffers exactly, on scan-stacked models too); only before libtpu is first loaded")
     args = ap.parse_args(argv)
+    if args.msa == "off":
+        os.environ["LIBTPU_INIT_ARGS"] = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {MSA_OFF}".strip()
     if args.install_only:
         path = use_libtpu(install=True)
         print(path or f"libtpu not installed in {libtpu_dir()}")
@@ -608,7 +630,8 @@ def main(argv: list[str] | None = None) -> int:
         targets = [(f"{dev.platform} ({dev.device_kind})", local_sharding())]
     print(f"# jvitals on the {args.platform} compiler: jax {jax.__version__}"
           + (f", {os.path.basename(os.path.dirname(os.environ['TPU_LIBRARY_PATH']))} "
-             f"{_libtpu_version()}" if args.platform == "tpu" else ""), flush=True)
+             f"{_libtpu_version()}" if args.platform == "tpu" else "")
+          + (", memory-space assignment off" if args.msa == "off" else ""), flush=True)
     rows: list[Row] = []
     for target, sharding in targets:
         for name in names:

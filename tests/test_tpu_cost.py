@@ -185,3 +185,24 @@ def test_prefetches_set_aside_a_plain_max_reads_each_leaf_once(bench):
     one_read = sum(4 * int(np.prod(s)) for s in shapes)
     assert prefetch > 0.5 * one_read, (prefetch, one_read)   # the compiler prefetches them
     assert abs(counted - prefetch - one_read) <= 0.01 * one_read, (counted, prefetch, one_read)
+
+
+def test_msa_off_counts_the_families_own_reads(bench, tmp_path):
+    """``--msa off`` compiles with memory-space assignment off (a fresh process: libtpu reads
+    the flag when it loads): no prefetch is scheduled, so ``bytes accessed`` is each family's own
+    reads, and the prefetch-aside figure equals it (docs/COST.md, "Held-out models")."""
+    import json
+    import os
+    import subprocess
+
+    out = tmp_path / "rows.json"
+    env = {**os.environ, "JVITALS_LIBTPU_DIR": str(bench.libtpu_dir())}
+    run = subprocess.run([sys.executable, str(BENCH), "--topologies", TOPOLOGY, "--configs", "tiny",
+                          "--families", "light,opt", "--msa", "off", "--json", str(out)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "memory-space assignment off" in run.stdout and "(0.0 of them prefetch)" in run.stdout, run.stdout
+    rows = json.loads(out.read_text())
+    assert {r["family"] for r in rows} == {"light", "opt"}
+    for r in rows:
+        assert r["own_mb"] == pytest.approx(r["extra_mb"], abs=1e-9), r
