@@ -571,19 +571,18 @@ def _jax_attn_wrapper(state: _State, orig: Callable[..., Any]) -> Callable[..., 
     def dot_product_attention(query, key, value, bias=None, mask=None, *args, **kw):
         if not (state.stack and state.want("attn_logits")) or args:
             return orig(query, key, value, bias, mask, *args, **kw)
-        pairs = {n: kw.get(n) for n in ("is_causal", "local_window_size", "query_seq_lengths",
-                                        "key_value_seq_lengths")}
+        pairs = {n: kw[n] for n in ("is_causal", "local_window_size", "query_seq_lengths",
+                                    "key_value_seq_lengths") if kw.get(n) is not None}
         if (not kw.get("return_residual") and kw.get("implementation") in (None, "xla")
                 and set(kw) <= _XLA_KEYWORDS):
             # jax's own argument checks first (shapes only), so a mistake reads as jax words it.
             jax.eval_shape(lambda *a: orig(*a, **kw), query, key, value, bias, mask)
-            out, summary = attention_with_summary(query, key, value, bias, mask, scale=kw.get("scale"),
-                                                  **{n: x for n, x in pairs.items() if x is not None})
+            out, summary = attention_with_summary(query, key, value, bias, mask, scale=kw.get("scale"), **pairs)
             frame = state.stack[-1]
             _sow(state, frame.module, frame.path, "attn_logits", summary)
             return out
         s, valid = _scores(query, key, bias, mask, kw.get("scale"))
-        ok = valid_pairs(s.shape[-2], s.shape[-1], **{n: x for n, x in pairs.items() if x is not None})
+        ok = valid_pairs(s.shape[-2], s.shape[-1], **pairs)
         _sow_scores(state, s, valid & ok.reshape(ok.shape[4 - s.ndim:]))   # [T, N, H] inputs: [N, T, S]
         return orig(query, key, value, bias, mask, *args, **kw)
 
