@@ -9,7 +9,10 @@ family of vitals, each compiled apart (no ``lax.cond`` holds two of them), and r
 - **bytes**: ``compiled.cost_analysis()["bytes accessed"]`` of the step with the
   family minus the step without, beside the family's one-read limit (below), for the
   one-read form every statistic takes on a GPU or TPU (compiled here inside
-  ``fold.one_read()``); beside it, column "cpu form", the bytes of the form this backend
+  ``fold.one_read()``; the logits' row statistics are plain reductions on every backend,
+  which the TPU compiler fuses into one read with the loss's and XLA:CPU, without
+  multi-output fusion, counts once each: their TPU bytes are ``tpu_cost.py``'s); beside
+  it, column "cpu form", the bytes of the form this backend
   compiles and runs (on the CPU its own forms: plain reductions XLA:CPU vectorises, a
   sampled Adam-``nu`` median; more bytes or fewer, less time: docs/COST.md). XLA
   counts a ``while`` loop's body once; the loops left (the CPU's Adam-``nu``

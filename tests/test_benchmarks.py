@@ -47,8 +47,11 @@ def test_overhead_quick_prints_bytes_limits_memory_and_time_per_family():
         # the printed MB are rounded to 0.01: on the tiny config that moves their ratio by 5%
         assert math.isclose(x, extra / limit, rel_tol=0.02, abs_tol=0.01 + 0.006 * x / limit), (fam, cells)
         assert temp > 0 and t > 0 and math.isfinite(t), (fam, cells)
-    # The activation families read their tensors once (within the partials' few %).
-    assert float(rows["sow"][4]) < 1.2 and float(rows["instrument"][4]) < 1.2, text
+    # The activation families: their logits' row statistics are seven plain reductions, one
+    # read each on XLA:CPU (no multi-output fusion; the TPU compiler fuses them with the
+    # loss's: tests/test_tpu_cost.py), the rest of the sown tensors once.
+    assert float(rows["sow"][4]) < 10 and float(rows["instrument"][4]) < 10, text
+    assert float(rows["light"][4]) < 2, text
     assert "## Summary" in text and "| tiny:" in text
 
 

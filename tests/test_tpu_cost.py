@@ -125,6 +125,22 @@ def test_the_readme_light_step_on_the_moe_config(moe_rows):
     assert r.own_mb <= 0.25 * r.limit_mb and r.own_step_x <= 1.025, (r.own_mb, r.limit_mb, r.own_step_x)
 
 
+def test_bf16_logits_rows_read_beside_the_loss(bench):
+    """A bf16 model whose loss upcasts the logits to float32 (scan-stacked, d 256, 2 layers,
+    vocabulary 16384, 4 x 128 tokens): the logits' row statistics are plain reductions the
+    compiler fuses with the loss's own over that float32 copy, so ``instrument()`` and the
+    sown logits stay within 1.5x of one read of what they measure (docs/COST.md, "Held-out
+    models": a one-read variadic reduction of them read the float32 copy in a kernel of its
+    own, and a count of the non-finite entries one more time)."""
+    import jax.numpy as jnp
+
+    cfg = bench.oh._llama(256, n_layers=2, vocab=16384, scan_layers=True, dtype=jnp.bfloat16)
+    size = bench.oh.Size("bf16", cfg, ((4, 128),))
+    got = bench.measure(TOPOLOGY, size, (4, 128), ("sow", "instrument"), bench.tpu_sharding(TOPOLOGY))
+    for r in got:
+        assert r.own_mb <= 1.5 * r.limit_mb, (r.family, r.own_mb, r.limit_mb)
+
+
 def test_the_attention_probe_rides_in_the_score_kernel_of_an_unrolled_model(bench):
     """On an unrolled model (xl's shapes, 3 layers: d 1024, 16 heads of 64, 8 x 1024 tokens) the
     attention-logit probe of the README's model (``attn_softmax_probe``) takes the softmax's own

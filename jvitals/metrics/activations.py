@@ -257,7 +257,9 @@ def activation_metrics(
       its instances together.
 
     A non-finite value makes its statistics NaN; ``act/{base}.nonfinite`` counts
-    them (per layer too). See the module docstring for the accepted sow
+    them (per layer too), and ``act/output_layer_logits.nonfinite`` the valid positions
+    whose logits hold one (rows: :func:`~jvitals.metrics.probes.logits_rows`). See the
+    module docstring for the accepted sow
     conventions and the per-layer naming (``{metric}/layer_{i}``).
 
     Args:

@@ -57,7 +57,10 @@ class LogitsSummary:
 
     Attributes:
       logits: ``Summary`` of the logits over valid positions x vocab
-        (``rms = sqrt(sum logits^2 / (n_valid * V))``, ``abs_max``).
+        (``rms = sqrt(sum logits^2 / (n_valid * V))``, ``abs_max``); its
+        ``nonfinite`` counts the valid positions holding a NaN or an infinity (rows,
+        not entries, as the attention-logit probes count rows; :func:`_row_stats`), and
+        ``rms`` and ``abs_max`` are NaN where it is > 0.
       top2_diff: ``Summary`` over valid positions of ``top1 - top2`` (the two
         largest values as ``lax.top_k(logits, 2)`` gives them: a tie gives 0).
         Its ``count`` is the number of valid positions.
@@ -68,7 +71,8 @@ class LogitsSummary:
       lse_max: signed ``max`` of ``logsumexp`` over valid positions (NaN if any is
         non-finite or there is none).
       argmax: ``argmax(logits, -1)`` as int32, shape ``logits.shape[:-1]``
-        (``[B, T]``); masked positions hold their argmax too (the consumer masks).
+        (``[B, T]``), the first maximum; -1 at a position holding a NaN (no class);
+        masked positions hold their argmax too (the consumer masks).
     """
 
     logits: Summary
@@ -118,17 +122,8 @@ def vary_along(tree: Any, axes: tuple[str, ...]) -> Any:
 
 def _first_max_wins(a1: jax.Array, ai: jax.Array, b1: jax.Array, bi: jax.Array) -> jax.Array:
     """Whether ``(a1, ai)`` ranks before ``(b1, bi)``: the larger value, then (equal
-    values) the smaller index. Keys hold no NaN (see :func:`_keys`)."""
+    values) the smaller index. Neither value is NaN (:func:`_argmax_combine` tests that first)."""
     return (a1 > b1) | ((a1 == b1) & (ai < bi))
-
-
-def _keys(x: jax.Array, iota: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(key, index, first NaN)`` per element: ``key`` is ``x`` with NaN read as
-    ``-inf`` (so ranking needs no NaN test: three comparisons a merge), and the
-    NaNs are tracked apart by the smallest index holding one (``BIG`` if none), which
-    takes ``jnp.argmax``'s place when there is one."""
-    nan = jnp.isnan(x)
-    return jnp.where(nan, -jnp.inf, x), iota, jnp.where(nan, iota, jnp.iinfo(jnp.int32).max)
 
 
 def _argmax_combine(a: tuple, b: tuple) -> tuple:
@@ -141,11 +136,6 @@ def _argmax_combine(a: tuple, b: tuple) -> tuple:
     first = ai < bi
     a_wins = jnp.where(an | bn, an & (~bn | first), _first_max_wins(av, ai, bv, bi))
     return jnp.where(a_wins, av, bv), jnp.where(a_wins, ai, bi)
-
-
-def _first_nan_or(first: jax.Array, first_nan: jax.Array) -> jax.Array:
-    """``jnp.argmax``'s index: the first NaN where the row holds one, else ``first``."""
-    return jnp.where(first_nan < jnp.iinfo(jnp.int32).max, first_nan, first).astype(jnp.int32)
 
 
 def _row_argmax_one_read(x: jax.Array) -> jax.Array:
@@ -165,78 +155,41 @@ def row_argmax(x: jax.Array) -> jax.Array:
     return fold.fastest(lambda: cpu_forms.argmax(x), lambda: _row_argmax_one_read(x))
 
 
-def _logits_combine(a: tuple, b: tuple) -> tuple:
-    """Merge two partial row statistics (associative and commutative; see :func:`_row_stats`).
-
-    Fields: ``(top1, top2, first, first_nan, s, sum, sumsq, abs_max, nonfinite)`` over
-    NaN-free keys. The larger ``top1`` wins (equal values: the smaller index), so
-    ``first`` is the first maximum; ``top2`` is the second largest of the multiset
-    (a tie gives ``top2 == top1``, as ``lax.top_k`` does); ``s = sum exp(x - top1)``
-    is rescaled to the winner's maximum (the online log-sum-exp: one ``exp`` per
-    merge; an element's ``s`` is NaN for a NaN, so a row's is).
-    """
-    a1, a2, ai, an, a_s, *ra = a
-    b1, b2, bi, bn, b_s, *rb = b
-    a_wins = _first_max_wins(a1, ai, b1, bi)
-    top1 = jnp.where(a_wins, a1, b1)
-    loser = jnp.where(a_wins, b1, a1)
-    e = jnp.where(loser == top1, jnp.ones_like(top1), jnp.exp(loser - top1))
-    s = jnp.where(a_wins, a_s + b_s * e, a_s * e + b_s)
-    top2 = lax.max(lax.min(a1, b1), lax.max(a2, b2))
-    first = jnp.where(a_wins, ai, bi)
-    rest = (ra[0] + rb[0], ra[1] + rb[1], lax.max(ra[2], rb[2]), ra[3] + rb[3])
-    return (top1, top2, first, lax.min(an, bn), s) + rest
-
-
 def _row_stats(x: jax.Array) -> tuple[jax.Array, ...]:
-    """:func:`_row_stats_one_read`, or inside :func:`~jvitals.metrics.fold.cpu_plain` on
-    the CPU :func:`~jvitals.metrics.cpu_forms.row_stats` (the same figures)."""
-    x = jnp.asarray(x)
-    if x.shape[-1] >= cpu_forms.EXACT_IOTA:
-        return _row_stats_one_read(x)
-    return fold.fastest(lambda: cpu_forms.row_stats(x), lambda: _row_stats_one_read(x))
+    """Per-row (last axis) statistics of ``[..., V]`` logits by plain reductions; each ``[...]``.
 
+    Returns ``(top1, top2, lse, sum, sumsq, abs_max, nonfinite, argmax)``, for any values:
 
-def _row_stats_one_read(x: jax.Array) -> tuple[jax.Array, ...]:
-    """Per-row (last axis) statistics of ``[..., V]`` logits in one read; each ``[...]``.
+    - ``top1 = max x``; ``argmax``, the first column holding it (int32); ``top2``, the
+      largest entry of the other columns (a tie gives ``top2 == top1``, as
+      ``lax.top_k(x, 2)``; a select, not a copy of the logits with that column set);
+    - ``lse = jax.nn.logsumexp(x)`` as written (+inf for a row holding +inf, -inf for a
+      row of -inf, NaN for a row holding a NaN);
+    - ``sum``, ``sumsq``, ``abs_max = max |x|`` of the row (not finite where it holds a
+      non-finite value: the summary leaves such a row's out);
+    - ``nonfinite``: 1 where the row holds a NaN or an infinity (``lse`` NaN: a NaN, NaN
+      survives every sum; ``abs_max`` +inf: an infinity), else 0: a row flag, not a count
+      of entries;
+    - a row holding a NaN has ``top1 = top2 = NaN`` and ``argmax = -1`` (no class).
 
-    Returns ``(top1, top2, lse, sum, sumsq, abs_max, nonfinite, argmax)``, for
-    any values (NaN and +-inf included), with no conditional and no loop:
-
-    - ``top1 = max x``, NaN if the row holds a NaN;
-    - ``argmax``: the first index of ``top1``, or of the first NaN (what
-      ``jnp.argmax`` gives);
-    - ``top2``: the second largest entry of the row -- what ``lax.top_k(x, 2)``
-      gives on finite rows, so a tie gives ``top2 == top1``;
-    - ``lse = top1 + log(sum exp(x - top1))`` (+inf for a row holding +inf, -inf
-      for a row of -inf, NaN with a NaN);
-    - ``sum``, ``sumsq``, ``abs_max`` of the row's finite entries and
-      ``nonfinite``, the number of NaN/Inf entries (the caller leaves out a row's
-      sums where it is > 0).
-
-    All are the fields of one variadic reduction (``fold.py``): the logits are read
-    once, on every backend (``lax.top_k`` and XLA:CPU's ``argmax`` are both far
-    slower on the CPU).
+    Every figure is a plain reduction of the float32 logits, one form for every backend:
+    the TPU compiler fuses them with a loss's own reductions of the same float32 logits
+    (``jax.nn.logsumexp`` is computed once), and XLA:CPU vectorises them. A count of the
+    non-finite entries, or the first NaN's column, would each read the logits once more
+    on the TPU (docs/COST.md), which is why a row flag and ``-1`` stand in their place.
     """
-    x = jnp.asarray(x)
-    big = jnp.iinfo(jnp.int32).max
-
-    def make(x: jax.Array, iota: jax.Array) -> tuple[jax.Array, ...]:
-        xf = x.astype(_F32)
-        fin = jnp.isfinite(xf)
-        xg = jnp.where(fin, xf, 0.0)
-        key, idx, first_nan = _keys(xf, iota)
-        one = jnp.where(jnp.isnan(xf), jnp.nan, 1.0).astype(_F32)
-        return (key, jnp.full_like(xf, -jnp.inf), idx, first_nan, one, xg, xg * xg, jnp.abs(xg),
-                jnp.where(fin, 0.0, 1.0).astype(_F32))
-
-    iota = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    inits = (-jnp.inf, -jnp.inf, big, big, 0.0, 0.0, 0.0, 0.0, 0.0)
-    top1, top2, first, first_nan, s, total, sumsq, amax, bad = fold.fold_map(
-        make, (x, iota), inits, _logits_combine, (x.ndim - 1,))
-    top1 = jnp.where(first_nan < big, jnp.nan, top1)
-    lse = top1 + jnp.log(s)
-    return top1, top2, lse, total, sumsq, amax, bad, _first_nan_or(first, first_nan)
+    xf = jnp.asarray(x).astype(_F32)
+    shape, v = xf.shape, xf.shape[-1]
+    x2 = xf.reshape(-1, v)
+    top1, argmax, col = cpu_forms.first_max(x2)
+    top2 = jnp.max(jnp.where(col == argmax[:, None].astype(col.dtype), -jnp.inf, x2), axis=-1)
+    lse = jax.nn.logsumexp(x2, axis=-1)
+    amax = jnp.max(jnp.abs(x2), axis=-1)
+    nan = jnp.isnan(lse)
+    bad = (nan | (amax == jnp.inf)).astype(_F32)
+    out = (jnp.where(nan, jnp.nan, top1), jnp.where(nan, jnp.nan, top2), lse, jnp.sum(x2, axis=-1),
+           jnp.sum(x2 * x2, axis=-1), amax, bad, jnp.where(nan, -1, argmax))
+    return tuple(o.reshape(shape[:-1]) for o in out)
 
 
 def _chunk_rows(rows: int, v: int, chunk_elements: int | None) -> int:
@@ -259,10 +212,10 @@ def summarize_logits(logits: jax.Array, mask: jax.Array | None = None, *,
     ``lse = logsumexp_v x``. Masked positions count nowhere (a masked position
     holding inf/NaN or huge values changes nothing).
 
-    Every per-position statistic comes from one variadic reduction over the
-    vocabulary (:func:`_row_stats`): the logits are read once, with no
-    temporaries; the masked summary over positions is a second one, over the
-    ``[B, T]`` row figures.
+    Every per-position statistic is a plain reduction over the vocabulary
+    (:func:`_row_stats`), which the TPU compiler fuses into one read of the logits, with
+    a loss's ``logsumexp`` of the same float32 logits; the masked summary over positions
+    is one reduction over the ``[B, T]`` row figures.
 
     Args:
       logits: ``[..., V]`` array of any float dtype (cast to float32 first).
@@ -302,8 +255,9 @@ class LogitsRows:
 
     Every field has the positions' shape (``[B, T]``; ``[L, B, T]`` scan-stacked):
     ``top1``, ``top2``, ``lse`` as :class:`LogitsSummary` defines them, the row's
-    ``sum``, ``sumsq``, ``abs_max`` (meaningless where ``nonfinite > 0``), its
-    non-finite count and ``argmax`` (int32). ``vocab`` is ``V`` (static).
+    ``sum``, ``sumsq``, ``abs_max`` (meaningless where ``nonfinite > 0``), ``nonfinite``
+    (1 where the row holds a NaN or an infinity, else 0) and ``argmax`` (int32; -1 where
+    the row holds a NaN). ``vocab`` is ``V`` (static).
     :meth:`summary` applies the mask: ``logits_rows(x).summary(m) ==
     summarize_logits(x, m)``, so padding is excluded after the fact.
     """
