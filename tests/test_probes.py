@@ -218,6 +218,21 @@ def test_rows_past_2_23_columns():
     np.testing.assert_array_equal(top2[1:], [9.0, np.sort(x[2])[-2]])
 
 
+@pytest.mark.slow
+def test_rows_of_2_24_columns_and_more_take_an_int32_column():
+    """From 2^24 columns a float32 no longer holds every column index: the row statistics'
+    first maximum takes an int32 one (``cpu_forms.first_max``), so a maximum in the last
+    column, one column past another equal to it, is found where NumPy finds it."""
+    v = (1 << 24) + 3
+    x = np.zeros((1, v), np.float32)
+    x[0, [v - 1, v - 2]] = [7.0, 5.0]
+    top1, top2, *_, argmax = probes._row_stats(jnp.asarray(x))
+    assert int(argmax[0]) == v - 1 == int(np.argmax(x[0])) and float(top1[0]) == 7.0 and float(top2[0]) == 5.0
+    x[0, v - 2] = 7.0                  # a tie: the first of the two, top2 == top1
+    top1, top2, *_, argmax = probes._row_stats(jnp.asarray(x))
+    assert int(argmax[0]) == v - 2 and float(top2[0]) == 7.0
+
+
 def test_attn_logits_probe_masks_causal_and_padding():
     _, _, scores, mask = _data(5)
     valid = np.tril(np.ones((6, 6), bool))[None, None] & np.asarray(mask)[:, None, :, None] \
