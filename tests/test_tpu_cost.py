@@ -130,8 +130,8 @@ def test_bf16_logits_rows_read_beside_the_loss(bench):
     vocabulary 16384, 4 x 128 tokens): the logits' row statistics are plain reductions the
     compiler fuses with the loss's own over that float32 copy, so ``instrument()`` and the
     sown logits stay within 1.5x of one read of what they measure (docs/COST.md, "Held-out
-    models": a one-read variadic reduction of them read the float32 copy in a kernel of its
-    own, and a count of the non-finite entries one more time)."""
+    models": a reduction in a kernel of its own reads the float32 copy again, and so does a
+    count of the non-finite entries)."""
     import jax.numpy as jnp
 
     cfg = bench.oh._llama(256, n_layers=2, vocab=16384, scan_layers=True, dtype=jnp.bfloat16)

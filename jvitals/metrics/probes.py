@@ -59,7 +59,7 @@ class LogitsSummary:
       logits: ``Summary`` of the logits over valid positions x vocab
         (``rms = sqrt(sum logits^2 / (n_valid * V))``, ``abs_max``); its
         ``nonfinite`` counts the valid positions holding a NaN or an infinity (rows,
-        not entries, as the attention-logit probes count rows; :func:`_row_stats`), and
+        not entries, as :func:`attn_softmax_probe` counts query rows; :func:`_row_stats`), and
         ``rms`` and ``abs_max`` are NaN where it is > 0.
       top2_diff: ``Summary`` over valid positions of ``top1 - top2`` (the two
         largest values as ``lax.top_k(logits, 2)`` gives them: a tie gives 0).
