@@ -179,34 +179,39 @@ def test_logits_summary_of_nonfinite_rows_against_numpy():
 
 
 def test_logits_statistics_and_argmax_take_no_loop_and_no_conditional():
-    """An argmax alone (the raw MTP logits of the sow path) is one two-operand reduction,
-    with no exp, NumPy's on NaN rows and ties too; the row statistics are plain reductions
-    with no loop and no conditional (their one read on the TPU: tests/test_tpu_cost.py),
-    the first maximum's column where the row holds no NaN and -1 where it does."""
+    """The argmax alone (the raw MTP logits of the sow path) and the row statistics are
+    plain reductions with no loop and no conditional (their one read on the TPU:
+    tests/test_tpu_cost.py): the first maximum's column where the row holds no NaN (NumPy's,
+    ties and infinities too) and -1 where it does, the same from either."""
     rng = np.random.default_rng(11)
     logits = rng.normal(size=(4, 16, 512)).astype(np.float32)
     logits[0, 3, [7, 300]] = [np.nan, 9.0]   # a NaN before the maximum
     logits[1, 2, [5, 400]] = [9.0, np.nan]   # a NaN after it
     logits[2, 1, [8, 9]] = 9.0               # a tie: the first index
-    logits[3, 5, [200, 40, 90]] = np.nan     # three NaNs: the first of them
+    logits[3, 5, [200, 40, 90]] = np.nan     # three NaNs
     logits[3, 6, [1, 511]] = [np.inf, np.nan]
+    logits[3, 7, [2, 3, 4]] = [-np.inf, np.inf, np.inf]   # +inf twice beside -inf: the first +inf
+    logits[2, 9, :] = -np.inf                # a row of -inf: its first column
     x = jnp.asarray(logits)
+    want = np.where(np.isnan(logits).any(-1), -1, np.argmax(logits, -1))
     arg = jax.jit(probes.row_argmax)
     hlo = arg.lower(x).compile().as_text()
-    assert "exponential" not in hlo and hlo.count(" reduce(") == 1
-    np.testing.assert_array_equal(arg(x), np.argmax(logits, -1))
+    assert " while(" not in hlo and " conditional(" not in hlo
+    got = arg(x)
+    assert got.dtype == jnp.int32 and got.shape == (4, 16)
+    np.testing.assert_array_equal(got, want)
     for chunk in (None, 0, 2 * 512):
         full = probes.summarize_logits(x, chunk_elements=chunk)
-        np.testing.assert_array_equal(full.argmax, np.where(np.isnan(logits).any(-1), -1, np.argmax(logits, -1)))
+        np.testing.assert_array_equal(full.argmax, want)
     text = jax.jit(probes.summarize_logits).lower(x).compile().as_text()
     assert " while(" not in text and " conditional(" not in text
 
 
 @pytest.mark.slow
 def test_rows_past_2_23_columns():
-    """Rows wider than 2^23: the argmax near the row's end, after a tie, is NumPy's
-    (row_argmax's ranks reach 2V and take an int32 iota; a float32 one is exact only to
-    2^24); a row holding a NaN has -1 from the row statistics."""
+    """Rows wider than 2^23: the argmax near the row's end, after a tie, is NumPy's (a
+    float32 column index is exact to 2^24); a row holding a NaN has -1, from the row
+    statistics and from ``row_argmax`` alike."""
     v = (1 << 23) + 3
     x = np.random.default_rng(12).normal(size=(3, v)).astype(np.float32)
     x[0, [5, v - 2]] = [np.nan, 9.0]   # the first NaN, before a larger value
@@ -214,7 +219,7 @@ def test_rows_past_2_23_columns():
     x[2, v - 1] = 9.0                  # the last column
     _, top2, *_, argmax = probes._row_stats(jnp.asarray(x))
     np.testing.assert_array_equal(argmax, [-1] + list(np.argmax(x[1:], -1)))
-    np.testing.assert_array_equal(probes.row_argmax(jnp.asarray(x)), np.argmax(x, -1))
+    np.testing.assert_array_equal(probes.row_argmax(jnp.asarray(x)), argmax)
     np.testing.assert_array_equal(top2[1:], [9.0, np.sort(x[2])[-2]])
 
 
@@ -290,14 +295,16 @@ def test_logits_rows_then_mask_equals_summarize_logits():
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_row_argmax_is_numpys_on_rows_of_nans_infinities_and_ties(data):
-    """The argmax merge is a total order (a NaN first, the first of two NaNs; else the larger
-    value, the first of two equal ones), so any merge order gives NumPy's index."""
+    """On any row of values, infinities and ties, float32 or bfloat16: NumPy's index where
+    the row holds no NaN, -1 where it does, as the row statistics give it."""
     v = data.draw(st.integers(1, 300))
     pool = st.sampled_from([0.0, 1.0, -1.0, 9.0, np.inf, -np.inf, np.nan])
     rows = data.draw(hnp.arrays(np.float32, (3, v), elements=pool))
     for x in (rows, rows.astype(jnp.bfloat16)):
-        got = jax.jit(probes._row_argmax_one_read)(jnp.asarray(x))
-        np.testing.assert_array_equal(got, np.argmax(np.asarray(x, np.float32), -1))
+        xf = np.asarray(x, np.float32)
+        want = np.where(np.isnan(xf).any(-1), -1, np.argmax(xf, -1))
+        np.testing.assert_array_equal(jax.jit(probes.row_argmax)(jnp.asarray(x)), want)
+        np.testing.assert_array_equal(jax.jit(probes._row_stats)(jnp.asarray(x))[-1], want)
 
 
 class _SoftmaxProbed(nn.Module):

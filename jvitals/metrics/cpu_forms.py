@@ -2,13 +2,12 @@
 
 XLA:CPU runs a variadic reduction (the one-read form every statistic takes on GPUs and TPUs,
 :mod:`jvitals.metrics.fold`), and any reduction fed by a comparison or a select, as a serial
-loop. So the forms here take the healthy case in arithmetic only and leave non-finite values
-to a ``lax.cond`` that a healthy step does not run: :func:`plain_summaries` (the heavy
-step's per-piece gradient summaries) and :func:`argmax` (the raw logits' argmax). Each is
-chosen by :func:`~jvitals.metrics.fold.on_cpu` beside a one-read form of the same figures,
-and tested against it and NumPy (tests/test_cpu_forms.py). :func:`first_max` is also the
-logits' row statistics' maximum and first column on every backend
-(:func:`~jvitals.metrics.probes.logits_rows`).
+loop. So :func:`plain_summaries` (the heavy step's per-piece gradient summaries) takes the
+healthy case in arithmetic only and leaves non-finite values to a ``lax.cond`` that a healthy
+step does not run; it is chosen by :func:`~jvitals.metrics.fold.on_cpu` beside the one-read
+form of the same figures, and tested against it and NumPy (tests/test_cpu_forms.py).
+:func:`first_max` is the logits' row statistics' maximum and first column on every backend
+(:func:`~jvitals.metrics.probes.logits_rows`, :func:`~jvitals.metrics.probes.row_argmax`).
 Timings: docs/COST.md, "The CPU's forms: plain reductions".
 """
 
@@ -24,7 +23,7 @@ from jax import lax
 from jvitals.metrics import fold
 from jvitals.metrics.stats import Summary, nan_rule
 
-__all__ = ["EXACT_IOTA", "argmax", "first_max", "nan_argmax", "plain_summaries"]
+__all__ = ["EXACT_IOTA", "first_max", "plain_summaries"]
 
 _F32 = jnp.float32
 
@@ -77,21 +76,6 @@ def plain_summaries(items: Sequence[tuple]) -> list[Summary]:
     return out
 
 
-def nan_argmax(x: jax.Array) -> jax.Array:
-    """``jnp.argmax(x, -1)`` of any rows, NaN and Inf included, by plain reductions XLA:CPU
-    vectorises (the column index as float32: its integer reductions it does not): the first
-    NaN of a row holding one (found below ``-V``), else the first maximum of the row with
-    NaN read as ``-inf``. The non-finite branch of :func:`argmax`."""
-    xf = x.astype(_F32)
-    v = x.shape[-1]
-    nan = jnp.isnan(xf)
-    key = jnp.where(nan, -jnp.inf, xf)
-    eq = key == jnp.max(key, axis=-1)[..., None]
-    col = lax.broadcasted_iota(_F32, x.shape, x.ndim - 1)
-    idx = jnp.min(jnp.where(nan, col - v, jnp.where(eq, col, jnp.inf)), axis=-1)
-    return jnp.where(idx < 0, idx + v, idx).astype(jnp.int32)
-
-
 def first_max(x2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(max, first column holding it, the column index)`` of ``[R, V]`` rows, as plain
     reductions (the maximum, then the least column equal to it). The column index is a
@@ -104,16 +88,3 @@ def first_max(x2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     col = lax.broadcasted_iota(dtype, x2.shape, 1)
     first = jnp.min(jnp.where(x2 == top1[:, None], col, none), axis=-1)
     return top1, jnp.minimum(first, v - 1).astype(jnp.int32), col
-
-
-def argmax(x: jax.Array) -> jax.Array:
-    """``jnp.argmax(x, -1)`` as int32 by plain reductions: finite logits (``sum(x * 0) == 0``)
-    take the maximum and its first column (:func:`first_max`), others :func:`nan_argmax` (a
-    ``lax.cond``, as :func:`plain_summaries`)."""
-    xf = x.astype(_F32)
-    v = xf.shape[-1]
-
-    def finite(xf: jax.Array) -> jax.Array:
-        return first_max(xf.reshape(-1, v))[1].reshape(xf.shape[:-1])
-
-    return lax.cond(jnp.isnan(jnp.sum(xf * 0.0)), nan_argmax, finite, xf)

@@ -361,9 +361,7 @@ def _handle(state: _State, kind: str, module: Any, path: str, args: tuple, kwarg
         state.heads[path] = calls + 1
         name = "logits" if sum(state.heads.values()) == 1 else "mtp_logits"
         if state.want(name):
-            with fold.cpu_plain():   # the CPU's plain row statistics (cpu_forms.row_stats)
-                rows = logits_rows(z)
-            _sow(state, module, path, name, rows)
+            _sow(state, module, path, name, logits_rows(z))
     elif kind == "expert_counts":
         z = _first_array(out)
         if z is None or not state.want(kind):

@@ -120,39 +120,13 @@ def vary_along(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(cast, tree)
 
 
-def _first_max_wins(a1: jax.Array, ai: jax.Array, b1: jax.Array, bi: jax.Array) -> jax.Array:
-    """Whether ``(a1, ai)`` ranks before ``(b1, bi)``: the larger value, then (equal
-    values) the smaller index. Neither value is NaN (:func:`_argmax_combine` tests that first)."""
-    return (a1 > b1) | ((a1 == b1) & (ai < bi))
-
-
-def _argmax_combine(a: tuple, b: tuple) -> tuple:
-    """The element of ``(value, index)`` pairs ``jnp.argmax`` keeps: a NaN before any number,
-    the first of two NaNs; else the larger value, the first of two equal ones. A total
-    order, so the reduction may merge in any order; the NaN tests sit in the merge, where
-    the compiler cannot split them into a pass of their own over the row."""
-    (av, ai), (bv, bi) = a, b
-    an, bn = av != av, bv != bv
-    first = ai < bi
-    a_wins = jnp.where(an | bn, an & (~bn | first), _first_max_wins(av, ai, bv, bi))
-    return jnp.where(a_wins, av, bv), jnp.where(a_wins, ai, bi)
-
-
-def _row_argmax_one_read(x: jax.Array) -> jax.Array:
-    iota = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    init = (jnp.array(-jnp.inf, x.dtype), jnp.array(jnp.iinfo(jnp.int32).max, jnp.int32))
-    return lax.reduce((x, iota), init, _argmax_combine, (x.ndim - 1,))[1]
-
-
 def row_argmax(x: jax.Array) -> jax.Array:
-    """``jnp.argmax(x, -1)`` as int32 in one read of ``x`` (a reduction of the values and
-    their indices; the first NaN, else the first maximum). Inside
-    :func:`~jvitals.metrics.fold.cpu_plain` on the CPU: two plain reductions instead
-    (:func:`~jvitals.metrics.cpu_forms.argmax`; XLA:CPU runs the one-read reduction as a serial loop)."""
-    x = jnp.asarray(x)
-    if x.shape[-1] >= cpu_forms.EXACT_IOTA:
-        return _row_argmax_one_read(x)
-    return fold.fastest(lambda: cpu_forms.argmax(x), lambda: _row_argmax_one_read(x))
+    """The first column of each row's maximum (last axis) as int32, -1 for a row holding a
+    NaN: :class:`LogitsRows`' ``argmax`` of raw logits (the raw MTP logits' argmax), from the
+    same plain reductions (:func:`_row_stats`; XLA drops the figures not used). On rows
+    without a NaN it is ``jnp.argmax(x, -1)``. The TPU compiler reads it in the kernels of a
+    loss's ``logsumexp`` of the same float32 logits (docs/COST.md)."""
+    return _row_stats(x)[-1]
 
 
 def _row_stats(x: jax.Array) -> tuple[jax.Array, ...]:
@@ -382,9 +356,7 @@ def logits_probe(module: Any, logits: jax.Array, mask: jax.Array | None = None,
     Returns:
       Whatever ``Module.sow`` returns.
     """
-    with fold.cpu_plain():   # the CPU's plain row statistics (cpu_forms.row_stats)
-        summary = summarize_logits(logits, mask)
-    return module.sow("intermediates", name, summary)
+    return module.sow("intermediates", name, summarize_logits(logits, mask))
 
 
 def attention_valid_mask(mask: jax.Array | None, tq: int, tk: int, ndim: int,
