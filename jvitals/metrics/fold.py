@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["FULL", "LANES", "MAX", "ROW", "SUMSQ", "cpu_plain", "fastest", "finite_parts", "fold", "fold_map",
+__all__ = ["FULL", "LANES", "MAX", "ROW", "SUMSQ", "cpu_plain", "finite_parts", "fold", "fold_map",
            "fold_summaries", "kinds", "on_cpu", "one_read", "summary_ops"]
 
 _T = TypeVar("_T")
@@ -79,8 +79,7 @@ def cpu_plain(on: bool = True) -> Iterator[None]:
     XLA:CPU runs a variadic reduction as a serial loop and vectorises a plain one, so
     where the inputs are materialised anyway (the activation summaries) each operand of a
     ``sum``/``max``/``min`` fold is its own plain reduction there as on GPUs and TPUs (one
-    form); the logits' row statistics take the CPU's plain forms
-    (:mod:`jvitals.metrics.cpu_forms`, :func:`fastest`). ``on=False``: the form outside.
+    form). ``on=False``: the form outside.
     """
     token = _CPU_PLAIN.set(on)
     try:
@@ -97,16 +96,6 @@ def on_cpu(plain: Callable[[], _T], one: Callable[[], _T]) -> _T:
     if _ONE_READ.get():
         return one()
     return lax.platform_dependent(cpu=plain, default=one)
-
-
-def fastest(plain: Callable[[], _T], one: Callable[[], _T]) -> _T:
-    """:func:`on_cpu` inside :func:`cpu_plain`, ``one()`` outside it.
-
-    For statistics whose one-read form is not a :func:`kinds` fold (the logits' row
-    statistics, their argmax): the caller writes both forms, with one output type."""
-    if not _CPU_PLAIN.get():
-        return one()
-    return on_cpu(plain, one)
 
 
 @contextlib.contextmanager

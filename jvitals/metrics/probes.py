@@ -356,7 +356,9 @@ def logits_probe(module: Any, logits: jax.Array, mask: jax.Array | None = None,
     Returns:
       Whatever ``Module.sow`` returns.
     """
-    return module.sow("intermediates", name, summarize_logits(logits, mask))
+    with fold.cpu_plain():   # the CPU's plain form of the positions' summary (fold.cpu_plain)
+        summary = summarize_logits(logits, mask)
+    return module.sow("intermediates", name, summary)
 
 
 def attention_valid_mask(mask: jax.Array | None, tq: int, tk: int, ndim: int,
