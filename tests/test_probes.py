@@ -226,7 +226,7 @@ def test_rows_past_2_23_columns():
 @pytest.mark.slow
 def test_rows_of_2_24_columns_and_more_take_an_int32_column():
     """From 2^24 columns a float32 no longer holds every column index: the row statistics'
-    first maximum takes an int32 one (``cpu_forms.first_max``), so a maximum in the last
+    first maximum takes an int32 one (``probes._first_max``), so a maximum in the last
     column, one column past another equal to it, is found where NumPy finds it."""
     v = (1 << 24) + 3
     x = np.zeros((1, v), np.float32)

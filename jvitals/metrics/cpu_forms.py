@@ -6,8 +6,6 @@ loop. So :func:`plain_summaries` (the heavy step's per-piece gradient summaries)
 healthy case in arithmetic only and leaves non-finite values to a ``lax.cond`` that a healthy
 step does not run; it is chosen by :func:`~jvitals.metrics.fold.on_cpu` beside the one-read
 form of the same figures, and tested against it and NumPy (tests/test_cpu_forms.py).
-:func:`first_max` is the logits' row statistics' maximum and first column on every backend
-(:func:`~jvitals.metrics.probes.logits_rows`, :func:`~jvitals.metrics.probes.row_argmax`).
 Timings: docs/COST.md, "The CPU's forms: plain reductions".
 """
 
@@ -23,13 +21,9 @@ from jax import lax
 from jvitals.metrics import fold
 from jvitals.metrics.stats import Summary, nan_rule
 
-__all__ = ["EXACT_IOTA", "first_max", "plain_summaries"]
+__all__ = ["plain_summaries"]
 
 _F32 = jnp.float32
-
-EXACT_IOTA = 1 << 24
-"""Below this many columns a float32 holds every column index exactly (the plain forms)."""
-
 
 def plain_summaries(items: Sequence[tuple]) -> list[Summary]:
     """:func:`~jvitals.metrics.stats.summarize_fields` of unmasked items under ``jit``, in
@@ -74,17 +68,3 @@ def plain_summaries(items: Sequence[tuple]) -> list[Summary]:
         out.append(Summary(count=n, sum=nan, sumsq=sq, abs_max=nan if am is None else nan_rule(am, n, nf),
                            nonfinite=nf))
     return out
-
-
-def first_max(x2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(max, first column holding it, the column index)`` of ``[R, V]`` rows, as plain
-    reductions (the maximum, then the least column equal to it). The column index is a
-    float32 below :data:`EXACT_IOTA` columns (XLA:CPU vectorises float reductions, not
-    integer ones), int32 above. A row holding a NaN may give any column: its caller
-    decides (NaN maxima are not equal to themselves)."""
-    top1 = jnp.max(x2, axis=-1)
-    v = x2.shape[-1]
-    dtype, none = (_F32, jnp.inf) if v < EXACT_IOTA else (jnp.int32, v)
-    col = lax.broadcasted_iota(dtype, x2.shape, 1)
-    first = jnp.min(jnp.where(x2 == top1[:, None], col, none), axis=-1)
-    return top1, jnp.minimum(first, v - 1).astype(jnp.int32), col

@@ -25,7 +25,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from jvitals.metrics import cpu_forms, fold
+from jvitals.metrics import fold
 from jvitals.metrics.stats import Summary, _count_and_mask, nan_rule, eager_jit, reduce, summarize, summarize_max
 from jvitals.metrics.axes import make_varying, pmax_over
 
@@ -120,6 +120,24 @@ def vary_along(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(cast, tree)
 
 
+_EXACT_IOTA = 1 << 24
+"""Below this many columns a float32 holds every column index exactly."""
+
+
+def _first_max(x2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(max, first column holding it, the column index)`` of ``[R, V]`` rows, as plain
+    reductions (the maximum, then the least column equal to it). The column index is a
+    float32 below :data:`_EXACT_IOTA` columns (XLA:CPU vectorises float reductions, not
+    integer ones), int32 above. A row holding a NaN may give any column: its caller
+    decides (NaN maxima are not equal to themselves)."""
+    top1 = jnp.max(x2, axis=-1)
+    v = x2.shape[-1]
+    dtype, none = (_F32, jnp.inf) if v < _EXACT_IOTA else (jnp.int32, v)
+    col = lax.broadcasted_iota(dtype, x2.shape, 1)
+    first = jnp.min(jnp.where(x2 == top1[:, None], col, none), axis=-1)
+    return top1, jnp.minimum(first, v - 1).astype(jnp.int32), col
+
+
 def row_argmax(x: jax.Array) -> jax.Array:
     """The first column of each row's maximum (last axis) as int32, -1 for a row holding a
     NaN: :class:`LogitsRows`' ``argmax`` of raw logits (the raw MTP logits' argmax), from the
@@ -155,7 +173,7 @@ def _row_stats(x: jax.Array) -> tuple[jax.Array, ...]:
     xf = jnp.asarray(x).astype(_F32)
     shape, v = xf.shape, xf.shape[-1]
     x2 = xf.reshape(-1, v)
-    top1, argmax, col = cpu_forms.first_max(x2)
+    top1, argmax, col = _first_max(x2)
     top2 = jnp.max(jnp.where(col == argmax[:, None].astype(col.dtype), -jnp.inf, x2), axis=-1)
     lse = jax.nn.logsumexp(x2, axis=-1)
     amax = jnp.max(jnp.abs(x2), axis=-1)
